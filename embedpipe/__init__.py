@@ -1,0 +1,21 @@
+"""embedpipe: batch protein-embedding extraction with ESM-2 and numeric-precision provenance."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from embedpipe.io import Store, open_store
+
+__all__ = ["__version__", "open_store", "Store"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import embedpipe` (and the CLI's start-up) does not pay for h5py/dask/torch.
+    if name in ("open_store", "Store"):
+        from embedpipe import io
+
+        return getattr(io, name)
+    raise AttributeError(name)

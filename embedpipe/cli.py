@@ -1,0 +1,247 @@
+"""The `embedpipe` command line: typer commands that parse options and call library functions.
+
+No logic lives here. Heavy imports (torch, h5py) happen inside each command so that
+`embedpipe --help` stays fast. Every user-facing failure is an ``EmbedpipeError`` and is
+printed as one line on stderr with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+import typer
+
+from embedpipe.errors import EmbedpipeError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Batch protein embeddings with ESM-2: shard, embed, merge, cross-check.",
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors(func: F) -> F:
+    """Turn EmbedpipeError into `embedpipe: error: ...` on stderr and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except EmbedpipeError as exc:
+            print(f"embedpipe: error: {exc}", file=sys.stderr)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            print("embedpipe: interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from embedpipe import __version__
+
+        print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """embedpipe: FASTA -> length-sorted shards -> ESM-2 embeddings (HDF5) -> fp32 cross-check."""
+
+
+@app.command()
+@_user_errors
+def shard(
+    inputs: list[Path] = typer.Argument(..., help="FASTA files, plain or gzip."),
+    out: Path = typer.Option(..., "--out", help="Output directory for shards and manifest."),
+    tokens_per_shard: int = typer.Option(
+        1_000_000, "--tokens-per-shard", min=1, help="Token budget per shard (residues + 2 per record)."
+    ),
+    on_invalid: str = typer.Option(
+        "error", "--on-invalid", help="error: stop at the first invalid record; skip: record it as skipped."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
+    from embedpipe.shard import shard_fasta
+
+    summary = shard_fasta(
+        inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid, quiet=quiet
+    )
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+@app.command()
+@_user_errors
+def embed(
+    fasta: Path = typer.Argument(..., help="A shard (or any protein FASTA)."),
+    model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
+    out: Path = typer.Option(..., "--out", help="Output store (.h5), written atomically."),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="fp32, fp16, bf16, amp-fp16, amp-bf16, fp16-mixed, bf16-mixed."
+    ),
+    layers: list[int] = typer.Option([-1], "--layers", help="Layer indices to store (0 = token embedding, -1 = last); repeatable."),
+    per_residue: bool = typer.Option(False, "--per-residue/--no-per-residue", help="Also store per-residue vectors."),
+    tokens_per_batch: int = typer.Option(4096, "--tokens-per-batch", min=1, help="Token budget per batch, BOS/EOS included."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    storage_dtype: str = typer.Option("float32", "--storage-dtype", help="float32 or float16."),
+    long_sequences: str = typer.Option(
+        "chunk", "--long-sequences", help="Sequences over 1022 residues: chunk, truncate, error or full."
+    ),
+    attention: str = typer.Option("sdpa", "--attention", help="sdpa (fused) or fair-esm (fair-esm's own forward)."),
+    overflow_margin: Optional[float] = typer.Option(
+        None,
+        "--overflow-margin",
+        min=0.0,
+        max=1.0,
+        help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum.",
+    ),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Embed every record of a FASTA file into one HDF5 store."""
+    from embedpipe.embed import EmbedOptions, embed_fasta
+
+    options = EmbedOptions(
+        precision=precision,
+        layers=tuple(layers),
+        per_residue=per_residue,
+        tokens_per_batch=tokens_per_batch,
+        device=device,
+        storage_dtype=storage_dtype,
+        long_sequences=long_sequences,
+        attention=attention,
+        overflow_margin=overflow_margin,
+        threads=threads,
+    )
+    summary = embed_fasta(fasta, model=model, out=out, options=options, quiet=quiet)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+@app.command()
+@_user_errors
+def merge(
+    stores: list[Path] = typer.Argument(..., help="Shard stores to merge."),
+    out: Path = typer.Option(..., "--out", help="Merged store (.h5), written atomically."),
+    manifest: Optional[Path] = typer.Option(
+        None, "--manifest", help="shards/manifest.tsv: adds aliases so every input ID resolves."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Merge shard stores into one store (virtual datasets over the shard files)."""
+    from embedpipe.merge import merge_stores
+
+    summary = merge_stores(stores, out=out, manifest=manifest)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+@app.command()
+@_user_errors
+def crosscheck(
+    store: Path = typer.Argument(..., help="Store to check."),
+    out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
+    sample: int = typer.Option(64, "--sample", min=1, help="Records to re-embed in fp32."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint)."),
+    min_cosine: float = typer.Option(0.999, "--min-cosine", help="Pass threshold on pooled cosine to fp32."),
+    warn_cosine: float = typer.Option(0.99, "--fail-cosine", help="Below this pooled cosine a record fails."),
+    fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Re-embed a sample in fp32 and report how far the store is from fp32."""
+    from embedpipe.crosscheck import Thresholds, run_crosscheck
+
+    report = run_crosscheck(
+        store,
+        out=out,
+        sample=sample,
+        seed=seed,
+        device=device,
+        model=model,
+        thresholds=Thresholds(pass_cosine=min_cosine, fail_cosine=warn_cosine),
+        quiet=quiet,
+    )
+    if not quiet:
+        print(report.render(), file=sys.stderr)
+    if fail_on_threshold and report.verdict == "fail":
+        raise typer.Exit(1)
+
+
+@app.command()
+@_user_errors
+def info(
+    store: Path = typer.Argument(..., help="Store to describe."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Provenance, counts and sizes of a store."""
+    from embedpipe.store import render_info, store_info
+
+    data = store_info(store)
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        print(render_info(data))
+
+
+@app.command()
+@_user_errors
+def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
+    """Exit 0 only for a complete, consistent, checksummed, finite store."""
+    from embedpipe.store import validate_store
+
+    problems = validate_store(store)
+    if problems:
+        for problem in problems:
+            print(f"{store}: {problem}", file=sys.stderr)
+        print(f"embedpipe: error: {store} is not valid ({len(problems)} problem(s))", file=sys.stderr)
+        raise typer.Exit(1)
+    print(f"{store}: ok")
+
+
+@app.command("fetch-model")
+@_user_errors
+def fetch_model(
+    name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D."),
+    dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache)."),
+) -> None:
+    """Download a model ahead of time, for compute nodes without internet."""
+    from embedpipe.models import fetch_model as _fetch
+
+    path = _fetch(name, dest=dest)
+    print(path)
+
+
+@app.command("make-test-model")
+@_user_errors
+def make_test_model(
+    out: Path = typer.Argument(..., help="Checkpoint path to write (.pt)."),
+    layers: int = typer.Option(2, "--layers", min=1),
+    dim: int = typer.Option(32, "--dim", min=2),
+    heads: int = typer.Option(4, "--heads", min=1),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Write a random-weight (untrained) ESM-2 checkpoint in fair-esm's format."""
+    from embedpipe.models import make_test_model as _make
+
+    path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed)
+    print(path)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
