@@ -1,0 +1,446 @@
+"""The embedding worker: batch, forward under a precision policy, check, fall back, pool, store.
+
+One worker embeds one FASTA (a shard) into one store. The model is prepared once per
+policy; results leave the device once per batch (one transfer per stored layer), so memory
+is bounded by a batch. Every record's stored outputs are checked for NaN/inf and for values
+the storage dtype cannot hold; such records are re-run alone in fp32 and tagged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedpipe import __version__
+from embedpipe.batching import LONG_SEQUENCE_MODES, TRAINED_RESIDUES, Piece, padding_efficiency, plan_batches, plan_record
+from embedpipe.devices import claim_device
+from embedpipe.errors import EmbedpipeError
+from embedpipe.forward import ATTENTION_IMPLEMENTATIONS, EsmForward
+from embedpipe.precision import FP32, Policy, check_policy_on_device, dtype_name, forward_context, get_policy, prepare_model
+from embedpipe.progress import progress_bar, say
+from embedpipe.records import EmbeddedRecord
+
+STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """Every option that changes what is computed; stored as the store's ``config``."""
+
+    precision: str = "fp32"
+    layers: tuple[int, ...] = (-1,)
+    per_residue: bool = False
+    tokens_per_batch: int = 4096
+    device: str = "auto"
+    storage_dtype: str = "float32"
+    long_sequences: str = "chunk"
+    attention: str = "sdpa"
+    overflow_margin: float | None = None
+    threads: int | None = None
+
+    def validate(self) -> None:
+        get_policy(self.precision)
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise EmbedpipeError(f"--storage-dtype must be float32 or float16, not {self.storage_dtype!r}")
+        if self.long_sequences not in LONG_SEQUENCE_MODES:
+            raise EmbedpipeError(
+                f"--long-sequences must be one of {', '.join(LONG_SEQUENCE_MODES)}, not {self.long_sequences!r}"
+            )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise EmbedpipeError(
+                f"--attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, not {self.attention!r}"
+            )
+        if self.attention == "fair-esm" and get_policy(self.precision).fp32_islands:
+            raise EmbedpipeError(
+                f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "
+                "forward cannot do; use --attention sdpa or math"
+            )
+        if self.tokens_per_batch < 3:
+            raise EmbedpipeError("--tokens-per-batch must be at least 3 (BOS, one residue, EOS)")
+        if self.overflow_margin is not None and not 0.0 < self.overflow_margin <= 1.0:
+            raise EmbedpipeError("--overflow-margin must be in (0, 1]")
+
+
+def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:
+    """Absolute, sorted, unique layer indices; negative ones count from the last (-1 = last)."""
+    resolved = set()
+    for layer in requested:
+        absolute = layer if layer >= 0 else num_layers + 1 + layer
+        if not 0 <= absolute <= num_layers:
+            raise EmbedpipeError(
+                f"layer {layer} does not exist: the model has layers 0..{num_layers} "
+                f"(0 = token embedding, -1 = last)"
+            )
+        resolved.add(absolute)
+    if not resolved:
+        raise EmbedpipeError("no layers requested")
+    return sorted(resolved)
+
+
+@dataclass
+class Plan:
+    """How a list of records will be run: batches of pieces, per-record handling and row counts."""
+
+    batches: list[list[Piece]]
+    handling: list[str]  # none | chunked | truncated | full
+    rows: list[int]  # residues embedded per record (the per-residue rows the store will hold)
+
+
+@dataclass
+class _PieceResult:
+    sums: dict[int, np.ndarray]  # layer -> (D,) float32 sum over the kept residues
+    residues: dict[int, np.ndarray] | None  # layer -> (keep_len, D) float32, when needed
+    max_abs: float
+    stored_max: float  # largest |value| over the stored outputs (NaN/inf propagate)
+
+
+@dataclass
+class _Assembly:
+    """A record whose pieces are being collected."""
+
+    pieces_left: int
+    results: list[tuple[Piece, _PieceResult]] = field(default_factory=list)
+
+
+class Embedder:
+    """Embeds sequences with one loaded model under one policy; reusable for many inputs.
+
+    ``embed`` yields ``(index, EmbeddedRecord)`` in completion order (not input order).
+    Records whose low-precision outputs are unusable are re-run alone in fp32 with an fp32
+    model prepared lazily, once.
+    """
+
+    def __init__(self, loaded, options: EmbedOptions, device: torch.device) -> None:
+        options.validate()
+        self.loaded = loaded
+        self.options = options
+        self.device = device
+        self.policy = get_policy(options.precision)
+        self.layers = resolve_layers(options.layers, loaded.num_layers)
+        self.storage_max = float(np.finfo(STORAGE_DTYPES[options.storage_dtype]).max)
+        self.notes = check_policy_on_device(self.policy, device)
+        self._runners: dict[str, EsmForward] = {}
+        self._lut = _token_lookup(loaded.alphabet)
+        self.stats = Counter()
+
+    # -- model preparation (once per policy) --------------------------------------------------
+    def runner(self, policy: Policy) -> EsmForward:
+        if policy.name not in self._runners:
+            prepared = prepare_model(self.loaded.model, policy, self.device)
+            self._runners[policy.name] = EsmForward(prepared, policy, self.options.attention)
+        return self._runners[policy.name]
+
+    # -- public ---------------------------------------------------------------------------------
+    def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
+        """Windows and batches for ``records``; raises for long records under --long-sequences error."""
+        pieces: list[Piece] = []
+        handling: list[str] = []
+        rows: list[int] = []
+        for index, (rid, seq) in enumerate(records):
+            record_pieces, how = plan_record(index, len(seq), self.options.long_sequences, record_id=rid)
+            pieces.extend(record_pieces)
+            handling.append(how)
+            rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
+        return Plan(plan_batches(pieces, self.options.tokens_per_batch), handling, rows)
+
+    def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
+              quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
+        plan = plan or self.plan(records)
+        batches, handling = plan.batches, plan.handling
+        self.stats["padding_efficiency_x1e6"] = round(padding_efficiency(batches) * 1e6)
+        pending: dict[int, _Assembly] = {}
+        for batch in batches:
+            for piece in batch:
+                pending.setdefault(piece.record, _Assembly(pieces_left=0)).pieces_left += 1
+        total_residues = sum(len(s) for _, s in records)
+        bar = progress_bar(quiet=quiet, total=total_residues, unit="res", unit_scale=True, desc="embed")
+        try:
+            for batch in batches:
+                for piece, result in self._run_batch(self.policy, batch, records):
+                    assembly = pending[piece.record]
+                    assembly.results.append((piece, result))
+                    assembly.pieces_left -= 1
+                    if assembly.pieces_left == 0:
+                        del pending[piece.record]
+                        record = self._finish(piece.record, records, handling, assembly.results)
+                        bar.update(len(records[piece.record][1]))
+                        bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
+                        yield piece.record, record
+        finally:
+            bar.close()
+
+    # -- batches --------------------------------------------------------------------------------
+    def _run_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
+        """Forward one batch; on CUDA out-of-memory split it in halves and retry."""
+        try:
+            return self._forward_batch(policy, batch, records)
+        except torch.cuda.OutOfMemoryError:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(batch) == 1:
+                piece = batch[0]
+                rid, seq = records[piece.record]
+                raise EmbedpipeError(
+                    f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
+                    f"memory on {self.device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
+                ) from None
+            self.stats["oom_splits"] += 1
+            middle = len(batch) // 2
+            return self._run_batch(policy, batch[:middle], records) + self._run_batch(policy, batch[middle:], records)
+
+    def _forward_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
+        runner = self.runner(policy)
+        tokens, lengths = self._tokenize(batch, records)
+        need_residues = self.options.per_residue
+        with forward_context(policy, self.device):
+            out = runner(tokens.to(self.device, non_blocking=True), self.layers)
+            positions = torch.arange(tokens.shape[1], device=self.device)
+            lengths_dev = lengths.to(self.device)
+            # residue positions 1..n (BOS at 0, EOS at n+1, then padding)
+            keep_from = torch.tensor([p.keep_start - p.start + 1 for p in batch], device=self.device)
+            keep_to = torch.tensor([p.keep_end - p.start + 1 for p in batch], device=self.device)
+            in_record = (positions[None, :] >= 1) & (positions[None, :] <= lengths_dev[:, None])
+            kept = (positions[None, :] >= keep_from[:, None]) & (positions[None, :] < keep_to[:, None])
+            sums, stored_max, dense = {}, [], {}
+            for layer in self.layers:
+                h = out.hidden[layer].float()
+                stored_max.append(h.abs().masked_fill(~in_record[..., None], 0.0).amax(dim=(1, 2)))
+                sums[layer] = h.masked_fill(~kept[..., None], 0.0).sum(dim=1).cpu().numpy()
+                if need_residues:
+                    dense[layer] = h[:, 1 : int(lengths.max()) + 1].cpu().numpy()
+            stored = torch.stack(stored_max).amax(0).cpu().numpy()
+            max_abs = out.max_abs.float().cpu().numpy()
+        results = []
+        for row, piece in enumerate(batch):
+            residues = None
+            if need_residues:
+                lo, hi = piece.keep_start - piece.start, piece.keep_end - piece.start
+                residues = {layer: dense[layer][row, lo:hi] for layer in self.layers}
+            results.append((piece, _PieceResult(
+                sums={layer: sums[layer][row] for layer in self.layers},
+                residues=residues,
+                max_abs=float(max_abs[row]),
+                stored_max=float(stored[row]),
+            )))
+        self.stats["batches"] += 1
+        self.stats["computed_tokens"] += tokens.numel()
+        self.stats["real_tokens"] += int(lengths.sum()) + 2 * len(batch)
+        return results
+
+    def _tokenize(self, batch: list[Piece], records: Sequence[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        alphabet = self.loaded.alphabet
+        width = max(p.residues for p in batch) + 2
+        tokens = np.full((len(batch), width), alphabet.padding_idx, dtype=np.int64)
+        for row, piece in enumerate(batch):
+            seq = records[piece.record][1][piece.start : piece.end]
+            tokens[row, 0] = alphabet.cls_idx
+            tokens[row, 1 : piece.residues + 1] = self._lut[np.frombuffer(seq.encode("ascii"), dtype=np.uint8)]
+            tokens[row, piece.residues + 1] = alphabet.eos_idx
+        lengths = torch.tensor([p.residues for p in batch])
+        return torch.from_numpy(tokens), lengths
+
+    # -- records ----------------------------------------------------------------------------------
+    def _reason(self, policy: Policy, result: _PieceResult) -> str:
+        """Why a piece's outputs cannot be stored as computed ('' when they can)."""
+        if not math.isfinite(result.stored_max) or not math.isfinite(result.max_abs):
+            return "nonfinite"
+        if result.stored_max > self.storage_max:
+            return "overflow"
+        margin = self.options.overflow_margin
+        if margin is not None and not policy.is_reference:
+            limit = margin * float(torch.finfo(policy.compute_dtype).max)
+            if result.max_abs > limit:
+                return "overflow-margin"
+        return ""
+
+    def _finish(self, index: int, records: Sequence[tuple[str, str]], handling: list[str],
+                results: list[tuple[Piece, _PieceResult]]) -> EmbeddedRecord:
+        rid, seq = records[index]
+        precision_used, fallback_reason = self.policy.name, ""
+        reasons = sorted({r for r in (self._reason(self.policy, res) for _, res in results) if r})
+        if reasons:
+            fallback_reason = reasons[0] if len(reasons) == 1 else "+".join(reasons)
+            if self.policy.is_reference:
+                raise EmbedpipeError(self._fp32_failure(rid, results, fallback_reason))
+            low_max_abs = max(res.max_abs for _, res in results)
+            results = self._rerun_fp32(index, records, rid)
+            precision_used = FP32.name
+            self.stats["fallback"] += 1
+            self.stats[f"fallback:{fallback_reason}"] += 1
+        else:
+            low_max_abs = max(res.max_abs for _, res in results)
+        record = self._assemble(rid, seq, results, handling[index])
+        record.precision_used = precision_used
+        record.fallback_reason = fallback_reason
+        record.max_abs_activation = low_max_abs
+        self.stats["records"] += 1
+        self.stats[f"precision:{precision_used}"] += 1
+        return record
+
+    def _rerun_fp32(self, index: int, records: Sequence[tuple[str, str]], rid: str) -> list[tuple[Piece, _PieceResult]]:
+        pieces, _ = plan_record(index, len(records[index][1]), self.options.long_sequences, record_id=rid)
+        results = []
+        for piece in pieces:  # alone: one piece per forward
+            results.extend(self._run_batch(FP32, [piece], records))
+        problems = sorted({r for r in (self._reason(FP32, res) for _, res in results) if r})
+        if problems:
+            raise EmbedpipeError(self._fp32_failure(rid, results, "+".join(problems)))
+        return results
+
+    def _fp32_failure(self, rid: str, results: list[tuple[Piece, _PieceResult]], reason: str) -> str:
+        largest = max(res.stored_max for _, res in results)
+        if reason == "overflow":
+            return (
+                f"record {rid!r}: fp32 values up to {largest:.4g} do not fit --storage-dtype "
+                f"{self.options.storage_dtype}; use --storage-dtype float32"
+            )
+        return f"record {rid!r}: the fp32 forward itself produced non-finite values ({reason}); nothing was written for it"
+
+    def _assemble(self, rid: str, seq: str, results: list[tuple[Piece, _PieceResult]], how: str) -> EmbeddedRecord:
+        results = sorted(results, key=lambda item: item[0].keep_start)
+        embedded = sum(p.keep_end - p.keep_start for p, _ in results)
+        mean = {}
+        for layer in self.layers:
+            total = np.sum([res.sums[layer] for _, res in results], axis=0, dtype=np.float64)
+            mean[layer] = (total / embedded).astype(np.float32)
+        per_residue = None
+        if self.options.per_residue:
+            per_residue = {
+                layer: np.concatenate([res.residues[layer] for _, res in results], axis=0)
+                for layer in self.layers
+            }
+        return EmbeddedRecord(
+            id=rid,
+            sequence=seq,
+            precision_used=self.policy.name,
+            mean=mean,
+            per_residue=per_residue,
+            long_handling=how,
+            embedded_length=embedded,
+            windows=len(results),
+        )
+
+
+def _token_lookup(alphabet) -> np.ndarray:
+    """ASCII byte -> token index; unknown letters map to <unk> (validated FASTA has none)."""
+    lut = np.full(256, alphabet.unk_idx, dtype=np.int64)
+    for letter in "ACDEFGHIKLMNPQRSTVWYXBUZO":
+        lut[ord(letter)] = alphabet.get_idx(letter)
+    return lut
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+@dataclass
+class EmbedSummary:
+    out: Path
+    records: int
+    residues: int
+    seconds: float
+    precision: str
+    device: str
+    fallback: dict[str, int]
+    padding_efficiency: float
+    notes: list[str]
+
+    def render(self) -> str:
+        rate = self.residues / self.seconds if self.seconds > 0 else float("nan")
+        fell = sum(self.fallback.values())
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"
+        lines = [
+            f"embedded {self.records} records ({self.residues} residues) in {self.seconds:.1f}s "
+            f"({rate:,.0f} residues/s) with {self.precision} on {self.device} -> {self.out}",
+            f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}",
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def provenance(loaded, options: EmbedOptions, device: torch.device, policy: Policy, layers: list[int],
+               source: Path | None) -> dict:
+    """Root attributes: which weights, which numerics, where, with what."""
+    import esm
+
+    islands = "float32" if policy.fp32_islands else ("per-op (autocast)" if policy.autocast else dtype_name(policy.compute_dtype))
+    config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
+    return {
+        "model_name": loaded.name,
+        "model_source": loaded.source,
+        "model_sha256": loaded.sha256,
+        "model_trained": bool(loaded.trained),
+        "model_num_layers": loaded.num_layers,
+        "precision_policy": policy.name,
+        "weight_dtype": dtype_name(policy.weight_dtype),
+        "compute_dtype": dtype_name(policy.compute_dtype),
+        "island_dtype": islands,
+        "fallback_dtype": "float32",
+        "attention": options.attention,
+        "long_sequences": options.long_sequences,
+        "trained_window_residues": TRAINED_RESIDUES,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        "fair_esm_version": getattr(esm, "__version__", "unknown"),
+        "embedpipe_version": __version__,
+        "config": json.dumps(config, sort_keys=True),
+    }
+
+
+def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False) -> EmbedSummary:
+    """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
+    from embedpipe.fasta import read_sequences
+    from embedpipe.models import load_model
+    from embedpipe.store import StoreWriter
+
+    options.validate()
+    started = time.perf_counter()
+    records = list(read_sequences(Path(fasta)))
+    if not records:
+        raise EmbedpipeError(f"{fasta}: no records to embed")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    loaded = load_model(model)
+    with claim_device(options.device) as device:
+        embedder = Embedder(loaded, options, device)
+        for note in embedder.notes:
+            say(f"warning: {note}", quiet=quiet)
+        plan = embedder.plan(records)
+        attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, Path(fasta))
+        with StoreWriter(
+            Path(out),
+            ids=[r for r, _ in records],
+            sequences=[s for _, s in records],
+            residue_rows=plan.rows if options.per_residue else None,
+            layers=embedder.layers,
+            dim=loaded.embed_dim,
+            storage_dtype=options.storage_dtype,
+            attrs=attrs,
+        ) as writer:
+            for index, record in embedder.embed(records, plan, quiet=quiet):
+                writer.write(index, record)
+            fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
+            writer.set_attrs(
+                fallback_count=int(embedder.stats["fallback"]),
+                fallback_reasons=json.dumps(fallback, sort_keys=True),
+                padding_efficiency=embedder.stats["padding_efficiency_x1e6"] / 1e6,
+                finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            )
+    return EmbedSummary(
+        out=Path(out),
+        records=len(records),
+        residues=sum(len(s) for _, s in records),
+        seconds=time.perf_counter() - started,
+        precision=options.precision,
+        device=str(device),
+        fallback=fallback,
+        padding_efficiency=embedder.stats["padding_efficiency_x1e6"] / 1e6,
+        notes=embedder.notes,
+    )

@@ -1,0 +1,185 @@
+"""ESM-2 forward pass on fair-esm's own modules and weights, without the parts nobody asked for.
+
+Why our own loop instead of ``ESM2.forward``: it skips the logits head, contact head and
+averaged attention maps that fair-esm always computes, runs attention through
+``torch.nn.functional.scaled_dot_product_attention`` (fused, no LxL matrix on CUDA), keeps
+the mixed policies' fp32 islands, and reports each record's largest activation. It uses the
+model's parameters as they are (no patching), so fair-esm's own forward stays the reference
+it is tested against (``attention="fair-esm"`` calls that forward directly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from embedpipe.precision import Policy
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
+
+
+@dataclass
+class ForwardOutput:
+    """Hidden states of the requested layers, (B, T, D), plus per-record max |activation|."""
+
+    hidden: dict[int, torch.Tensor]
+    max_abs: torch.Tensor  # (B,) float32: largest |x| over the record's own tokens, all layers seen
+
+
+class RotaryTables:
+    """cos/sin tables keyed by (length, device, dtype): never reused across dtypes."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, str, torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, inv_freq: torch.Tensor, length: int, table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables built the way fair-esm builds them, with positions and frequencies in ``table_dtype``."""
+        key = (length, str(inv_freq.device), inv_freq.dtype, table_dtype)
+        if key not in self._cache:
+            freq = inv_freq.to(table_dtype)
+            positions = torch.arange(length, device=inv_freq.device).to(table_dtype)
+            freqs = torch.outer(positions, freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cache[key] = (emb.cos(), emb.sin())
+        return self._cache[key]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-record max |x| over kept tokens; NaN/inf propagate so they are never hidden."""
+    return x.detach().abs().float().masked_fill(~keep[..., None], 0.0).amax(dim=(1, 2))
+
+
+class EsmForward:
+    """Runs one prepared ESM-2 model (see ``precision.prepare_model``) under one policy."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa") -> None:
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, not {attention!r}")
+        self.model = model
+        self.policy = policy
+        self.attention = attention
+        self.rotary = RotaryTables()
+        self.padding_idx = model.padding_idx
+        self.num_layers = model.num_layers
+
+    def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
+        if self.attention == "fair-esm":
+            return self._fair_esm_forward(tokens, layers)
+        return self._own_forward(tokens, layers)
+
+    # -- fair-esm's own forward (reference path) -------------------------------------------
+    def _fair_esm_forward(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
+        out = self.model(tokens, repr_layers=layers)
+        hidden = out["representations"]
+        keep = tokens.ne(self.padding_idx)
+        max_abs = torch.stack([_masked_max_abs(hidden[k], keep) for k in layers]).amax(0)
+        return ForwardOutput(hidden=hidden, max_abs=max_abs)
+
+    # -- embedpipe's forward ----------------------------------------------------------------
+    def _own_forward(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
+        model = self.model
+        policy = self.policy
+        islands = policy.fp32_islands
+        # Residual stream dtype: fp32 for the mixed policies, otherwise the weights' dtype
+        # (under autocast the weights are fp32 and PyTorch decides per op).
+        stream_dtype = torch.float32 if islands else model.embed_tokens.weight.dtype
+        wanted = set(layers)
+        padding = tokens.eq(self.padding_idx)
+        keep = ~padding
+        hidden: dict[int, torch.Tensor] = {}
+
+        x = model.embed_scale * model.embed_tokens(tokens)
+        x = x.to(stream_dtype)
+        if model.token_dropout:
+            x = x.masked_fill((tokens == model.mask_idx).unsqueeze(-1), 0.0)
+            mask_ratio_train = 0.15 * 0.8
+            src_lengths = keep.sum(-1)
+            observed = (tokens == model.mask_idx).sum(-1).to(x.dtype) / src_lengths
+            x = x * (1 - mask_ratio_train) / (1 - observed)[:, None, None]
+        x = x * (1 - padding.unsqueeze(-1).type_as(x))
+
+        max_abs = _masked_max_abs(x, keep)
+        if 0 in wanted:
+            hidden[0] = x
+
+        attn_mask = None
+        if padding.any():
+            attn_mask = keep[:, None, None, :]  # (B, 1, 1, T): True = attend
+
+        for index, layer in enumerate(model.layers, start=1):
+            x = self._layer(layer, x, attn_mask)
+            if index == self.num_layers:
+                x = self._layer_norm(model.emb_layer_norm_after, x)
+            max_abs = torch.maximum(max_abs, _masked_max_abs(x, keep))
+            if index in wanted:
+                hidden[index] = x
+        return ForwardOutput(hidden=hidden, max_abs=max_abs)
+
+    def _layer_norm(self, norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        if self.policy.fp32_islands:
+            return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+        return norm(x)
+
+    def _linear(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.policy.fp32_islands:
+            return F.linear(x.to(linear.weight.dtype), linear.weight, linear.bias)
+        return linear(x)
+
+    def _layer(self, layer: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        residual = x
+        h = self._layer_norm(layer.self_attn_layer_norm, x)
+        h = self._attention(layer.self_attn, h, attn_mask)
+        x = residual + h.to(residual.dtype)
+
+        residual = x
+        h = self._layer_norm(layer.final_layer_norm, x)
+        h = self._linear(layer.fc1, h)
+        if self.policy.fp32_islands:
+            h = F.gelu(h.float())
+        else:
+            h = F.gelu(h)
+        h = self._linear(layer.fc2, h)
+        return residual + h.to(residual.dtype)
+
+    def _attention(self, attn: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, length, _ = x.shape
+        heads, head_dim = attn.num_heads, attn.head_dim
+        q = self._linear(attn.q_proj, x) * attn.scaling
+        k = self._linear(attn.k_proj, x)
+        v = self._linear(attn.v_proj, x)
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, heads, head_dim).transpose(1, 2)
+
+        q, k, v = split(q), split(k), split(v)
+        if self.policy.fp32_islands:
+            # Rotary tables built and applied in fp32; scores and softmax in fp32.
+            q, k, v = q.float(), k.float(), v.float()
+            table_dtype = torch.float32
+        else:
+            # A plain cast builds the tables in the weights' dtype, as fair-esm does after .half().
+            table_dtype = attn.rot_emb.inv_freq.dtype
+        cos, sin = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+
+        if self.attention == "sdpa":
+            if q.dtype != v.dtype:
+                common = torch.promote_types(q.dtype, v.dtype)
+                q, k, v = q.to(common), k.to(common), v.to(common)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
+        else:  # "math": explicit scores, fp32 softmax, as fair-esm computes it
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            if attn_mask is not None:
+                scores = scores.masked_fill(~attn_mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
+            out = torch.matmul(probs, v.to(probs.dtype))
+        out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+        return self._linear(attn.out_proj, out)

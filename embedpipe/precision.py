@@ -1,0 +1,157 @@
+"""Precision policies: which dtype the weights live in, which dtype each op computes in.
+
+The policy names are a contract (DESIGN.md section 6). A policy never patches fair-esm
+globally: low-precision weights live in a private copy of the model, so other models in the
+same process (and the fp32 fallback copy) are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from embedpipe.errors import EmbedpipeError
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How one precision policy runs the model.
+
+    ``weight_dtype``: dtype of the model copy's weights.
+    ``compute_dtype``: dtype of the matmuls (projections, feed-forward).
+    ``autocast``: run under ``torch.autocast(compute_dtype)`` with fp32 weights (PyTorch picks per op).
+    ``fp32_islands``: rotary tables, attention scores and softmax, layer norms, the residual
+    stream and pooling stay in fp32 while weights and matmuls are low precision.
+    """
+
+    name: str
+    weight_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    autocast: bool = False
+    fp32_islands: bool = False
+
+    @property
+    def is_reference(self) -> bool:
+        """fp32 is the reference: no fallback is ever needed for it."""
+        return self.compute_dtype == torch.float32
+
+    @property
+    def low_dtype_name(self) -> str:
+        return dtype_name(self.compute_dtype)
+
+
+POLICIES: dict[str, Policy] = {
+    "fp32": Policy("fp32", torch.float32, torch.float32),
+    "fp16": Policy("fp16", torch.float16, torch.float16),
+    "bf16": Policy("bf16", torch.bfloat16, torch.bfloat16),
+    "amp-fp16": Policy("amp-fp16", torch.float32, torch.float16, autocast=True),
+    "amp-bf16": Policy("amp-bf16", torch.float32, torch.bfloat16, autocast=True),
+    "fp16-mixed": Policy("fp16-mixed", torch.float16, torch.float16, fp32_islands=True),
+    "bf16-mixed": Policy("bf16-mixed", torch.bfloat16, torch.bfloat16, fp32_islands=True),
+}
+FP32 = POLICIES["fp32"]
+
+# Largest integer position that the low dtype represents exactly (rotary positions beyond
+# it are rounded when the tables are built in that dtype, as a plain cast does).
+EXACT_POSITIONS = {torch.float16: 2048, torch.bfloat16: 256}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def get_policy(name: str) -> Policy:
+    """The policy called ``name``; a clear error listing the valid names otherwise."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise EmbedpipeError(
+            f"unknown precision policy {name!r}; choose one of: {', '.join(POLICIES)}"
+        ) from None
+
+
+def cpu_has_native_fp16() -> bool:
+    """True when the CPU advertises native fp16 arithmetic (AVX512-FP16 or AMX-FP16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def check_policy_on_device(policy: Policy, device: torch.device) -> list[str]:
+    """Refuse combinations that cannot work; return warnings for ones that are merely slow."""
+    notes: list[str] = []
+    if device.type == "cuda" and policy.compute_dtype == torch.bfloat16:
+        if not torch.cuda.is_bf16_supported():
+            name = torch.cuda.get_device_name(device)
+            raise EmbedpipeError(
+                f"precision {policy.name!r} needs bfloat16, which {name} does not support "
+                "(pre-Ampere GPU); use fp16-mixed or fp32"
+            )
+    if device.type == "cpu" and policy.compute_dtype == torch.float16 and not cpu_has_native_fp16():
+        notes.append(
+            f"precision {policy.name!r} on a CPU without native fp16 is emulated and several times "
+            "slower than bf16; consider --precision bf16-mixed"
+        )
+    return notes
+
+
+def reset_rotary_caches(model: torch.nn.Module) -> None:
+    """Drop fair-esm's rotary cos/sin caches.
+
+    fair-esm caches the tables in whatever dtype they were first built in and rebuilds them
+    only when the sequence length or device changes, not the dtype: a cache built under one
+    precision would otherwise leak into another (including through ``copy.deepcopy``).
+    """
+    for module in model.modules():
+        if hasattr(module, "_cos_cached") and hasattr(module, "_seq_len_cached"):
+            module._seq_len_cached = None
+            module._cos_cached = None
+            module._sin_cached = None
+
+
+def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device) -> torch.nn.Module:
+    """The model as ``policy`` runs it on ``device``: a private copy whenever weights change dtype.
+
+    The fp32 source model is never modified in place, so it can serve as the fp32 fallback.
+    """
+    reset_rotary_caches(model)
+    if policy.weight_dtype == torch.float32:
+        prepared = model.to(device)
+    else:
+        prepared = copy.deepcopy(model).to(device=device, dtype=policy.weight_dtype)
+        if policy.fp32_islands:
+            _keep_layer_norms_fp32(prepared)
+    reset_rotary_caches(prepared)
+    prepared.eval()
+    for param in prepared.parameters():
+        param.requires_grad_(False)
+    return prepared
+
+
+def _keep_layer_norms_fp32(model: torch.nn.Module) -> None:
+    """Mixed policies: layer norm weights stay fp32 (they are tiny and set the scale of everything)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.float()
+
+
+@contextlib.contextmanager
+def forward_context(policy: Policy, device: torch.device) -> Iterator[None]:
+    """Inference mode, plus autocast for the amp policies."""
+    with torch.inference_mode():
+        if policy.autocast:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                ctx = torch.autocast(device_type=device.type, dtype=policy.compute_dtype)
+            with ctx:
+                yield
+        else:
+            yield

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command: install everything, start the services the tests need, run pytest.
+#   bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  need=()
+  command -v chromium >/dev/null || need+=(chromium)
+  command -v slurmctld >/dev/null || need+=(slurm-wlm munge)
+  if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+fi
+bash scripts/install.sh
+if [ -x scripts/slurm/start-cluster.sh ] || [ -f scripts/slurm/start-cluster.sh ]; then
+  bash scripts/slurm/start-cluster.sh || echo "warning: SLURM did not start; SLURM tests will be skipped" >&2
+fi
+
+set +e
+"$PYTHON" -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then
+  echo "pytest collected no tests: treating as a failure" >&2
+  exit 1
+fi
+exit "$rc"

@@ -1,0 +1,71 @@
+"""Shared helpers for embedding tests: write FASTA, run the worker, compute fair-esm references."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+
+
+def random_sequences(count: int, lengths: Sequence[int] | tuple[int, int], seed: int = 0,
+                     alphabet: np.ndarray = AMINO) -> list[tuple[str, str]]:
+    """Deterministic random proteins; ``lengths`` is a (low, high) range or explicit lengths."""
+    rng = np.random.default_rng(seed)
+    if isinstance(lengths, tuple) and len(lengths) == 2 and count != 2:
+        sizes = rng.integers(lengths[0], lengths[1] + 1, size=count)
+    else:
+        sizes = list(lengths)
+    return [(f"rec{i:03d}", "".join(rng.choice(alphabet, int(n)))) for i, n in enumerate(sizes)]
+
+
+def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
+    with open(path, "w") as fh:
+        for rid, seq in records:
+            fh.write(f">{rid} test record\n")
+            for i in range(0, len(seq), 60):
+                fh.write(seq[i : i + 60] + "\n")
+    return path
+
+
+def fair_esm_forward(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """fair-esm's own forward on one record alone: per-residue vectors (BOS/EOS dropped), fp32."""
+    converter = alphabet.get_batch_converter()
+    _, _, tokens = converter([("x", seq)])
+    with torch.no_grad():
+        reps = model(tokens, repr_layers=list(layers))["representations"]
+    return {k: reps[k][0, 1 : len(seq) + 1].float().numpy() for k in layers}
+
+
+def read_store(path: Path) -> dict:
+    """Plain h5py read of a store into dicts keyed by ID (independent of embedpipe.io)."""
+    out: dict = {"attrs": {}, "mean": {}, "per_residue": {}, "fields": {}}
+    with h5py.File(path, "r") as f:
+        out["attrs"] = dict(f.attrs)
+        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in f["ids"][()]]
+        out["ids"] = ids
+        for name in ("precision_used", "fallback_reason", "long_handling"):
+            if name in f:
+                out["fields"][name] = {
+                    i: (v.decode() if isinstance(v, bytes) else str(v)) for i, v in zip(ids, f[name][()])
+                }
+        for name in ("length", "embedded_length", "windows", "max_abs_activation"):
+            if name in f:
+                out["fields"][name] = dict(zip(ids, f[name][()].tolist()))
+        for key in f["mean"]:
+            layer = int(key.split("_")[1])
+            matrix = f["mean"][key][()]
+            out["mean"][layer] = {i: matrix[n] for n, i in enumerate(ids)}
+        if "per_residue" in f and "offsets" in f["per_residue"]:
+            offsets = f["per_residue/offsets"][()]
+            for key in f["per_residue"]:
+                if key == "offsets":
+                    continue
+                layer = int(key.split("_")[1])
+                data = f["per_residue"][key][()]
+                out["per_residue"][layer] = {i: data[offsets[n] : offsets[n + 1]] for n, i in enumerate(ids)}
+    return out

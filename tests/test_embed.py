@@ -1,0 +1,189 @@
+"""The fp32 embedding worker against fair-esm's own forward pass (issue 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from embedpipe.batching import TRAINED_RESIDUES, plan_record
+from embedpipe.cli import app
+from embedpipe.embed import EmbedOptions, Embedder, embed_fasta, resolve_layers
+from embedpipe.errors import EmbedpipeError
+from embedpipe.models import load_model
+
+ATOL = 1e-5
+
+
+def _embed(tmp_path, model_path, records, name="out.h5", **options):
+    fasta = write_fasta(tmp_path / f"{name}.fasta", records)
+    out = tmp_path / name
+    embed_fasta(fasta, model=str(model_path), out=out, options=EmbedOptions(**options), quiet=True)
+    return read_store(out)
+
+
+@pytest.mark.parametrize("shape", [(2, 32, 4), (3, 48, 6)])
+@pytest.mark.parametrize("attention", ["sdpa", "math", "fair-esm"])
+def test_fp32_equals_fair_esm_forward_record_by_record(tmp_path, model_factory, fair_esm_reference, shape, attention):
+    layers, dim, heads = shape
+    path = model_factory(layers=layers, dim=dim, heads=heads, seed=layers)
+    records = random_sequences(9, (5, 90), seed=1)
+    store = _embed(tmp_path, path, records, per_residue=True, layers=(0, 1, -1),
+                   tokens_per_batch=300, attention=attention)
+    model, alphabet = fair_esm_reference(path)
+    wanted = [0, 1, layers]
+    assert sorted(store["mean"]) == wanted
+    assert store["ids"] == [r for r, _ in records]
+    for rid, seq in records:
+        ref = fair_esm_forward(model, alphabet, seq, wanted)
+        for layer in wanted:
+            per_res = store["per_residue"][layer][rid]
+            assert per_res.shape == (len(seq), dim)
+            np.testing.assert_allclose(per_res, ref[layer], atol=ATOL, rtol=0)
+            np.testing.assert_allclose(store["mean"][layer][rid], ref[layer].mean(0), atol=ATOL, rtol=0)
+        assert store["fields"]["precision_used"][rid] == "fp32"
+        assert store["fields"]["fallback_reason"][rid] == ""
+    assert store["attrs"]["model_trained"] == False  # noqa: E712  (numpy bool)
+    assert store["attrs"]["precision_policy"] == "fp32"
+
+
+def test_values_do_not_depend_on_batch_composition(tmp_path, tiny_model_path):
+    records = random_sequences(12, (3, 120), seed=2)
+    one = _embed(tmp_path, tiny_model_path, records, name="a.h5", per_residue=True, tokens_per_batch=130)
+    many = _embed(tmp_path, tiny_model_path, records, name="b.h5", per_residue=True, tokens_per_batch=100_000)
+    layer = max(one["mean"])
+    for rid, _ in records:
+        np.testing.assert_allclose(one["mean"][layer][rid], many["mean"][layer][rid], atol=ATOL, rtol=0)
+        np.testing.assert_allclose(one["per_residue"][layer][rid], many["per_residue"][layer][rid], atol=ATOL, rtol=0)
+
+
+def test_long_sequences_chunked_windows_match_fair_esm_per_window(tmp_path, tiny_model_path, fair_esm_reference):
+    records = random_sequences(2, [2500, 40], seed=3)
+    store = _embed(tmp_path, tiny_model_path, records, per_residue=True)
+    model, alphabet = fair_esm_reference(tiny_model_path)
+    layer = max(store["mean"])
+    rid, seq = records[0]
+    pieces, how = plan_record(0, len(seq), "chunk")
+    assert how == "chunked" and len(pieces) >= 3
+    assert all(p.residues <= TRAINED_RESIDUES for p in pieces)
+    stitched = store["per_residue"][layer][rid]
+    assert stitched.shape[0] == len(seq)
+    assert store["fields"]["long_handling"][rid] == "chunked"
+    assert store["fields"]["windows"][rid] == len(pieces)
+    assert store["fields"]["long_handling"][records[1][0]] == "none"
+    for piece in pieces:
+        ref = fair_esm_forward(model, alphabet, seq[piece.start : piece.end], [layer])[layer]
+        lo, hi = piece.keep_start - piece.start, piece.keep_end - piece.start
+        np.testing.assert_allclose(stitched[piece.keep_start : piece.keep_end], ref[lo:hi], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(store["mean"][layer][rid], stitched.mean(0), atol=ATOL, rtol=0)
+
+
+def test_chunk_plan_covers_every_residue_once():
+    for length in (1023, 1500, 2044, 3000, 10_000):
+        pieces, _ = plan_record(0, length, "chunk")
+        covered = np.zeros(length, dtype=int)
+        for p in pieces:
+            assert 0 <= p.start <= p.keep_start < p.keep_end <= p.end <= length
+            assert p.residues <= TRAINED_RESIDUES
+            covered[p.keep_start : p.keep_end] += 1
+        assert (covered == 1).all(), length
+
+
+def test_truncate_and_error_modes(tmp_path, tiny_model_path, fair_esm_reference):
+    records = random_sequences(2, [1100, 30], seed=4)
+    store = _embed(tmp_path, tiny_model_path, records, per_residue=True, long_sequences="truncate")
+    rid, seq = records[0]
+    layer = max(store["mean"])
+    assert store["fields"]["long_handling"][rid] == "truncated"
+    assert store["fields"]["embedded_length"][rid] == TRAINED_RESIDUES
+    assert store["fields"]["length"][rid] == 1100
+    model, alphabet = fair_esm_reference(tiny_model_path)
+    ref = fair_esm_forward(model, alphabet, seq[:TRAINED_RESIDUES], [layer])[layer]
+    np.testing.assert_allclose(store["per_residue"][layer][rid], ref, atol=ATOL, rtol=0)
+    with pytest.raises(EmbedpipeError, match="rec000.*1100 residues"):
+        _embed(tmp_path, tiny_model_path, records, name="err.h5", long_sequences="error")
+    assert not (tmp_path / "err.h5").exists()
+
+
+def test_layer_resolution():
+    assert resolve_layers([-1], 6) == [6]
+    assert resolve_layers([0, -1, 6, 3], 6) == [0, 3, 6]
+    assert resolve_layers([-7], 6) == [0]
+    with pytest.raises(EmbedpipeError, match="layer 7 does not exist"):
+        resolve_layers([7], 6)
+    with pytest.raises(EmbedpipeError, match="layer -8"):
+        resolve_layers([-8], 6)
+
+
+def test_cuda_oom_splits_batch_and_names_unfittable_record(tmp_path, tiny_model_path, fair_esm_reference, monkeypatch):
+    """Inject CUDA out-of-memory on the CPU: batches over 2 pieces fail, then a named record fails alone."""
+    loaded = load_model(str(tiny_model_path))
+    records = random_sequences(8, (10, 40), seed=5)
+    embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
+    real = Embedder._forward_batch
+    calls = []
+
+    def flaky(self, policy, batch, recs):
+        calls.append(len(batch))
+        if len(batch) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, policy, batch, recs)
+
+    monkeypatch.setattr(Embedder, "_forward_batch", flaky)
+    results = dict(embedder.embed(records))
+    assert sorted(results) == list(range(8))
+    assert calls[0] == 8 and max(calls[1:]) <= 2 and embedder.stats["oom_splits"] >= 3
+    model, alphabet = fair_esm_reference(tiny_model_path)
+    layer = loaded.num_layers
+    for index, (_, seq) in enumerate(records):
+        ref = fair_esm_forward(model, alphabet, seq, [layer])[layer].mean(0)
+        np.testing.assert_allclose(results[index].mean[layer], ref, atol=ATOL, rtol=0)
+
+    def always(self, policy, batch, recs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(Embedder, "_forward_batch", always)
+    with pytest.raises(EmbedpipeError, match=r"record 'rec00\d'.*does not fit"):
+        list(Embedder(loaded, EmbedOptions(), torch.device("cpu")).embed(records))
+
+
+def test_failed_run_leaves_no_store(tmp_path, tiny_model_path, monkeypatch):
+    records = random_sequences(6, (10, 40), seed=6)
+    fasta = write_fasta(tmp_path / "in.fasta", records)
+    out = tmp_path / "store.h5"
+    seen = []
+
+    def boom(self, policy, batch, recs):
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("simulated crash mid-run")
+        return real(self, policy, batch, recs)
+
+    real = Embedder._forward_batch
+    monkeypatch.setattr(Embedder, "_forward_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        embed_fasta(fasta, model=str(tiny_model_path), out=out,
+                    options=EmbedOptions(tokens_per_batch=60), quiet=True)
+    assert not out.exists()
+    assert list(tmp_path.glob("*.tmp")) == [] and list(tmp_path.glob(".store.h5*")) == []
+
+
+def test_cli_embed_info_validate(tmp_path, tiny_model_path):
+    records = random_sequences(5, (10, 60), seed=7)
+    fasta = write_fasta(tmp_path / "in.fasta", records)
+    out = tmp_path / "s.h5"
+    runner = CliRunner()
+    result = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out),
+                                 "--layers", "0", "--layers", "-1", "--per-residue"])
+    assert result.exit_code == 0, result.output
+    assert "embedded 5 records" in result.output
+    result = runner.invoke(app, ["validate", str(out)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["info", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"precision_policy": "fp32"' in result.output
+    bad = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out),
+                              "--precision", "fp8"])
+    assert bad.exit_code != 0 and "unknown precision policy 'fp8'" in bad.output

@@ -1,0 +1,193 @@
+"""Precision policies, per-record fp32 fallback and precision provenance (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from embedpipe import precision
+from embedpipe.embed import EmbedOptions, Embedder, embed_fasta
+from embedpipe.errors import EmbedpipeError
+from embedpipe.models import load_model
+from embedpipe.precision import POLICIES, check_policy_on_device, get_policy
+
+LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
+
+
+def _embed(tmp_path, model_path, records, name, **options):
+    fasta = write_fasta(tmp_path / f"{name}.fasta", records)
+    out = tmp_path / f"{name}.h5"
+    embed_fasta(fasta, model=str(model_path), out=out, options=EmbedOptions(**options), quiet=True)
+    return read_store(out)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def overflow_model(model_factory):
+    """The embedding row of 'C' is 7e4: inf once cast to fp16 (max 65504), finite in fp32."""
+    return model_factory(layers=2, dim=32, heads=4, seed=21, token_row_overrides={"C": 7e4})
+
+
+@pytest.fixture(scope="module")
+def overflow_records():
+    no_c = np.array(list("ADEFGHIKLMNPQRSTVWY"))
+    plain = random_sequences(6, (20, 80), seed=8, alphabet=no_c)
+    with_c = [(f"cys{i}", seq[:10] + "C" + seq[10:]) for i, (_, seq) in enumerate(random_sequences(4, (20, 80), seed=9, alphabet=no_c))]
+    return plain[:3] + with_c[:2] + plain[3:] + with_c[2:]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "fair-esm"])
+def test_fp16_overflow_falls_back_exactly_for_records_with_the_token(tmp_path, overflow_model, overflow_records,
+                                                                     fair_esm_reference, attention):
+    store = _embed(tmp_path, overflow_model, overflow_records, "fp16", precision="fp16", per_residue=True,
+                   layers=(0, -1), attention=attention)
+    model, alphabet = fair_esm_reference(overflow_model)
+    used = store["fields"]["precision_used"]
+    reasons = store["fields"]["fallback_reason"]
+    for rid, seq in overflow_records:
+        if "C" in seq:
+            assert used[rid] == "fp32" and reasons[rid] == "nonfinite", (rid, used[rid], reasons[rid])
+            ref = fair_esm_forward(model, alphabet, seq, [0, 2])
+            for layer in (0, 2):
+                np.testing.assert_allclose(store["per_residue"][layer][rid], ref[layer], atol=1e-5, rtol=0)
+                np.testing.assert_allclose(store["mean"][layer][rid], ref[layer].mean(0), atol=1e-5, rtol=0)
+            assert not np.isfinite(store["fields"]["max_abs_activation"][rid])  # seen in the fp16 pass
+        else:
+            assert used[rid] == "fp16" and reasons[rid] == "", rid
+    assert store["attrs"]["fallback_count"] == 4
+    assert json.loads(store["attrs"]["fallback_reasons"]) == {"nonfinite": 4}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_nothing_non_finite_is_stored_under_any_policy(tmp_path, overflow_model, overflow_records, policy):
+    store = _embed(tmp_path, overflow_model, overflow_records, policy, precision=policy, per_residue=True,
+                   layers=(0, 1, 2), storage_dtype="float16" if policy == "bf16" else "float32")
+    for layer in (0, 1, 2):
+        for rid, _ in overflow_records:
+            assert np.isfinite(store["mean"][layer][rid]).all()
+            assert np.isfinite(store["per_residue"][layer][rid]).all()
+    used = set(store["fields"]["precision_used"].values())
+    assert used <= {policy, "fp32"}
+    assert store["attrs"]["precision_policy"] == policy
+
+
+def test_overflow_margin_falls_back_before_the_dtype_limit(tmp_path, overflow_model, overflow_records):
+    """amp-fp16 keeps the 61,600-sized activations finite, but within 50% of fp16's max."""
+    plain = _embed(tmp_path, overflow_model, overflow_records, "amp", precision="amp-fp16")
+    assert set(plain["fields"]["precision_used"].values()) == {"amp-fp16"}
+    margin = _embed(tmp_path, overflow_model, overflow_records, "amp-margin", precision="amp-fp16", overflow_margin=0.5)
+    for rid, seq in overflow_records:
+        expected = ("fp32", "overflow-margin") if "C" in seq else ("amp-fp16", "")
+        assert (margin["fields"]["precision_used"][rid], margin["fields"]["fallback_reason"][rid]) == expected
+        if "C" in seq:
+            assert margin["fields"]["max_abs_activation"][rid] > 0.5 * 65504
+
+
+def test_fp32_values_that_do_not_fit_float16_storage_fail_naming_the_record(tmp_path, model_factory):
+    path = model_factory(layers=2, dim=32, heads=4, seed=22, token_row_overrides={"W": 9e4})
+    records = [("fine", "ACDEFGHIK"), ("bigW", "ACDWEFG")]
+    with pytest.raises(EmbedpipeError, match="record 'bigW'.*storage-dtype float16"):
+        _embed(tmp_path, path, records, "f16store", precision="fp32", layers=(0,), storage_dtype="float16")
+    assert not (tmp_path / "f16store.h5").exists()
+
+
+def test_every_policy_is_finite_recorded_and_close_to_fp32(tmp_path, model_factory):
+    path = model_factory(layers=3, dim=64, heads=4, seed=5)
+    records = random_sequences(8, (30, 300), seed=10)
+    ref = _embed(tmp_path, path, records, "ref", precision="fp32")
+    figures = {}
+    for policy in LOW_POLICIES:
+        store = _embed(tmp_path, path, records, policy, precision=policy)
+        assert store["attrs"]["precision_policy"] == policy
+        assert store["attrs"]["compute_dtype"] == precision.dtype_name(POLICIES[policy].compute_dtype)
+        cosines = [_cosine(store["mean"][3][r], ref["mean"][3][r]) for r, _ in records]
+        max_abs = max(float(np.abs(store["mean"][3][r] - ref["mean"][3][r]).max()) for r, _ in records)
+        figures[policy] = (min(cosines), max_abs)
+        assert set(store["fields"]["precision_used"].values()) == {policy}
+    report = ", ".join(f"{p}: min cos {c:.6f} max|d| {m:.2e}" for p, (c, m) in figures.items())
+    for policy, (cos, max_abs) in figures.items():
+        assert cos > 0.999 and max_abs < 0.1, report
+
+
+def test_mixed_policies_are_closer_to_fp32_than_plain_casts_on_long_sequences(model_factory):
+    """700-1022 residues: fp32 rotary tables, attention and norms beat the plain cast."""
+    loaded = load_model(str(model_factory(layers=4, dim=64, heads=4, seed=3)))
+    records = random_sequences(4, (700, 1022), seed=9)
+    last = loaded.num_layers
+
+    def run(policy):
+        embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
+        return dict(embedder.embed(records))
+
+    ref = run("fp32")
+
+    def error(policy):
+        out = run(policy)
+        return float(np.mean([
+            np.linalg.norm(out[i].per_residue[last] - ref[i].per_residue[last]) / np.linalg.norm(ref[i].per_residue[last])
+            for i in range(len(records))
+        ]))
+
+    errors = {p: error(p) for p in ("fp16", "fp16-mixed", "bf16", "bf16-mixed")}
+    message = "mean per-residue relative L2 error to fp32: " + ", ".join(f"{p}={e:.3e}" for p, e in errors.items())
+    assert errors["fp16-mixed"] < 0.85 * errors["fp16"], message
+    assert errors["bf16-mixed"] < 0.85 * errors["bf16"], message
+
+
+def test_low_precision_then_fp32_in_one_process_equals_a_fresh_process(tmp_path, tiny_model_path):
+    records = random_sequences(6, (10, 200), seed=11)
+    for policy in ("fp16", "bf16-mixed"):
+        _embed(tmp_path, tiny_model_path, records, f"warm-{policy}", precision=policy, attention="fair-esm"
+               if policy == "fp16" else "sdpa")
+    same_process = _embed(tmp_path, tiny_model_path, records, "after", precision="fp32", attention="fair-esm",
+                          per_residue=True)
+    fasta = tmp_path / "after.fasta"
+    fresh_out = tmp_path / "fresh.h5"
+    subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(tiny_model_path),
+                    "--out", str(fresh_out), "--attention", "fair-esm", "--per-residue", "--quiet"], check=True)
+    fresh = read_store(fresh_out)
+    for rid, _ in records:
+        np.testing.assert_allclose(same_process["per_residue"][2][rid], fresh["per_residue"][2][rid], atol=1e-6, rtol=0)
+
+
+def test_rotary_cache_from_one_dtype_never_leaks_into_another(tiny_model_path):
+    """fair-esm rebuilds its cos/sin cache on length or device change only, not dtype."""
+    loaded = load_model(str(tiny_model_path))
+    records = random_sequences(3, (40, 40), seed=12)
+    fp32 = Embedder(loaded, EmbedOptions(attention="fair-esm"), torch.device("cpu"))
+    before = dict(fp32.embed(records))
+    low = Embedder(loaded, EmbedOptions(precision="fp16", attention="fair-esm"), torch.device("cpu"))
+    dict(low.embed(records))
+    rot = low.runner(get_policy("fp16")).model.layers[0].self_attn.rot_emb
+    assert rot._cos_cached.dtype == torch.float16
+    again = dict(Embedder(loaded, EmbedOptions(attention="fair-esm"), torch.device("cpu")).embed(records))
+    assert loaded.model.layers[0].self_attn.rot_emb._cos_cached.dtype == torch.float32
+    for i in before:
+        np.testing.assert_array_equal(before[i].mean[2], again[i].mean[2])
+
+
+def test_device_checks(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: False)
+    notes = check_policy_on_device(get_policy("fp16-mixed"), torch.device("cpu"))
+    assert notes and "bf16" in notes[0]
+    assert check_policy_on_device(get_policy("bf16"), torch.device("cpu")) == []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(EmbedpipeError, match="bf16-mixed.*Tesla V100.*pre-Ampere"):
+        check_policy_on_device(get_policy("bf16-mixed"), torch.device("cuda"))
+    with pytest.raises(EmbedpipeError, match="unknown precision policy 'half'"):
+        get_policy("half")
+
+
+def test_mixed_policy_refuses_fair_esm_attention():
+    with pytest.raises(EmbedpipeError, match="fp32 islands"):
+        EmbedOptions(precision="bf16-mixed", attention="fair-esm").validate()
