@@ -1,0 +1,102 @@
+"""Shared pytest fixtures and markers.
+
+Fixtures (session-scoped, so each test model is written once per run):
+
+* ``tiny_model_path``: a random-weight ESM-2 (2 layers, dim 32, 4 heads, seed 0) in
+  fair-esm's checkpoint format, named ``esm2_tiny_t2_32.pt``.
+* ``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides)``: the same for other
+  shapes or options (any keyword of ``embedpipe.models.make_test_model``); cached by
+  arguments. File names start with ``esm2`` so fair-esm's own loader accepts them.
+* ``fair_esm_reference(path)``: ``(model, alphabet)`` loaded by fair-esm's own
+  ``esm.pretrained.load_model_and_alphabet_local`` (Namespace allowlisted), eval mode: the
+  independent reference for numeric tests.
+
+Markers: tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is False.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# --------------------------------------------------------------------------- markers
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when a gpu test was collected: keeps collection fast
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------- test models
+
+
+@pytest.fixture(scope="session")
+def test_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory for every session-scoped test checkpoint."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def model_factory(test_models_dir: Path) -> Callable[..., Path]:
+    """``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides) -> Path``, cached."""
+    from embedpipe.models import make_test_model
+
+    cache: dict[str, Path] = {}
+    counter = itertools.count()
+
+    def make(
+        layers: int = 2, dim: int = 32, heads: int = 4, seed: int = 0, **overrides: Any
+    ) -> Path:
+        key = repr((layers, dim, heads, seed, sorted(overrides.items(), key=lambda kv: kv[0])))
+        if key not in cache:
+            name = f"esm2_test_t{layers}_d{dim}_h{heads}_s{seed}_{next(counter)}.pt"
+            cache[key] = make_test_model(
+                test_models_dir / name, layers=layers, dim=dim, heads=heads, seed=seed, **overrides
+            )
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(test_models_dir: Path) -> Path:
+    """``esm2_tiny_t2_32.pt``: 2 layers, dim 32, 4 heads, seed 0 (with its companion file)."""
+    from embedpipe.models import make_test_model
+
+    return make_test_model(test_models_dir / "esm2_tiny_t2_32.pt", layers=2, dim=32, heads=4, seed=0)
+
+
+@pytest.fixture(scope="session")
+def fair_esm_reference() -> Callable[[Path], tuple[Any, Any]]:
+    """``fair_esm_reference(path) -> (model, alphabet)`` via fair-esm's own local loader."""
+
+    def load(path: Path) -> tuple[Any, Any]:
+        import esm
+        import torch
+
+        path = Path(path)
+        if not path.name.startswith("esm2"):
+            raise ValueError(
+                f"fair-esm builds an ESM-2 only for file names starting with 'esm2': {path.name}"
+            )
+        # Scoped allowlist: fair-esm 2.0.0 calls torch.load without weights_only, which on
+        # torch >= 2.6 means weights_only=True and refuses the config's argparse.Namespace.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            model, alphabet = esm.pretrained.load_model_and_alphabet_local(str(path))
+        model.eval()
+        return model, alphabet
+
+    return load
