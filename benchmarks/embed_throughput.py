@@ -1,0 +1,200 @@
+"""Side-by-side embedding throughput: fair-esm's extraction recipe vs `embedpipe embed` per policy.
+
+Every system runs as its own whole process on the same input and the same random-weight
+checkpoint (esm2_t12_35M shape by default: 12 layers, 480 dims, 20 heads), so start-up,
+model loading and output writing count too. Prints residues/s, the ratio to the fair-esm
+recipe, padding efficiency, model FLOP utilisation against this machine's measured matmul
+peak, peak RSS, and the pooled cosine of every store to embedpipe's fp32 store.
+
+    python benchmarks/embed_throughput.py                       # all policies, bundled example
+    python benchmarks/embed_throughput.py --systems fair-esm fp32 bf16-mixed amp-bf16
+
+The fair-esm recipe reproduces the logic of scripts/extract.py from the fair-esm repository:
+FastaBatchedDataset, length-sorted batches of at most 4096 tokens, truncation at 1022
+residues, fp32, one output file per sequence with its mean representation. embedpipe runs
+with ``--long-sequences truncate`` here so both systems embed exactly the same residues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out" / "throughput"
+POLICIES = ["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed"]
+
+
+# -- fair-esm's recipe (runs in a child process) -----------------------------------------------
+
+def run_fair_esm_recipe(model_path: Path, fasta: Path, out_dir: Path, threads: int) -> None:
+    """scripts/extract.py's logic: --include mean --repr_layers -1 --toks_per_batch 4096 --truncation_seq_length 1022."""
+    import argparse as _argparse
+
+    import esm
+    import torch
+    from esm.data import FastaBatchedDataset
+
+    torch.set_num_threads(threads)
+    with torch.serialization.safe_globals([_argparse.Namespace]):
+        model, alphabet = esm.pretrained.load_model_and_alphabet_local(str(model_path))
+    model.eval()
+    dataset = FastaBatchedDataset.from_file(str(fasta))
+    batches = dataset.get_batch_indices(4096, extra_toks_per_seq=1)
+    loader = torch.utils.data.DataLoader(dataset, collate_fn=alphabet.get_batch_converter(1022), batch_sampler=batches)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layer = model.num_layers
+    real = computed = 0
+    with torch.no_grad():
+        for labels, strs, toks in loader:
+            out = model(toks, repr_layers=[layer], return_contacts=False)
+            reps = out["representations"][layer].to(device="cpu")
+            computed += toks.numel()
+            for i, label in enumerate(labels):
+                n = min(1022, len(strs[i]))
+                real += n + 2
+                result = {"label": label, "mean_representations": {layer: reps[i, 1 : n + 1].mean(0).clone()}}
+                torch.save(result, out_dir / f"{label.split()[0].replace('|', '_')}.pt")
+    (out_dir / "_stats.json").write_text(json.dumps({"padding_efficiency": real / computed}))
+
+
+# -- measurement helpers -------------------------------------------------------------------------
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of one child process."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """Measured dense matmul FLOP/s for a dtype on this machine (best of ``repeats``)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def model_flops(lengths: list[int], layers: int, dim: int) -> float:
+    """Forward FLOPs: projections + FFN (24 D^2 per token per layer) + attention (4 T D per token per layer)."""
+    total = 0.0
+    for n in lengths:
+        t = min(n, 1022) + 2
+        total += t * layers * (24 * dim * dim + 4 * t * dim)
+    return total
+
+
+def read_means(system: str, path: Path, layer: int) -> dict[str, np.ndarray]:
+    if system == "fair-esm":
+        import torch
+
+        out = {}
+        for f in path.glob("*.pt"):
+            data = torch.load(f, weights_only=True)
+            out[data["label"].split()[0]] = data["mean_representations"][layer].numpy()
+        return out
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in f["ids"][()]]
+        matrix = f[f"mean/layer_{layer}"][()].astype(np.float32)
+    return dict(zip(ids, matrix))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fasta", type=Path, default=ROOT / "examples" / "swissprot100.fasta")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=480)
+    parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--systems", nargs="+", default=["fair-esm", *POLICIES])
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--run-recipe", nargs=3, metavar=("MODEL", "FASTA", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_recipe:
+        run_fair_esm_recipe(Path(args.run_recipe[0]), Path(args.run_recipe[1]), Path(args.run_recipe[2]), args.threads)
+        return
+
+    from embedpipe.fasta import read_sequences
+    from embedpipe.models import make_test_model
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    model = OUT / f"esm2_bench_t{args.layers}_{args.dim}.pt"
+    if not model.exists():
+        make_test_model(model, layers=args.layers, dim=args.dim, heads=args.heads, seed=0)
+    lengths = [len(s) for _, s in read_sequences(args.fasta)]
+    residues = sum(min(n, 1022) for n in lengths)
+    flops = model_flops(lengths, args.layers, args.dim)
+    peaks = {d: matmul_peak(d, args.threads) for d in ("float32", "bfloat16", "float16")}
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+
+    rows = []
+    for system in args.systems:
+        if system == "fair-esm":
+            target = OUT / "fair-esm"
+            cmd = [sys.executable, __file__, "--threads", str(args.threads), "--run-recipe", str(model), str(args.fasta), str(target)]
+        else:
+            target = OUT / f"{system}.h5"
+            cmd = [sys.executable, "-m", "embedpipe.cli", "embed", str(args.fasta), "--model", str(model),
+                   "--out", str(target), "--precision", system, "--long-sequences", "truncate",
+                   "--attention", args.attention, "--threads", str(args.threads), "--quiet"]
+        wall, rss = timed(cmd, env)
+        if system == "fair-esm":
+            padding = json.loads((target / "_stats.json").read_text())["padding_efficiency"]
+        else:
+            import h5py
+
+            with h5py.File(target, "r") as f:
+                padding = float(f.attrs.get("padding_efficiency", float("nan")))
+        peak_dtype = {"fp32": "float32", "fair-esm": "float32"}.get(system, "float16" if "fp16" in system else "bfloat16")
+        rows.append({"system": system, "seconds": wall, "residues_per_s": residues / wall, "padding_efficiency": padding,
+                     "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype, "peak_rss_mib": rss, "path": target})
+        print(f"  {system:<11} {wall:7.1f}s", file=sys.stderr, flush=True)
+
+    layer = args.layers
+    reference_system = "fp32" if "fp32" in args.systems else None
+    ref = read_means(reference_system, OUT / "fp32.h5", layer) if reference_system else {}
+    recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
+    print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
+          f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}")
+    print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
+    print(f"\n| system | seconds | residues/s | x fair-esm recipe | padding eff. | MFU | peak RSS MiB | min cos to fp32 | median cos |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        means = read_means(row["system"], row["path"], layer)
+        cos = [float(means[k] @ v / (np.linalg.norm(means[k]) * np.linalg.norm(v))) for k, v in ref.items() if k in means]
+        ratio = row["residues_per_s"] / recipe["residues_per_s"] if recipe else float("nan")
+        cos_min = f"{min(cos):.6f}" if cos else "-"
+        cos_med = f"{float(np.median(cos)):.6f}" if cos else "-"
+        print(f"| {row['system']} | {row['seconds']:.1f} | {row['residues_per_s']:,.0f} | {ratio:.2f} | "
+              f"{row['padding_efficiency']:.3f} | {row['mfu']:.1%} ({row['peak_dtype']}) | {row['peak_rss_mib']:.0f} | {cos_min} | {cos_med} |")
+        row["ratio"] = ratio
+        row["min_cosine"] = min(cos) if cos else None
+        row["path"] = str(row["path"])
+    (OUT / "results.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
