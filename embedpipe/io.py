@@ -1,0 +1,353 @@
+"""Public read API: ``open_store`` and ``Store``.
+
+::
+
+    import embedpipe
+
+    with embedpipe.open_store("results/embeddings.h5") as store:
+        X = store.mean()                  # dask array (N, D), last stored layer, lazy
+        X.mean(axis=0).compute()
+        v = store["P12345"]["mean"][store.layers[-1]]     # one record, aliases resolve
+        R = store.per_residue("P12345")   # numpy (embedded_length, D)
+        table = store.records()           # per-record columns (precision_used, fallback, ...)
+
+Values come back in the storage dtype (float16 stores give float16; pass ``dtype=np.float32``
+to upcast). Dask arrays open the file per chunk, so they survive pickling, forking and
+distributed schedulers, and do not hold the file open.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from embedpipe.errors import StoreError
+from embedpipe.store import (
+    PER_RECORD,
+    resolve_source,
+    attr_to_python,
+    check_format,
+    decode_strings,
+    is_complete,
+    open_h5,
+    read_root_attrs,
+    stored_layers,
+)
+
+__all__ = ["open_store", "Store", "UnknownIdError"]
+
+# dask chunks: whole HDF5 chunks, about this many bytes per dask chunk
+_DASK_CHUNK_BYTES = 64 << 20
+
+
+class UnknownIdError(StoreError, KeyError):
+    """An ID that is neither a record nor an alias in the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class _H5Rows:
+    """A picklable array-like over one dataset: every read opens the file, reads, closes.
+
+    Handed to ``dask.array.from_array``; holds only the path and the dataset name, so it is
+    safe after fork, pickling and in other processes (no shared HDF5 handle).
+    """
+
+    def __init__(self, path: str, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.path = path
+        self.name = name
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(shape)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        with h5py.File(self.path, "r") as f:
+            return np.asarray(f[self.name][key])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_H5Rows, (self.path, self.name, self.shape, self.dtype.str))
+
+
+def open_store(path: os.PathLike[str] | str) -> Store:
+    """Open a complete store for reading (also a context manager)."""
+    return Store(path)
+
+
+class Store:
+    """A complete embedpipe store, opened read-only. See ``docs/store-format.md``."""
+
+    def __init__(self, path: os.PathLike[str] | str) -> None:
+        self.path = Path(path).absolute()
+        self._file: h5py.File | None = None
+        self._open()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        f = open_h5(self.path)
+        try:
+            check_format(f, self.path)
+            if not is_complete(f):
+                raise StoreError(f"{self.path}: incomplete store (the writer did not finish); refusing to read")
+            self._provenance = read_root_attrs(f)
+            self._check_sources(f)
+            self._layers = stored_layers(f)
+            self._n = int(f["ids"].shape[0])
+            self._ids = decode_strings(f["ids"][:])
+            self._row = {rid: i for i, rid in enumerate(self._ids)}
+            self._aliases: dict[str, str] = {}
+            if "aliases" in f:
+                self._aliases = dict(zip(decode_strings(f["aliases/id"][:]), decode_strings(f["aliases/of"][:])))
+            self._skipped: dict[str, str] = {}
+            if "skipped" in f:
+                self._skipped = dict(zip(decode_strings(f["skipped/id"][:]), decode_strings(f["skipped/reason"][:])))
+            self._offsets = f["per_residue/offsets"][:].astype(np.int64) if "per_residue/offsets" in f else None
+            first = f[f"mean/layer_{self._layers[-1]}"]
+            self._dim = int(first.shape[1])
+            self._dtype = np.dtype(first.dtype)
+        except StoreError:
+            f.close()
+            raise
+        except (OSError, KeyError, ValueError, IndexError) as exc:
+            f.close()
+            raise StoreError(f"{self.path}: cannot read store: {exc}") from None
+        self._file = f
+
+    def _check_sources(self, f: h5py.File) -> None:
+        """A merged store reads per-residue data from its shard stores: they must exist
+        (HDF5 would silently return fill values for a missing source)."""
+        store_dir = self.path.parent
+        for rel in attr_to_python(f.attrs.get("merged_from")) or []:
+            src = resolve_source(store_dir, str(rel))
+            if not src.exists():
+                raise StoreError(
+                    f"{self.path}: source store {rel} is missing (expected at {src}); a merged store "
+                    "reads per-residue data from its shard stores, keep them next to it"
+                )
+
+    @property
+    def _h5(self) -> h5py.File:
+        if self._file is None:
+            raise StoreError(f"{self.path}: store is closed")
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path), "open": self._file is not None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = Path(state["path"])
+        self._file = None
+        self._open()
+        if not state.get("open", True):
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<embedpipe Store {str(self.path)!r}: {self._n} records, layers {self._layers}, "
+            f"dim {self._dim}, {self._dtype}{', per-residue' if self.has_per_residue else ''}>"
+        )
+
+    # -- metadata ----------------------------------------------------------------------------
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """Root attributes as plain Python (``config`` parsed from JSON)."""
+        return dict(self._provenance)
+
+    @property
+    def ids(self) -> list[str]:
+        """Record IDs in row order (aliases not included; see ``aliases``)."""
+        return list(self._ids)
+
+    @property
+    def layers(self) -> list[int]:
+        """Absolute layer indices stored, ascending."""
+        return list(self._layers)
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Storage dtype of the vectors (float32 or float16)."""
+        return self._dtype
+
+    @property
+    def has_per_residue(self) -> bool:
+        return self._offsets is not None
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Merged stores: duplicate-sequence ID -> the ID of the stored record."""
+        return dict(self._aliases)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Merged stores with a manifest: skipped input ID -> reason."""
+        return dict(self._skipped)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __contains__(self, record_id: object) -> bool:
+        return record_id in self._row or record_id in self._aliases
+
+    def resolve(self, record_id: str) -> str:
+        """The stored record ID for ``record_id`` (itself, or the record an alias points to)."""
+        if record_id in self._row:
+            return record_id
+        if record_id in self._aliases:
+            return self._aliases[record_id]
+        if record_id in self._skipped:
+            raise UnknownIdError(f"{record_id!r} was skipped when sharding: {self._skipped[record_id]}")
+        raise UnknownIdError(f"{record_id!r} is not in {self.path.name}")
+
+    def index(self, record_id: str) -> int:
+        """Row of ``record_id``; aliases resolve to the row of the record they duplicate."""
+        return self._row[self.resolve(record_id)]
+
+    def layer(self, layer: int = -1) -> int:
+        """Absolute layer index for ``layer``: a stored absolute index, or a negative index
+        into the stored layers (-1 = the highest stored layer)."""
+        layer = int(layer)
+        if layer in self._layers:
+            return layer
+        if layer < 0 and -len(self._layers) <= layer:
+            return self._layers[layer]
+        raise StoreError(f"layer {layer} is not stored in {self.path.name} (stored: {self._layers})")
+
+    # -- data --------------------------------------------------------------------------------
+
+    def mean(self, layer: int = -1, *, dtype: Any = None) -> Any:
+        """Mean-pooled vectors of ``layer`` as a lazy dask array (N, D), row order = ``ids``."""
+        import dask.array as da
+        from dask.base import tokenize
+
+        k = self.layer(layer)
+        name = f"mean/layer_{k}"
+        ds = self._h5[name]
+        rows = _dask_rows(ds)
+        stat = self.path.stat()
+        src = _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype)
+        arr = da.from_array(
+            src,
+            chunks=(rows, ds.shape[1]),
+            lock=False,
+            asarray=True,
+            meta=np.empty((0, ds.shape[1]), dtype=ds.dtype),
+            name=f"embedpipe-mean-{k}-" + tokenize(str(self.path), stat.st_mtime_ns, stat.st_size, name),
+        )
+        return arr if dtype is None else arr.astype(dtype)
+
+    def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
+        """One record's mean vector (D,) as numpy."""
+        row = self.index(record_id)
+        vec = self._h5[f"mean/layer_{self.layer(layer)}"][row]
+        return vec if dtype is None else vec.astype(dtype)
+
+    def per_residue(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
+        """Per-residue vectors (embedded_length, D) of one record (aliases resolve)."""
+        if self._offsets is None:
+            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        row = self.index(record_id)
+        k = self.layer(layer)
+        start, stop = int(self._offsets[row]), int(self._offsets[row + 1])
+        try:
+            out = self._h5[f"per_residue/layer_{k}"][start:stop]
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot read per-residue rows of {record_id!r}: {exc}") from None
+        return out if dtype is None else out.astype(dtype)
+
+    def per_residue_array(self, layer: int = -1, *, dtype: Any = None) -> Any:
+        """All per-residue vectors of ``layer`` as one lazy dask array (rows, D); record i is
+        rows ``offsets[i]:offsets[i+1]`` (see ``offsets``)."""
+        import dask.array as da
+        from dask.base import tokenize
+
+        if self._offsets is None:
+            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        k = self.layer(layer)
+        name = f"per_residue/layer_{k}"
+        ds = self._h5[name]
+        stat = self.path.stat()
+        arr = da.from_array(
+            _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype),
+            chunks=(_dask_rows(ds), ds.shape[1]),
+            lock=False,
+            asarray=True,
+            meta=np.empty((0, ds.shape[1]), dtype=ds.dtype),
+            name=f"embedpipe-pr-{k}-" + tokenize(str(self.path), stat.st_mtime_ns, stat.st_size, name),
+        )
+        return arr if dtype is None else arr.astype(dtype)
+
+    @property
+    def offsets(self) -> np.ndarray | None:
+        """per_residue/offsets (N+1,), or None without per-residue output."""
+        return None if self._offsets is None else self._offsets.copy()
+
+    def __getitem__(self, record_id: str) -> dict[str, Any]:
+        """One record: its per-record fields and mean vectors (``mean``: layer -> (D,))."""
+        canonical = self.resolve(record_id)
+        row = self._row[canonical]
+        f = self._h5
+        out: dict[str, Any] = {
+            "id": record_id,
+            "record_id": canonical,
+            "alias_of": canonical if canonical != record_id else None,
+            "row": row,
+        }
+        for name, kind in PER_RECORD.items():
+            if name == "ids" or name not in f:
+                continue
+            value = f[name][row]
+            if kind == "str":
+                out[name] = decode_strings(np.asarray([value]))[0]
+            elif kind == "int":
+                out[name] = int(value)
+            else:
+                out[name] = float(value)
+        out["mean"] = {k: f[f"mean/layer_{k}"][row] for k in self._layers}
+        return out
+
+    def records(self, *, sequence: bool = False) -> dict[str, np.ndarray]:
+        """Per-record table, one array per column in row order (pass to ``pandas.DataFrame``):
+        id, length, embedded_length, precision_used, fallback_reason, max_abs_activation,
+        long_handling, windows (and sequence when asked)."""
+        f = self._h5
+        table: dict[str, np.ndarray] = {"id": np.array(self._ids, dtype=object)}
+        for name, kind in PER_RECORD.items():
+            if name == "ids" or (name == "sequence" and not sequence) or name not in f:
+                continue
+            raw = f[name][:]
+            table[name] = np.array(decode_strings(raw), dtype=object) if kind == "str" else raw
+        return table
+
+
+def _dask_rows(ds: h5py.Dataset) -> int:
+    row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
+    rows = max(1, _DASK_CHUNK_BYTES // row_bytes)
+    if ds.chunks:
+        c = ds.chunks[0]
+        rows = max(c, rows // c * c)
+    return max(1, min(rows, ds.shape[0])) if ds.shape[0] else 1

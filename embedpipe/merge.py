@@ -1,0 +1,411 @@
+"""Merge shard stores into one store in which every input ID resolves.
+
+* Per-record datasets and the mean vectors are copied (small: N rows), so pooled reads
+  from the merged store need nothing else.
+* ``per_residue/layer_{k}`` becomes an HDF5 *virtual dataset* over the shard stores'
+  per-residue datasets, by path relative to the merged file: no per-residue data is copied,
+  the shard stores must stay next to the merged file (move the results directory as a whole),
+  and checksums are still verified when reading (filters apply at the source).
+* With the shard manifest, ``duplicate`` rows become ``aliases/id`` -> ``aliases/of`` and
+  ``skipped:<reason>`` rows are recorded in ``skipped/id``, ``skipped/reason``.
+
+See ``docs/store-format.md`` ("Merged stores").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from embedpipe.atomic import atomic_path
+from embedpipe.errors import StoreError
+from embedpipe.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    LIBVER,
+    PER_RECORD,
+    RESERVED_ATTRS,
+    _WRITE_CACHE_BYTES,
+    _WRITE_CACHE_SLOTS,
+    _human_bytes,
+    _tag,
+    check_format,
+    create_array_dataset,
+    create_fixed_string_dataset,
+    create_string_dataset,
+    decode_strings,
+    is_complete,
+    iter_row_blocks,
+    open_h5,
+    read_root_attrs,
+    stored_layers,
+    string_dtype,
+    utc_now,
+    write_root_attrs,
+)
+
+#: shard attributes that must be identical for stores to be merged
+MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue")
+#: attributes describing one file, never carried over as merged provenance
+_PER_FILE = {"created_utc", "complete", "merged_from", "merged_rows", "shard_provenance", "varying_attrs",
+             "config_varying", "alias_count", "skipped_count"} | set(RESERVED_ATTRS)
+
+
+@dataclass
+class MergeSummary:
+    out: Path
+    stores: int
+    records: int
+    per_residue_rows: int
+    aliases: int = 0
+    skipped: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    varying_attrs: list[str] = field(default_factory=list)
+    file_size: int = 0
+
+    def render(self) -> str:
+        lines = [
+            f"merged {self.stores} store(s) -> {self.out}: {self.records} records"
+            + (f", {self.per_residue_rows} per-residue rows (virtual, read from the shard stores)"
+               if self.per_residue_rows else ""),
+        ]
+        if self.aliases or self.skipped:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped_by_reason.items()))
+            lines.append(
+                f"  aliases {self.aliases} (duplicate sequences); skipped {self.skipped}"
+                + (f" ({reasons})" if reasons else "")
+            )
+        if self.varying_attrs:
+            lines.append(f"  differs between shards (kept per shard in shard_provenance): {', '.join(self.varying_attrs)}")
+        lines.append(f"  file size {_human_bytes(self.file_size)}; keep the shard stores next to it")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Shard:
+    path: Path
+    rel: str
+    attrs: dict[str, Any]
+    layers: list[int]
+    dim: int
+    per_residue: bool
+    ids: list[str]
+    rows: int  # per-residue rows
+    offsets: np.ndarray | None
+    widths: dict[str, int]
+    dtypes: dict[str, np.dtype]
+
+
+def _read_shard(path: Path, out_dir: Path) -> _Shard:
+    with open_h5(path) as f:
+        check_format(f, path)
+        if not is_complete(f):
+            raise StoreError(f"{path}: incomplete store; cannot merge it")
+        if "merged_from" in f.attrs:
+            raise StoreError(f"{path}: is itself a merged store; merge the shard stores instead")
+        try:
+            attrs = read_root_attrs(f)
+            layers = stored_layers(f)
+            ds = f[f"mean/layer_{layers[-1]}"]
+            dim = int(ds.shape[1])
+            attrs.setdefault("dim", dim)
+            attrs.setdefault("storage_dtype", str(ds.dtype))
+            attrs["layers"] = layers
+            per_residue = "per_residue" in f
+            attrs["per_residue"] = per_residue
+            ids = decode_strings(f["ids"][:])
+            offsets = f["per_residue/offsets"][:].astype(np.int64) if per_residue else None
+            widths = {name: f[name].dtype.itemsize for name, kind in PER_RECORD.items() if kind == "str"}
+            dtypes = {name: f[name].dtype for name, kind in PER_RECORD.items() if kind != "str"}
+            missing = [name for name in PER_RECORD if name not in f]
+        except (KeyError, OSError, IndexError) as exc:
+            raise StoreError(f"{path}: cannot read store: {exc}") from None
+        if missing:
+            raise StoreError(f"{path}: missing dataset(s) {', '.join(missing)}")
+    rel = os.path.relpath(path.resolve(), out_dir.resolve())
+    return _Shard(
+        path=path, rel=rel, attrs=attrs, layers=layers, dim=dim, per_residue=per_residue, ids=ids,
+        rows=int(offsets[-1]) if offsets is not None else 0, offsets=offsets, widths=widths, dtypes=dtypes,
+    )
+
+
+def _check_agreement(shards: Sequence[_Shard]) -> None:
+    first = shards[0]
+    for shard in shards[1:]:
+        for key in MUST_AGREE:
+            a, b = first.attrs.get(key), shard.attrs.get(key)
+            if a != b:
+                raise StoreError(
+                    f"{shard.path}: {key} is {b!r} but {first.path} has {a!r}; "
+                    f"stores to merge must agree on {', '.join(MUST_AGREE)}"
+                )
+
+
+def _common_provenance(shards: Sequence[_Shard]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Attributes equal in every shard; names that differ; config keys that differ."""
+    keys = sorted({k for s in shards for k in s.attrs} - _PER_FILE)
+    common: dict[str, Any] = {}
+    varying: list[str] = []
+    config_varying: list[str] = []
+    for key in keys:
+        values = [s.attrs.get(key) for s in shards]
+        if key == "config" and all(isinstance(v, dict) for v in values):
+            ckeys = sorted({ck for v in values for ck in v})
+            merged_config = {}
+            for ck in ckeys:
+                cv = [v.get(ck) for v in values]
+                if all(json.dumps(x, sort_keys=True, default=str) == json.dumps(cv[0], sort_keys=True, default=str) for x in cv):
+                    merged_config[ck] = cv[0]
+                else:
+                    config_varying.append(ck)
+            common["config"] = merged_config
+        elif all(v == values[0] for v in values):
+            common[key] = values[0]
+        else:
+            varying.append(key)
+    return common, varying, config_varying
+
+
+def _read_manifest(path: Path) -> list[dict[str, str]]:
+    """Rows of the shard manifest (tab-separated, header row, no quoting: IDs are single words)."""
+    required = ("id", "status", "sequence_sha256", "shard")
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            lines = [line.rstrip("\r\n") for line in fh]
+    except OSError as exc:
+        raise StoreError(f"manifest {path}: cannot read: {exc.strerror or exc}") from None
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        raise StoreError(f"manifest {path}: empty")
+    header = lines[0].split("\t")
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise StoreError(f"manifest {path}: missing column(s) {', '.join(missing)} (has {', '.join(header)})")
+    rows = []
+    for number, line in enumerate(lines[1:], start=2):
+        cells = line.split("\t")
+        if len(cells) != len(header):
+            raise StoreError(f"manifest {path} line {number}: {len(cells)} fields, header has {len(header)}")
+        rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def _plan_manifest(
+    manifest: Path, rows: list[dict[str, str]], id_store: dict[str, Path]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(aliases [(id, of)], skipped [(id, reason)]) from the manifest, checked against the stores."""
+    ok_by_sha: dict[str, str] = {}
+    ok_ids: set[str] = set()
+    for line, row in enumerate(rows, start=2):
+        if row.get("status") == "ok":
+            rid = row["id"]
+            if rid not in id_store:
+                raise StoreError(
+                    f"manifest {manifest} line {line}: id {rid!r} (status ok, shard {row.get('shard')!r}) "
+                    "is not in any of the stores being merged"
+                )
+            ok_ids.add(rid)
+            ok_by_sha.setdefault(row["sequence_sha256"], rid)
+    extra = [rid for rid in id_store if rid not in ok_ids]
+    if extra:
+        raise StoreError(
+            f"manifest {manifest}: store {id_store[extra[0]]} holds id {extra[0]!r}, which the manifest "
+            f"does not list as ok ({len(extra)} such id(s)); wrong manifest for these stores?"
+        )
+    aliases: list[tuple[str, str]] = []
+    alias_seen: dict[str, str] = {}
+    skipped: list[tuple[str, str]] = []
+    for line, row in enumerate(rows, start=2):
+        status, rid = row.get("status") or "", row["id"]
+        if status == "ok":
+            continue
+        if status == "duplicate":
+            # the kept record: the manifest's duplicate_of column where present, else by content
+            of = row.get("duplicate_of") or None
+            if of not in ok_ids:
+                of = ok_by_sha.get(row["sequence_sha256"])
+            if of is None:
+                raise StoreError(
+                    f"manifest {manifest} line {line}: duplicate {rid!r} has no ok record with sequence_sha256 "
+                    f"{row['sequence_sha256']} (shard {row.get('shard')!r})"
+                )
+            if rid == of:
+                continue  # the same ID and sequence seen twice: already resolves
+            if rid in ok_ids:
+                raise StoreError(
+                    f"manifest {manifest} line {line}: id {rid!r} is both a stored record and a duplicate of {of!r}"
+                )
+            if rid in alias_seen:
+                if alias_seen[rid] != of:
+                    raise StoreError(
+                        f"manifest {manifest} line {line}: id {rid!r} is a duplicate of both {alias_seen[rid]!r} and {of!r}"
+                    )
+                continue
+            alias_seen[rid] = of
+            aliases.append((rid, of))
+        elif status.startswith("skipped"):
+            reason = status.split(":", 1)[1] if ":" in status else ""
+            skipped.append((rid, reason or "unspecified"))
+        else:
+            raise StoreError(f"manifest {manifest} line {line}: unknown status {status!r} for id {rid!r}")
+    return aliases, skipped
+
+
+def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
+    """Merge shard stores into ``out`` (atomic). See the module docstring."""
+    if not stores:
+        raise StoreError("merge needs at least one store")
+    out = Path(out)
+    out_dir = out.parent if str(out.parent) else Path(".")
+    paths = [Path(p) for p in stores]
+    resolved = [p.resolve() for p in paths]
+    dup = [p for p, c in Counter(resolved).items() if c > 1]
+    if dup:
+        raise StoreError(f"{dup[0]}: given twice")
+    if out.resolve() in resolved:
+        raise StoreError(f"{out}: the output would overwrite one of the input stores")
+
+    shards = [_read_shard(p, out_dir) for p in paths]
+    _check_agreement(shards)
+
+    id_store: dict[str, Path] = {}
+    for shard in shards:
+        for rid in shard.ids:
+            if rid in id_store:
+                raise StoreError(f"duplicate id {rid!r} in {id_store[rid]} and {shard.path}")
+            id_store[rid] = shard.path
+
+    aliases: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = []
+    if manifest is not None:
+        aliases, skipped = _plan_manifest(Path(manifest), _read_manifest(Path(manifest)), id_store)
+
+    first = shards[0]
+    layers, dim = first.layers, first.dim
+    storage = np.dtype(first.attrs["storage_dtype"])
+    per_residue = first.per_residue
+    n = sum(len(s.ids) for s in shards)
+    record_rows = np.concatenate([[0], np.cumsum([len(s.ids) for s in shards])]).astype(np.int64)
+    residue_rows = np.concatenate([[0], np.cumsum([s.rows for s in shards])]).astype(np.int64)
+    common, varying, config_varying = _common_provenance(shards)
+
+    with atomic_path(out) as tmp:
+        with h5py.File(tmp, "w", libver=LIBVER, rdcc_nbytes=_WRITE_CACHE_BYTES, rdcc_w0=1.0, rdcc_nslots=_WRITE_CACHE_SLOTS) as f:
+            _tag(f, FORMAT)
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            root = dict(common)
+            root.update(
+                created_utc=utc_now(),
+                layers=np.array(layers, dtype=np.int64),
+                dim=dim,
+                storage_dtype=str(storage),
+                per_residue=per_residue,
+                merged_from=[s.rel for s in shards],
+                merged_rows=record_rows,
+                shard_provenance=[{"path": s.rel, **s.attrs} for s in shards],
+                varying_attrs=varying,
+                config_varying=config_varying,
+                alias_count=len(aliases),
+                skipped_count=len(skipped),
+            )
+            write_root_attrs(f, root)
+
+            # per-record datasets: copied block by block (checksums verified on read)
+            for name, kind in PER_RECORD.items():
+                if kind == "str":
+                    width = max(s.widths[name] for s in shards)
+                    dst = create_fixed_string_dataset(f, name, n, width)
+                    cast = string_dtype(width)
+                else:
+                    dtype = np.result_type(*[s.dtypes[name] for s in shards])
+                    dst = create_array_dataset(f, name, shape=(n,), dtype=dtype, compress=True,
+                                               rows=min(max(n, 1), 131_072))
+                    cast = dtype
+                for shard, start in zip(shards, record_rows[:-1]):
+                    _copy_rows(shard.path, name, dst, int(start), cast, check_finite=False)
+
+            g = f.create_group("mean")
+            _tag(g, "pooled-layers", pooling="mean")
+            for k in layers:
+                dst = create_array_dataset(g, f"layer_{k}", shape=(n, dim), dtype=storage)
+                for shard, start in zip(shards, record_rows[:-1]):
+                    _copy_rows(shard.path, f"mean/layer_{k}", dst, int(start), storage, check_finite=True)
+
+            if per_residue:
+                pr = f.create_group("per_residue")
+                _tag(pr, "ragged-layers")
+                offsets = np.concatenate(
+                    [[0]] + [s.offsets[1:] + base for s, base in zip(shards, residue_rows[:-1])]  # type: ignore[index]
+                ).astype(np.int64)
+                ds = create_array_dataset(pr, "offsets", shape=(n + 1,), dtype=np.int64, data=offsets,
+                                          rows=min(n + 1, 131_072), compress=True)
+                ds.attrs["encoding-type"] = "offsets"
+                total = int(residue_rows[-1])
+                for k in layers:
+                    name = f"layer_{k}"
+                    if total == 0:
+                        create_array_dataset(pr, name, shape=(0, dim), dtype=storage)
+                        continue
+                    layout = h5py.VirtualLayout(shape=(total, dim), dtype=storage)
+                    for shard, base in zip(shards, residue_rows[:-1]):
+                        if shard.rows:
+                            layout[int(base) : int(base) + shard.rows] = h5py.VirtualSource(
+                                shard.rel, f"per_residue/{name}", shape=(shard.rows, dim), dtype=storage
+                            )
+                    # a missing source reads as NaN (not zeros), which validate and readers catch
+                    vds = pr.create_virtual_dataset(name, layout, fillvalue=np.nan)
+                    _tag(vds, "virtual-array")
+
+            if manifest is not None:
+                ga = f.create_group("aliases")
+                _tag(ga, "aliases")
+                create_string_dataset(ga, "id", [a for a, _ in aliases])
+                create_string_dataset(ga, "of", [b for _, b in aliases])
+                gs = f.create_group("skipped")
+                _tag(gs, "skipped")
+                create_string_dataset(gs, "id", [a for a, _ in skipped])
+                create_string_dataset(gs, "reason", [b for _, b in skipped])
+
+            f.flush()
+            f.attrs["complete"] = np.bool_(True)  # last
+    return MergeSummary(
+        out=out,
+        stores=len(shards),
+        records=n,
+        per_residue_rows=int(residue_rows[-1]) if per_residue else 0,
+        aliases=len(aliases),
+        skipped=len(skipped),
+        skipped_by_reason=dict(Counter(r for _, r in skipped)),
+        varying_attrs=varying,
+        file_size=out.stat().st_size,
+    )
+
+
+def _copy_rows(src_path: Path, name: str, dst: h5py.Dataset, start: int, cast: Any, *, check_finite: bool) -> None:
+    with h5py.File(src_path, "r") as g:
+        src = g[name]
+        for sl in iter_row_blocks(src):
+            try:
+                block = src[sl]
+            except OSError as exc:
+                raise StoreError(
+                    f"{src_path}: dataset {name} rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
+                ) from None
+            if check_finite and not np.isfinite(block).all():
+                raise StoreError(f"{src_path}: dataset {name} holds non-finite values; run embedpipe validate")
+            with contextlib.suppress(AttributeError):
+                block = block.astype(cast, copy=False)
+            dst[start + sl.start : start + sl.stop] = block
+
+
+__all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]

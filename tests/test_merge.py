@@ -1,0 +1,262 @@
+"""Merging shard stores: copied tables and means, virtual per-residue datasets, aliases, checks."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import embedpipe
+from embedpipe.errors import StoreError
+from embedpipe.merge import merge_stores
+from embedpipe.records import EmbeddedRecord
+from embedpipe.store import StoreWriter, store_info, validate_store
+
+AMINO = "ACDEFGHIKLMNPQRSTVWY"
+ATTRS = {"model_name": "esm2_t", "model_sha256": "cd" * 32, "precision_policy": "fp16", "device": "cpu",
+         "model_trained": False}
+
+
+def synthetic(prefix: str, n: int, *, start_len: int, dim: int = 8, layers=(1, 2), seed: int = 0):
+    records = []
+    for i in range(n):
+        length = start_len + i
+        seq = "".join(AMINO[(i * 3 + j * 7 + seed) % 20] for j in range(length))
+        base = np.arange(dim, dtype=np.float64)
+        grid = np.arange(length, dtype=np.float64)[:, None] * dim + base[None, :]
+        records.append(
+            EmbeddedRecord(
+                id=f"{prefix}{i}", sequence=seq, precision_used="fp16" if i % 3 else "fp32",
+                fallback_reason="" if i % 3 else "nonfinite",
+                mean={k: np.sin(base + i + k + seed).astype(np.float32) for k in layers},
+                per_residue={k: np.cos(grid * 0.05 + i + k + seed).astype(np.float32) for k in layers},
+                max_abs_activation=float(i), embedded_length=length,
+            )
+        )
+    return records
+
+
+def write(path: Path, records, *, layers=(1, 2), dim: int = 8, storage_dtype: str = "float32",
+          per_residue: bool = True, attrs=None) -> Path:
+    order = list(range(len(records)))
+    random.Random(3).shuffle(order)
+    with StoreWriter(path, ids=[r.id for r in records], sequences=[r.sequence for r in records],
+                     residue_rows=[len(r.sequence) for r in records] if per_residue else None,
+                     layers=list(layers), dim=dim, storage_dtype=storage_dtype,
+                     attrs={**ATTRS, "config": {"out": str(path), "layers": list(layers)}, **(attrs or {})}) as w:
+        for i in order:
+            w.write(i, records[i])
+    return path
+
+
+def sha(seq: str) -> str:
+    return hashlib.sha256(seq.encode()).hexdigest()
+
+
+@pytest.fixture
+def results(tmp_path):
+    """results/stores/shard-0000{0,1,2}.h5 with 6 + 5 + 4 records and a manifest."""
+    root = tmp_path / "results"
+    shards = [("a", 6, 40), ("b", 5, 46), ("c", 4, 51)]
+    all_records, paths = [], []
+    for k, (prefix, n, start) in enumerate(shards):
+        recs = synthetic(prefix, n, start_len=start, seed=k)
+        paths.append(write(root / "stores" / f"shard-{k:05d}.h5", recs))
+        all_records.append(recs)
+    header = "id\tsource\tlength\tsequence_sha256\tshard\tstatus\tduplicate_of\tnormalised\n"
+    rows = []
+    for k, recs in enumerate(all_records):
+        for r in recs:
+            rows.append(f"{r.id}\tin.fa:1\t{len(r.sequence)}\t{sha(r.sequence)}\t{k}\tok\t\t\n")
+    dup_of = all_records[1][2]
+    rows.insert(3, f"dupB2\tin.fa:9\t{len(dup_of.sequence)}\t{sha(dup_of.sequence)}\t1\tduplicate\t{dup_of.id}\t\n")
+    rows.append(f"dupA0\tin.fa:11\t40\t{sha(all_records[0][0].sequence)}\t0\tduplicate\t\t\n")  # by sha only
+    rows.append("bad1\tin.fa:13\t0\t\t\tskipped:empty\t\t\n")
+    rows.append("bad2\tin.fa:15\t5\t\t\tskipped:invalid_characters\t\t\n")
+    manifest = root / "shards" / "manifest.tsv"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(header + "".join(rows))
+    return root, paths, [r for recs in all_records for r in recs], manifest
+
+
+def test_merge_round_trip(results):
+    root, paths, records, manifest = results
+    out = root / "embeddings.h5"
+    summary = merge_stores(paths, out=out, manifest=manifest)
+    assert summary.records == 15 and summary.aliases == 2 and summary.skipped == 2
+    assert "aliases 2" in summary.render() and "empty 1" in summary.render()
+    assert validate_store(out) == []
+    with embedpipe.open_store(out) as store:
+        assert store.ids == [r.id for r in records]
+        np.testing.assert_array_equal(store.mean(1).compute(), np.stack([r.mean[1] for r in records]))
+        for r in records:
+            np.testing.assert_array_equal(store.per_residue(r.id, 2), r.per_residue[2])
+        assert store.aliases == {"dupB2": "b2", "dupA0": "a0"}
+        assert store.skipped == {"bad1": "empty", "bad2": "invalid_characters"}
+        assert store.index("dupB2") == store.index("b2")
+        np.testing.assert_array_equal(store.per_residue("dupB2"), records[8].per_residue[2])
+        assert store["dupA0"]["alias_of"] == "a0"
+        with pytest.raises(KeyError, match="skipped"):
+            store.index("bad1")
+        prov = store.provenance
+        assert prov["model_sha256"] == "cd" * 32 and prov["precision_policy"] == "fp16"
+        assert prov["merged_from"] == [f"stores/shard-0000{k}.h5" for k in range(3)]
+        assert prov["alias_count"] == 2 and prov["skipped_count"] == 2
+        assert prov["config"] == {"layers": [1, 2]} and prov["config_varying"] == ["out"]
+        assert len(prov["shard_provenance"]) == 3
+    with h5py.File(out, "r") as f:
+        assert f["per_residue/layer_1"].is_virtual and not f["mean/layer_1"].is_virtual
+    info = store_info(out)
+    assert info["aliases"] == 2 and info["skipped"] == 2 and len(info["merged_from"]) == 3
+
+
+def test_merged_file_is_small(tmp_path):
+    paths = [
+        write(tmp_path / f"s{k}.h5", synthetic(f"p{k}_", 10, start_len=200 + 10 * k, dim=64, seed=k), dim=64)
+        for k in range(2)
+    ]
+    out = tmp_path / "m.h5"
+    merge_stores(paths, out=out)
+    per_residue_bytes = 0
+    for p in paths:
+        with h5py.File(p, "r") as f:
+            per_residue_bytes += sum(f[f"per_residue/layer_{k}"].id.get_storage_size() for k in (1, 2))
+    assert per_residue_bytes > 2_000_000
+    assert out.stat().st_size < per_residue_bytes / 20
+    assert validate_store(out) == []
+
+
+def test_moved_results_directory_still_works(results, tmp_path):
+    root, paths, records, manifest = results
+    merge_stores(paths, out=root / "embeddings.h5", manifest=manifest)
+    moved = tmp_path / "elsewhere" / "run1"
+    moved.parent.mkdir()
+    shutil.move(str(root), str(moved))
+    assert validate_store(moved / "embeddings.h5") == []
+    with embedpipe.open_store(moved / "embeddings.h5") as store:
+        np.testing.assert_array_equal(store.per_residue("c3", 1), records[-1].per_residue[1])
+        assert float(store.per_residue_array(1).sum().compute()) == pytest.approx(
+            float(sum(r.per_residue[1].sum() for r in records)), rel=1e-5
+        )
+
+
+def test_missing_or_replaced_source(results):
+    root, paths, records, _ = results
+    out = root / "m.h5"
+    merge_stores(paths, out=out)
+    # replaced by a different store with other records
+    paths[1].unlink()
+    write(paths[1], synthetic("z", 5, start_len=46))
+    problems = validate_store(out)
+    assert any("shard-00001.h5 holds different records" in p for p in problems), problems
+    paths[1].unlink()
+    problems = validate_store(out)
+    assert any("source store stores/shard-00001.h5 is missing" in p for p in problems), problems
+    with pytest.raises(StoreError, match="shard-00001.h5 is missing"):
+        embedpipe.open_store(out)
+
+
+def test_checksums_verified_through_virtual_datasets(results):
+    root, paths, _, _ = results
+    out = root / "m.h5"
+    merge_stores(paths, out=out)
+    with h5py.File(paths[2], "r") as f:
+        chunk = f["per_residue/layer_2"].id.get_chunk_info(0)
+    with open(paths[2], "r+b") as fh:
+        fh.seek(chunk.byte_offset + 10)
+        b = fh.read(1)
+        fh.seek(chunk.byte_offset + 10)
+        fh.write(bytes([b[0] ^ 0x55]))
+    problems = validate_store(out)
+    assert any("per_residue/layer_2" in p and "checksum" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "change, attr",
+    [
+        (dict(attrs={"model_sha256": "ef" * 32}), "model_sha256"),
+        (dict(attrs={"precision_policy": "bf16"}), "precision_policy"),
+        (dict(storage_dtype="float16"), "storage_dtype"),
+        (dict(layers=(2,)), "layers"),
+        (dict(dim=4), "dim"),
+        (dict(per_residue=False), "per_residue"),
+    ],
+)
+def test_mismatched_shards_refused(tmp_path, change, attr):
+    a = write(tmp_path / "a.h5", synthetic("a", 3, start_len=5))
+    dim = change.get("dim", 8)
+    b = write(tmp_path / "b.h5", synthetic("b", 3, start_len=9, dim=dim, layers=change.get("layers", (1, 2))), **change)
+    with pytest.raises(StoreError, match=rf"b\.h5: {attr} is"):
+        merge_stores([a, b], out=tmp_path / "m.h5")
+    assert not (tmp_path / "m.h5").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_duplicate_ids_and_bad_inputs_refused(tmp_path):
+    a = write(tmp_path / "a.h5", synthetic("x", 3, start_len=5))
+    b = write(tmp_path / "b.h5", synthetic("x", 2, start_len=9))
+    with pytest.raises(StoreError, match="duplicate id 'x0'"):
+        merge_stores([a, b], out=tmp_path / "m.h5")
+    with pytest.raises(StoreError, match="given twice"):
+        merge_stores([a, a], out=tmp_path / "m.h5")
+    with pytest.raises(StoreError, match="overwrite"):
+        merge_stores([a], out=a)
+    merge_stores([a], out=tmp_path / "m.h5")
+    with pytest.raises(StoreError, match="itself a merged store"):
+        merge_stores([tmp_path / "m.h5"], out=tmp_path / "m2.h5")
+    with h5py.File(b, "r+") as f:
+        del f.attrs["complete"]
+    with pytest.raises(StoreError, match="incomplete"):
+        merge_stores([b], out=tmp_path / "m3.h5")
+
+
+def test_manifest_mismatch_refused(results):
+    root, paths, records, manifest = results
+    text = manifest.read_text()
+    missing = root / "missing.tsv"
+    missing.write_text(text + f"ghost\tin.fa:99\t3\t{sha('AAA')}\t2\tok\t\t\n")
+    with pytest.raises(StoreError, match=r"id 'ghost' \(status ok, shard '2'\) is not in any"):
+        merge_stores(paths, out=root / "m.h5", manifest=missing)
+    extra = root / "extra.tsv"
+    extra.write_text("\n".join(line for line in text.splitlines() if not line.startswith("c3\t")) + "\n")
+    with pytest.raises(StoreError, match="holds id 'c3'"):
+        merge_stores(paths, out=root / "m.h5", manifest=extra)
+    orphan = root / "orphan.tsv"
+    orphan.write_text(text + f"dupX\tin.fa:1\t3\t{sha('WWW')}\t1\tduplicate\t\t\n")
+    with pytest.raises(StoreError, match="duplicate 'dupX' has no ok record"):
+        merge_stores(paths, out=root / "m.h5", manifest=orphan)
+    nocol = root / "nocol.tsv"
+    nocol.write_text("id\tstatus\nx\tok\n")
+    with pytest.raises(StoreError, match="missing column"):
+        merge_stores(paths, out=root / "m.h5", manifest=nocol)
+    assert not (root / "m.h5").exists()
+
+
+def test_float16_without_per_residue_is_self_contained(tmp_path):
+    a = write(tmp_path / "s" / "a.h5", synthetic("a", 4, start_len=5), storage_dtype="float16", per_residue=False)
+    b = write(tmp_path / "s" / "b.h5", synthetic("b", 3, start_len=9), storage_dtype="float16", per_residue=False)
+    out = tmp_path / "m.h5"
+    merge_stores([a, b], out=out)
+    assert validate_store(out) == []
+    with h5py.File(out, "r") as f:
+        assert "per_residue" not in f and f["mean/layer_2"].dtype == np.float16
+    with embedpipe.open_store(out) as store:
+        assert store.mean().compute().shape == (7, 8)
+
+
+def test_cli_merge(results):
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    root, paths, _, manifest = results
+    out = root / "cli.h5"
+    res = CliRunner().invoke(app, ["merge", *map(str, paths), "--out", str(out), "--manifest", str(manifest)])
+    assert res.exit_code == 0, res.output
+    assert "15 records" in res.output
+    res = CliRunner().invoke(app, ["validate", str(out)])
+    assert res.exit_code == 0, res.output
