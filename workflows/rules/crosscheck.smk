@@ -1,0 +1,33 @@
+# Re-embed a random sample of the merged store in fp32 and compare: crosscheck.json for
+# machines, crosscheck.html for people (also part of `snakemake --report`).
+
+
+rule crosscheck:
+    input:
+        store=f"{OUTDIR}/embeddings.h5",
+        model=model_input(),
+    output:
+        json=f"{OUTDIR}/crosscheck/crosscheck.json",
+        html=report(
+            f"{OUTDIR}/crosscheck/crosscheck.html",
+            caption="../report/crosscheck.rst",
+            category="Cross-check",
+            labels={"report": "fp32 cross-check"},
+        ),
+    log:
+        f"{OUTDIR}/logs/crosscheck.log",
+    conda:
+        "../envs/embedpipe.yaml"
+    params:
+        outdir=lambda wildcards, output: os.path.dirname(output.json),
+        model=model_arg,
+        options=crosscheck_options(),
+    threads: 4
+    resources:
+        gpu=gpus,
+        mem_mb=lambda wildcards, attempt: model_mem_mb(attempt),
+        runtime=120,
+    shell:
+        "embedpipe crosscheck {input.store:q} --out {params.outdir:q} --model {params.model:q}"
+        " {params.options}"
+        " > {log:q} 2>&1"
