@@ -59,7 +59,8 @@ def test_fp16_overflow_falls_back_exactly_for_records_with_the_token(tmp_path, o
             ref = fair_esm_forward(model, alphabet, seq, [0, 2])
             for layer in (0, 2):
                 np.testing.assert_allclose(store["per_residue"][layer][rid], ref[layer], atol=1e-5, rtol=0)
-                np.testing.assert_allclose(store["mean"][layer][rid], ref[layer].mean(0), atol=1e-5, rtol=0)
+                # layer 0 holds the 61,600-sized 'C' row: fp32 summation order alone moves the mean by ~4e-4
+                np.testing.assert_allclose(store["mean"][layer][rid], ref[layer].mean(0), atol=1e-5, rtol=1e-6)
             assert not np.isfinite(store["fields"]["max_abs_activation"][rid])  # seen in the fp16 pass
         else:
             assert used[rid] == "fp16" and reasons[rid] == "", rid
