@@ -1,0 +1,528 @@
+"""Dedupe by sequence content, sort by length, cut into token-budget shards, write a manifest.
+
+Two passes, so that memory holds a compact index per record and never the sequences:
+
+1. Stream every input (:func:`embedpipe.fasta.iter_fasta`), validate and normalise each
+   record, hash its normalised sequence (sha256), and append each *new* sequence to a spool
+   file in a temporary directory next to ``out``. In memory: per record its ID, file, line,
+   length, status and digest; per unique sequence its spool offset and length.
+2. Sort the unique sequences by length, plan shards greedily under the token budget
+   (residues + 2 per record: BOS and EOS), read each sequence back from the spool and write
+   the shard files, then ``manifest.tsv`` (one row per input record, in input order) and
+   ``shards.json``.
+
+Everything is written into the temporary directory and moved into ``out`` only once all of
+it is complete, so a failed run leaves no manifest or shard files behind (and never a mix of
+an old and a new run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from embedpipe.atomic import fsync_dir
+from embedpipe.errors import InputError
+from embedpipe.fasta import INVALID_REASONS, NORMALISATION_KINDS, iter_fasta
+from embedpipe.progress import progress_bar
+
+ON_INVALID = ("error", "skip")
+MANIFEST = "manifest.tsv"
+SHARDS_JSON = "shards.json"
+SHARDS_FORMAT = "embedpipe.shards"
+SHARDS_VERSION = 1
+MANIFEST_COLUMNS = ("id", "source", "length", "sequence_sha256", "shard", "status", "duplicate_of", "normalised")
+TOKENS_PER_RECORD = 2  # BOS + EOS
+
+# Per-record status codes (a bytearray in memory): OK, DUPLICATE, then one per invalid reason.
+_OK = 0
+_DUPLICATE = 1
+_SKIP_BASE = 2
+_REASON_CODE = {reason: _SKIP_BASE + k for k, reason in enumerate(INVALID_REASONS)}
+_NORM_BIT = {kind: 1 << k for k, kind in enumerate(NORMALISATION_KINDS)}
+
+
+def shard_name(index: int) -> str:
+    """File name of shard ``index``: ``shard-00000.fasta``, ..."""
+    return f"shard-{index:05d}.fasta"
+
+
+@dataclass
+class ShardInfo:
+    """One shard as listed in ``shards.json``."""
+
+    index: int
+    path: str
+    records: int
+    residues: int
+    tokens: int
+    min_length: int
+    max_length: int
+
+
+@dataclass
+class ShardSummary:
+    """What a shard run read and wrote; ``render()`` is the one-screen summary."""
+
+    inputs: list[str]
+    out: str
+    tokens_per_shard: int
+    on_invalid: str
+    records: int = 0
+    unique: int = 0
+    duplicates: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    normalised: dict[str, int] = field(default_factory=dict)
+    residues: int = 0  # residues of the unique sequences (what gets embedded)
+    tokens: int = 0  # residues + 2 per unique sequence
+    input_residues: int = 0  # residues of all valid input records, duplicates included
+    normalised_records: int = 0  # records changed by at least one normalisation
+    min_length: int = 0
+    max_length: int = 0
+    input_bytes: int = 0
+    elapsed_s: float = 0.0
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def counts(self) -> dict[str, object]:
+        return {
+            "records": self.records,
+            "unique": self.unique,
+            "duplicates": self.duplicates,
+            "skipped": self.n_skipped,
+            "skipped_by_reason": dict(self.skipped),
+            "normalised": self.normalised_records,
+            "normalised_by_kind": dict(self.normalised),
+            "shards": self.n_shards,
+            "residues": self.residues,
+            "tokens": self.tokens,
+            "input_residues": self.input_residues,
+            "min_length": self.min_length,
+            "max_length": self.max_length,
+        }
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def render(self) -> str:
+        def n(value: int) -> str:
+            return f"{value:,}"
+
+        files = "1 file" if len(self.inputs) == 1 else f"{len(self.inputs)} files"
+        lines = [
+            f"embedpipe shard: {n(self.records)} records read from {files} "
+            f"({self.input_bytes / 1e6:,.1f} MB) in {self.elapsed_s:.1f} s",
+            f"  unique sequences  {n(self.unique):>14}",
+            f"  duplicates        {n(self.duplicates):>14}  (same sequence as an earlier record)",
+            f"  skipped           {n(self.n_skipped):>14}"
+            + ("" if self.n_skipped else f"  (--on-invalid {self.on_invalid})"),
+        ]
+        for reason, count in sorted(self.skipped.items()):
+            lines.append(f"    {reason:<16}{n(count):>14}")
+        lines.append(f"  normalised        {n(self.normalised_records):>14}  (records; by kind:)")
+        for kind in NORMALISATION_KINDS:
+            lines.append(f"    {kind:<16}{n(self.normalised.get(kind, 0)):>14}")
+        lines.append(
+            f"  shards            {n(self.n_shards):>14}  (<= {n(self.tokens_per_shard)} tokens each) in {self.out}"
+        )
+        lines.append(f"  residues          {n(self.residues):>14}  ({n(self.tokens)} tokens)")
+        if self.unique:
+            lines.append(f"  lengths           {n(self.min_length):>14} .. {n(self.max_length)}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def plan_shards(lengths: Sequence[int], tokens_per_shard: int) -> list[int]:
+    """Boundaries of greedy shards over lengths already sorted ascending.
+
+    Returns ``bounds`` with ``bounds[0] == 0`` and ``bounds[-1] == len(lengths)``; shard k is
+    ``lengths[bounds[k]:bounds[k+1]]``. A shard holds at most ``tokens_per_shard`` tokens
+    (residues + 2 per record), except that a record longer than the budget gets a shard of
+    its own.
+    """
+    bounds = [0]
+    used = 0
+    for k, length in enumerate(lengths):
+        tokens = length + TOKENS_PER_RECORD
+        if used and used + tokens > tokens_per_shard:
+            bounds.append(k)
+            used = 0
+        used += tokens
+    if len(lengths):
+        bounds.append(len(lengths))
+    return bounds
+
+
+def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, on_invalid: str) -> list[Path]:
+    if on_invalid not in ON_INVALID:
+        raise InputError(f"--on-invalid must be one of {', '.join(ON_INVALID)}, not {on_invalid!r}")
+    if not isinstance(tokens_per_shard, int) or tokens_per_shard < 1:
+        raise InputError(f"--tokens-per-shard must be a positive integer, not {tokens_per_shard!r}")
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise InputError("no input FASTA files given")
+    for path in paths:
+        if not path.exists():
+            raise InputError(f"{path}: no such file")
+        if path.is_dir():
+            raise InputError(f"{path}: is a directory, not a FASTA file")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: exists and is not a directory")
+    return paths
+
+
+def shard_fasta(
+    inputs: Sequence[Path],
+    *,
+    out: Path,
+    tokens_per_shard: int,
+    on_invalid: str = "error",
+    quiet: bool = False,
+) -> ShardSummary:
+    """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
+
+    Writes ``out/shard-00000.fasta`` ..., ``out/manifest.tsv`` and ``out/shards.json``
+    (docs: DESIGN section 4). ``on_invalid="error"`` stops at the first invalid record with an
+    :class:`InputError`; ``"skip"`` records it in the manifest as ``skipped:<reason>``.
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    paths = _check_arguments(inputs, out, tokens_per_shard, on_invalid)
+    summary = ShardSummary(
+        inputs=[str(p) for p in paths], out=str(out), tokens_per_shard=tokens_per_shard, on_invalid=on_invalid
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkdtemp: its 0700 mode would stick to ``out`` after the rename; mkdir honours umask.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
+        _install(tmp, out, [shard_name(s.index) for s in summary.shards])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary.elapsed_s = time.perf_counter() - started
+    return summary
+
+
+def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool) -> None:
+    with _Syncer() as syncer:
+        _run_passes(paths, tmp, summary, budget, on_invalid, quiet, syncer)
+
+
+def _run_passes(
+    paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool, syncer: _Syncer
+) -> None:
+    import numpy as np
+
+    # ---- pass 1: read, validate, normalise, hash; spool every valid sequence ----------------
+    ids: list[str] = []
+    file_index = array("I")
+    line = array("q")
+    length = array("q")
+    offset = array("q")  # per record: where its normalised sequence starts in the spool
+    status = bytearray()
+    norm = bytearray()
+    digests = bytearray()
+    zero_digest = bytes(32)
+    sha256 = hashlib.sha256
+    norm_bit = _NORM_BIT
+    reason_code = _REASON_CODE
+    skipping = on_invalid == "skip"
+
+    summary.input_bytes = total_bytes = sum(p.stat().st_size for p in paths)
+    spool_path = tmp / ".spool"
+    spool_pos = 0
+    with open(spool_path, "wb", buffering=8 << 20) as spool, progress_bar(
+        quiet=quiet, total=total_bytes, unit="B", unit_scale=True, desc="reading"
+    ) as bar:
+        for rec in iter_fasta(paths, on_bytes=bar.update):
+            ids.append(rec.id)
+            file_index.append(rec.file_index)
+            line.append(rec.line)
+            data = rec.data
+            size = len(data)
+            length.append(size)
+            flags = 0
+            for kind in rec.normalised:
+                flags |= norm_bit[kind]
+            norm.append(flags)
+            if rec.invalid is not None:
+                if not skipping:
+                    raise InputError(rec.error or f"{rec.source}: record '{rec.id}': {rec.invalid}")
+                status.append(reason_code[rec.invalid])
+                digests += zero_digest
+                offset.append(-1)
+                continue
+            digests += sha256(data).digest()
+            status.append(_OK)
+            offset.append(spool_pos)
+            spool.write(data)
+            spool_pos += size
+
+    n_records = len(ids)
+    if n_records == 0:
+        raise InputError(f"no FASTA records found in {', '.join(summary.inputs)}")
+
+    # ---- dedupe by sha256 of the normalised sequence --------------------------------------
+    status_np = np.frombuffer(status, dtype=np.uint8)
+    length_np = np.frombuffer(length, dtype=np.int64)
+    kept = _first_copies(np.frombuffer(digests, dtype=np.uint64).reshape(-1, 4), status_np < _SKIP_BASE)
+    is_dup = kept >= 0
+    is_dup[is_dup] = kept[is_dup] != np.flatnonzero(is_dup)
+    status_np = status_np.copy()
+    status_np[is_dup] = _DUPLICATE
+    unique_rec = np.flatnonzero(status_np == _OK)  # kept copies, in input order
+    unique_of = np.full(n_records, -1, dtype=np.int64)  # per record: its unique sequence
+    unique_of[unique_rec] = np.arange(len(unique_rec))
+    unique_of[is_dup] = unique_of[kept[is_dup]]
+    del kept, is_dup
+
+    # ---- counts --------------------------------------------------------------------------
+    code_counts = np.bincount(status_np, minlength=_SKIP_BASE + len(INVALID_REASONS))
+    norm_np = np.frombuffer(norm, dtype=np.uint8)
+    summary.records = n_records
+    summary.unique = int(code_counts[_OK])
+    summary.duplicates = int(code_counts[_DUPLICATE])
+    summary.skipped = {
+        reason: int(code_counts[code]) for reason, code in reason_code.items() if code_counts[code]
+    }
+    summary.normalised = {kind: int(np.count_nonzero(norm_np & bit)) for kind, bit in norm_bit.items()}
+    summary.normalised_records = int(np.count_nonzero(norm_np))
+    summary.input_residues = int(length_np[status_np < _SKIP_BASE].sum())
+
+    # ---- plan: sort unique sequences by length (stable: ties in input order), cut by budget --
+    u_len = length_np[unique_rec]
+    order = np.argsort(u_len, kind="stable")
+    sorted_len = u_len[order]
+    bounds = plan_shards(sorted_len.tolist(), budget)
+    shard_of_unique = np.empty(len(unique_rec), dtype=np.int64)
+    for k in range(len(bounds) - 1):
+        shard_of_unique[order[bounds[k] : bounds[k + 1]]] = k
+    summary.residues = int(sorted_len.sum())
+    summary.tokens = summary.residues + TOKENS_PER_RECORD * len(unique_rec)
+    if len(unique_rec):
+        summary.min_length = int(sorted_len[0])
+        summary.max_length = int(sorted_len[-1])
+
+    # ---- pass 2: write the shards from the spool -----------------------------------------
+    sorted_rec = unique_rec[order].tolist()
+    del order
+    # pread, not mmap: faulting in random spool pages maps whole 64 KiB neighbourhoods and
+    # would make the page cache look like this process's memory.
+    with open(spool_path, "rb") as fh, progress_bar(
+        quiet=quiet, total=len(sorted_rec), unit="seq", unit_scale=True, desc="writing shards"
+    ) as bar:
+        fd = fh.fileno()
+        pread = os.pread
+        for k in range(len(bounds) - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            parts: list[bytes] = []
+            for i in sorted_rec[lo:hi]:
+                parts.append(b">%s\n%s\n" % (ids[i].encode(), pread(fd, length[i], offset[i])))
+            name = shard_name(k)
+            syncer.write(tmp / name, b"".join(parts))
+            del parts
+            residues = int(sorted_len[lo:hi].sum())
+            summary.shards.append(
+                ShardInfo(
+                    index=k,
+                    path=name,
+                    records=hi - lo,
+                    residues=residues,
+                    tokens=residues + TOKENS_PER_RECORD * (hi - lo),
+                    min_length=int(sorted_len[lo]),
+                    max_length=int(sorted_len[hi - 1]),
+                )
+            )
+            bar.update(hi - lo)
+    del sorted_rec
+    spool_path.unlink()
+
+    # ---- manifest (input order) and shards.json --------------------------------------------
+    sources = [str(p) for p in paths]
+    status_text = ["ok", "duplicate"] + [f"skipped:{reason}" for reason in INVALID_REASONS]
+    norm_text = [
+        ",".join(kind for kind, bit in norm_bit.items() if flags & bit) for flags in range(1 << len(norm_bit))
+    ]
+    shard_of = shard_of_unique.tolist()
+    first_of = unique_rec.tolist()
+    digest_view = memoryview(digests)
+    fh = open(tmp / MANIFEST, "w", encoding="utf-8", newline="\n", buffering=8 << 20)  # noqa: SIM115
+    with syncer.syncing(fh):
+        fh.write("\t".join(MANIFEST_COLUMNS) + "\n")
+        rows: list[str] = []
+        for i, code, u in zip(range(n_records), status_np.tolist(), unique_of.tolist()):
+            if code >= _SKIP_BASE:
+                rows.append(
+                    f"{ids[i]}\t{sources[file_index[i]]}:{line[i]}\t{length[i]}\t\t\t{status_text[code]}\t\t{norm_text[norm[i]]}\n"
+                )
+            else:
+                rows.append(
+                    f"{ids[i]}\t{sources[file_index[i]]}:{line[i]}\t{length[i]}\t"
+                    f"{digest_view[32 * i : 32 * i + 32].hex()}\t{shard_of[u]}\t{status_text[code]}\t"
+                    f"{ids[first_of[u]] if code == _DUPLICATE else ''}\t{norm_text[norm[i]]}\n"
+                )
+            if len(rows) >= 65536:
+                fh.write("".join(rows))
+                rows.clear()
+        fh.write("".join(rows))
+    digest_view.release()
+
+    meta = {
+        "format": SHARDS_FORMAT,
+        "version": SHARDS_VERSION,
+        "tokens_per_shard": budget,
+        "tokens_per_record": TOKENS_PER_RECORD,
+        "inputs": summary.inputs,
+        "on_invalid": on_invalid,
+        "manifest": MANIFEST,
+        "shards": [asdict(s) for s in summary.shards],
+        "counts": summary.counts(),
+    }
+    syncer.write(tmp / SHARDS_JSON, (json.dumps(meta, indent=1) + "\n").encode("utf-8"))
+
+
+def _first_copies(digests: "np.ndarray", valid: "np.ndarray") -> "np.ndarray":
+    """Per record, the index of the first record with the same digest (-1 where not ``valid``).
+
+    ``digests`` is (N, 4) uint64 (a view of the 32-byte sha256 digests). Sorting on the first
+    word alone is exact unless two *different* digests share it (odds ~N^2/2^65); then all four
+    words are sorted on. Stable sorts keep equal digests in input order, so the first of each
+    run is the earliest record.
+    """
+    import numpy as np
+
+    kept = np.full(len(digests), -1, dtype=np.int64)
+    rec = np.flatnonzero(valid)
+    if not len(rec):
+        return kept
+    d = digests[rec]
+    order = np.argsort(d[:, 0], kind="stable")
+    d = d[order]
+    same_word = d[1:, 0] == d[:-1, 0]
+    same = same_word & (d[1:] == d[:-1]).all(axis=1)
+    if not np.array_equal(same, same_word):  # a first-word collision: sort on all four words
+        d = digests[rec]
+        order = np.lexsort((np.arange(len(rec)), d[:, 3], d[:, 2], d[:, 1], d[:, 0]))
+        d = d[order]
+        same = (d[1:] == d[:-1]).all(axis=1)
+    starts = np.concatenate(([True], ~same))
+    group = np.cumsum(starts) - 1
+    first = rec[order][starts]
+    kept[rec[order]] = first[group]
+    return kept
+
+
+class _Syncer:
+    """Write files and fsync them on a background thread.
+
+    ``fsync`` releases the GIL, so the disk writeback of one shard overlaps the CPU work of the
+    next. Leaving the ``with`` block waits for every fsync (and re-raises its error); only then
+    are the files moved into place.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedpipe-fsync")
+        self._pending: list[Future[None]] = []
+
+    def __enter__(self) -> _Syncer:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        try:
+            for future in self._pending:
+                if exc_type is None:
+                    future.result()
+                else:
+                    future.exception()  # wait, but let the first error propagate
+        finally:
+            self._pool.shutdown(wait=True)
+
+    @staticmethod
+    def _finish(fh: IO[Any]) -> None:
+        try:
+            fh.flush()
+            os.fsync(fh.fileno())
+        finally:
+            fh.close()
+
+    @contextlib.contextmanager
+    def syncing(self, fh: IO[Any]) -> Iterator[IO[Any]]:
+        """Use an open file; on success it is flushed, fsynced and closed in the background."""
+        try:
+            yield fh
+        except BaseException:
+            fh.close()
+            raise
+        self._pending.append(self._pool.submit(self._finish, fh))
+
+    def write(self, path: Path, data: bytes) -> None:
+        fh = open(path, "wb")  # noqa: SIM115 - closed by _finish
+        with self.syncing(fh):
+            fh.write(data)
+
+
+def _install(tmp: Path, out: Path, shard_files: list[str]) -> None:
+    """Move the finished run from ``tmp`` into ``out``.
+
+    A fresh ``out`` is one directory rename. Over an existing directory, the old
+    ``shards.json`` and manifest go first (so a half-replaced directory never looks complete),
+    then the shard files, stale shards of the old run are removed, and ``shards.json`` comes
+    last. Other files in ``out`` are left alone.
+    """
+    if not out.exists():
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            pass  # appeared meanwhile: fall through to the per-file path
+        else:
+            fsync_dir(out.parent)
+            return
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (SHARDS_JSON, MANIFEST):
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+    fsync_dir(out)
+    keep = set(shard_files)
+    for name in shard_files:
+        os.replace(tmp / name, out / name)
+    for stale in out.glob("shard-*.fasta"):
+        if stale.name not in keep:
+            stale.unlink()
+    os.replace(tmp / MANIFEST, out / MANIFEST)
+    fsync_dir(out)
+    os.replace(tmp / SHARDS_JSON, out / SHARDS_JSON)
+    fsync_dir(out)
+
+
+__all__ = [
+    "ShardInfo",
+    "ShardSummary",
+    "shard_fasta",
+    "plan_shards",
+    "shard_name",
+    "MANIFEST",
+    "MANIFEST_COLUMNS",
+    "SHARDS_JSON",
+    "TOKENS_PER_RECORD",
+]
