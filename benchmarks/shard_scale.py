@@ -1,0 +1,147 @@
+"""Sharding at scale: `embedpipe shard` against `seqkit sort --by-length --two-pass`.
+
+Generates (once, cached) a FASTA of ~1,000,000 protein-like records (~350 MB: lognormal
+lengths with a median near 235 aa, mean near 275, 60-column lines, UniProt-style headers, ~2% exact
+duplicate sequences, some lowercase and trailing '*'), then runs both tools on it as
+subprocesses, one after the other, measuring wall time and peak RSS of each (GNU ``time``),
+and prints a table and the wall-time ratio.
+
+    python benchmarks/shard_scale.py                 # 1,000,000 records under benchmarks/out/
+    python benchmarks/shard_scale.py --records 100000 --repeat 1
+
+Needs `seqkit` and GNU `time` (Debian: `apt-get install seqkit time`). Data and outputs go under
+``benchmarks/out/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+# UniProt amino-acid composition (percent), 20 standard residues.
+AA = b"ARNDCQEGHILKMFPSTWYV"
+FREQ = np.array([8.25, 5.53, 4.06, 5.45, 1.37, 3.93, 6.75, 7.07, 2.27, 5.96,
+                 9.66, 5.84, 2.42, 3.86, 4.70, 6.56, 5.34, 1.08, 2.92, 6.87])
+
+
+def generate(path: Path, records: int, seed: int = 0) -> None:
+    """Write ``records`` protein-like FASTA records to ``path`` (atomically)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(mean=np.log(235), sigma=0.55, size=records), 20, 35000).astype(np.int64)
+    dup = rng.random(records) < 0.02  # ~2% repeat an earlier sequence exactly
+    lower = rng.random(records) < 0.01  # ~1% lowercase
+    stop = rng.random(records) < 0.05  # ~5% end in '*' (translated ORFs)
+    alphabet = np.frombuffer(AA, dtype=np.uint8)
+    tmp = path.with_suffix(".tmp")
+    chunk = 50_000
+    sequences: list[bytes] = []  # a small pool of earlier sequences to duplicate
+    with open(tmp, "wb", buffering=16 << 20) as fh:
+        for start in range(0, records, chunk):
+            stop_i = min(records, start + chunk)
+            n = lengths[start:stop_i]
+            residues = alphabet[rng.choice(20, size=int(n.sum()), p=FREQ / FREQ.sum())].tobytes()
+            parts = []
+            pos = 0
+            for j, size in enumerate(n.tolist()):
+                i = start + j
+                seq = residues[pos : pos + size]
+                pos += size
+                if dup[i] and sequences:
+                    seq = sequences[int(rng.integers(len(sequences)))]
+                elif len(sequences) < 10_000:
+                    sequences.append(seq)
+                if lower[i]:
+                    seq = seq.lower()
+                if stop[i]:
+                    seq += b"*"
+                wrapped = b"\n".join(seq[k : k + 60] for k in range(0, len(seq), 60))
+                parts.append(b">tr|A%07d|A%07d_SYNTH Synthetic protein %d OS=Benchmarkia synthetica\n%s\n" % (i, i, i, wrapped))
+            fh.write(b"".join(parts))
+    os.replace(tmp, path)
+
+
+def run(cmd: list[str]) -> tuple[float, float]:
+    """Run ``cmd``; return (wall seconds, peak RSS in MiB).
+
+    Measured by GNU time (``/usr/bin/time``, Debian package ``time``): its child is forked
+    from a small process, whereas a child forked straight from this (large) Python process
+    would report this process's RSS as its own peak (``ru_maxrss`` survives ``exec``).
+    """
+    gnu_time = shutil.which("time", path="/usr/bin:/bin")
+    if gnu_time is None:
+        sys.exit("GNU time not found (Debian/Ubuntu: apt-get install time)")
+    start = time.perf_counter()
+    proc = subprocess.run([gnu_time, "-f", "@@ %e %M", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("@@ ")][-1].split()
+    return float(stats[1]) or wall, int(stats[2]) / 1024  # %M is KiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--out", type=Path, default=HERE / "out")
+    parser.add_argument("--tokens-per-shard", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each tool; the best wall time counts")
+    args = parser.parse_args()
+
+    seqkit = shutil.which("seqkit")
+    if seqkit is None:
+        sys.exit("seqkit not found on PATH (Debian/Ubuntu: apt-get install seqkit)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    fasta = args.out / f"synthetic-{args.records}.fasta"
+    if not fasta.exists():
+        t = time.perf_counter()
+        print(f"generating {fasta} ...", file=sys.stderr)
+        generate(fasta, args.records)
+        print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    size_mb = fasta.stat().st_size / 1e6
+    seqkit_version = subprocess.run([seqkit, "version"], capture_output=True, text=True).stdout.strip()
+
+    embedpipe_cmd = [sys.executable, "-m", "embedpipe.cli", "shard", str(fasta), "--out", str(args.out / "shards"),
+                     "--tokens-per-shard", str(args.tokens_per_shard), "--quiet"]
+    seqkit_cmd = [seqkit, "sort", "--by-length", "--two-pass", str(fasta), "-o", str(args.out / "seqkit-sorted.fasta")]
+    # seqkit --two-pass writes a .seqkit.fai index next to the input; remove it before each
+    # run so that both tools read the input from scratch.
+    fai = Path(str(fasta) + ".seqkit.fai")
+
+    results: dict[str, list[tuple[float, float]]] = {"embedpipe shard": [], "seqkit sort --two-pass": []}
+    for _ in range(args.repeat):
+        wall, rss = run(embedpipe_cmd)
+        results["embedpipe shard"].append((wall, rss))
+        fai.unlink(missing_ok=True)
+        wall, rss = run(seqkit_cmd)
+        results["seqkit sort --two-pass"].append((wall, rss))
+        fai.unlink(missing_ok=True)
+
+    best = {name: min(runs) for name, runs in results.items()}
+    peak = {name: max(r for _, r in runs) for name, runs in results.items()}
+    print(f"input: {fasta.name}, {args.records:,} records, {size_mb:,.0f} MB; "
+          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); "
+          f"Python {platform.python_version()}; {seqkit_version}; best of {args.repeat}")
+    print()
+    print("| tool | wall time (s), best | all runs (s) | peak RSS (MiB) |")
+    print("| --- | ---: | --- | ---: |")
+    for name, runs in results.items():
+        all_runs = ", ".join(f"{w:.1f}" for w, _ in runs)
+        print(f"| {name} | {best[name][0]:.1f} | {all_runs} | {peak[name]:,.0f} |")
+    ratio = best["embedpipe shard"][0] / best["seqkit sort --two-pass"][0]
+    print()
+    print(f"wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0); "
+          f"embedpipe peak RSS {peak['embedpipe shard']:,.0f} MiB (target <= 1024)")
+
+
+if __name__ == "__main__":
+    main()
