@@ -1,0 +1,371 @@
+"""The Snakemake workflow, end to end on the CPU with a tiny random-weight test model.
+
+Every test here runs `snakemake` (the root Snakefile) in a temporary working directory, so
+the checkout stays clean. The model is written by the workflow's own make_test_model rule
+(the offline-demo path); nothing is downloaded.
+
+Covered: `--lint` is clean; dry-runs list the expected jobs and validate the config; an
+offline run of the default config fails at once with the fix; a full run leaves the four
+contract outputs, a valid merged store in which every input ID resolves, per-shard logs and
+benchmarks, a report with the cross-check page, and nothing to do on rerun; a run killed
+during embedding resumes (`--rerun-incomplete`) to the same store; one failing shard under
+`--keep-going` leaves the other shard stores valid.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEFILE = ROOT / "Snakefile"
+EXAMPLE = ROOT / "examples" / "swissprot100.fasta"
+CONTRACT_OUTPUTS = (
+    "shards/manifest.tsv",
+    "embeddings.h5",
+    "crosscheck/crosscheck.json",
+    "crosscheck/crosscheck.html",
+)
+CORES = "2"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # The rules call `embedpipe`: make the one next to this interpreter win.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def demo_config(workdir: Path, **overrides: object) -> Path:
+    """A config like configs/offline-demo.yaml, smaller: 2-layer dim-32 model, 3 shards."""
+    config: dict[str, object] = {
+        "input": str(EXAMPLE),
+        "outdir": "out",
+        "model": "out/model/esm2_test_t2_32.pt",
+        "test_model": {"layers": 2, "dim": 32, "heads": 4, "seed": 0},
+        "precision": "fp32",
+        "layers": [-1],
+        "per_residue": True,
+        "device": "cpu",
+        "tokens_per_batch": 4096,
+        "tokens_per_shard": 15000,
+        "crosscheck": {"sample": 8, "seed": 0},
+    }
+    config.update(overrides)
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def snakemake(
+    workdir: Path,
+    *args: str,
+    configfile: Path | None = None,
+    check: bool = True,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir)]
+    if configfile is not None:
+        cmd += ["--configfile", str(configfile)]
+    cmd += list(args)
+    proc = subprocess.run(
+        cmd, cwd=workdir, env=env or _env(), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def run_workflow(workdir: Path, configfile: Path, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return snakemake(workdir, "--cores", CORES, *args, configfile=configfile, **kw)  # type: ignore[arg-type]
+
+
+def nothing_to_do(workdir: Path, configfile: Path) -> bool:
+    proc = run_workflow(workdir, configfile, "--dry-run")
+    return "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The "Job stats" table of a (dry-)run: rule -> job count."""
+    counts: dict[str, int] = {}
+    lines = output.split("Job stats:", 1)[1].splitlines() if "Job stats:" in output else []
+    for line in lines[3:]:
+        parts = line.split()
+        if len(parts) != 2 or parts[0] == "total":
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def read_manifest(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh, delimiter="\t"))
+
+
+def store_values(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+    """ID -> (mean vector, per-residue matrix or None) for every record and alias."""
+    import embedpipe
+
+    out: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+    with embedpipe.open_store(path) as store:
+        names = list(store.ids) + list(store.aliases)
+        for name in names:
+            mean = np.asarray(store.mean_vector(name), dtype=np.float64)
+            residues = (
+                np.asarray(store.per_residue(name), dtype=np.float64) if store.has_per_residue else None
+            )
+            out[name] = (mean, residues)
+    return out
+
+
+def assert_same_store(a: Path, b: Path, atol: float = 1e-6) -> None:
+    va, vb = store_values(a), store_values(b)
+    assert sorted(va) == sorted(vb), "the stores hold different IDs"
+    for name in va:
+        np.testing.assert_allclose(va[name][0], vb[name][0], rtol=0, atol=atol, err_msg=name)
+        if va[name][1] is not None or vb[name][1] is not None:
+            np.testing.assert_allclose(va[name][1], vb[name][1], rtol=0, atol=atol, err_msg=name)
+
+
+def validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "embedpipe.cli", "validate", str(path)],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+@pytest.mark.parametrize("configfile", [None, "configs/offline-demo.yaml", "configs/gpu-proteome.yaml"])
+def test_lint_is_clean(configfile: str | None, tmp_path: Path) -> None:
+    # gpu-proteome's input glob matches nothing in a checkout; give it a file to find.
+    args = ["--lint"]
+    if configfile:
+        args += ["--configfile", str(ROOT / configfile)]
+    if configfile == "configs/gpu-proteome.yaml":
+        args += ["--config", f"input={EXAMPLE}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Lints for" not in proc.stdout + proc.stderr
+
+
+@pytest.fixture()
+def checkout_like(tmp_path: Path) -> Path:
+    """A working directory that looks like the checkout (configs/ and examples/ present)."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    return tmp_path
+
+
+def test_dry_run_default_config(checkout_like: Path) -> None:
+    proc = snakemake(checkout_like, "--dry-run", "--cores", "8", "--config", "precision=fp16")
+    out = proc.stdout + proc.stderr
+    # Before the shard checkpoint has run, the embed jobs are not known yet.
+    assert job_counts(out) == {"fetch_model": 1, "shard": 1, "merge": 1, "crosscheck": 1, "all": 1}
+    assert "results/embeddings.h5" in out
+    assert "results/crosscheck/crosscheck.html" in out
+
+
+def test_dry_run_offline_demo_config(checkout_like: Path) -> None:
+    proc = snakemake(checkout_like, "--dry-run", "--cores", "2", "--configfile", "configs/offline-demo.yaml")
+    out = proc.stdout + proc.stderr
+    assert job_counts(out) == {"make_test_model": 1, "shard": 1, "merge": 1, "crosscheck": 1, "all": 1}
+    assert "results-demo/model/esm2_demo_t2_64.pt" in out
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("precision=fp8", "precision"),
+        ("device=gpu0", "device"),
+        ("tokens_per_batch=0", "tokens_per_batch"),
+        ("precison=fp16", "precison"),  # typo: unknown keys are refused
+    ],
+)
+def test_config_is_validated_at_start(checkout_like: Path, override: str, message: str) -> None:
+    proc = snakemake(checkout_like, "--dry-run", "--cores", "1", "--config", override, check=False)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "validat" in err.lower() and message in err, err[-3000:]
+
+
+def test_input_glob_matching_nothing_fails_clearly(checkout_like: Path) -> None:
+    proc = snakemake(checkout_like, "--dry-run", "--cores", "1", "--config", "input=nowhere/*.fasta", check=False)
+    assert proc.returncode != 0
+    assert "matches no file" in proc.stdout + proc.stderr
+
+
+def test_offline_default_model_fails_at_once_with_the_fix(checkout_like: Path, tmp_path: Path) -> None:
+    """No model in the cache and no network: the first job fails, nothing is sharded."""
+    torch_home = tmp_path / "empty-torch-home"
+    env = _env(TORCH_HOME=str(torch_home), EMBEDPIPE_OFFLINE="1", https_proxy="http://127.0.0.1:9",
+               HTTPS_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9", no_proxy="", NO_PROXY="")
+    start = time.monotonic()
+    proc = snakemake(checkout_like, "--cores", "1", check=False, env=env, timeout=120)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "fetch_model" in out
+    assert "fetch-model" in out and "offline-demo" in out, out[-3000:]  # the fix, on the terminal
+    assert not (checkout_like / "results" / "shards" / "manifest.tsv").exists()
+    assert elapsed < 60
+
+
+# --------------------------------------------------------------------------- a full run
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run of the demo config; other tests compare against it."""
+    workdir = tmp_path_factory.mktemp("wf-demo")
+    config = demo_config(workdir)
+    run_workflow(workdir, config)
+    return workdir
+
+
+def test_contract_outputs(demo_run: Path) -> None:
+    for name in CONTRACT_OUTPUTS:
+        assert (demo_run / "out" / name).is_file(), name
+    report = json.loads((demo_run / "out" / "crosscheck" / "crosscheck.json").read_text())
+    assert report["verdict"] == "pass"
+    assert "<html" in (demo_run / "out" / "crosscheck" / "crosscheck.html").read_text().lower()
+
+
+def test_merged_store_is_valid_and_every_input_id_resolves(demo_run: Path) -> None:
+    import embedpipe
+
+    merged = demo_run / "out" / "embeddings.h5"
+    proc = validate(merged)
+    assert proc.returncode == 0, proc.stderr
+    rows = read_manifest(demo_run / "out" / "shards" / "manifest.tsv")
+    assert len(rows) == 100
+    assert {r["status"] for r in rows} <= {"ok", "duplicate"}
+    assert sum(r["status"] == "duplicate" for r in rows) > 0  # the example has duplicates
+    with embedpipe.open_store(merged) as store:
+        assert len(store.ids) == sum(r["status"] == "ok" for r in rows)
+        for row in rows:
+            assert row["id"] in store, row["id"]
+            assert store.mean_vector(row["id"]).shape == (store.dim,)
+    shards = json.loads((demo_run / "out" / "shards" / "shards.json").read_text())["shards"]
+    assert len(shards) == 3
+    for shard in shards:
+        assert validate(demo_run / "out" / "stores" / f"{Path(shard['path']).stem}.h5").returncode == 0
+
+
+def test_merge_does_not_copy_per_residue_data(demo_run: Path) -> None:
+    stores = sum(p.stat().st_size for p in (demo_run / "out" / "stores").glob("*.h5"))
+    merged = (demo_run / "out" / "embeddings.h5").stat().st_size
+    assert merged < stores / 4, (merged, stores)
+
+
+def test_every_rule_logs_and_embed_jobs_are_benchmarked(demo_run: Path) -> None:
+    logs = demo_run / "out" / "logs"
+    for name in ("make_test_model.log", "shard.log", "merge.log", "crosscheck.log"):
+        assert (logs / name).is_file(), name
+    shards = sorted(p.stem for p in (demo_run / "out" / "shards").glob("shard-*.fasta"))
+    for shard in shards:
+        assert (logs / "embed" / f"{shard}.log").is_file()
+        bench = (demo_run / "out" / "benchmarks" / "embed" / f"{shard}.tsv").read_text().splitlines()
+        assert bench[0].split("\t")[0] == "s" and float(bench[1].split("\t")[0]) > 0
+
+
+def test_rerun_has_nothing_to_do(demo_run: Path) -> None:
+    assert nothing_to_do(demo_run, demo_run / "config.yaml")
+
+
+def test_changed_precision_re_embeds_every_shard(demo_run: Path) -> None:
+    proc = run_workflow(demo_run, demo_run / "config.yaml", "--dry-run", "--config", "precision=bf16")
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts == {"embed": 3, "merge": 1, "crosscheck": 1, "all": 1}, counts
+
+
+def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
+    report = demo_run / "report.html"
+    run_workflow(demo_run, demo_run / "config.yaml", "--report", str(report))
+    text = report.read_text(errors="replace")
+    assert "crosscheck.html" in text
+    assert "Cross-check" in text
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) -> None:
+    config = demo_config(tmp_path)
+    stores = tmp_path / "out" / "stores"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(tmp_path),
+           "--configfile", str(config), "--cores", "1"]
+    log = open(tmp_path / "killed-run.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(stores.glob("shard-*.h5")):
+            assert proc.poll() is None, (tmp_path / "killed-run.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no shard store appeared"
+            time.sleep(0.05)
+        # A crash, not a clean stop: the whole process group (Snakemake and its embed job).
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    assert not (tmp_path / "out" / "embeddings.h5").exists(), "the run finished before it was killed"
+    assert len(list(stores.glob("shard-*.h5"))) < 3
+
+    snakemake(tmp_path, "--unlock", configfile=config)
+    run_workflow(tmp_path, config, "--rerun-incomplete")
+    assert validate(tmp_path / "out" / "embeddings.h5").returncode == 0
+    assert_same_store(tmp_path / "out" / "embeddings.h5", demo_run / "out" / "embeddings.h5")
+    assert nothing_to_do(tmp_path, config)
+
+
+def test_one_failing_shard_leaves_the_others_valid(tmp_path: Path) -> None:
+    # Shards are length-sorted: with 13k tokens per shard only the last one holds records
+    # over 1022 residues, and `long_sequences: error` makes exactly that embed job fail.
+    config = demo_config(tmp_path, tokens_per_shard=13000, long_sequences="error")
+    proc = run_workflow(tmp_path, config, "--keep-going", "--printshellcmds", check=False)
+    assert proc.returncode != 0
+    # The failing job was retried twice with an attempt-scaled token budget per batch.
+    out = proc.stdout + proc.stderr
+    for budget in (4096, 4096 // 2, 4096 // 3):
+        assert f"--tokens-per-batch {budget} " in out, budget
+    shards = json.loads((tmp_path / "out" / "shards" / "shards.json").read_text())["shards"]
+    failing = [s for s in shards if s["max_length"] > 1022]
+    passing = [s for s in shards if s["max_length"] <= 1022]
+    assert failing and passing
+    for shard in passing:
+        store = tmp_path / "out" / "stores" / f"{Path(shard['path']).stem}.h5"
+        assert validate(store).returncode == 0, store
+    for shard in failing:
+        stem = Path(shard["path"]).stem
+        assert not list((tmp_path / "out" / "stores").glob(f"{stem}*")), stem  # no partial file
+        assert "1022" in (tmp_path / "out" / "logs" / "embed" / f"{stem}.log").read_text()
+    assert not (tmp_path / "out" / "embeddings.h5").exists()
