@@ -155,12 +155,25 @@ def merge(
 def crosscheck(
     store: Path = typer.Argument(..., help="Store to check."),
     out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
-    sample: int = typer.Option(64, "--sample", min=1, help="Records to re-embed in fp32."),
+    sample: int = typer.Option(64, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint)."),
-    min_cosine: float = typer.Option(0.999, "--min-cosine", help="Pass threshold on pooled cosine to fp32."),
-    warn_cosine: float = typer.Option(0.99, "--fail-cosine", help="Below this pooled cosine a record fails."),
+    model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint); its sha256 must match."),
+    allow_model_mismatch: bool = typer.Option(
+        False, "--allow-model-mismatch", help="Compare even when the model's sha256 differs from the store's (verdict at best warn)."
+    ),
+    pass_cosine: float = typer.Option(
+        0.999, "--pass-cosine", "--min-cosine", help="Pass needs every sampled pooled cosine to fp32 at or above this."
+    ),
+    fail_cosine: float = typer.Option(0.99, "--fail-cosine", help="Any pooled cosine below this fails."),
+    pass_overlap: float = typer.Option(0.9, "--pass-overlap", help="Pass needs each layer's median overlap@k at or above this."),
+    residue_cosine: float = typer.Option(
+        0.99, "--residue-cosine", help="With per-residue vectors: any residue cosine below this warns."
+    ),
+    determinism_cosine: float = typer.Option(
+        0.99999, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
+    ),
+    k: int = typer.Option(10, "--k", min=1, help="Neighbours for overlap@k."),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
@@ -174,7 +187,15 @@ def crosscheck(
         seed=seed,
         device=device,
         model=model,
-        thresholds=Thresholds(pass_cosine=min_cosine, fail_cosine=warn_cosine),
+        thresholds=Thresholds(
+            pass_cosine=pass_cosine,
+            fail_cosine=fail_cosine,
+            pass_overlap=pass_overlap,
+            residue_cosine=residue_cosine,
+            determinism_cosine=determinism_cosine,
+        ),
+        k=k,
+        allow_model_mismatch=allow_model_mismatch,
         quiet=quiet,
     )
     if not quiet:
