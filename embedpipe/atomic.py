@@ -35,10 +35,18 @@ def temp_path_for(path: Path) -> Path:
     return Path(name)
 
 
+def _default_mode() -> int:
+    """0666 minus the umask: what a plainly created file would get (mkstemp makes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def commit(tmp: Path, path: Path) -> None:
-    """fsync ``tmp`` and rename it over ``path``."""
+    """fsync ``tmp``, give it ordinary permissions, and rename it over ``path``."""
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
+    os.chmod(tmp, _default_mode())
     os.replace(tmp, path)
     fsync_dir(Path(path).parent)
 

@@ -1,6 +1,6 @@
 """Pure planning for the worker: long-sequence windows and token-budget batches.
 
-Kept free of torch so the invariants (windows within the trained length, every residue
+Kept free of torch (numpy only) so the invariants (windows within the trained length, every residue
 covered exactly once when stitching, batches within budget) are cheap to test.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from embedpipe.errors import InputError
 
@@ -76,23 +78,43 @@ def plan_record(record: int, length: int, mode: str, *, window: int = TRAINED_RE
     return pieces, "chunked"
 
 
-def plan_batches(pieces: Sequence[Piece], tokens_per_batch: int) -> list[list[Piece]]:
-    """Group pieces, longest first, so that batch size x longest piece <= the token budget.
+BATCH_OVERHEAD_TOKENS = 256  # what one more forward call costs, in padded tokens (launches, Python)
 
-    Longest first: the largest batch shapes run first, so memory trouble shows up at once.
+
+def plan_batches(pieces: Sequence[Piece], tokens_per_batch: int,
+                 overhead_tokens: int = BATCH_OVERHEAD_TOKENS) -> list[list[Piece]]:
+    """Group pieces, longest first, into batches with batch size x longest piece <= the budget.
+
+    The cut points minimise computed (padded) tokens plus ``overhead_tokens`` per batch,
+    by dynamic programming over the length-sorted pieces: a greedy fill pads more when
+    neighbouring lengths are far apart (typical of small shards and proteome tails).
+    Longest first, so the largest shapes run first and memory trouble shows up at once.
     A piece longer than the budget runs alone.
     """
     ordered = sorted(pieces, key=lambda p: (-p.tokens, p.record, p.start))
+    n = len(ordered)
+    if n == 0:
+        return []
+    tokens = np.array([p.tokens for p in ordered], dtype=np.int64)
+    best = np.zeros(n + 1, dtype=np.float64)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for end in range(1, n + 1):
+        # a batch ordered[start:end] is padded to tokens[start] (the longest, sorted descending)
+        widest = max(1, tokens_per_batch // int(tokens[end - 1]))
+        starts = np.arange(max(0, end - widest), end)
+        counts = end - starts
+        feasible = (counts * tokens[starts] <= tokens_per_batch) | (counts == 1)
+        costs = np.where(feasible, best[starts] + counts * tokens[starts] + overhead_tokens, np.inf)
+        pick = int(np.argmin(costs))
+        best[end] = costs[pick]
+        cut[end] = starts[pick]
     batches: list[list[Piece]] = []
-    current: list[Piece] = []
-    for piece in ordered:
-        longest = current[0].tokens if current else piece.tokens
-        if current and (len(current) + 1) * longest > tokens_per_batch:
-            batches.append(current)
-            current = []
-        current.append(piece)
-    if current:
-        batches.append(current)
+    end = n
+    while end > 0:
+        start = int(cut[end])
+        batches.append(ordered[start:end])
+        end = start
+    batches.reverse()
     return batches
 
 

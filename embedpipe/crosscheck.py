@@ -374,28 +374,17 @@ def _reference_options(provenance: dict[str, Any], layers: list[int], per_residu
 
 
 def _reembed(loaded, options, device_spec: str, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
-    """fp32 forward of ``pairs``; TF32 is switched off for the duration so CUDA matmuls are true fp32."""
-    import torch
-
+    """fp32 forward of ``pairs`` (the worker's fp32 policy already pins true fp32 matmuls, no TF32)."""
     from embedpipe.devices import claim_device
     from embedpipe.embed import Embedder
 
     started = time.perf_counter()
     out: dict[int, Any] = {}
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-        with claim_device(device_spec) as device:
-            embedder = Embedder(loaded, options, device)
-            plan = embedder.plan(pairs)
-            for index, record in embedder.embed(pairs, plan, quiet=quiet):
-                out[index] = record
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
-        torch.set_float32_matmul_precision(saved[2])
+    with claim_device(device_spec) as device:
+        embedder = Embedder(loaded, options, device)
+        plan = embedder.plan(pairs)
+        for index, record in embedder.embed(pairs, plan, quiet=quiet):
+            out[index] = record
     return {"records": out, "device": str(device), "seconds": round(time.perf_counter() - started, 3)}
 
 

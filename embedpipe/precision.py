@@ -144,9 +144,25 @@ def _keep_layer_norms_fp32(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
+def _true_fp32_matmuls(device: torch.device) -> Iterator[None]:
+    """fp32 means fp32: no TF32 (CUDA) or reduced-precision fp32 matmuls, whatever the process
+    enabled globally; the settings are restored afterwards."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+@contextlib.contextmanager
 def forward_context(policy: Policy, device: torch.device) -> Iterator[None]:
-    """Inference mode, plus autocast for the amp policies."""
-    with torch.inference_mode():
+    """Inference mode, autocast for the amp policies, and true fp32 (no TF32) for the reference."""
+    with torch.inference_mode(), (_true_fp32_matmuls(device) if policy.is_reference else contextlib.nullcontext()):
         if policy.autocast:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)

@@ -192,3 +192,19 @@ def test_device_checks(monkeypatch):
 def test_mixed_policy_refuses_fair_esm_attention():
     with pytest.raises(EmbedpipeError, match="fp32 islands"):
         EmbedOptions(precision="bf16-mixed", attention="fair-esm").validate()
+
+
+def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings():
+    from embedpipe.precision import forward_context
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with forward_context(get_policy("fp32"), torch.device("cpu")):
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+        assert torch.get_float32_matmul_precision() == "medium"
+        with forward_context(get_policy("bf16-mixed"), torch.device("cpu")):
+            assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
