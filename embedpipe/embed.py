@@ -361,7 +361,7 @@ class EmbedSummary:
             f"({rate:,.0f} residues/s) with {self.precision} on {self.device} -> {self.out}",
             f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}",
         ]
-        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+        return "\n".join(lines)
 
 
 def provenance(loaded, options: EmbedOptions, device: torch.device, policy: Policy, layers: list[int],

@@ -716,8 +716,10 @@ def render_info(info: Mapping[str, Any]) -> str:
         + ("" if info.get("complete") else "  ** INCOMPLETE **"),
         f"  model       {prov.get('model_name', '?')}  sha256 {str(prov.get('model_sha256', '?'))[:16]}"
         + ("" if prov.get("model_trained", True) else "  (UNTRAINED test model)"),
-        f"  precision   policy {prov.get('precision_policy', '?')}; storage {info.get('storage_dtype')}; "
-        f"device {prov.get('device', '?')}",
+        f"  precision   policy {prov.get('precision_policy', '?')}: weights {prov.get('weight_dtype', '?')}, "
+        f"matmuls {prov.get('compute_dtype', '?')}, islands {prov.get('island_dtype', '?')}, "
+        f"fallback {prov.get('fallback_dtype', '?')}; attention {prov.get('attention', '?')}",
+        f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}",
         f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}, "
         f"fair-esm {prov.get('fair_esm_version', '?')}; created {prov.get('created_utc', '?')}",
         f"  layers      {info.get('layers')}  dim {info.get('dim')}  per-residue "
