@@ -9,6 +9,9 @@ peak, peak RSS, and the pooled cosine of every store to embedpipe's fp32 store.
     python benchmarks/embed_throughput.py                       # all policies, bundled example
     python benchmarks/embed_throughput.py --systems fair-esm fp32 bf16-mixed amp-bf16
 
+Optional peer: Hugging Face transformers' EsmModel with SDPA attention on the same weights
+(benchmarks/hf_esm_peer.py), when `transformers` is installed (`pip install transformers`).
+
 The fair-esm recipe reproduces the logic of scripts/extract.py from the fair-esm repository:
 FastaBatchedDataset, length-sorted batches of at most 4096 tokens, truncation at 1022
 residues, fp32, one output file per sequence with its mean representation. embedpipe runs
@@ -18,6 +21,7 @@ with ``--long-sequences truncate`` here so both systems embed exactly the same r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "throughput"
+DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers")  # one .pt file per sequence, fair-esm's extract format
 POLICIES = ["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed"]
 
 
@@ -105,7 +110,7 @@ def model_flops(lengths: list[int], layers: int, dim: int) -> float:
 
 
 def read_means(system: str, path: Path, layer: int) -> dict[str, np.ndarray]:
-    if system == "fair-esm":
+    if system in DIRECTORY_SYSTEMS:
         import torch
 
         out = {}
@@ -127,8 +132,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dim", type=int, default=480)
     parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--max-records", type=int, default=None,
+                        help="use the first N records only (fp16 is emulated on most CPUs: keep its runs short)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--systems", nargs="+", default=["fair-esm", *POLICIES])
+    parser.add_argument("--systems", nargs="+", default=["fair-esm", "hf-transformers", *POLICIES])
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--run-recipe", nargs=3, metavar=("MODEL", "FASTA", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,34 +148,47 @@ def main() -> None:
     from embedpipe.models import make_test_model
 
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.max_records:
+        subset = OUT / f"first{args.max_records}-{args.fasta.name}"
+        records = list(read_sequences(args.fasta))[: args.max_records]
+        subset.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
+        args.fasta = subset
     model = OUT / f"esm2_bench_t{args.layers}_{args.dim}.pt"
     if not model.exists():
         make_test_model(model, layers=args.layers, dim=args.dim, heads=args.heads, seed=0)
     lengths = [len(s) for _, s in read_sequences(args.fasta)]
     residues = sum(min(n, 1022) for n in lengths)
     flops = model_flops(lengths, args.layers, args.dim)
-    peaks = {d: matmul_peak(d, args.threads) for d in ("float32", "bfloat16", "float16")}
+    # fp16 matmuls are emulated on most CPUs (very slow): measure them on a smaller problem
+    peaks = {d: matmul_peak(d, args.threads, n=2048 if d != "float16" else 512) for d in ("float32", "bfloat16", "float16")}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
 
     rows = []
     for system in args.systems:
+        if system == "hf-transformers" and importlib.util.find_spec("transformers") is None:
+            print("  hf-transformers skipped: transformers not installed", file=sys.stderr)
+            continue
         if system == "fair-esm":
             target = OUT / "fair-esm"
             cmd = [sys.executable, __file__, "--threads", str(args.threads), "--run-recipe", str(model), str(args.fasta), str(target)]
+        elif system == "hf-transformers":
+            target = OUT / "hf-transformers"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_esm_peer.py"), str(model), str(args.fasta),
+                   str(target), "--threads", str(args.threads)]
         else:
             target = OUT / f"{system}.h5"
             cmd = [sys.executable, "-m", "embedpipe.cli", "embed", str(args.fasta), "--model", str(model),
                    "--out", str(target), "--precision", system, "--long-sequences", "truncate",
                    "--attention", args.attention, "--threads", str(args.threads), "--quiet"]
         wall, rss = timed(cmd, env)
-        if system == "fair-esm":
+        if system in DIRECTORY_SYSTEMS:
             padding = json.loads((target / "_stats.json").read_text())["padding_efficiency"]
         else:
             import h5py
 
             with h5py.File(target, "r") as f:
                 padding = float(f.attrs.get("padding_efficiency", float("nan")))
-        peak_dtype = {"fp32": "float32", "fair-esm": "float32"}.get(system, "float16" if "fp16" in system else "bfloat16")
+        peak_dtype = {"fp32": "float32", "fair-esm": "float32", "hf-transformers": "float32"}.get(system, "float16" if "fp16" in system else "bfloat16")
         rows.append({"system": system, "seconds": wall, "residues_per_s": residues / wall, "padding_efficiency": padding,
                      "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype, "peak_rss_mib": rss, "path": target})
         print(f"  {system:<11} {wall:7.1f}s", file=sys.stderr, flush=True)
