@@ -32,7 +32,7 @@ EXAMPLE = ROOT / "examples" / "swissprot100.fasta"
 EMBEDDED = re.compile(r"embedded (\d+) records \(([\d,]+) residues\) in ([\d.]+)\s*s")
 
 
-def run(cmd: list[str], cwd: Path) -> float:
+def run(cmd: list[str], cwd: Path) -> tuple[float, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     start = time.perf_counter()
@@ -40,7 +40,28 @@ def run(cmd: list[str], cwd: Path) -> float:
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return elapsed
+    return elapsed, proc.stdout + proc.stderr
+
+
+STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
+START = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
+FINISHED = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$")
+
+
+def stage_spans(log: str) -> dict[str, float]:
+    """Seconds from the first start to the last finish of each rule (1 s resolution)."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    stamp = None
+    for line in log.splitlines():
+        line = line.strip()
+        if m := STAMP.match(line):
+            stamp = time.mktime(time.strptime(m[1], "%a %b %d %H:%M:%S %Y"))
+        elif stamp is not None and (m := START.match(line)):
+            first.setdefault(m[1], stamp)
+        elif stamp is not None and (m := FINISHED.match(line)):
+            last[m[1]] = stamp
+    return {rule: last[rule] - first[rule] for rule in first if rule in last and rule != "all"}
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
@@ -61,8 +82,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     base = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
             "--directory", str(workdir), "--configfile", str(cfg)]
     mode = ["--workflow-profile", str(ROOT / args.profile)] if args.profile else ["--cores", str(args.cores)]
-    wall = run(base + mode, workdir)
-    noop = run(base + ["--cores", "1", "--dry-run"], workdir)
+    wall, run_log = run(base + mode, workdir)
+    noop, _ = run(base + ["--cores", "1", "--dry-run"], workdir)
 
     jobs = []
     for tsv in sorted((workdir / "out" / "benchmarks" / "embed").glob("*.tsv")):
@@ -90,6 +111,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "embedding_sum_s": embed_sum,
         "wall_over_jobs": wall / job_sum if job_sum else None,
         "wall_over_embedding": wall / embed_sum if embed_sum else None,
+        "stages_s": stage_spans(run_log),
         "jobs": jobs,
     }
 
@@ -135,6 +157,8 @@ def main() -> None:
         print(f"; wall / embedding = {r['wall_over_embedding']:.2f}")
     else:
         print()
+    stages = ", ".join(f"{rule} {span:.0f}" for rule, span in r["stages_s"].items())
+    print(f"stages, first start to last finish (s, 1 s resolution): {stages}")
     print("\n| shard | job s | embedding s | records | residues | max RSS MB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for j in r["jobs"]:
