@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,6 +199,17 @@ def test_dry_run_offline_demo_config(checkout_like: Path) -> None:
     assert "results-demo/model/esm2_demo_t2_64.pt" in out
 
 
+def test_input_glob_and_list(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("b.fasta", "a.fasta"):
+        (data / name).write_text(f">{name}\nMKV\n")
+    (tmp_path / "extra.fa").write_text(">x\nMKW\n")
+    config = demo_config(tmp_path, input=["data/*.fasta", "extra.fa"])
+    proc = run_workflow(tmp_path, config, "--dry-run", "--printshellcmds")
+    assert "embedpipe shard data/a.fasta data/b.fasta extra.fa --out out/shards" in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -234,6 +246,28 @@ def test_offline_default_model_fails_at_once_with_the_fix(checkout_like: Path, t
     assert "fetch-model" in out and "offline-demo" in out, out[-3000:]  # the fix, on the terminal
     assert not (checkout_like / "results" / "shards" / "manifest.tsv").exists()
     assert elapsed < 60
+
+
+def test_default_config_with_a_cached_model(checkout_like: Path, tmp_path: Path) -> None:
+    """The README command on a fresh checkout: default config (fair-esm name, fetched into the
+    torch hub cache) with `--config precision=fp16`. A random-weight stand-in is put in the
+    cache under the default model's name, so fetch-model finds it and nothing is downloaded."""
+    torch_home = tmp_path / "torch-home"
+    checkpoint = torch_home / "hub" / "checkpoints" / "esm2_t6_8M_UR50D.pt"
+    subprocess.run([sys.executable, "-m", "embedpipe.cli", "make-test-model", str(checkpoint)],
+                   check=True, capture_output=True, env=_env())
+    env = _env(TORCH_HOME=str(torch_home))
+    snakemake(checkout_like, "--cores", CORES, "--config", "precision=fp16", env=env)
+    results = checkout_like / "results"
+    for name in CONTRACT_OUTPUTS:
+        assert (results / name).is_file(), name
+    assert (results / "model" / "esm2_t6_8M_UR50D.fetched").read_text().strip() == str(checkpoint)
+    assert validate(results / "embeddings.h5").returncode == 0
+    import embedpipe
+
+    with embedpipe.open_store(results / "embeddings.h5") as store:
+        assert store.provenance["precision_policy"] == "fp16"
+        assert store.provenance["model_name"] == "esm2_t6_8M_UR50D"
 
 
 # --------------------------------------------------------------------------- a full run
@@ -302,6 +336,22 @@ def test_changed_precision_re_embeds_every_shard(demo_run: Path) -> None:
     proc = run_workflow(demo_run, demo_run / "config.yaml", "--dry-run", "--config", "precision=bf16")
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts == {"embed": 3, "merge": 1, "crosscheck": 1, "all": 1}, counts
+
+
+@pytest.mark.parametrize("profile", [None, "local", "slurm", "slurm-ci"])
+def test_cuda_device_requests_one_gpu_per_job(demo_run: Path, profile: str | None) -> None:
+    """device: cuda -> every embed and crosscheck job declares gpu=1 (locally a slot of
+    --resources gpu=N, on SLURM --gpus=1); profiles parse (dry-run, no cluster needed)."""
+    args = ["--dry-run", "--config", "device=cuda"]
+    if profile:
+        args += ["--workflow-profile", str(ROOT / "workflows" / "profiles" / profile)]
+    else:
+        args += ["--cores", CORES]
+    proc = snakemake(demo_run, *args, configfile=demo_run / "config.yaml")
+    out = proc.stdout + proc.stderr
+    jobs = re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", out, flags=re.M)
+    gpu = {rule: [("gpu=1" in res.split(", ")) for r, res in jobs if r == rule] for rule in ("embed", "crosscheck", "merge")}
+    assert gpu["embed"] == [True] * 3 and gpu["crosscheck"] == [True] and gpu["merge"] == [False], jobs
 
 
 def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
