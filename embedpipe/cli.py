@@ -174,6 +174,7 @@ def crosscheck(
         0.99999, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
     ),
     k: int = typer.Option(10, "--k", min=1, help="Neighbours for overlap@k."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
@@ -196,6 +197,7 @@ def crosscheck(
         ),
         k=k,
         allow_model_mismatch=allow_model_mismatch,
+        threads=threads,
         quiet=quiet,
     )
     if not quiet:

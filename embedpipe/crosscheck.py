@@ -148,13 +148,21 @@ def run_crosscheck(
     thresholds: Thresholds | None = None,
     k: int = DEFAULT_K,
     allow_model_mismatch: bool = False,
+    threads: int | None = None,
     quiet: bool = False,
 ) -> CrosscheckReport:
-    """Sample ``sample`` records of ``store``, re-embed them in fp32 and write the report to ``out``."""
+    """Sample ``sample`` records of ``store``, re-embed them in fp32 and write the report to ``out``.
+
+    ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
+    """
     from embedpipe.io import open_store
 
     thresholds = thresholds or Thresholds()
     thresholds.validate()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     if sample < 1:
         raise EmbedpipeError(f"--sample must be at least 1, not {sample}")
     if k < 1:

@@ -534,6 +534,8 @@ def fetch_model(name: str, dest: Path | None = None) -> Path:
             raise ModelError(f"--dest {dest} exists and is not a directory")
         target = dest / f"{name}.pt"
     if not target.is_file():
+        if _offline():
+            raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set"))
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -516,3 +516,16 @@ def test_download_streams_a_url_to_a_file(tmp_path: Path, tiny_model_path: Path)
     dest = tmp_path / "copy.pt"
     models._download(tiny_model_path.resolve().as_uri(), dest)
     assert _sha256(dest) == _sha256(tiny_model_path)
+
+
+def test_fetch_model_respects_embedpipe_offline(tmp_path, monkeypatch):
+    from embedpipe import models as models_module
+
+    def no_network(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("fetch_model tried the network while EMBEDPIPE_OFFLINE is set")
+
+    monkeypatch.setenv("EMBEDPIPE_OFFLINE", "1")
+    monkeypatch.setattr(models_module, "_download", no_network)
+    with pytest.raises(ModelError, match="EMBEDPIPE_OFFLINE is set.*fetch-model esm2_t6_8M_UR50D"):
+        models_module.fetch_model("esm2_t6_8M_UR50D", dest=tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -29,5 +29,5 @@ rule crosscheck:
         runtime=120,
     shell:
         "embedpipe crosscheck {input.store:q} --out {params.outdir:q} --model {params.model:q}"
-        " {params.options}"
+        " {params.options} --threads {threads}"
         " > {log:q} 2>&1"
