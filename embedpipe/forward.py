@@ -46,6 +46,36 @@ class RotaryTables:
         return self._cache[key]
 
 
+def fuse_qkv(attn: torch.nn.Module) -> None:
+    """Make q/k/v projection weights views of one (3D, D) tensor, so one GEMM computes all three.
+
+    The modules keep their parameters (now views), so fair-esm's own forward and anything
+    else that reads them see the same values; no weights are duplicated.
+    """
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    cached = getattr(attn, "_embedpipe_qkv", None)
+    if cached is not None and _still_views(cached, projections):
+        return
+    weight = torch.cat([p.weight.detach() for p in projections])
+    bias = torch.cat([p.bias.detach() for p in projections])
+    dim = attn.q_proj.weight.shape[0]
+    for index, proj in enumerate(projections):
+        proj.weight.data = weight[index * dim : (index + 1) * dim]
+        proj.bias.data = bias[index * dim : (index + 1) * dim]
+    attn._embedpipe_qkv = (weight, bias)
+
+
+def _still_views(cached: tuple[torch.Tensor, torch.Tensor], projections: tuple) -> bool:
+    """False once ``.to(dtype/device)`` or a copy replaced the parameters (views are not kept)."""
+    weight, bias = cached
+    dim = projections[0].weight.shape[0]
+    return all(
+        p.weight.data_ptr() == weight[i * dim].data_ptr() and p.bias.data_ptr() == bias[i * dim :].data_ptr()
+        and p.weight.dtype == weight.dtype and p.weight.device == weight.device
+        for i, p in enumerate(projections)
+    )
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -68,6 +98,9 @@ class EsmForward:
         self.rotary = RotaryTables()
         self.padding_idx = model.padding_idx
         self.num_layers = model.num_layers
+        if attention != "fair-esm":
+            for layer in model.layers:
+                fuse_qkv(layer.self_attn)
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         if self.attention == "fair-esm":
@@ -151,9 +184,11 @@ class EsmForward:
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
-        q = self._linear(attn.q_proj, x) * attn.scaling
-        k = self._linear(attn.k_proj, x)
-        v = self._linear(attn.v_proj, x)
+        weight, bias = attn._embedpipe_qkv
+        if self.policy.fp32_islands:
+            x = x.to(weight.dtype)
+        q, k, v = F.linear(x, weight, bias).chunk(3, dim=-1)
+        q = q * attn.scaling
 
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, length, heads, head_dim).transpose(1, 2)

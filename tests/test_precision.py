@@ -208,3 +208,18 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings():
             assert torch.get_float32_matmul_precision() == "medium"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_fused_qkv_weights_follow_each_policys_dtype(tiny_model_path):
+    """The fused q/k/v GEMM must use the policy's weights, never a stale fp32 copy."""
+    loaded = load_model(str(tiny_model_path))
+    records = random_sequences(2, (20, 30), seed=13)
+    for name in ("fp32", "bf16-mixed", "fp16", "fp32"):
+        embedder = Embedder(loaded, EmbedOptions(precision=name), torch.device("cpu"))
+        dict(embedder.embed(records))
+        for layer in embedder.runner(get_policy(name)).model.layers:
+            attn = layer.self_attn
+            weight, bias = attn._embedpipe_qkv
+            assert weight.dtype == POLICIES[name].weight_dtype
+            assert attn.k_proj.weight.data_ptr() == weight[attn.k_proj.weight.shape[0]].data_ptr()
+            torch.testing.assert_close(weight[: weight.shape[0] // 3], attn.q_proj.weight, rtol=0, atol=0)
