@@ -34,15 +34,23 @@ class RotaryTables:
     def __init__(self) -> None:
         self._cache: dict[tuple[int, str, torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, inv_freq: torch.Tensor, length: int, table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables built the way fair-esm builds them, with positions and frequencies in ``table_dtype``."""
-        key = (length, str(inv_freq.device), inv_freq.dtype, table_dtype)
+    def get(self, inv_freq: torch.Tensor, length: int, table_dtype: torch.dtype,
+            scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables built the way fair-esm builds them, with positions and frequencies in ``table_dtype``.
+
+        ``scale`` folds the attention scaling of q into q's tables (rotation is linear, so
+        scaling before or after it is the same), saving one pass over q.
+        """
+        key = (length, str(inv_freq.device), inv_freq.dtype, table_dtype, scale)
         if key not in self._cache:
             freq = inv_freq.to(table_dtype)
             positions = torch.arange(length, device=inv_freq.device).to(table_dtype)
             freqs = torch.outer(positions, freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cache[key] = (emb.cos(), emb.sin())
+            cos, sin = emb.cos(), emb.sin()
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
+            self._cache[key] = (cos, sin)
         return self._cache[key]
 
 
@@ -82,8 +90,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Per-record max |x| over kept tokens; NaN/inf propagate so they are never hidden."""
-    return x.detach().abs().float().masked_fill(~keep[..., None], 0.0).amax(dim=(1, 2))
+    """Per-record max |x| over kept tokens; NaN/inf propagate so they are never hidden.
+
+    One reduction kernel per token row (the inf-norm), then a tiny (B, T) mask: no copy of x.
+    """
+    per_token = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=-1, dtype=torch.float32)
+    return per_token.masked_fill(~keep, 0.0).amax(dim=1)
 
 
 class EsmForward:
@@ -173,11 +185,9 @@ class EsmForward:
 
         residual = x
         h = self._layer_norm(layer.final_layer_norm, x)
-        h = self._linear(layer.fc1, h)
-        if self.policy.fp32_islands:
-            h = F.gelu(h.float())
-        else:
-            h = F.gelu(h)
+        # GELU in the matmul dtype: PyTorch evaluates it in fp32 internally and rounds once,
+        # which is where an fp32 GELU's output would be rounded anyway before fc2.
+        h = F.gelu(self._linear(layer.fc1, h))
         h = self._linear(layer.fc2, h)
         return residual + h.to(residual.dtype)
 
@@ -188,7 +198,6 @@ class EsmForward:
         if self.policy.fp32_islands:
             x = x.to(weight.dtype)
         q, k, v = F.linear(x, weight, bias).chunk(3, dim=-1)
-        q = q * attn.scaling
 
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, length, heads, head_dim).transpose(1, 2)
@@ -201,8 +210,9 @@ class EsmForward:
         else:
             # A plain cast builds the tables in the weights' dtype, as fair-esm does after .half().
             table_dtype = attn.rot_emb.inv_freq.dtype
+        cos_q, sin_q = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype, attn.scaling)
         cos, sin = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype)
-        q = q * cos + _rotate_half(q) * sin
+        q = q * cos_q + _rotate_half(q) * sin_q
         k = k * cos + _rotate_half(k) * sin
 
         if self.attention == "sdpa":
