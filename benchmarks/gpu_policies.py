@@ -29,6 +29,20 @@ def random_records(count: int, length: int, seed: int) -> list[tuple[str, str]]:
     return [(f"r{length}_{i}", "".join(rng.choice(amino, length))) for i in range(count)]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+
+
 def run(args: argparse.Namespace) -> None:
     import esm
 
@@ -40,13 +54,14 @@ def run(args: argparse.Namespace) -> None:
     if not path.exists():
         make_test_model(path, layers=args.layers, dim=args.dim, heads=args.heads, seed=0, companion=False)
     loaded = load_model(str(path))
-    device = torch.device("cuda")
-    print(f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; fair-esm {esm.__version__}")
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)"
+    print(f"GPU: {name}; torch {torch.__version__}; fair-esm {esm.__version__}")
     print(f"model: {args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); "
           f"{args.records} records per length; tokens per batch {args.tokens_per_batch}\n")
     print("| length | system | residues/s | x embedpipe fp32 | x fair-esm | peak MiB | min cos to fp32 |")
     print("|---|---|---|---|---|---|---|")
-    for length in (256, 1024):
+    for length in args.lengths:
         records = random_records(args.records, length, seed=length)
         residues = sum(len(s) for _, s in records)
         results: dict[str, tuple[float, float, dict]] = {}
@@ -55,30 +70,31 @@ def run(args: argparse.Namespace) -> None:
         model = loaded.model.to(device)
         converter = loaded.alphabet.get_batch_converter()
         per_batch = max(1, args.tokens_per_batch // (length + 2))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        _sync(device)
+        _reset_peak(device)
         started = time.perf_counter()
         with torch.no_grad():
             for i in range(0, len(records), per_batch):
                 _, _, toks = converter(records[i : i + per_batch])
                 model(toks.to(device), repr_layers=[args.layers])["representations"][args.layers].mean(1).cpu()
-        torch.cuda.synchronize()
-        results["fair-esm"] = (residues / (time.perf_counter() - started), torch.cuda.max_memory_allocated() / 2**20, {})
+        _sync(device)
+        results["fair-esm"] = (residues / (time.perf_counter() - started), _peak_mib(device), {})
         model.cpu()
 
         for policy in POLICIES:
             embedder = Embedder(loaded, EmbedOptions(precision=policy, tokens_per_batch=args.tokens_per_batch,
                                                      long_sequences="full"), device)
             list(embedder.embed(records[:per_batch]))  # warm-up: kernels, model preparation
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            _sync(device)
+            _reset_peak(device)
             started = time.perf_counter()
             out = dict(embedder.embed(records))
-            torch.cuda.synchronize()
+            _sync(device)
             rate = residues / (time.perf_counter() - started)
-            results[policy] = (rate, torch.cuda.max_memory_allocated() / 2**20, out)
+            results[policy] = (rate, _peak_mib(device), out)
             del embedder
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
         ref = results["fp32"][2]
         for system, (rate, peak, out) in results.items():
@@ -100,7 +116,9 @@ if __name__ == "__main__":
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--tokens-per-batch", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "gpu")
+    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run of the script)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     cli_args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu_policies.py needs a CUDA device")
+    if cli_args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_policies.py needs a CUDA device (or --device cpu for a smoke run)")
     run(cli_args)
