@@ -44,13 +44,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def test_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def session_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One directory for every session-scoped test checkpoint."""
     return tmp_path_factory.mktemp("models")
 
 
 @pytest.fixture(scope="session")
-def model_factory(test_models_dir: Path) -> Callable[..., Path]:
+def model_factory(session_models_dir: Path) -> Callable[..., Path]:
     """``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides) -> Path``, cached."""
     from embedpipe.models import make_test_model
 
@@ -64,7 +64,7 @@ def model_factory(test_models_dir: Path) -> Callable[..., Path]:
         if key not in cache:
             name = f"esm2_test_t{layers}_d{dim}_h{heads}_s{seed}_{next(counter)}.pt"
             cache[key] = make_test_model(
-                test_models_dir / name, layers=layers, dim=dim, heads=heads, seed=seed, **overrides
+                session_models_dir / name, layers=layers, dim=dim, heads=heads, seed=seed, **overrides
             )
         return cache[key]
 
@@ -72,11 +72,11 @@ def model_factory(test_models_dir: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(test_models_dir: Path) -> Path:
+def tiny_model_path(session_models_dir: Path) -> Path:
     """``esm2_tiny_t2_32.pt``: 2 layers, dim 32, 4 heads, seed 0 (with its companion file)."""
     from embedpipe.models import make_test_model
 
-    return make_test_model(test_models_dir / "esm2_tiny_t2_32.pt", layers=2, dim=32, heads=4, seed=0)
+    return make_test_model(session_models_dir / "esm2_tiny_t2_32.pt", layers=2, dim=32, heads=4, seed=0)
 
 
 @pytest.fixture(scope="session")

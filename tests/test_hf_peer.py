@@ -35,7 +35,7 @@ def _random_sequences(seed: int, lengths: list[int]) -> list[str]:
     return ["".join(rng.choice(AMINO) for _ in range(n)) for n in lengths]
 
 
-def _compare(peer, fair_esm_reference, path: Path, seqs: list[str]) -> None:
+def check_matches_fair_esm(peer, fair_esm_reference, path: Path, seqs: list[str]) -> None:
     from embedpipe.models import load_model
 
     ref_model, ref_alphabet = fair_esm_reference(path)
@@ -57,12 +57,12 @@ def _compare(peer, fair_esm_reference, path: Path, seqs: list[str]) -> None:
 def test_converted_model_matches_fair_esm_on_padded_batch(peer, tiny_model_path, fair_esm_reference):
     seqs = _random_sequences(0, [7, 31, 18, 50])
     seqs[2] = seqs[2][:5] + "<mask>" + seqs[2][5:]  # exercises token dropout's rescaling
-    _compare(peer, fair_esm_reference, tiny_model_path, seqs)
+    check_matches_fair_esm(peer, fair_esm_reference, tiny_model_path, seqs)
 
 
 def test_other_shape_matches_fair_esm(peer, model_factory, fair_esm_reference):
     path = model_factory(layers=3, dim=48, heads=6, seed=3)
-    _compare(peer, fair_esm_reference, path, _random_sequences(1, [12, 40, 3]))
+    check_matches_fair_esm(peer, fair_esm_reference, path, _random_sequences(1, [12, 40, 3]))
 
 
 def test_run_hf_writes_fair_esm_recipe_outputs(peer, tiny_model_path, fair_esm_reference, tmp_path):
