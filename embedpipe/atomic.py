@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from embedpipe.errors import EmbedpipeError
+
 
 def fsync_dir(directory: Path) -> None:
     """Persist a rename: fsync the directory entry (best effort where unsupported)."""
@@ -26,11 +28,23 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def check_output_path(path: Path) -> None:
+    """Fail before any work when ``path`` cannot become an output file (a directory, an
+    unwritable or uncreatable parent), rather than after hours of compute at the rename."""
+    path = Path(path)
+    if path.is_dir():
+        raise EmbedpipeError(f"output {path} is a directory; give a file name")
+    temp_path_for(path).unlink()
+
+
 def temp_path_for(path: Path) -> Path:
     """A fresh, unused temporary name next to ``path`` (same filesystem, so rename is atomic)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise EmbedpipeError(f"cannot write {path}: {exc.strerror or exc}") from None
     os.close(fd)
     return Path(name)
 
@@ -47,7 +61,10 @@ def commit(tmp: Path, path: Path) -> None:
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.chmod(tmp, _default_mode())
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise EmbedpipeError(f"cannot write {path}: {exc.strerror or exc}") from None
     fsync_dir(Path(path).parent)
 
 

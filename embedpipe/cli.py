@@ -37,6 +37,10 @@ def _user_errors(func: F) -> F:
         except EmbedpipeError as exc:
             print(f"embedpipe: error: {exc}", file=sys.stderr)
             raise typer.Exit(1) from None
+        except OSError as exc:  # a file-system failure the library did not foresee: still one line
+            where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+            print(f"embedpipe: error: {exc.strerror or exc}{where}", file=sys.stderr)
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             print("embedpipe: interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
@@ -135,7 +139,7 @@ def embed(
 @app.command()
 @_user_errors
 def merge(
-    stores: list[Path] = typer.Argument(..., help="Shard stores to merge."),
+    stores: Optional[list[Path]] = typer.Argument(None, help="Shard stores to merge."),
     out: Path = typer.Option(..., "--out", help="Merged store (.h5), written atomically."),
     manifest: Optional[Path] = typer.Option(
         None, "--manifest", help="shards/manifest.tsv: adds aliases so every input ID resolves."
@@ -145,7 +149,7 @@ def merge(
     """Merge shard stores into one store (virtual datasets over the shard files)."""
     from embedpipe.merge import merge_stores
 
-    summary = merge_stores(stores, out=out, manifest=manifest)
+    summary = merge_stores(stores or [], out=out, manifest=manifest)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

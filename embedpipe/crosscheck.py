@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe import __version__
-from embedpipe.atomic import write_text_atomic
+from embedpipe.atomic import check_output_path, write_text_atomic
 from embedpipe.errors import EmbedpipeError
 from embedpipe.metrics import (
     aggregate,
@@ -171,6 +171,7 @@ def run_crosscheck(
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
+    check_output_path(out_dir / "crosscheck.json")  # before the fp32 re-embedding, not after
     started = time.perf_counter()
 
     with open_store(store_path) as st:

@@ -22,9 +22,10 @@ import torch
 
 from embedpipe import __version__
 from embedpipe.batching import LONG_SEQUENCE_MODES, TRAINED_RESIDUES, Piece, padding_efficiency, plan_batches, plan_record
+from embedpipe.atomic import check_output_path
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
-from embedpipe.forward import ATTENTION_IMPLEMENTATIONS, EsmForward
+from embedpipe.forward import ATTENTION_IMPLEMENTATIONS, EsmForward, masked_max_abs
 from embedpipe.precision import FP32, Policy, check_policy_on_device, dtype_name, forward_context, get_policy, prepare_model
 from embedpipe.progress import progress_bar, say
 from embedpipe.records import EmbeddedRecord
@@ -180,22 +181,27 @@ class Embedder:
 
     # -- batches --------------------------------------------------------------------------------
     def _run_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
-        """Forward one batch; on CUDA out-of-memory split it in halves and retry."""
+        """Forward one batch; on CUDA out-of-memory split it in halves and retry.
+
+        The retry happens after leaving the ``except`` block: the exception's traceback holds
+        the failed attempt's tensors, which must be freed before the halves run.
+        """
         try:
             return self._forward_batch(policy, batch, records)
         except torch.cuda.OutOfMemoryError:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(batch) == 1:
-                piece = batch[0]
-                rid, seq = records[piece.record]
-                raise EmbedpipeError(
-                    f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
-                    f"memory on {self.device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
-                ) from None
-            self.stats["oom_splits"] += 1
-            middle = len(batch) // 2
-            return self._run_batch(policy, batch[:middle], records) + self._run_batch(policy, batch[middle:], records)
+            pass
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(batch) == 1:
+            piece = batch[0]
+            rid, seq = records[piece.record]
+            raise EmbedpipeError(
+                f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
+                f"memory on {self.device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
+            )
+        self.stats["oom_splits"] += 1
+        middle = len(batch) // 2
+        return self._run_batch(policy, batch[:middle], records) + self._run_batch(policy, batch[middle:], records)
 
     def _forward_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
         runner = self.runner(policy)
@@ -203,22 +209,29 @@ class Embedder:
         need_residues = self.options.per_residue
         with forward_context(policy, self.device):
             out = runner(tokens.to(self.device, non_blocking=True), self.layers)
-            positions = torch.arange(tokens.shape[1], device=self.device)
-            lengths_dev = lengths.to(self.device)
-            # residue positions 1..n (BOS at 0, EOS at n+1, then padding)
-            keep_from = torch.tensor([p.keep_start - p.start + 1 for p in batch], device=self.device)
-            keep_to = torch.tensor([p.keep_end - p.start + 1 for p in batch], device=self.device)
-            in_record = (positions[None, :] >= 1) & (positions[None, :] <= lengths_dev[:, None])
-            kept = (positions[None, :] >= keep_from[:, None]) & (positions[None, :] < keep_to[:, None])
-            sums, stored_max, dense = {}, [], {}
+            width = tokens.shape[1]
+            # residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device copy
+            bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1] for p in batch])
+            bounds = bounds.to(self.device, non_blocking=True)
+            positions = torch.arange(width, device=self.device)[None, :]
+            in_record = (positions >= 1) & (positions <= bounds[:, :1])
+            kept = ((positions >= bounds[:, 1:2]) & (positions < bounds[:, 2:3])).float()
+            sums, stored_max, dense = [], [], {}
             for layer in self.layers:
-                h = out.hidden[layer].float()
-                stored_max.append(h.abs().masked_fill(~in_record[..., None], 0.0).amax(dim=(1, 2)))
-                sums[layer] = h.masked_fill(~kept[..., None], 0.0).sum(dim=1).cpu().numpy()
+                h = out.hidden[layer]
+                stored_max.append(masked_max_abs(h, in_record))
+                hf = h.float()  # the one fp32 copy: sums accumulate in fp32
+                sums.append(torch.einsum("bt,btd->bd", kept, hf))
                 if need_residues:
-                    dense[layer] = h[:, 1 : int(lengths.max()) + 1].cpu().numpy()
-            stored = torch.stack(stored_max).amax(0).cpu().numpy()
-            max_abs = out.max_abs.float().cpu().numpy()
+                    dense[layer] = hf[:, 1 : int(lengths.max()) + 1]
+            # one device->host transfer for the pooled sums and the checks, one per stored layer for residues
+            packed = torch.cat([torch.stack(sums, 1).flatten(1), torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1).cpu().numpy()
+            dense = {layer: value.cpu().numpy() for layer, value in dense.items()}
+        dim = out.hidden[self.layers[0]].shape[-1]
+        n_layers = len(self.layers)
+        sums = {layer: packed[:, i * dim : (i + 1) * dim] for i, layer in enumerate(self.layers)}
+        stored = packed[:, n_layers * dim : n_layers * dim + n_layers].max(axis=1)  # NaN propagates
+        max_abs = packed[:, -1]
         results = []
         for row, piece in enumerate(batch):
             residues = None
@@ -253,6 +266,8 @@ class Embedder:
         """Why a piece's outputs cannot be stored as computed ('' when they can)."""
         if not math.isfinite(result.stored_max) or not math.isfinite(result.max_abs):
             return "nonfinite"
+        if not all(np.isfinite(total).all() for total in result.sums.values()):
+            return "nonfinite"  # e.g. inf in a padding position reaching the masked sum as 0 * inf
         if result.stored_max > self.storage_max:
             return "overflow"
         margin = self.options.overflow_margin
@@ -407,8 +422,9 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         raise EmbedpipeError(f"{fasta}: no records to embed")
     if options.threads:
         torch.set_num_threads(options.threads)
-    loaded = load_model(model)
+    check_output_path(Path(out))
     with claim_device(options.device) as device:
+        loaded = load_model(model)  # after the GPU is ours: a waiting job holds no model in memory
         embedder = Embedder(loaded, options, device)
         for note in embedder.notes:
             say(f"warning: {note}", quiet=quiet)

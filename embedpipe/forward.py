@@ -29,10 +29,14 @@ class ForwardOutput:
 
 
 class RotaryTables:
-    """cos/sin tables keyed by (length, device, dtype): never reused across dtypes."""
+    """cos/sin tables keyed by (device, dtypes, scale): never reused across dtypes.
+
+    One table per key, as long as the longest batch seen, sliced for shorter ones (the
+    prefix of a longer table is exactly the shorter table), so memory stays bounded.
+    """
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[int, str, torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[str, torch.dtype, torch.dtype, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, inv_freq: torch.Tensor, length: int, table_dtype: torch.dtype,
             scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +45,9 @@ class RotaryTables:
         ``scale`` folds the attention scaling of q into q's tables (rotation is linear, so
         scaling before or after it is the same), saving one pass over q.
         """
-        key = (length, str(inv_freq.device), inv_freq.dtype, table_dtype, scale)
-        if key not in self._cache:
+        key = (str(inv_freq.device), inv_freq.dtype, table_dtype, scale)
+        cached = self._cache.get(key)
+        if cached is None or cached[0].shape[0] < length:
             freq = inv_freq.to(table_dtype)
             positions = torch.arange(length, device=inv_freq.device).to(table_dtype)
             freqs = torch.outer(positions, freq)
@@ -50,8 +55,8 @@ class RotaryTables:
             cos, sin = emb.cos(), emb.sin()
             if scale != 1.0:
                 cos, sin = cos * scale, sin * scale
-            self._cache[key] = (cos, sin)
-        return self._cache[key]
+            cached = self._cache[key] = (cos, sin)
+        return cached[0][:length], cached[1][:length]
 
 
 def fuse_qkv(attn: torch.nn.Module) -> None:
@@ -89,7 +94,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Per-record max |x| over kept tokens; NaN/inf propagate so they are never hidden.
 
     One reduction kernel per token row (the inf-norm), then a tiny (B, T) mask: no copy of x.
@@ -124,7 +129,7 @@ class EsmForward:
         out = self.model(tokens, repr_layers=layers)
         hidden = out["representations"]
         keep = tokens.ne(self.padding_idx)
-        max_abs = torch.stack([_masked_max_abs(hidden[k], keep) for k in layers]).amax(0)
+        max_abs = torch.stack([masked_max_abs(hidden[k], keep) for k in layers]).amax(0)
         return ForwardOutput(hidden=hidden, max_abs=max_abs)
 
     # -- embedpipe's forward ----------------------------------------------------------------
@@ -150,7 +155,7 @@ class EsmForward:
             x = x * (1 - mask_ratio_train) / (1 - observed)[:, None, None]
         x = x * (1 - padding.unsqueeze(-1).type_as(x))
 
-        max_abs = _masked_max_abs(x, keep)
+        max_abs = masked_max_abs(x, keep)
         if 0 in wanted:
             hidden[0] = x
 
@@ -162,7 +167,7 @@ class EsmForward:
             x = self._layer(layer, x, attn_mask)
             if index == self.num_layers:
                 x = self._layer_norm(model.emb_layer_norm_after, x)
-            max_abs = torch.maximum(max_abs, _masked_max_abs(x, keep))
+            max_abs = torch.maximum(max_abs, masked_max_abs(x, keep))
             if index in wanted:
                 hidden[index] = x
         return ForwardOutput(hidden=hidden, max_abs=max_abs)

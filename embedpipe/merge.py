@@ -26,7 +26,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.atomic import atomic_path
+from embedpipe.atomic import atomic_path, check_output_path
 from embedpipe.errors import StoreError
 from embedpipe.store import (
     FORMAT,
@@ -263,8 +263,10 @@ def _plan_manifest(
 def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
     """Merge shard stores into ``out`` (atomic). See the module docstring."""
     if not stores:
-        raise StoreError("merge needs at least one store")
+        hint = f" (see {manifest}: every record may have been skipped or invalid)" if manifest else ""
+        raise StoreError(f"no shard stores to merge: nothing was embedded{hint}")
     out = Path(out)
+    check_output_path(out)
     out_dir = out.parent if str(out.parent) else Path(".")
     paths = [Path(p) for p in stores]
     resolved = [p.resolve() for p in paths]

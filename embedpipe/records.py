@@ -22,7 +22,7 @@ class EmbeddedRecord:
     fallback_reason: str = ""
     mean: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (D,)
     per_residue: dict[int, np.ndarray] | None = None  # layer -> (length, D), or None
-    max_abs_activation: float = float("nan")  # largest |x| over stored layers in the requested-policy pass
+    max_abs_activation: float = float("nan")  # largest |x| of the residual stream, every layer, requested-policy pass
     long_handling: str = "none"  # none | chunked | truncated | full
     embedded_length: int = -1  # residues actually embedded (== length unless truncated)
     windows: int = 1  # forward windows used (chunked long sequences)

@@ -188,3 +188,45 @@ def test_cli_embed_info_validate(tmp_path, tiny_model_path):
     bad = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out),
                               "--precision", "fp8"])
     assert bad.exit_code != 0 and "unknown precision policy 'fp8'" in bad.output
+
+
+def test_oom_retry_runs_after_the_failed_attempt_is_freed(tiny_model_path, monkeypatch):
+    """The traceback of a CUDA OOM holds the failed forward's tensors: halves must not run under it."""
+    import gc
+    import weakref
+
+    loaded = load_model(str(tiny_model_path))
+    records = random_sequences(4, (10, 20), seed=14)
+    embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
+    real = Embedder._forward_batch
+    failed: list = []
+    alive_during_retry: list[bool] = []
+
+    def flaky(self, policy, batch, recs):
+        if failed:
+            alive_during_retry.append(failed[-1]() is not None)
+        if len(batch) > 1:
+            activations = torch.ones(1000, 1000)  # stands in for the failed forward's memory
+            failed.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, policy, batch, recs)
+
+    monkeypatch.setattr(Embedder, "_forward_batch", flaky)
+    gc.disable()  # prove it is freed by leaving the except block, not by a later collection
+    try:
+        assert len(dict(embedder.embed(records))) == 4
+    finally:
+        gc.enable()
+    assert alive_during_retry and not any(alive_during_retry)
+
+
+def test_unwritable_output_fails_in_one_line_before_any_work(tmp_path, tiny_model_path, monkeypatch):
+    records = random_sequences(3, (10, 20), seed=15)
+    fasta = write_fasta(tmp_path / "in.fasta", records)
+    (tmp_path / "adir.h5").mkdir()
+    monkeypatch.setattr(Embedder, "_forward_batch", lambda *a: pytest.fail("computed before checking the output"))
+    result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(tmp_path / "adir.h5")])
+    assert result.exit_code == 1
+    assert "is a directory" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["merge", str(tmp_path / "x.h5"), "--out", str(tmp_path / "adir.h5")])
+    assert result.exit_code == 1 and "Traceback" not in result.output

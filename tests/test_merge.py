@@ -260,3 +260,16 @@ def test_cli_merge(results):
     assert "15 records" in res.output
     res = CliRunner().invoke(app, ["validate", str(out)])
     assert res.exit_code == 0, res.output
+
+
+def test_merge_without_stores_is_one_clear_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    manifest = tmp_path / "manifest.tsv"
+    manifest.write_text("id\tsource\tlength\tsequence_sha256\tshard\tstatus\nP1\tin.fa:1\t3\t\t\tskipped:alignment-gap\n")
+    result = CliRunner().invoke(app, ["merge", "--out", str(tmp_path / "m.h5"), "--manifest", str(manifest)])
+    assert result.exit_code == 1
+    assert "no shard stores to merge" in result.output and "skipped" in result.output
+    assert not (tmp_path / "m.h5").exists()

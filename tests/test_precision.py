@@ -223,3 +223,39 @@ def test_fused_qkv_weights_follow_each_policys_dtype(tiny_model_path):
             assert weight.dtype == POLICIES[name].weight_dtype
             assert attn.k_proj.weight.data_ptr() == weight[attn.k_proj.weight.shape[0]].data_ptr()
             torch.testing.assert_close(weight[: weight.shape[0] // 3], attn.q_proj.weight, rtol=0, atol=0)
+
+
+def test_prepared_copies_hold_each_policys_dtypes_and_leave_the_source_alone(tiny_model_path):
+    from embedpipe.precision import prepare_model
+
+    loaded = load_model(str(tiny_model_path))
+    source = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    mixed = prepare_model(loaded.model, get_policy("bf16-mixed"), torch.device("cpu"))
+    plain = prepare_model(loaded.model, get_policy("fp16"), torch.device("cpu"))
+    rot_mixed = mixed.layers[0].self_attn.rot_emb.inv_freq
+    assert rot_mixed.dtype == torch.float32  # fp32 rotary frequencies: the tables are really fp32
+    torch.testing.assert_close(rot_mixed, loaded.model.layers[0].self_attn.rot_emb.inv_freq, rtol=0, atol=0)
+    assert mixed.layers[0].self_attn_layer_norm.weight.dtype == torch.float32
+    assert mixed.layers[0].fc1.weight.dtype == torch.bfloat16
+    assert plain.layers[0].self_attn.rot_emb.inv_freq.dtype == torch.float16  # a plain cast casts all
+    assert plain.layers[0].self_attn_layer_norm.weight.dtype == torch.float16
+    assert mixed.lm_head.weight is mixed.embed_tokens.weight  # ties survive the copy
+    for key, value in loaded.model.state_dict().items():
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value, source[key], rtol=0, atol=0)
+
+
+def test_rotary_tables_are_bounded_and_prefixes_are_exact():
+    from embedpipe.forward import RotaryTables
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    tables = RotaryTables()
+    for dtype in (torch.float32, torch.bfloat16):
+        long_cos, long_sin = tables.get(inv_freq.to(dtype), 900, dtype)
+        for length in (3, 77, 512):
+            fresh_cos, fresh_sin = RotaryTables().get(inv_freq.to(dtype), length, dtype)
+            cos, sin = tables.get(inv_freq.to(dtype), length, dtype)
+            torch.testing.assert_close(cos, fresh_cos, rtol=0, atol=0)
+            torch.testing.assert_close(sin, fresh_sin, rtol=0, atol=0)
+            assert cos.shape[0] == length and long_cos.shape[0] == 900
+    assert len(tables._cache) == 2

@@ -374,3 +374,4 @@ def test_property_every_record_once_shards_partition_and_order(
     normalised = {r["sequence_sha256"] for r in rows if not r["status"].startswith("skipped")}
     assert len(normalised) == summary.unique
     check_invariants(out, summary, budget)
+

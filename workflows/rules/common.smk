@@ -143,7 +143,7 @@ def embed_options():
 
 def tokens_per_batch(wildcards, attempt):
     """A retried embed job gets a smaller batch: tokens_per_batch // attempt."""
-    return max(1, config["tokens_per_batch"] // attempt)
+    return max(3, config["tokens_per_batch"] // attempt)
 
 
 def gpus(wildcards):
