@@ -270,5 +270,26 @@ def make_test_model(
     print(path)
 
 
+def run() -> None:
+    """Console entry point: like ``app()``, but usage errors are one line on stderr too.
+
+    Typer vendors its own click, so its exceptions are recognised by what they carry
+    (``format_message`` and ``exit_code``), not by class.
+    """
+    try:
+        result = app(standalone_mode=False)
+    except Exception as exc:
+        if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+            raise
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("embedpipe: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    run()
