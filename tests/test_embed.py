@@ -230,3 +230,15 @@ def test_unwritable_output_fails_in_one_line_before_any_work(tmp_path, tiny_mode
     assert "is a directory" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["merge", str(tmp_path / "x.h5"), "--out", str(tmp_path / "adir.h5")])
     assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+def test_long_sequences_full_embeds_whole_sequences_like_fair_esm(tmp_path, tiny_model_path, fair_esm_reference):
+    records = random_sequences(2, [1300, 50], seed=16)
+    store = _embed(tmp_path, tiny_model_path, records, per_residue=True, long_sequences="full")
+    model, alphabet = fair_esm_reference(tiny_model_path)
+    layer = max(store["mean"])
+    rid, seq = records[0]
+    assert store["fields"]["long_handling"][rid] == "full" and store["fields"]["windows"][rid] == 1
+    ref = fair_esm_forward(model, alphabet, seq, [layer])[layer]
+    np.testing.assert_allclose(store["per_residue"][layer][rid], ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(store["mean"][layer][rid], ref.mean(0), atol=ATOL, rtol=0)
