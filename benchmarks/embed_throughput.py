@@ -201,7 +201,7 @@ def main() -> None:
     print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
           f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}")
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
-    print(f"\n| system | seconds | residues/s | x fair-esm recipe | padding eff. | MFU | peak RSS MiB | min cos to fp32 | median cos |")
+    print("\n| system | seconds | residues/s | x fair-esm recipe | padding eff. | MFU | peak RSS MiB | min cos to fp32 | median cos |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         means = read_means(row["system"], row["path"], layer)

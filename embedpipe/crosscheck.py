@@ -20,11 +20,8 @@ and verdict rules are documented in ``docs/crosscheck.md``.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -36,6 +33,7 @@ import numpy as np
 
 from embedpipe import __version__
 from embedpipe.atomic import check_output_path, write_text_atomic
+from embedpipe.checksums import file_sha256
 from embedpipe.errors import EmbedpipeError
 from embedpipe.metrics import (
     aggregate,
@@ -241,7 +239,7 @@ def run_crosscheck(
     bins = _bin_table(edges, bin_of, rows)
     summary = _summarise(records, layers, bins, thresholds, pass_cos, k_eff)
     verdict, reasons = _verdict(summary, records, thresholds, pass_cos, k_eff, problems, model_info)
-    store_sha = _file_sha256(store_path, quiet)
+    store_sha = file_sha256(store_path, quiet=quiet)
     json_path, html_path = out_dir / "crosscheck.json", out_dir / "crosscheck.html"
 
     data: dict[str, Any] = {
@@ -289,7 +287,6 @@ def run_crosscheck(
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(json_path, json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n")
     write_text_atomic(html_path, render_html(data))
-    _readable(json_path, html_path)
     return CrosscheckReport(verdict=verdict, json_path=json_path, html_path=html_path, data=data)
 
 
@@ -659,29 +656,6 @@ def _store_figures(table: dict[str, np.ndarray], lengths: np.ndarray) -> dict[st
 
 
 # =============================================================================== helpers
-
-
-def _file_sha256(path: Path, quiet: bool = True) -> str:
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    bar = progress_bar(quiet=quiet or size < (1 << 30), total=size, unit="B", unit_scale=True, desc="sha256")
-    try:
-        with open(path, "rb") as fh:
-            while chunk := fh.read(8 << 20):
-                digest.update(chunk)
-                bar.update(len(chunk))
-    finally:
-        bar.close()
-    return digest.hexdigest()
-
-
-def _readable(*paths: Path) -> None:
-    """Give the reports the usual umask permissions (the atomic writer's temp files are 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o666 & ~mask)
 
 
 def _json_safe(value: Any) -> Any:

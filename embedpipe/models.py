@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
 import pickle
 import re
@@ -100,7 +99,6 @@ CONTACT_KEYS = frozenset({"contact_head.regression.weight", "contact_head.regres
 #: Top-level key of the untrained-weights marker written by :func:`make_test_model`.
 MARKER_KEY = "embedpipe"
 
-_HASH_CHUNK = 8 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- results
@@ -150,15 +148,13 @@ def companion_path(path: Path) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, read in chunks (checkpoints are gigabytes)."""
-    digest = hashlib.sha256()
+    """sha256 of a checkpoint's bytes (cached per unchanged file: checkpoints are gigabytes)."""
+    from embedpipe.checksums import file_sha256 as _sha256
+
     try:
-        with open(path, "rb") as fh:
-            while chunk := fh.read(_HASH_CHUNK):
-                digest.update(chunk)
+        return _sha256(path, cache=True)
     except OSError as exc:
         raise ModelError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
-    return digest.hexdigest()
 
 
 def _offline() -> bool:

@@ -529,3 +529,23 @@ def test_fetch_model_respects_embedpipe_offline(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="EMBEDPIPE_OFFLINE is set.*fetch-model esm2_t6_8M_UR50D"):
         models_module.fetch_model("esm2_t6_8M_UR50D", dest=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_sha256_is_cached_per_unchanged_file(tmp_path, monkeypatch):
+    import json as _json
+
+    from embedpipe import checksums
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"abc" * 1000)
+    first = checksums.file_sha256(path, cache=True)
+    assert first == hashlib.sha256(b"abc" * 1000).hexdigest()
+    entry = checksums._cache_file(path)
+    saved = _json.loads(entry.read_text())
+    saved["sha256"] = "cached-value"
+    entry.write_text(_json.dumps(saved))
+    assert checksums.file_sha256(path, cache=True) == "cached-value"  # unchanged file: no re-read
+    assert checksums.file_sha256(path) == first  # cache only when asked
+    path.write_bytes(b"abcd" * 1000)  # changed size and mtime: the cache entry no longer applies
+    assert checksums.file_sha256(path, cache=True) == hashlib.sha256(b"abcd" * 1000).hexdigest()
