@@ -95,6 +95,10 @@ class Plan:
     handling: list[str]  # none | chunked | truncated | full
     rows: list[int]  # residues embedded per record (the per-residue rows the store will hold)
 
+    @property
+    def padding_efficiency(self) -> float:
+        return padding_efficiency(self.batches)
+
 
 @dataclass
 class _PieceResult:
@@ -157,7 +161,6 @@ class Embedder:
               quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
         plan = plan or self.plan(records)
         batches, handling = plan.batches, plan.handling
-        self.stats["padding_efficiency_x1e6"] = round(padding_efficiency(batches) * 1e6)
         pending: dict[int, _Assembly] = {}
         for batch in batches:
             for piece in batch:
@@ -277,22 +280,22 @@ class Embedder:
                 return "overflow-margin"
         return ""
 
+    def _reasons(self, policy: Policy, results: list[tuple[Piece, _PieceResult]]) -> str:
+        """Every reason the record's pieces cannot be stored as computed, '+'-joined ('' if none)."""
+        return "+".join(sorted({r for r in (self._reason(policy, res) for _, res in results) if r}))
+
     def _finish(self, index: int, records: Sequence[tuple[str, str]], handling: list[str],
                 results: list[tuple[Piece, _PieceResult]]) -> EmbeddedRecord:
         rid, seq = records[index]
-        precision_used, fallback_reason = self.policy.name, ""
-        reasons = sorted({r for r in (self._reason(self.policy, res) for _, res in results) if r})
-        if reasons:
-            fallback_reason = reasons[0] if len(reasons) == 1 else "+".join(reasons)
+        low_max_abs = max(res.max_abs for _, res in results)  # what the requested policy saw
+        precision_used, fallback_reason = self.policy.name, self._reasons(self.policy, results)
+        if fallback_reason:
             if self.policy.is_reference:
                 raise EmbedpipeError(self._fp32_failure(rid, results, fallback_reason))
-            low_max_abs = max(res.max_abs for _, res in results)
-            results = self._rerun_fp32(index, records, rid)
+            results = self._rerun_fp32([piece for piece, _ in results], records, rid)
             precision_used = FP32.name
             self.stats["fallback"] += 1
             self.stats[f"fallback:{fallback_reason}"] += 1
-        else:
-            low_max_abs = max(res.max_abs for _, res in results)
         record = self._assemble(rid, seq, results, handling[index])
         record.precision_used = precision_used
         record.fallback_reason = fallback_reason
@@ -301,14 +304,14 @@ class Embedder:
         self.stats[f"precision:{precision_used}"] += 1
         return record
 
-    def _rerun_fp32(self, index: int, records: Sequence[tuple[str, str]], rid: str) -> list[tuple[Piece, _PieceResult]]:
-        pieces, _ = plan_record(index, len(records[index][1]), self.options.long_sequences, record_id=rid)
+    def _rerun_fp32(self, pieces: list[Piece], records: Sequence[tuple[str, str]], rid: str) -> list[tuple[Piece, _PieceResult]]:
+        """The record's own windows again, each alone, with the fp32 model."""
         results = []
-        for piece in pieces:  # alone: one piece per forward
+        for piece in pieces:
             results.extend(self._run_batch(FP32, [piece], records))
-        problems = sorted({r for r in (self._reason(FP32, res) for _, res in results) if r})
+        problems = self._reasons(FP32, results)
         if problems:
-            raise EmbedpipeError(self._fp32_failure(rid, results, "+".join(problems)))
+            raise EmbedpipeError(self._fp32_failure(rid, results, problems))
         return results
 
     def _fp32_failure(self, rid: str, results: list[tuple[Piece, _PieceResult]], reason: str) -> str:
@@ -446,7 +449,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
             writer.set_attrs(
                 fallback_count=int(embedder.stats["fallback"]),
                 fallback_reasons=json.dumps(fallback, sort_keys=True),
-                padding_efficiency=embedder.stats["padding_efficiency_x1e6"] / 1e6,
+                padding_efficiency=plan.padding_efficiency,
                 finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
     return EmbedSummary(
@@ -457,6 +460,6 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         precision=options.precision,
         device=str(device),
         fallback=fallback,
-        padding_efficiency=embedder.stats["padding_efficiency_x1e6"] / 1e6,
+        padding_efficiency=plan.padding_efficiency,
         notes=embedder.notes,
     )

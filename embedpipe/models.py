@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from embedpipe.atomic import atomic_path
+from embedpipe.batching import TRAINED_RESIDUES
 from embedpipe.errors import ModelError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,7 +74,7 @@ ESM2_MODELS: dict[str, tuple[int, int, int]] = {
 }
 
 #: ESM-2's trained maximum residues per forward window (1024 tokens including BOS and EOS).
-TRAINED_CONTEXT = 1022
+TRAINED_CONTEXT = TRAINED_RESIDUES  # one definition, in batching (torch-free)
 
 #: Same URL scheme as fair-esm's ``esm/pretrained.py``.
 MODEL_URL = "https://dl.fbaipublicfiles.com/fair-esm/models/{name}.pt"

@@ -41,10 +41,6 @@ class Policy:
         """fp32 is the reference: no fallback is ever needed for it."""
         return self.compute_dtype == torch.float32
 
-    @property
-    def low_dtype_name(self) -> str:
-        return dtype_name(self.compute_dtype)
-
 
 POLICIES: dict[str, Policy] = {
     "fp32": Policy("fp32", torch.float32, torch.float32),
@@ -56,10 +52,6 @@ POLICIES: dict[str, Policy] = {
     "bf16-mixed": Policy("bf16-mixed", torch.bfloat16, torch.bfloat16, fp32_islands=True),
 }
 FP32 = POLICIES["fp32"]
-
-# Largest integer position that the low dtype represents exactly (rotary positions beyond
-# it are rounded when the tables are built in that dtype, as a plain cast does).
-EXACT_POSITIONS = {torch.float16: 2048, torch.bfloat16: 256}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

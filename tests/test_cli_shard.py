@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import gzip
 import json
 import subprocess
@@ -13,6 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
+from shard_helpers import manifest as rows
+from shard_helpers import write
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swissprot100.fasta"
 runner = CliRunner()
@@ -20,16 +21,6 @@ runner = CliRunner()
 
 def shard(*args: str | Path):  # noqa: ANN201 - click Result
     return runner.invoke(app, ["shard", *map(str, args)])
-
-
-def write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
-def rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "manifest.tsv", newline="") as fh:
-        return list(csv.DictReader(fh, delimiter="\t"))
 
 
 def test_example_end_to_end_with_summary(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import gzip
 import hashlib
 import json
@@ -15,18 +14,9 @@ from hypothesis import strategies as st
 from embedpipe.errors import InputError
 from embedpipe.fasta import read_sequences
 from embedpipe.shard import MANIFEST_COLUMNS, ShardSummary, plan_shards, shard_fasta
+from shard_helpers import manifest, write
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swissprot100.fasta"
-
-
-def write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
-def manifest(out: Path) -> list[dict[str, str]]:
-    with open(out / "manifest.tsv", newline="") as fh:
-        return list(csv.DictReader(fh, delimiter="\t"))
 
 
 def shards_json(out: Path) -> dict:
