@@ -336,6 +336,37 @@ def test_mismatched_weights_are_refused(tiny_model_path: Path, tmp_path: Path) -
         load_model(str(path))
 
 
+def test_loading_skips_random_init_and_puts_it_back(tiny_model_path: Path, tmp_path: Path, monkeypatch) -> None:
+    """Constructor init is thrown-away work (minutes for 15B): skipped while building, restored after."""
+    calls: list[str] = []
+
+    def spy(name: str):
+        original = getattr(torch.nn.init, name)
+
+        def counted(tensor, *args, **kwargs):
+            calls.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+    spies = {name: spy(name) for name in ("normal_", "uniform_", "kaiming_uniform_", "xavier_uniform_", "ones_", "zeros_")}
+    for name, function in spies.items():
+        monkeypatch.setattr(torch.nn.init, name, function)
+    loaded = load_model(str(tiny_model_path))
+    assert calls == []
+    assert all(getattr(torch.nn.init, name) is function for name, function in spies.items())
+    assert all(torch.isfinite(p).all() for p in loaded.model.parameters())
+
+    data = load_checkpoint_safely(tiny_model_path)
+    data["cfg"]["model"].encoder_embed_dim = 64
+    torch.save(data, tmp_path / "wrong_dim.pt")
+    with pytest.raises(ModelError):
+        load_model(str(tmp_path / "wrong_dim.pt"))
+    assert all(getattr(torch.nn.init, name) is function for name, function in spies.items())
+    torch.nn.Linear(3, 2)  # init works again outside the loader
+    assert "kaiming_uniform_" in calls
+
+
 def test_untied_embedding_is_refused(tiny_model_path: Path, tmp_path: Path) -> None:
     data = load_checkpoint_safely(tiny_model_path)
     key = "encoder.sentence_encoder.embed_tokens.weight"
