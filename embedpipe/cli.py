@@ -105,7 +105,10 @@ def embed(
     long_sequences: str = typer.Option(
         "chunk", "--long-sequences", help="Sequences over 1022 residues: chunk, truncate, error or full."
     ),
-    attention: str = typer.Option("sdpa", "--attention", help="sdpa (fused) or fair-esm (fair-esm's own forward)."),
+    attention: str = typer.Option(
+        "sdpa", "--attention",
+        help="sdpa (fused, default), math (explicit scores and softmax) or fair-esm (fair-esm's own forward).",
+    ),
     overflow_margin: Optional[float] = typer.Option(
         None,
         "--overflow-margin",

@@ -29,7 +29,7 @@ class ForwardOutput:
 
 
 class RotaryTables:
-    """cos/sin tables keyed by (device, dtypes, scale): never reused across dtypes.
+    """cos/sin tables keyed by (device, dtypes, q scale): never reused across dtypes.
 
     One table per key, as long as the longest batch seen, sliced for shorter ones (the
     prefix of a longer table is exactly the shorter table), so memory stays bounded.
@@ -39,24 +39,42 @@ class RotaryTables:
         self._cache: dict[tuple[str, torch.dtype, torch.dtype, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, inv_freq: torch.Tensor, length: int, table_dtype: torch.dtype,
-            scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables built the way fair-esm builds them, with positions and frequencies in ``table_dtype``.
+            q_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (length, 2, 1, head_dim / 2): row 0 of dim 1 for q, row 1 for k.
 
-        ``scale`` folds the attention scaling of q into q's tables (rotation is linear, so
-        scaling before or after it is the same), saving one pass over q.
+        Built the way fair-esm builds them (positions and frequencies in ``table_dtype``),
+        keeping one half: fair-esm's tables are ``cat((t, t))``, two equal halves. ``q_scale``
+        folds the attention scaling of q into q's tables (rotation is linear, so scaling
+        before or after it is the same), saving one pass over q.
         """
-        key = (str(inv_freq.device), inv_freq.dtype, table_dtype, scale)
+        key = (str(inv_freq.device), inv_freq.dtype, table_dtype, q_scale)
         cached = self._cache.get(key)
         if cached is None or cached[0].shape[0] < length:
             freq = inv_freq.to(table_dtype)
             positions = torch.arange(length, device=inv_freq.device).to(table_dtype)
-            freqs = torch.outer(positions, freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos(), emb.sin()
-            if scale != 1.0:
-                cos, sin = cos * scale, sin * scale
-            cached = self._cache[key] = (cos, sin)
+            freqs = torch.outer(positions, freq)  # (T, head_dim / 2)
+            cos, sin = freqs.cos(), freqs.sin()
+            cached = self._cache[key] = (
+                torch.stack((cos * q_scale if q_scale != 1.0 else cos, cos), 1)[:, :, None, :],
+                torch.stack((sin * q_scale if q_scale != 1.0 else sin, sin), 1)[:, :, None, :],
+            )
         return cached[0][:length], cached[1][:length]
+
+
+def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """fair-esm's ``x * cos + rotate_half(x) * sin`` written into ``out``, half by half.
+
+    With ``x = (x1, x2)`` that is ``(x1 c - x2 s, x2 c + x1 s)``: four kernels over half the
+    data and no temporaries (no negated copy, no concatenation). ``out`` may have any
+    layout and a wider dtype than ``x`` (mixed policies: bf16 projections, fp32 rotation).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
 
 
 def fuse_qkv(attn: torch.nn.Module) -> None:
@@ -87,11 +105,6 @@ def _still_views(cached: tuple[torch.Tensor, torch.Tensor], projections: tuple) 
         and p.weight.dtype == weight.dtype and p.weight.device == weight.device
         for i, p in enumerate(projections)
     )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -186,7 +199,7 @@ class EsmForward:
         residual = x
         h = self._layer_norm(layer.self_attn_layer_norm, x)
         h = self._attention(layer.self_attn, h, attn_mask)
-        x = residual + h.to(residual.dtype)
+        x = residual + h  # a bf16/fp16 h is promoted inside the add (no separate cast)
 
         residual = x
         h = self._layer_norm(layer.final_layer_norm, x)
@@ -194,36 +207,34 @@ class EsmForward:
         # which is where an fp32 GELU's output would be rounded anyway before fc2.
         h = F.gelu(self._linear(layer.fc1, h))
         h = self._linear(layer.fc2, h)
-        return residual + h.to(residual.dtype)
+        return residual + h
 
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
         weight, bias = attn._embedpipe_qkv
-        if self.policy.fp32_islands:
+        islands = self.policy.fp32_islands
+        if islands:
             x = x.to(weight.dtype)
-        q, k, v = F.linear(x, weight, bias).chunk(3, dim=-1)
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, length, heads, head_dim).transpose(1, 2)
-
-        q, k, v = split(q), split(k), split(v)
-        if self.policy.fp32_islands:
-            # Rotary tables built and applied in fp32; scores and softmax in fp32.
-            q, k, v = q.float(), k.float(), v.float()
-            table_dtype = torch.float32
-        else:
-            # A plain cast builds the tables in the weights' dtype, as fair-esm does after .half().
-            table_dtype = attn.rot_emb.inv_freq.dtype
-        cos_q, sin_q = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype, attn.scaling)
-        cos, sin = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype)
-        q = q * cos_q + _rotate_half(q) * sin_q
-        k = k * cos + _rotate_half(k) * sin
+        qkv = F.linear(x, weight, bias).view(batch, length, 3, heads, head_dim)
+        # Mixed policies: rotary tables built and applied in fp32, scores and softmax in fp32.
+        # A plain cast builds the tables in the weights' dtype, as fair-esm does after .half();
+        # under autocast the fp32 tables promote q and k, and SDPA casts as autocast decides.
+        table_dtype = torch.float32 if islands else attn.rot_emb.inv_freq.dtype
+        work_dtype = torch.promote_types(qkv.dtype, table_dtype)
+        cos, sin = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype, attn.scaling)
+        # q and k rotated together, in one cast (mixed-dtype kernels would each cast again);
+        # SDPA takes the (B, H, T, head_dim) views as they are: making them contiguous first
+        # costs more than SDPA's CPU kernel gains from it.
+        rotated = qkv[:, :, :2]
+        if rotated.dtype != work_dtype:
+            rotated = rotated.to(work_dtype)
+        qk = torch.empty((batch, length, 2, heads, head_dim), dtype=work_dtype, device=x.device)
+        rotate_into(rotated, cos, sin, out=qk)
+        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
+        v = qkv[:, :, 2].to(work_dtype).transpose(1, 2)
 
         if self.attention == "sdpa":
-            if q.dtype != v.dtype:
-                common = torch.promote_types(q.dtype, v.dtype)
-                q, k, v = q.to(common), k.to(common), v.to(common)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
         else:  # "math": explicit scores, fp32 softmax, as fair-esm computes it
             scores = torch.matmul(q, k.transpose(-1, -2))
@@ -231,5 +242,6 @@ class EsmForward:
                 scores = scores.masked_fill(~attn_mask, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
             out = torch.matmul(probs, v.to(probs.dtype))
-        out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
-        return self._linear(attn.out_proj, out)
+        # SDPA's CPU output is laid out (B, T, H, head_dim) for these inputs: a view, no copy
+        merged = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+        return self._linear(attn.out_proj, merged)

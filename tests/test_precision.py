@@ -257,5 +257,29 @@ def test_rotary_tables_are_bounded_and_prefixes_are_exact():
             cos, sin = tables.get(inv_freq.to(dtype), length, dtype)
             torch.testing.assert_close(cos, fresh_cos, rtol=0, atol=0)
             torch.testing.assert_close(sin, fresh_sin, rtol=0, atol=0)
-            assert cos.shape[0] == length and long_cos.shape[0] == 900
+            assert cos.shape == (length, 2, 1, 8) and long_cos.shape[0] == 900
     assert len(tables._cache) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotation_equals_fair_esms_rotary_embedding(dtype):
+    """q (scaled first, as fair-esm does) and k rotated together into a wider buffer."""
+    from esm.rotary_embedding import RotaryEmbedding
+
+    from embedpipe.forward import RotaryTables, rotate_into
+
+    head_dim, heads, length, scale = 16, 3, 41, 16 ** -0.5
+    rot = RotaryEmbedding(dim=head_dim).to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, length, heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    # fair-esm: q_proj(x) * scaling, then rot_emb on (batch * heads, T, head_dim)
+    flat = lambda t: t.transpose(1, 2).reshape(2 * heads, length, head_dim)  # noqa: E731
+    want_q, want_k = rot(flat(q * scale), flat(k))
+
+    table_dtype = rot.inv_freq.dtype
+    cos, sin = RotaryTables().get(rot.inv_freq, length, table_dtype, scale)
+    out = torch.empty((2, 2, heads, length, head_dim), dtype=torch.float32)
+    rotate_into(torch.stack((q, k), 2), cos, sin, out=out.permute(1, 3, 0, 2, 4))
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(out[0].reshape(2 * heads, length, head_dim), want_q.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out[1].reshape(2 * heads, length, head_dim), want_k.float(), rtol=tolerance, atol=tolerance)
