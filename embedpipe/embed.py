@@ -26,6 +26,7 @@ from embedpipe.atomic import check_output_path
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
 from embedpipe.forward import ATTENTION_IMPLEMENTATIONS, EsmForward, masked_max_abs
+from embedpipe.host_memory import keep_freed_memory
 from embedpipe.precision import FP32, Policy, check_policy_on_device, dtype_name, forward_context, get_policy, prepare_model
 from embedpipe.progress import progress_bar, say
 from embedpipe.records import EmbeddedRecord
@@ -427,6 +428,8 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         torch.set_num_threads(options.threads)
     check_output_path(Path(out))
     with claim_device(options.device) as device:
+        if device.type == "cpu":
+            keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
         loaded = load_model(model)  # after the GPU is ours: a waiting job holds no model in memory
         embedder = Embedder(loaded, options, device)
         for note in embedder.notes:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from embedpipe.packed_linear import PackedLinear, pack_linear
 from embedpipe.precision import Policy
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
@@ -119,7 +120,9 @@ def masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class EsmForward:
     """Runs one prepared ESM-2 model (see ``precision.prepare_model``) under one policy."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa") -> None:
+    def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True) -> None:
+        """``prepack``: on CPU, run the projections and FFN with oneDNN-prepacked weights
+        (see :mod:`embedpipe.packed_linear`); ignored elsewhere and under autocast."""
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, not {attention!r}")
         self.model = model
@@ -128,9 +131,29 @@ class EsmForward:
         self.rotary = RotaryTables()
         self.padding_idx = model.padding_idx
         self.num_layers = model.num_layers
+        self._packed: dict[int, PackedLinear] = {}  # id(module) -> packed weights (qkv: id(attn))
         if attention != "fair-esm":
             for layer in model.layers:
                 fuse_qkv(layer.self_attn)
+            if prepack and not policy.autocast:
+                self._prepack()
+
+    def _prepack(self) -> None:
+        """Pack every projection once; any layer that cannot be packed keeps ``F.linear``."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            targets = [(attn, *attn._embedpipe_qkv)]
+            targets += [(linear, linear.weight, linear.bias) for linear in (attn.out_proj, layer.fc1, layer.fc2)]
+            for module, weight, bias in targets:
+                packed = pack_linear(weight, bias)
+                if packed is None:
+                    return  # unsupported here: the same answer for every layer, stop probing
+                self._packed[id(module)] = packed
+
+    @property
+    def prepacked(self) -> bool:
+        """Whether the projections run with oneDNN-prepacked weights."""
+        return bool(self._packed)
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         if self.attention == "fair-esm":
@@ -190,10 +213,21 @@ class EsmForward:
             return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
         return norm(x)
 
-    def _linear(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, linear: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, *, gelu: bool = False) -> torch.Tensor:
+        """``linear``'s projection (or ``weight``/``bias`` stored under ``linear``, as the fused
+        q/k/v are), GELU'd when asked; packed on CPU, ``F.linear`` elsewhere."""
+        if weight is None:
+            weight, bias = linear.weight, linear.bias
         if self.policy.fp32_islands:
-            return F.linear(x.to(linear.weight.dtype), linear.weight, linear.bias)
-        return linear(x)
+            x = x.to(weight.dtype)
+        packed = self._packed.get(id(linear))
+        if packed is not None:
+            return packed(x, gelu=gelu)
+        # Unfused GELU runs in the matmul dtype: PyTorch evaluates it in fp32 internally and
+        # rounds once, where an fp32 GELU's output would be rounded anyway before fc2.
+        h = F.linear(x, weight, bias)
+        return F.gelu(h) if gelu else h
 
     def _layer(self, layer: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         residual = x
@@ -203,20 +237,15 @@ class EsmForward:
 
         residual = x
         h = self._layer_norm(layer.final_layer_norm, x)
-        # GELU in the matmul dtype: PyTorch evaluates it in fp32 internally and rounds once,
-        # which is where an fp32 GELU's output would be rounded anyway before fc2.
-        h = F.gelu(self._linear(layer.fc1, h))
+        h = self._linear(layer.fc1, h, gelu=True)
         h = self._linear(layer.fc2, h)
         return residual + h
 
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
-        weight, bias = attn._embedpipe_qkv
         islands = self.policy.fp32_islands
-        if islands:
-            x = x.to(weight.dtype)
-        qkv = F.linear(x, weight, bias).view(batch, length, 3, heads, head_dim)
+        qkv = self._linear(attn, x, *attn._embedpipe_qkv).view(batch, length, 3, heads, head_dim)
         # Mixed policies: rotary tables built and applied in fp32, scores and softmax in fp32.
         # A plain cast builds the tables in the weights' dtype, as fair-esm does after .half();
         # under autocast the fp32 tables promote q and k, and SDPA casts as autocast decides.

@@ -1,0 +1,112 @@
+"""embedpipe.packed_linear: oneDNN-prepacked projections equal F.linear; anything odd falls back."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedpipe import packed_linear
+from embedpipe.forward import EsmForward
+from embedpipe.host_memory import keep_freed_memory
+from embedpipe.packed_linear import pack_linear
+from embedpipe.precision import get_policy, prepare_model
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _weights(dtype: torch.dtype, out_features: int = 48, in_features: int = 40):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    return weight, bias
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_projection_equals_f_linear(dtype):
+    weight, bias = _weights(dtype)
+    packed = pack_linear(weight, bias)
+    assert packed is not None
+    x = torch.randn(3, 17, 40, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    got = packed(x)
+    assert got.dtype == dtype and got.shape == (3, 17, 48)
+    # as close to the exact product as F.linear itself
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=tolerance, atol=tolerance)
+
+
+@needs_onednn
+def test_strided_input_is_read_correctly():
+    weight, bias = _weights(torch.float32)
+    packed = pack_linear(weight, bias)
+    wide = torch.randn(5, 9, 2, 40, generator=torch.Generator().manual_seed(3))
+    view = wide[:, :, 0]  # not contiguous: oneDNN would misread it as dense
+    torch.testing.assert_close(packed(view), F.linear(view, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gelu_is_exact_gelu_of_the_fp32_product(dtype):
+    weight, bias = _weights(dtype)
+    packed = pack_linear(weight, bias)
+    x = torch.randn(64, 40, generator=torch.Generator().manual_seed(4)).to(dtype)
+    exact = F.gelu(F.linear(x.double(), weight.double(), bias.double()))
+    fused = packed(x, gelu=True).double()
+    unfused = F.gelu(F.linear(x, weight, bias)).double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, exact, rtol=1e-5, atol=1e-5)
+    else:  # one rounding (epilogue on the fp32 accumulator) instead of two: at least as close
+        assert (fused - exact).abs().mean() <= (unfused - exact).abs().mean()
+        torch.testing.assert_close(fused, exact, rtol=1e-2, atol=1e-2)
+
+
+def test_unsupported_dtypes_and_broken_ops_fall_back(monkeypatch):
+    assert pack_linear(*_weights(torch.float16)) is None  # fp16 stays on F.linear
+    weight, bias = _weights(torch.float32)
+    assert pack_linear(weight, bias.double()) is None
+
+    class WrongAnswers(packed_linear.PackedLinear):
+        def __call__(self, x, gelu=False):
+            return super().__call__(x, gelu) + 1.0
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", WrongAnswers)
+    assert pack_linear(weight, bias) is None  # the probe catches a mismatch
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", missing)
+    assert pack_linear(weight, bias) is None
+
+
+@needs_onednn
+@pytest.mark.parametrize("precision, expected", [("fp32", True), ("bf16-mixed", True), ("bf16", True),
+                                                 ("amp-bf16", False), ("fp16", False)])
+def test_forward_prepacks_where_it_can_and_matches_unpacked(tiny_model_path, precision, expected):
+    from embedpipe.models import load_model
+
+    loaded = load_model(str(tiny_model_path))
+    policy = get_policy(precision)
+    model = prepare_model(loaded.model, policy, torch.device("cpu"))
+    packed, plain = EsmForward(model, policy), EsmForward(model, policy, prepack=False)
+    assert packed.prepacked is expected
+    assert not plain.prepacked
+    tokens = torch.randint(4, 24, (3, 40), generator=torch.Generator().manual_seed(5))
+    tokens[:, 0], tokens[:, -1] = 0, 2
+    tokens[2, 30:] = 1  # padding
+    with torch.inference_mode():
+        a, b = packed(tokens, [1, 2]), plain(tokens, [1, 2])
+    tolerance = 1e-5 if precision == "fp32" else 5e-2
+    for layer in (1, 2):
+        torch.testing.assert_close(a.hidden[layer].float(), b.hidden[layer].float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_keep_freed_memory_applies_on_glibc():
+    assert keep_freed_memory() is True
+    assert keep_freed_memory() is True  # idempotent
