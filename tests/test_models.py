@@ -367,6 +367,19 @@ def test_loading_skips_random_init_and_puts_it_back(tiny_model_path: Path, tmp_p
     assert "kaiming_uniform_" in calls
 
 
+def test_legacy_format_checkpoint_loads_without_mmap(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Zip-format files are memory-mapped; pre-zip (legacy) files cannot be and are read whole."""
+    legacy = tmp_path / "legacy.pt"
+    torch.save(load_checkpoint_safely(tiny_model_path), legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(RuntimeError, match="mmap"):
+        torch.load(legacy, weights_only=True, mmap=True)  # the fallback's trigger
+    ours = load_model(str(legacy)).model.state_dict()
+    reference = load_model(str(tiny_model_path)).model.state_dict()
+    for key in reference:
+        if not key.startswith("contact_head"):  # no companion next to the copy
+            assert torch.equal(ours[key], reference[key]), key
+
+
 def test_untied_embedding_is_refused(tiny_model_path: Path, tmp_path: Path) -> None:
     data = load_checkpoint_safely(tiny_model_path)
     key = "encoder.sentence_encoder.embed_tokens.weight"
