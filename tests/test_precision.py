@@ -283,3 +283,52 @@ def test_rotation_equals_fair_esms_rotary_embedding(dtype):
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
     torch.testing.assert_close(out[0].reshape(2 * heads, length, head_dim), want_q.float(), rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(out[1].reshape(2 * heads, length, head_dim), want_k.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_pair_order_rotation_equals_fair_esms_rotary_embedding():
+    """Interleaved q/k rows + one complex multiply == fair-esm's rotation, once the order is undone."""
+    from esm.rotary_embedding import RotaryEmbedding
+
+    from embedpipe.forward import RotaryTables, interleave_rotary_rows, rotate_pairs_
+
+    heads, head_dim, length, dim, scale = 3, 8, 29, 24, 8 ** -0.5
+    generator = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(3 * dim, dim, generator=generator), torch.randn(3 * dim, generator=generator)
+    x = torch.randn(2, length, dim, generator=generator)
+    rot = RotaryEmbedding(dim=head_dim)
+
+    qkv = torch.nn.functional.linear(x, weight, bias).view(2, length, 3, heads, head_dim)
+    flat = lambda t: t.transpose(1, 2).reshape(2 * heads, length, head_dim)  # noqa: E731
+    want_q, want_k = rot(flat(qkv[:, :, 0] * scale), flat(qkv[:, :, 1]))
+
+    paired_w, paired_b = interleave_rotary_rows(weight, bias, heads, head_dim)
+    paired = torch.nn.functional.linear(x, paired_w, paired_b).view(2, length, 3, heads, head_dim)
+    torch.testing.assert_close(paired[:, :, 2], qkv[:, :, 2], rtol=0, atol=0)  # v untouched
+    qk = paired[:, :, :2].clone()
+    rotate_pairs_(qk, RotaryTables().complex(rot.inv_freq, length, scale))
+    half = head_dim // 2
+    undo = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))  # pair order -> halves
+    assert undo.tolist()[:half] == [0, 2, 4, 6]
+    torch.testing.assert_close(flat(qk[:, :, 0][..., undo]), want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(flat(qk[:, :, 1][..., undo]), want_k, rtol=1e-6, atol=1e-6)
+    # attention scores do not see the order: q.k per head is the same
+    q_halves, k_halves = qk[:, :, 0][..., undo], qk[:, :, 1][..., undo]
+    torch.testing.assert_close(torch.einsum("bthd,bshd->bhts", qk[:, :, 0], qk[:, :, 1]),
+                               torch.einsum("bthd,bshd->bhts", q_halves, k_halves), rtol=1e-5, atol=1e-5)
+
+
+def test_masked_max_abs_sees_negatives_and_nonfinite_and_skips_padding():
+    from embedpipe.forward import masked_max_abs
+
+    x = torch.zeros(3, 4, 5, dtype=torch.float16)
+    x[0, 1, 2] = -7.0
+    x[1, 3, 0] = 60000.0  # padding: ignored
+    x[1, 0, 4] = 2.0
+    x[2, 2, 1] = float("nan")
+    keep = torch.ones(3, 4, dtype=torch.bool)
+    keep[1, 3] = False
+    got = masked_max_abs(x, keep)
+    assert got.dtype == torch.float32
+    assert got[0].item() == 7.0 and got[1].item() == 2.0 and torch.isnan(got[2])
+    x[2, 2, 1] = float("-inf")
+    assert masked_max_abs(x, keep)[2].item() == float("inf")
