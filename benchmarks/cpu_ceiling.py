@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from embed_throughput import OUT, timed  # noqa: E402  (shared with the side-by-side benchmark)
+from embed_throughput import OUT, add_input_arguments, bench_model, timed  # noqa: E402  (shared with the side-by-side benchmark)
 
 
 def best_of(repeats: int, run) -> float:
@@ -45,11 +44,7 @@ def best_of(repeats: int, run) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fasta", type=Path, default=ROOT / "examples" / "swissprot100.fasta")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=480)
-    parser.add_argument("--heads", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_input_arguments(parser)
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each measured part")
     args = parser.parse_args()
 
@@ -58,14 +53,11 @@ def main() -> None:
 
     from embedpipe.embed import EmbedOptions, Embedder
     from embedpipe.fasta import read_sequences
-    from embedpipe.models import load_model, make_test_model
+    from embedpipe.models import load_model
     from embedpipe.packed_linear import pack_linear
 
     torch.set_num_threads(args.threads)
-    OUT.mkdir(parents=True, exist_ok=True)
-    model_path = OUT / f"esm2_bench_t{args.layers}_{args.dim}.pt"
-    if not model_path.exists():
-        make_test_model(model_path, layers=args.layers, dim=args.dim, heads=args.heads, seed=0)
+    model_path = bench_model(args)
     records = list(read_sequences(args.fasta))
     residues = sum(min(len(s), 1022) for _, s in records)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))

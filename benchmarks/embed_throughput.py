@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -133,15 +134,31 @@ def read_means(system: str, path: Path, layer: int) -> dict[str, np.ndarray]:
     return dict(zip(ids, matrix))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """Input, model shape (esm2_t12_35M by default) and threads: shared by the CPU benchmarks."""
     parser.add_argument("--fasta", type=Path, default=ROOT / "examples" / "swissprot100.fasta")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dim", type=int, default=480)
     parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+
+
+def bench_model(args: argparse.Namespace) -> Path:
+    """The random-weight checkpoint of the requested shape, made once under benchmarks/out/."""
+    from embedpipe.models import make_test_model
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    model = OUT / f"esm2_bench_t{args.layers}_{args.dim}.pt"
+    if not model.exists():
+        make_test_model(model, layers=args.layers, dim=args.dim, heads=args.heads, seed=0)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_input_arguments(parser)
     parser.add_argument("--max-records", type=int, default=None,
                         help="use the first N records only (fp16 is emulated on most CPUs: keep its runs short)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--systems", nargs="+", default=["fair-esm", "hf-transformers", *POLICIES])
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--rounds", type=int, default=1,
@@ -155,7 +172,6 @@ def main() -> None:
         return
 
     from embedpipe.fasta import read_sequences
-    from embedpipe.models import make_test_model
 
     OUT.mkdir(parents=True, exist_ok=True)
     if args.max_records:
@@ -163,9 +179,7 @@ def main() -> None:
         records = list(read_sequences(args.fasta))[: args.max_records]
         subset.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
         args.fasta = subset
-    model = OUT / f"esm2_bench_t{args.layers}_{args.dim}.pt"
-    if not model.exists():
-        make_test_model(model, layers=args.layers, dim=args.dim, heads=args.heads, seed=0)
+    model = bench_model(args)
     lengths = [len(s) for _, s in read_sequences(args.fasta)]
     residues = sum(min(n, 1022) for n in lengths)
     flops = model_flops(lengths, args.layers, args.dim)
@@ -195,8 +209,10 @@ def main() -> None:
     rss: dict[str, float] = dict.fromkeys(commands, 0.0)
     for round_index in range(args.rounds):
         for system, (cmd, target) in commands.items():
-            if target.suffix == ".h5":
-                target.unlink(missing_ok=True)  # embedpipe refuses to overwrite a store
+            if system in DIRECTORY_SYSTEMS:
+                shutil.rmtree(target, ignore_errors=True)  # no stale files from a run with other settings
+            else:
+                target.unlink(missing_ok=True)
             wall, peak = timed(cmd, env)
             walls[system].append(wall)
             rss[system] = max(rss[system], peak)

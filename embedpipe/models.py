@@ -225,8 +225,6 @@ def load_checkpoint_safely(path: Path) -> dict:
     some package, ...) is refused with a :class:`ModelError` naming the file and the global;
     nothing the file holds is executed. Unreadable or corrupt files are a ``ModelError`` too.
     """
-    import torch
-
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"checkpoint not found: {path}")
