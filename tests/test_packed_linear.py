@@ -67,6 +67,8 @@ def test_fused_gelu_is_exact_gelu_of_the_fp32_product(dtype):
 
 def test_unsupported_dtypes_and_broken_ops_fall_back(monkeypatch):
     assert pack_linear(*_weights(torch.float16)) is None  # fp16 stays on F.linear
+    on_meta = torch.empty(4, 3, device="meta"), torch.empty(4, device="meta")
+    assert pack_linear(*on_meta) is None  # only CPU weights are packed (CUDA keeps F.linear)
     weight, bias = _weights(torch.float32)
     assert pack_linear(weight, bias.double()) is None
 
