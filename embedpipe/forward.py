@@ -180,10 +180,10 @@ class EsmForward:
         are interleaved (see :func:`interleave_rotary_rows`), so rotation is one complex
         multiply. The module's own weights are left as they are.
         """
-        interleave = self.policy.fp32_islands or self.model.embed_tokens.weight.dtype == torch.float32
         for layer in self.model.layers:
             attn = layer.self_attn
             weight, bias = attn._embedpipe_qkv
+            interleave = self._rotation_dtype(attn, weight.dtype) == torch.float32
             if interleave:
                 weight, bias = interleave_rotary_rows(weight, bias, attn.num_heads, attn.head_dim)
             targets = [(attn, weight, bias)]
@@ -289,16 +289,22 @@ class EsmForward:
         h = self._linear(layer.fc2, h)
         return residual + h
 
+    def _table_dtype(self, attn: torch.nn.Module) -> torch.dtype:
+        """Mixed policies: rotary tables built in fp32 (scores and softmax in fp32 too). A
+        plain cast builds them in the weights' dtype, as fair-esm does after ``.half()``."""
+        return torch.float32 if self.policy.fp32_islands else attn.rot_emb.inv_freq.dtype
+
+    def _rotation_dtype(self, attn: torch.nn.Module, projection_dtype: torch.dtype) -> torch.dtype:
+        """The dtype q, k and v are rotated and attended in; under autocast the fp32 tables
+        promote q and k, and SDPA casts as autocast decides."""
+        return torch.promote_types(projection_dtype, self._table_dtype(attn))
+
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
-        islands = self.policy.fp32_islands
         qkv = self._linear(attn, x, *attn._embedpipe_qkv).view(batch, length, 3, heads, head_dim)
-        # Mixed policies: rotary tables built and applied in fp32, scores and softmax in fp32.
-        # A plain cast builds the tables in the weights' dtype, as fair-esm does after .half();
-        # under autocast the fp32 tables promote q and k, and SDPA casts as autocast decides.
-        table_dtype = torch.float32 if islands else attn.rot_emb.inv_freq.dtype
-        work_dtype = torch.promote_types(qkv.dtype, table_dtype)
+        table_dtype = self._table_dtype(attn)
+        work_dtype = self._rotation_dtype(attn, qkv.dtype)
         # q and k rotated together, in one cast (mixed-dtype kernels would each cast again);
         # SDPA takes the (B, H, T, head_dim) views as they are: making them contiguous first
         # costs more than SDPA's CPU kernel gains from it.

@@ -26,7 +26,6 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.bias = None if bias is None else bias.detach()
-        self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         # oneDNN reads the input as dense row-major: a strided view would be misread.
