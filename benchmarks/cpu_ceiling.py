@@ -24,22 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from embed_throughput import OUT, add_input_arguments, bench_model, timed  # noqa: E402  (shared with the side-by-side benchmark)
-
-
-def best_of(repeats: int, run) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
+from embed_throughput import OUT, add_input_arguments, bench_model, best_of, system_command, timed  # noqa: E402
 
 
 def main() -> None:
@@ -63,13 +53,10 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
 
     # -- whole processes: the recipe and the real bf16-mixed run ---------------------------------
-    recipe_s, _ = timed([sys.executable, str(ROOT / "benchmarks" / "embed_throughput.py"), "--threads", str(args.threads),
-                         "--run-recipe", str(model_path), str(args.fasta), str(OUT / "fair-esm")], env)
+    recipe_s, _ = timed(system_command("fair-esm", model_path, args.fasta, OUT / "fair-esm", args.threads), env)
     store = OUT / "ceiling-bf16-mixed.h5"
     store.unlink(missing_ok=True)
-    embed_s, _ = timed([sys.executable, "-m", "embedpipe.cli", "embed", str(args.fasta), "--model", str(model_path),
-                        "--out", str(store), "--precision", "bf16-mixed", "--long-sequences", "truncate",
-                        "--threads", str(args.threads), "--quiet"], env)
+    embed_s, _ = timed(system_command("bf16-mixed", model_path, args.fasta, store, args.threads), env)
     startup_s = min(timed([sys.executable, "-c", "import torch, esm, h5py; from embedpipe.models import load_model; "
                            f"torch.set_num_threads({args.threads}); load_model({str(model_path)!r})"], env)[0]
                     for _ in range(args.repeats))

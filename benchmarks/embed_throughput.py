@@ -84,6 +84,29 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, usage.ru_maxrss / 1024
 
 
+def best_of(repeats: int, run) -> float:
+    """Fastest wall time of ``repeats`` calls of ``run`` (in-process parts of a benchmark)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def system_command(system: str, model: Path, fasta: Path, target: Path, threads: int,
+                   attention: str = "sdpa") -> list[str]:
+    """The whole-process command line of one compared system writing to ``target``."""
+    if system == "fair-esm":
+        return [sys.executable, __file__, "--threads", str(threads), "--run-recipe", str(model), str(fasta), str(target)]
+    if system == "hf-transformers":
+        return [sys.executable, str(ROOT / "benchmarks" / "hf_esm_peer.py"), str(model), str(fasta), str(target),
+                "--threads", str(threads)]
+    return [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
+            "--precision", system, "--long-sequences", "truncate", "--attention", attention,
+            "--threads", str(threads), "--quiet"]
+
+
 def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
     """Measured dense GEMM FLOP/s for a dtype on this machine: the better (best of ``repeats``)
     of ``F.linear`` and a oneDNN-prepacked weight (what embedpipe's CPU projections use)."""
@@ -98,14 +121,9 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) 
     b = torch.randn(n, n).to(dtype)
     packed = pack_linear(b, None)
     candidates = [lambda: F.linear(a, b)] + ([lambda: packed(a)] if packed is not None else [])
-    best = float("inf")
     for run in candidates:
-        run()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+        run()  # warm-up
+    return 2 * n**3 / min(best_of(repeats, run) for run in candidates)
 
 
 def model_flops(lengths: list[int], layers: int, dim: int) -> float:
@@ -191,18 +209,8 @@ def main() -> None:
         if system == "hf-transformers" and importlib.util.find_spec("transformers") is None:
             print("  hf-transformers skipped: transformers not installed", file=sys.stderr)
             continue
-        if system == "fair-esm":
-            target = OUT / "fair-esm"
-            cmd = [sys.executable, __file__, "--threads", str(args.threads), "--run-recipe", str(model), str(args.fasta), str(target)]
-        elif system == "hf-transformers":
-            target = OUT / "hf-transformers"
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_esm_peer.py"), str(model), str(args.fasta),
-                   str(target), "--threads", str(args.threads)]
-        else:
-            target = OUT / f"{system}.h5"
-            cmd = [sys.executable, "-m", "embedpipe.cli", "embed", str(args.fasta), "--model", str(model),
-                   "--out", str(target), "--precision", system, "--long-sequences", "truncate",
-                   "--attention", args.attention, "--threads", str(args.threads), "--quiet"]
+        target = OUT / system if system in DIRECTORY_SYSTEMS else OUT / f"{system}.h5"
+        cmd = system_command(system, model, args.fasta, target, args.threads, args.attention)
         commands[system] = (cmd, target)
 
     walls: dict[str, list[float]] = {system: [] for system in commands}
@@ -254,6 +262,12 @@ def main() -> None:
         row["ratio"] = ratio
         row["min_cosine"] = min(cos) if cos else None
         row["path"] = str(row["path"])
+    if recipe and args.rounds > 1:  # the spread behind each median, round by round
+        print("\nper round, x fair-esm recipe (same round):")
+        for row in rows:
+            per_round = [r / s for r, s in zip(recipe["all_seconds"], row["all_seconds"])]
+            row["round_ratios"] = per_round
+            print(f"  {row['system']:<15} " + ", ".join(f"{x:.2f}" for x in per_round))
     (OUT / "results.json").write_text(json.dumps(rows, indent=2))
 
 
