@@ -12,12 +12,16 @@ Fixtures (session-scoped, so each test model is written once per run):
   independent reference for numeric tests.
 
 Markers: tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is False.
+Tests marked ``slurm``, ``browser`` or ``peer`` must run in CI: under ``CI=true`` a skip of
+one of them is reported as a failure (a suite that skips did not run); elsewhere it stays a
+skip with its reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+#: markers whose tests CI must run, never skip
+MUST_RUN_IN_CI = ("slurm", "browser", "peer")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """Under CI, a skipped slurm/browser/peer test fails, keeping the skip reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and _in_ci()):
+        return
+    markers = [name for name in MUST_RUN_IN_CI if item.get_closest_marker(name) is not None]
+    if markers and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = f"{markers[0]} test skipped under CI=true (it must run in CI): {reason}"
 
 
 # --------------------------------------------------------------------------- test models

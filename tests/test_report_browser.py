@@ -24,7 +24,7 @@ from embedpipe.crosscheck import run_crosscheck
 from embedpipe.embed import EmbedOptions, embed_fasta
 from embedpipe.report import LAYER_COLOURS, VERDICT_COLOURS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 needs_chromium = pytest.mark.skipif(
