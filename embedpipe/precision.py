@@ -77,15 +77,22 @@ def cpu_has_native_fp16() -> bool:
     return "avx512_fp16" in flags or "amx_fp16" in flags
 
 
+# Native bfloat16 arithmetic starts with Ampere (compute capability 8.0). Current torch's
+# ``torch.cuda.is_bf16_supported()`` also answers True for older GPUs, where bfloat16 is
+# emulated (slowly, through fp32), so it cannot be the test.
+BF16_CAPABILITY = (8, 0)
+
+
 def check_policy_on_device(policy: Policy, device: torch.device) -> list[str]:
     """Refuse combinations that cannot work; return warnings for ones that are merely slow."""
     notes: list[str] = []
     if device.type == "cuda" and policy.compute_dtype == torch.bfloat16:
-        if not torch.cuda.is_bf16_supported():
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < BF16_CAPABILITY:
             name = torch.cuda.get_device_name(device)
             raise EmbedpipeError(
-                f"precision {policy.name!r} needs bfloat16, which {name} does not support "
-                "(pre-Ampere GPU); use fp16-mixed or fp32"
+                f"precision {policy.name!r} needs bfloat16, which {name} (compute capability "
+                f"{major}.{minor}) does not support natively (pre-Ampere GPU); use fp16-mixed or fp32"
             )
     if device.type == "cpu" and policy.compute_dtype == torch.float16 and not cpu_has_native_fp16():
         notes.append(

@@ -181,10 +181,17 @@ def test_device_checks(monkeypatch):
     notes = check_policy_on_device(get_policy("fp16-mixed"), torch.device("cpu"))
     assert notes and "bf16" in notes[0]
     assert check_policy_on_device(get_policy("bf16"), torch.device("cpu")) == []
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # What current torch answers on a V100: bf16 "supported" (emulated), compute capability 7.0.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
-    with pytest.raises(EmbedpipeError, match="bf16-mixed.*Tesla V100.*pre-Ampere"):
-        check_policy_on_device(get_policy("bf16-mixed"), torch.device("cuda"))
+    for name in ("bf16", "bf16-mixed", "amp-bf16"):
+        with pytest.raises(EmbedpipeError, match=f"{name}.*Tesla V100.*7\\.0.*pre-Ampere"):
+            check_policy_on_device(get_policy(name), torch.device("cuda"))
+    assert check_policy_on_device(get_policy("fp16-mixed"), torch.device("cuda")) == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA A100")
+    assert check_policy_on_device(get_policy("bf16-mixed"), torch.device("cuda")) == []
     with pytest.raises(EmbedpipeError, match="unknown precision policy 'half'"):
         get_policy("half")
 
