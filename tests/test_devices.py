@@ -139,3 +139,33 @@ def test_waiting_for_a_gpu_times_out_naming_the_lock_dir(tmp_path, monkeypatch):
         assert device == torch.device("cuda", 0)
     monkeypatch.delenv("EMBEDPIPE_GPU_WAIT")
     assert devices.gpu_wait_seconds() == 24 * 3600
+
+
+def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model_path, monkeypatch):
+    """As embed does: a cross-check waiting for a GPU must not hold the model in memory."""
+    import contextlib
+
+    from embed_helpers import random_sequences, write_fasta
+    from embedpipe import models
+    from embedpipe.crosscheck import run_crosscheck
+    from embedpipe.embed import EmbedOptions, embed_fasta
+
+    fasta = write_fasta(tmp_path / "in.fasta", random_sequences(4, (10, 30), seed=3))
+    embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "s.h5", options=EmbedOptions(), quiet=True)
+    events: list[str] = []
+    real_load = models.load_model
+
+    @contextlib.contextmanager
+    def claim(spec):
+        events.append("claim")
+        yield torch.device("cpu")
+        events.append("release")
+
+    def load(spec):
+        events.append("load")
+        return real_load(spec)
+
+    monkeypatch.setattr(devices, "claim_device", claim)
+    monkeypatch.setattr(models, "load_model", load)
+    run_crosscheck(tmp_path / "s.h5", out=tmp_path / "cc", sample=2, device="cuda", quiet=True)
+    assert events == ["claim", "load", "release"]
