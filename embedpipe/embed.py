@@ -274,6 +274,7 @@ class Embedder:
             raise EmbedpipeError(
                 f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
                 f"memory on {device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
+                + (", or --fallback-device cpu for the fp32 re-run" if self._is_fallback(policy) and device.type == "cuda" else "")
             )
         self.stats["oom_splits"] += 1
         middle = len(batch) // 2
