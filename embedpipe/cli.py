@@ -117,6 +117,11 @@ def embed(
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum.",
     ),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    fallback_device: str = typer.Option(
+        "auto", "--fallback-device",
+        help="Where records that fall back are re-run in fp32: auto (the same device; the CPU when the fp32 "
+             "model does not fit there), same, or cpu. See docs/precision.md.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store."""
@@ -133,6 +138,7 @@ def embed(
         attention=attention,
         overflow_margin=overflow_margin,
         threads=threads,
+        fallback_device=fallback_device,
     )
     summary = embed_fasta(fasta, model=model, out=out, options=options, quiet=quiet)
     if not quiet:

@@ -153,6 +153,7 @@ def run_crosscheck(
 
     ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
     """
+    from embedpipe.devices import claim_device
     from embedpipe.io import open_store
 
     thresholds = thresholds or Thresholds()
@@ -205,19 +206,20 @@ def run_crosscheck(
 
         # -- 2. the fp32 reference -------------------------------------------------------------
         notes: list[str] = []
-        loaded, model_info = _load_reference_model(provenance, model, allow_model_mismatch, notes, quiet)
-        if loaded.embed_dim != st.dim:
-            raise EmbedpipeError(
-                f"model {model_info['path']} has embedding dim {loaded.embed_dim} but the store holds dim {st.dim}"
-            )
-        if max(layers) > loaded.num_layers:
-            raise EmbedpipeError(
-                f"the store holds layer {max(layers)} but model {model_info['path']} has only {loaded.num_layers} layers"
-            )
-        if not loaded.trained:
-            notes.append("the model has random (untrained) weights: a test or smoke run, not a real measurement")
-        options, reference = _reference_options(provenance, layers, st.has_per_residue)
-        fp32 = _reembed(loaded, options, device, [(s["id"], s["sequence"]) for s in sampled], quiet)
+        with claim_device(device) as gpu:  # before loading: a job waiting for a GPU holds no model
+            loaded, model_info = _load_reference_model(provenance, model, allow_model_mismatch, notes, quiet)
+            if loaded.embed_dim != st.dim:
+                raise EmbedpipeError(
+                    f"model {model_info['path']} has embedding dim {loaded.embed_dim} but the store holds dim {st.dim}"
+                )
+            if max(layers) > loaded.num_layers:
+                raise EmbedpipeError(
+                    f"the store holds layer {max(layers)} but model {model_info['path']} has only {loaded.num_layers} layers"
+                )
+            if not loaded.trained:
+                notes.append("the model has random (untrained) weights: a test or smoke run, not a real measurement")
+            options, reference = _reference_options(provenance, layers, st.has_per_residue)
+            fp32 = _reembed(loaded, options, gpu, [(s["id"], s["sequence"]) for s in sampled], quiet)
         reference["device"] = fp32.pop("device")
         reference["seconds"] = fp32.pop("seconds")
 
@@ -379,18 +381,17 @@ def _reference_options(provenance: dict[str, Any], layers: list[int], per_residu
     return options, reference
 
 
-def _reembed(loaded, options, device_spec: str, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
-    """fp32 forward of ``pairs`` (the worker's fp32 policy already pins true fp32 matmuls, no TF32)."""
-    from embedpipe.devices import claim_device
+def _reembed(loaded, options, device, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
+    """fp32 forward of ``pairs`` on the claimed ``device`` (the worker's fp32 policy already pins
+    true fp32 matmuls, no TF32)."""
     from embedpipe.embed import Embedder
 
     started = time.perf_counter()
     out: dict[int, Any] = {}
-    with claim_device(device_spec) as device:
-        embedder = Embedder(loaded, options, device)
-        plan = embedder.plan(pairs)
-        for index, record in embedder.embed(pairs, plan, quiet=quiet):
-            out[index] = record
+    embedder = Embedder(loaded, options, device)
+    plan = embedder.plan(pairs)
+    for index, record in embedder.embed(pairs, plan, quiet=quiet):
+        out[index] = record
     return {"records": out, "device": str(device), "seconds": round(time.perf_counter() - started, 3)}
 
 

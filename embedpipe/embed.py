@@ -27,11 +27,16 @@ from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
 from embedpipe.forward import ATTENTION_IMPLEMENTATIONS, EsmForward, masked_max_abs
 from embedpipe.host_memory import keep_freed_memory
-from embedpipe.precision import FP32, Policy, check_policy_on_device, dtype_name, forward_context, get_policy, prepare_model
+from embedpipe.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
+                                 get_policy, prepare_model)
 from embedpipe.progress import progress_bar, say
 from embedpipe.records import EmbeddedRecord
 
 STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16}
+# Where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
+# fp32 model does not fit there beside the low-precision one; same = the main device or fail;
+# cpu = always the CPU. Memory each needs: docs/precision.md.
+FALLBACK_DEVICES = ("auto", "same", "cpu")
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,14 @@ class EmbedOptions:
     attention: str = "sdpa"
     overflow_margin: float | None = None
     threads: int | None = None
+    fallback_device: str = "auto"
 
     def validate(self) -> None:
         get_policy(self.precision)
+        if self.fallback_device not in FALLBACK_DEVICES:
+            raise EmbedpipeError(
+                f"--fallback-device must be one of {', '.join(FALLBACK_DEVICES)}, not {self.fallback_device!r}"
+            )
         if self.storage_dtype not in STORAGE_DTYPES:
             raise EmbedpipeError(f"--storage-dtype must be float32 or float16, not {self.storage_dtype!r}")
         if self.long_sequences not in LONG_SEQUENCE_MODES:
@@ -135,15 +145,74 @@ class Embedder:
         self.storage_max = float(np.finfo(STORAGE_DTYPES[options.storage_dtype]).max)
         self.notes = check_policy_on_device(self.policy, device)
         self._runners: dict[str, EsmForward] = {}
+        self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
+        self.quiet = True
         self._lut = _token_lookup(loaded.alphabet)
         self.stats = Counter()
 
     # -- model preparation (once per policy) --------------------------------------------------
     def runner(self, policy: Policy) -> EsmForward:
-        if policy.name not in self._runners:
-            prepared = prepare_model(self.loaded.model, policy, self.device)
-            self._runners[policy.name] = EsmForward(prepared, policy, self.options.attention)
+        """The forward for ``policy``, prepared once, on the device it runs on (``self._devices``).
+
+        Out of memory while preparing is not a batch that is too big: for the fp32 fallback
+        under ``--fallback-device auto`` it moves the fallback to the CPU, otherwise it fails
+        with what to do. The retry runs after the ``except`` block, so the failed attempt's
+        tensors are freed first.
+        """
+        if policy.name in self._runners:
+            return self._runners[policy.name]
+        device = self._planned_device(policy)
+        try:
+            return self._prepare(policy, device)
+        except torch.cuda.OutOfMemoryError:
+            pass
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not self._is_fallback(policy) or self.options.fallback_device != "auto" or device.type == "cpu":
+            raise EmbedpipeError(self._prepare_oom_message(policy, device))
+        cpu = torch.device("cpu")
+        say(f"warning: the fp32 fallback model of {self.loaded.name} does not fit on {device} beside the "
+            f"{self.policy.name} model; fallback records run on the CPU (slower; see docs/precision.md)",
+            quiet=self.quiet)
+        self.stats["fallback_moved_to_cpu"] += 1
+        return self._prepare(policy, cpu)
+
+    def _is_fallback(self, policy: Policy) -> bool:
+        return policy.name != self.policy.name
+
+    def _planned_device(self, policy: Policy) -> torch.device:
+        if self._is_fallback(policy) and self.options.fallback_device == "cpu":
+            return torch.device("cpu")
+        return self.device
+
+    def _prepare(self, policy: Policy, device: torch.device) -> EsmForward:
+        # The fp32 source model is moved to the fallback device, unless it already serves the
+        # main runner on another device (the amp policies run it): then a copy is made.
+        home = next(self.loaded.model.parameters()).device
+        private = self._is_fallback(policy) and home.type != "cpu" and home != device
+        prepared = prepare_model(self.loaded.model, policy, device, private=private)
+        self._runners[policy.name] = EsmForward(prepared, policy, self.options.attention)
+        self._devices[policy.name] = device
         return self._runners[policy.name]
+
+    def _prepare_oom_message(self, policy: Policy, device: torch.device) -> str:
+        if self._is_fallback(policy):
+            return (
+                f"the fp32 fallback model of {self.loaded.name} does not fit in memory on {device} beside the "
+                f"{self.policy.name} model; use --fallback-device cpu (or auto) to re-run fallback records on "
+                "the CPU, or a GPU with more memory"
+            )
+        return (
+            f"the {policy.name} model of {self.loaded.name} does not fit in memory on {device} (before any "
+            "batch ran); use a lower precision, a smaller model or a GPU with more memory"
+        )
+
+    @property
+    def fallback_device(self) -> str:
+        """Where fp32 fallback records ran ('' when none did)."""
+        if not self.stats["fallback"] or self.policy.is_reference:
+            return ""
+        return str(self._devices.get(FP32.name, ""))
 
     # -- public ---------------------------------------------------------------------------------
     def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
@@ -161,6 +230,7 @@ class Embedder:
     def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
               quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
         plan = plan or self.plan(records)
+        self.quiet = quiet
         batches, handling = plan.batches, plan.handling
         pending: dict[int, _Assembly] = {}
         for batch in batches:
@@ -190,18 +260,21 @@ class Embedder:
         The retry happens after leaving the ``except`` block: the exception's traceback holds
         the failed attempt's tensors, which must be freed before the halves run.
         """
+        self.runner(policy)  # out of memory while preparing is handled there, not as a batch
+        device = self._devices[policy.name]
         try:
             return self._forward_batch(policy, batch, records)
         except torch.cuda.OutOfMemoryError:
             pass
-        if self.device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.empty_cache()
         if len(batch) == 1:
             piece = batch[0]
             rid, seq = records[piece.record]
             raise EmbedpipeError(
                 f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
-                f"memory on {self.device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
+                f"memory on {device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
+                + (", or --fallback-device cpu for the fp32 re-run" if self._is_fallback(policy) and device.type == "cuda" else "")
             )
         self.stats["oom_splits"] += 1
         middle = len(batch) // 2
@@ -209,28 +282,12 @@ class Embedder:
 
     def _forward_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
         runner = self.runner(policy)
+        device = self._devices[policy.name]
         tokens, lengths = self._tokenize(batch, records)
-        need_residues = self.options.per_residue
-        with forward_context(policy, self.device):
-            out = runner(tokens.to(self.device, non_blocking=True), self.layers)
-            width = tokens.shape[1]
-            # residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device copy
-            bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1] for p in batch])
-            bounds = bounds.to(self.device, non_blocking=True)
-            positions = torch.arange(width, device=self.device)[None, :]
-            in_record = (positions >= 1) & (positions <= bounds[:, :1])
-            kept = ((positions >= bounds[:, 1:2]) & (positions < bounds[:, 2:3])).float()
-            sums, stored_max, dense = [], [], {}
-            for layer in self.layers:
-                h = out.hidden[layer]
-                stored_max.append(masked_max_abs(h, in_record))
-                hf = h.float()  # the one fp32 copy: sums accumulate in fp32
-                sums.append(torch.einsum("bt,btd->bd", kept, hf))
-                if need_residues:
-                    dense[layer] = hf[:, 1 : int(lengths.max()) + 1]
-            # one device->host transfer for the pooled sums and the checks, one per stored layer for residues
-            packed = torch.cat([torch.stack(sums, 1).flatten(1), torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1).cpu().numpy()
-            dense = {layer: value.cpu().numpy() for layer, value in dense.items()}
+        with forward_context(policy, device):
+            out = runner(tokens.to(device, non_blocking=True), self.layers)
+            with exact_fp32(device):
+                packed, dense = self._pool(out, batch, tokens.shape[1], int(lengths.max()), device)
         dim = out.hidden[self.layers[0]].shape[-1]
         n_layers = len(self.layers)
         sums = {layer: packed[:, i * dim : (i + 1) * dim] for i, layer in enumerate(self.layers)}
@@ -239,7 +296,7 @@ class Embedder:
         results = []
         for row, piece in enumerate(batch):
             residues = None
-            if need_residues:
+            if self.options.per_residue:
                 lo, hi = piece.keep_start - piece.start, piece.keep_end - piece.start
                 residues = {layer: dense[layer][row, lo:hi] for layer in self.layers}
             results.append((piece, _PieceResult(
@@ -252,6 +309,30 @@ class Embedder:
         self.stats["computed_tokens"] += tokens.numel()
         self.stats["real_tokens"] += int(lengths.sum()) + 2 * len(batch)
         return results
+
+    def _pool(self, out, batch: list[Piece], width: int, longest: int,
+              device: torch.device) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """Pooled sums, largest stored |value| and max activation per piece, plus per-residue rows.
+
+        Runs under ``exact_fp32``: the sums accumulate in fp32 whatever the policy.
+        """
+        # residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device copy
+        bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1] for p in batch])
+        bounds = bounds.to(device, non_blocking=True)
+        positions = torch.arange(width, device=device)[None, :]
+        in_record = (positions >= 1) & (positions <= bounds[:, :1])
+        kept = ((positions >= bounds[:, 1:2]) & (positions < bounds[:, 2:3])).float()
+        sums, stored_max, dense = [], [], {}
+        for layer in self.layers:
+            h = out.hidden[layer]
+            stored_max.append(masked_max_abs(h, in_record))
+            hf = h.float()  # the one fp32 copy
+            sums.append(torch.einsum("bt,btd->bd", kept, hf))
+            if self.options.per_residue:
+                dense[layer] = hf[:, 1 : longest + 1]
+        # one device->host transfer for the pooled sums and the checks, one per stored layer for residues
+        packed = torch.cat([torch.stack(sums, 1).flatten(1), torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1)
+        return packed.cpu().numpy(), {layer: value.cpu().numpy() for layer, value in dense.items()}
 
     def _tokenize(self, batch: list[Piece], records: Sequence[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
         alphabet = self.loaded.alphabet
@@ -453,6 +534,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
                 fallback_count=int(embedder.stats["fallback"]),
                 fallback_reasons=json.dumps(fallback, sort_keys=True),
                 padding_efficiency=plan.padding_efficiency,
+                fallback_device=embedder.fallback_device or "none",
                 finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
     return EmbedSummary(

@@ -77,15 +77,22 @@ def cpu_has_native_fp16() -> bool:
     return "avx512_fp16" in flags or "amx_fp16" in flags
 
 
+# Native bfloat16 arithmetic starts with Ampere (compute capability 8.0). Current torch's
+# ``torch.cuda.is_bf16_supported()`` also answers True for older GPUs, where bfloat16 is
+# emulated (slowly, through fp32), so it cannot be the test.
+BF16_CAPABILITY = (8, 0)
+
+
 def check_policy_on_device(policy: Policy, device: torch.device) -> list[str]:
     """Refuse combinations that cannot work; return warnings for ones that are merely slow."""
     notes: list[str] = []
     if device.type == "cuda" and policy.compute_dtype == torch.bfloat16:
-        if not torch.cuda.is_bf16_supported():
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < BF16_CAPABILITY:
             name = torch.cuda.get_device_name(device)
             raise EmbedpipeError(
-                f"precision {policy.name!r} needs bfloat16, which {name} does not support "
-                "(pre-Ampere GPU); use fp16-mixed or fp32"
+                f"precision {policy.name!r} needs bfloat16, which {name} (compute capability "
+                f"{major}.{minor}) does not support natively (pre-Ampere GPU); use fp16-mixed or fp32"
             )
     if device.type == "cpu" and policy.compute_dtype == torch.float16 and not cpu_has_native_fp16():
         notes.append(
@@ -109,16 +116,20 @@ def reset_rotary_caches(model: torch.nn.Module) -> None:
             module._sin_cached = None
 
 
-def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device) -> torch.nn.Module:
-    """The model as ``policy`` runs it on ``device``: a private copy whenever weights change dtype.
+def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device, *,
+                  private: bool = False) -> torch.nn.Module:
+    """The model as ``policy`` runs it on ``device``: a private copy whenever weights change dtype
+    (or when ``private``), otherwise ``model`` itself moved to ``device``.
 
-    The fp32 source model is never modified in place, so it can serve as the fp32 fallback.
+    The fp32 source model is never modified except for that move, so it can serve as the fp32
+    fallback. If the move runs out of memory, the source is moved back before the error
+    propagates: it is never left split across devices.
     """
     reset_rotary_caches(model)
-    if policy.weight_dtype == torch.float32:
-        prepared = model.to(device)
+    if policy.weight_dtype == torch.float32 and not private:
+        prepared = _move(model, device)
     else:
-        prepared = _cast_copy(model, policy).to(device)
+        prepared = _cast_copy(model, policy, device)
     reset_rotary_caches(prepared)
     prepared.eval()
     for param in prepared.parameters():
@@ -126,13 +137,23 @@ def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device) 
     return prepared
 
 
-def _cast_copy(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
-    """Copy ``model`` with its tensors already in their target dtypes.
+def _move(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to(device)``, undone on out-of-memory."""
+    home = next(model.parameters()).device
+    try:
+        return model.to(device)
+    except torch.cuda.OutOfMemoryError:
+        model.to(home)
+        raise
+
+
+def _cast_copy(model: torch.nn.Module, policy: Policy, device: torch.device) -> torch.nn.Module:
+    """Copy ``model`` with its tensors already in their target dtypes, on ``device``.
 
     Casting while copying (through ``deepcopy``'s memo) never holds a second fp32 copy of the
-    weights: for a 15B model that is 60 GB of host memory saved. The mixed policies keep
-    layer-norm weights and the rotary frequencies (``inv_freq``) in fp32; a plain cast
-    converts everything, as ``.half()`` would.
+    weights: for a 15B model that is 60 GB of host memory saved; each tensor is made on
+    ``device`` directly. The mixed policies keep layer-norm weights and the rotary frequencies
+    (``inv_freq``) in fp32; a plain cast converts everything, as ``.half()`` would.
     """
     fp32_ids: set[int] = set()
     if policy.fp32_islands:
@@ -144,12 +165,14 @@ def _cast_copy(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
     memo: dict[int, torch.Tensor] = {}
     for param in model.parameters():
         dtype = torch.float32 if id(param) in fp32_ids else policy.weight_dtype
-        memo[id(param)] = torch.nn.Parameter(param.detach().to(dtype, copy=True), requires_grad=False)
+        memo[id(param)] = torch.nn.Parameter(param.detach().to(device, dtype, copy=True), requires_grad=False)
     for buffer in model.buffers():
         if buffer.is_floating_point():
             dtype = torch.float32 if id(buffer) in fp32_ids else policy.weight_dtype
-            memo[id(buffer)] = buffer.detach().to(dtype, copy=True)
-    return copy.deepcopy(model, memo)
+            memo[id(buffer)] = buffer.detach().to(device, dtype, copy=True)
+        else:
+            memo[id(buffer)] = buffer.detach().to(device, copy=True)
+    return copy.deepcopy(model, memo).to(device)  # any tensor not listed above
 
 
 @contextlib.contextmanager
@@ -180,3 +203,11 @@ def forward_context(policy: Policy, device: torch.device) -> Iterator[None]:
                 yield
         else:
             yield
+
+
+@contextlib.contextmanager
+def exact_fp32(device: torch.device) -> Iterator[None]:
+    """Plain fp32 inside any policy's forward context: autocast off (it would run an einsum in
+    16 bits) and no TF32. For pooling, whose sums over a thousand residues overflow fp16."""
+    with torch.autocast(device_type=device.type, enabled=False), _true_fp32_matmuls(device):
+        yield

@@ -181,10 +181,17 @@ def test_device_checks(monkeypatch):
     notes = check_policy_on_device(get_policy("fp16-mixed"), torch.device("cpu"))
     assert notes and "bf16" in notes[0]
     assert check_policy_on_device(get_policy("bf16"), torch.device("cpu")) == []
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # What current torch answers on a V100: bf16 "supported" (emulated), compute capability 7.0.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
-    with pytest.raises(EmbedpipeError, match="bf16-mixed.*Tesla V100.*pre-Ampere"):
-        check_policy_on_device(get_policy("bf16-mixed"), torch.device("cuda"))
+    for name in ("bf16", "bf16-mixed", "amp-bf16"):
+        with pytest.raises(EmbedpipeError, match=f"{name}.*Tesla V100.*7\\.0.*pre-Ampere"):
+            check_policy_on_device(get_policy(name), torch.device("cuda"))
+    assert check_policy_on_device(get_policy("fp16-mixed"), torch.device("cuda")) == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA A100")
+    assert check_policy_on_device(get_policy("bf16-mixed"), torch.device("cuda")) == []
     with pytest.raises(EmbedpipeError, match="unknown precision policy 'half'"):
         get_policy("half")
 
@@ -332,3 +339,102 @@ def test_masked_max_abs_sees_negatives_and_nonfinite_and_skips_padding():
     assert got[0].item() == 7.0 and got[1].item() == 2.0 and torch.isnan(got[2])
     x[2, 2, 1] = float("-inf")
     assert masked_max_abs(x, keep)[2].item() == float("inf")
+
+
+@pytest.mark.parametrize("policy", ["amp-bf16", "amp-fp16"])
+def test_pooling_sums_stay_fp32_under_autocast(tiny_model_path, policy):
+    """Autocast would run the pooling einsum in 16 bits: each mean must be the fp32 mean of its rows."""
+    loaded = load_model(str(tiny_model_path))
+    records = random_sequences(3, (900, 1000), seed=31)
+    embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True, layers=(0, -1)), torch.device("cpu"))
+    out = dict(embedder.embed(records))
+    for index in range(len(records)):
+        assert out[index].precision_used == policy
+        for layer in embedder.layers:
+            rows = out[index].per_residue[layer]
+            assert rows.dtype == np.float32
+            expected = rows.astype(np.float64).mean(0)
+            np.testing.assert_allclose(out[index].mean[layer], expected, rtol=1e-5,
+                                       atol=1e-6 * float(np.abs(expected).max()))
+
+
+def _fallback_embedder(loaded, fallback_device: str, monkeypatch, prepared_on: list):
+    """An fp16 embedder whose main model runs on the CPU while its main device reads as a GPU on
+    which preparing the fp32 model runs out of memory (the CPU stand-in for a full 80 GB GPU)."""
+    from embedpipe import embed as embed_module
+
+    real = embed_module.prepare_model
+
+    def prepare(model, policy, device, **kw):
+        prepared_on.append((policy.name, str(device), kw.get("private", False)))
+        if policy.name == "fp32" and device.type == "cuda":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected while moving the fp32 model)")
+        return real(model, policy, device, **kw)
+
+    monkeypatch.setattr(embed_module, "prepare_model", prepare)
+    embedder = Embedder(loaded, EmbedOptions(precision="fp16", per_residue=True, layers=(0, -1),
+                                             fallback_device=fallback_device), torch.device("cpu"))
+    embedder.runner(embedder.policy)  # the fp16 model: prepared on the CPU
+    embedder.device = torch.device("cuda", 0)  # ...while the job's device reads as the GPU
+    return embedder
+
+
+def test_fp32_fallback_that_does_not_fit_the_gpu_runs_on_the_cpu(overflow_model, overflow_records, monkeypatch):
+    loaded = load_model(str(overflow_model))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    prepared_on: list = []
+    embedder = _fallback_embedder(loaded, "auto", monkeypatch, prepared_on)
+    out = dict(embedder.embed(overflow_records))
+    # the fp32 model was tried on the GPU, then used where it was loaded, on the CPU
+    assert prepared_on == [("fp16", "cpu", False), ("fp32", "cuda:0", False), ("fp32", "cpu", False)]
+    assert embedder.fallback_device == "cpu" and embedder.stats["fallback_moved_to_cpu"] == 1
+    assert next(loaded.model.parameters()).device.type == "cpu"
+    reference = dict(Embedder(loaded, EmbedOptions(per_residue=True, layers=(0, -1)), torch.device("cpu")).embed(overflow_records))
+    fell = [i for i, (_, seq) in enumerate(overflow_records) if "C" in seq]
+    assert fell and embedder.stats["fallback"] == len(fell)
+    for index in fell:
+        assert out[index].precision_used == "fp32"
+        for layer in embedder.layers:
+            np.testing.assert_allclose(out[index].mean[layer], reference[index].mean[layer], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(out[index].per_residue[layer], reference[index].per_residue[layer], rtol=1e-6, atol=1e-6)
+
+
+def test_fp32_fallback_that_does_not_fit_says_so_under_same(overflow_model, overflow_records, monkeypatch):
+    loaded = load_model(str(overflow_model))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    embedder = _fallback_embedder(loaded, "same", monkeypatch, [])
+    with pytest.raises(EmbedpipeError, match=r"fp32 fallback model .* does not fit in memory on cuda:0 .*--fallback-device cpu"):
+        list(embedder.embed(overflow_records))
+
+
+def test_a_fallback_forward_out_of_memory_still_names_the_record(overflow_model, overflow_records, monkeypatch):
+    loaded = load_model(str(overflow_model))
+    real = Embedder._forward_batch
+
+    def fp32_oom(self, policy, batch, recs):
+        if policy.name == "fp32":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected in the forward)")
+        return real(self, policy, batch, recs)
+
+    monkeypatch.setattr(Embedder, "_forward_batch", fp32_oom)
+    embedder = Embedder(loaded, EmbedOptions(precision="fp16", fallback_device="cpu"), torch.device("cpu"))
+    with pytest.raises(EmbedpipeError, match=r"record 'cys\d'.*does not fit in memory on cpu even alone"):
+        list(embedder.embed(overflow_records))
+
+
+def test_fallback_device_is_recorded_in_the_store(tmp_path, overflow_model, overflow_records):
+    store = _embed(tmp_path, overflow_model, overflow_records, "cpufb", precision="fp16", fallback_device="cpu")
+    assert store["attrs"]["fallback_device"] == "cpu" and store["attrs"]["fallback_count"] == 4
+    assert json.loads(store["attrs"]["config"])["fallback_device"] == "cpu"
+    plain = _embed(tmp_path, overflow_model, overflow_records, "nofb", precision="fp32")
+    assert plain["attrs"]["fallback_device"] == "none"
+    with pytest.raises(EmbedpipeError, match="--fallback-device must be one of auto, same, cpu"):
+        EmbedOptions(fallback_device="gpu").validate()
+    from typer.testing import CliRunner
+    from embedpipe.cli import app
+
+    fasta = write_fasta(tmp_path / "cli.fasta", overflow_records)
+    result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(overflow_model), "--out", str(tmp_path / "cli.h5"),
+                                      "--precision", "fp16", "--fallback-device", "cpu", "-q"])
+    assert result.exit_code == 0, result.output
+    assert read_store(tmp_path / "cli.h5")["attrs"]["fallback_device"] == "cpu"

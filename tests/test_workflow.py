@@ -226,6 +226,42 @@ def test_config_is_validated_at_start(checkout_like: Path, override: str, messag
     assert "validat" in err.lower() and message in err, err[-3000:]
 
 
+@pytest.mark.parametrize(
+    "override, shown",
+    [
+        ("layers=[0,-1]", None),  # snakemake hands the list over as ['0', '-1']
+        ('crosscheck={"sample":8}', "--sample 8 --seed 0"),
+        ("test_model={layers: 2, dim: 32, heads: 4, seed: 1}", "--seed 1"),
+    ],
+)
+def test_list_and_mapping_overrides_work_from_the_command_line(checkout_like: Path, override: str, shown: str | None) -> None:
+    proc = snakemake(checkout_like, "--dry-run", "--printshellcmds", "--cores", "1",
+                     "--configfile", "configs/offline-demo.yaml", "--config", override)
+    if shown:
+        assert shown in proc.stdout + proc.stderr
+
+
+def _short_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0
+    err = proc.stderr + proc.stdout
+    assert len(err.strip().splitlines()) <= 8 and "Traceback" not in err, err
+    return err
+
+
+def test_misspelled_config_key_is_one_line_naming_the_nearest_key(checkout_like: Path) -> None:
+    err = _short_error(snakemake(checkout_like, "--dry-run", "--cores", "1", "--config", "precison=fp16", check=False))
+    assert "unknown key 'precison'; did you mean 'precision'?" in err
+    err = _short_error(snakemake(checkout_like, "--dry-run", "--cores", "1", "--config",
+                                 'crosscheck={"smaple":8}', check=False))
+    assert "unknown key 'crosscheck.smaple'; did you mean 'sample'?" in err
+
+
+def test_outdir_that_is_a_file_fails_in_one_line(checkout_like: Path) -> None:
+    (checkout_like / "taken").write_text("not a directory\n")
+    err = _short_error(snakemake(checkout_like, "--dry-run", "--cores", "1", "--config", "outdir=taken", check=False))
+    assert "config 'outdir': taken exists and is not a directory" in err
+
+
 def test_input_glob_matching_nothing_fails_clearly(checkout_like: Path) -> None:
     proc = snakemake(checkout_like, "--dry-run", "--cores", "1", "--config", "input=nowhere/*.fasta", check=False)
     assert proc.returncode != 0

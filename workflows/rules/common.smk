@@ -8,13 +8,33 @@ import math
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+if workflow.basedir not in sys.path:
+    sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
+from embedpipe import workflow_config
+
+
+# `--config layers=[0,-1]` arrives as strings inside the list: coerce to the schema's types,
+# then one-line errors (unknown key, bad value) before Snakemake's validation fills defaults.
+_SCHEMA = "workflows/schemas/config.schema.yaml"
+try:
+    workflow_config.normalise(
+        config, workflow_config.load_schema(Path(workflow.basedir) / _SCHEMA), _SCHEMA
+    )
+except workflow_config.ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
 
 validate(config, schema="../schemas/config.schema.yaml")
+
+try:
+    workflow_config.check_outdir(config["outdir"])
+except workflow_config.ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
 
 OUTDIR = os.path.normpath(config["outdir"])
 MODEL = config["model"]
@@ -138,6 +158,8 @@ def embed_options():
         "--long-sequences",
         config["long_sequences"],
     ]
+    if config["fallback_device"] != "auto":  # not passed by default: existing runs stay up to date
+        args += ["--fallback-device", config["fallback_device"]]
     return _join(args)
 
 
