@@ -29,12 +29,14 @@ def synthetic(prefix: str, n: int, *, start_len: int, dim: int = 8, layers=(1, 2
         seq = "".join(AMINO[(i * 3 + j * 7 + seed) % 20] for j in range(length))
         base = np.arange(dim, dtype=np.float64)
         grid = np.arange(length, dtype=np.float64)[:, None] * dim + base[None, :]
+        per_residue = {k: np.cos(grid * 0.05 + i + k + seed).astype(np.float32) for k in layers}
         records.append(
             EmbeddedRecord(
                 id=f"{prefix}{i}", sequence=seq, precision_used="fp16" if i % 3 else "fp32",
                 fallback_reason="" if i % 3 else "nonfinite",
-                mean={k: np.sin(base + i + k + seed).astype(np.float32) for k in layers},
-                per_residue={k: np.cos(grid * 0.05 + i + k + seed).astype(np.float32) for k in layers},
+                # the fp32 mean of the rows, as the worker computes it (validate checks it)
+                mean={k: per_residue[k].sum(axis=0, dtype=np.float32) / np.float32(length) for k in layers},
+                per_residue=per_residue,
                 max_abs_activation=float(i), embedded_length=length,
             )
         )

@@ -37,8 +37,11 @@ AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
 
 def synthetic(n: int, *, dim: int = 4, layers=(0, 2), seed: int = 0, per_residue: bool = True,
-              truncate_every: int = 0) -> tuple[list[EmbeddedRecord], list[int] | None]:
-    """Deterministic records built from arithmetic only (stable across numpy versions)."""
+              truncate_every: int = 0, legacy_means: bool = False) -> tuple[list[EmbeddedRecord], list[int] | None]:
+    """Deterministic records built from arithmetic only (stable across numpy versions).
+
+    With per-residue rows, each mean is their fp32 mean, as the worker computes it;
+    ``legacy_means`` gives the unrelated means the archived v1 example was written with."""
     records, rows = [], []
     for i in range(n):
         length = 2 + (i * 7 + seed) % 9
@@ -51,6 +54,8 @@ def synthetic(n: int, *, dim: int = 4, layers=(0, 2), seed: int = 0, per_residue
         if per_residue:
             grid = np.arange(emb, dtype=np.float64)[:, None] * dim + base[None, :]
             pr = {k: np.cos(grid * 0.37 + i + 10 * k + seed).astype(np.float32) for k in layers}
+            if not legacy_means:
+                mean = {k: pr[k].sum(axis=0, dtype=np.float32) / np.float32(emb) for k in layers}
         fallback = i % 4 == 3
         records.append(
             EmbeddedRecord(
@@ -453,7 +458,7 @@ def test_cli_validate_and_info(good_store, tmp_path):
 
 def make_archived_example(path: Path) -> Path:
     """How tests/data/store-v1-example.h5 was made (kept to compare values, never to rewrite it)."""
-    records, rows = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4)
+    records, rows = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4, legacy_means=True)
     attrs = {**ATTRS, "created_utc": "2026-01-01T00:00:00Z", "embedpipe_version": "0.1.0"}
     return write_store(path, records, rows, layers=(1, 2), dim=3, storage_dtype="float16", attrs=attrs)
 
@@ -467,7 +472,7 @@ def test_archived_v1_store_still_reads(tmp_path):
     assert validate_store(work) == []
     import embedpipe
 
-    records, _ = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4)
+    records, _ = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4, legacy_means=True)
     with embedpipe.open_store(work) as store:
         assert store.provenance["format_version"] == 1
         assert store.provenance["created_utc"] == "2026-01-01T00:00:00Z"
