@@ -13,6 +13,11 @@ matter downstream? The steps, all from the store alone:
    vectors of the store, queried with the stored and with the fp32 vector: overlap@k;
 5. whole-store figures (fallbacks, precision used, max activation) and a verdict.
 
+The store is read only through :class:`embedpipe.io.Store`, whose reads all go through
+:func:`embedpipe.io.read_dataset`: a missing dataset or a failed read (a flipped byte) is one
+``StoreError`` naming the file, the dataset and the rows, and ``open_store`` refuses a merged
+store whose shard stores were rewritten after the merge (docs/store-format.md).
+
 Results go to ``DIR/crosscheck.json`` (the data) and ``DIR/crosscheck.html`` (a rendering
 of the same data, :mod:`embedpipe.report`), both written atomically. Metrics, thresholds
 and verdict rules are documented in ``docs/crosscheck.md``.

@@ -27,10 +27,9 @@ import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
+from embedpipe.integrity import require_sources
 from embedpipe.store import (
     PER_RECORD,
-    resolve_source,
-    attr_to_python,
     check_format,
     decode_strings,
     is_complete,
@@ -52,6 +51,56 @@ class UnknownIdError(StoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def _rows_text(key: Any) -> str:
+    if isinstance(key, (int, np.integer)):
+        return f" row {int(key)}"
+    if isinstance(key, slice) and key.step in (None, 1) and key.start is not None and key.stop is not None:
+        return f" rows {key.start}:{key.stop}"
+    if isinstance(key, tuple) and key:
+        return _rows_text(key[0])
+    return ""
+
+
+def _sources_of(ds: h5py.Dataset, key: Any) -> str:
+    """For a virtual dataset: the shard store(s) holding the rows read (where a bad chunk lies)."""
+    if not ds.is_virtual:
+        return ""
+    key = key[0] if isinstance(key, tuple) and key else key
+    if isinstance(key, (int, np.integer)):
+        key = slice(int(key), int(key) + 1)
+    if not isinstance(key, slice) or key.start is None or key.stop is None:
+        return ""
+    names = []
+    for vmap in ds.virtual_sources():
+        (lo, *_), (hi, *_) = vmap.vspace.get_select_bounds()
+        if lo < key.stop and key.start <= hi and vmap.file_name not in names:
+            names.append(vmap.file_name)
+    return f", stored in {', '.join(names)}" if names else ""
+
+
+def dataset(f: h5py.File, path: Path | str, name: str) -> h5py.Dataset:
+    """``f[name]``, or one StoreError naming the store and the missing dataset."""
+    try:
+        return f[name]
+    except KeyError:
+        raise StoreError(f"{path}: dataset {name} is missing (run embedpipe validate {path})") from None
+
+
+def read_dataset(f: h5py.File, path: Path | str, name: str, key: Any = slice(None)) -> np.ndarray:
+    """``f[name][key]`` for every read of store data: a missing dataset or a failed read
+    (checksum mismatch, truncation, a merged store's unreadable source) becomes one StoreError
+    naming the store, the dataset and the rows, instead of h5py's bare message."""
+    ds = dataset(f, path, name)
+    try:
+        return np.asarray(ds[key])
+    except (OSError, KeyError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise StoreError(
+            f"{path}: cannot read dataset {name}{_rows_text(key)}{_sources_of(ds, key)}: checksum mismatch "
+            f"or read error ({reason}); run embedpipe validate {path}"
+        ) from None
+
+
 class _H5Rows:
     """A picklable array-like over one dataset: every read opens the file, reads, closes.
 
@@ -67,8 +116,8 @@ class _H5Rows:
         self.ndim = len(shape)
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        with h5py.File(self.path, "r") as f:
-            return np.asarray(f[self.name][key])
+        with open_h5(self.path) as f:
+            return read_dataset(f, self.path, self.name, key)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_H5Rows, (self.path, self.name, self.shape, self.dtype.str))
@@ -98,17 +147,20 @@ class Store:
             self._provenance = read_root_attrs(f)
             self._check_sources(f)
             self._layers = stored_layers(f)
-            self._n = int(f["ids"].shape[0])
-            self._ids = decode_strings(f["ids"][:])
+            self._n = int(dataset(f, self.path, "ids").shape[0])
+            self._ids = decode_strings(read_dataset(f, self.path, "ids"))
             self._row = {rid: i for i, rid in enumerate(self._ids)}
             self._aliases: dict[str, str] = {}
             if "aliases" in f:
-                self._aliases = dict(zip(decode_strings(f["aliases/id"][:]), decode_strings(f["aliases/of"][:])))
+                self._aliases = dict(zip(decode_strings(read_dataset(f, self.path, "aliases/id")),
+                                         decode_strings(read_dataset(f, self.path, "aliases/of"))))
             self._skipped: dict[str, str] = {}
             if "skipped" in f:
-                self._skipped = dict(zip(decode_strings(f["skipped/id"][:]), decode_strings(f["skipped/reason"][:])))
-            self._offsets = f["per_residue/offsets"][:].astype(np.int64) if "per_residue/offsets" in f else None
-            first = f[f"mean/layer_{self._layers[-1]}"]
+                self._skipped = dict(zip(decode_strings(read_dataset(f, self.path, "skipped/id")),
+                                         decode_strings(read_dataset(f, self.path, "skipped/reason"))))
+            self._offsets = (read_dataset(f, self.path, "per_residue/offsets").astype(np.int64)
+                             if "per_residue/offsets" in f else None)
+            first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
             self._dim = int(first.shape[1])
             self._dtype = np.dtype(first.dtype)
         except StoreError:
@@ -120,16 +172,10 @@ class Store:
         self._file = f
 
     def _check_sources(self, f: h5py.File) -> None:
-        """A merged store reads per-residue data from its shard stores: they must exist
-        (HDF5 would silently return fill values for a missing source)."""
-        store_dir = self.path.parent
-        for rel in attr_to_python(f.attrs.get("merged_from")) or []:
-            src = resolve_source(store_dir, str(rel))
-            if not src.exists():
-                raise StoreError(
-                    f"{self.path}: source store {rel} is missing (expected at {src}); a merged store "
-                    "reads per-residue data from its shard stores, keep them next to it"
-                )
+        """A merged store reads per-residue data from its shard stores: they must exist (HDF5
+        would silently return fill values for a missing source) and be the very files that
+        were merged (a rewritten shard would mix runs). Cheap: store_uuid and size only."""
+        require_sources(f, self.path)
 
     @property
     def _h5(self) -> h5py.File:
@@ -246,7 +292,7 @@ class Store:
 
         k = self.layer(layer)
         name = f"mean/layer_{k}"
-        ds = self._h5[name]
+        ds = dataset(self._h5, self.path, name)
         rows = _dask_rows(ds)
         stat = self.path.stat()
         src = _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype)
@@ -263,7 +309,7 @@ class Store:
     def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
         """One record's mean vector (D,) as numpy."""
         row = self.index(record_id)
-        vec = self._h5[f"mean/layer_{self.layer(layer)}"][row]
+        vec = read_dataset(self._h5, self.path, f"mean/layer_{self.layer(layer)}", row)
         return vec if dtype is None else vec.astype(dtype)
 
     def per_residue(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
@@ -273,10 +319,7 @@ class Store:
         row = self.index(record_id)
         k = self.layer(layer)
         start, stop = int(self._offsets[row]), int(self._offsets[row + 1])
-        try:
-            out = self._h5[f"per_residue/layer_{k}"][start:stop]
-        except OSError as exc:
-            raise StoreError(f"{self.path}: cannot read per-residue rows of {record_id!r}: {exc}") from None
+        out = read_dataset(self._h5, self.path, f"per_residue/layer_{k}", slice(start, stop))
         return out if dtype is None else out.astype(dtype)
 
     def per_residue_array(self, layer: int = -1, *, dtype: Any = None) -> Any:
@@ -289,7 +332,7 @@ class Store:
             raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
         k = self.layer(layer)
         name = f"per_residue/layer_{k}"
-        ds = self._h5[name]
+        ds = dataset(self._h5, self.path, name)
         stat = self.path.stat()
         arr = da.from_array(
             _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype),
@@ -320,14 +363,14 @@ class Store:
         for name, kind in PER_RECORD.items():
             if name == "ids" or name not in f:
                 continue
-            value = f[name][row]
+            value = read_dataset(f, self.path, name, row)
             if kind == "str":
                 out[name] = decode_strings(np.asarray([value]))[0]
             elif kind == "int":
                 out[name] = int(value)
             else:
                 out[name] = float(value)
-        out["mean"] = {k: f[f"mean/layer_{k}"][row] for k in self._layers}
+        out["mean"] = {k: read_dataset(f, self.path, f"mean/layer_{k}", row) for k in self._layers}
         return out
 
     def records(self, *, sequence: bool = False) -> dict[str, np.ndarray]:
@@ -339,7 +382,7 @@ class Store:
         for name, kind in PER_RECORD.items():
             if name == "ids" or (name == "sequence" and not sequence) or name not in f:
                 continue
-            raw = f[name][:]
+            raw = read_dataset(f, self.path, name)
             table[name] = np.array(decode_strings(raw), dtype=object) if kind == "str" else raw
         return table
 

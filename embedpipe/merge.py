@@ -28,6 +28,7 @@ import numpy as np
 
 from embedpipe.atomic import atomic_path, check_output_path
 from embedpipe.errors import StoreError
+from embedpipe.integrity import MERGED_SOURCES_ATTR, STORE_UUID_ATTR, new_store_uuid, source_identity
 from embedpipe.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -57,7 +58,7 @@ from embedpipe.store import (
 MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue")
 #: attributes describing one file, never carried over as merged provenance
 _PER_FILE = {"created_utc", "complete", "merged_from", "merged_rows", "shard_provenance", "varying_attrs",
-             "config_varying", "alias_count", "skipped_count"} | set(RESERVED_ATTRS)
+             "config_varying", "alias_count", "skipped_count", MERGED_SOURCES_ATTR} | set(RESERVED_ATTRS)
 
 
 @dataclass
@@ -103,6 +104,7 @@ class _Shard:
     offsets: np.ndarray | None
     widths: dict[str, int]
     dtypes: dict[str, np.dtype]
+    identity: dict[str, Any]  # what merged_sources records about this file
 
 
 def _read_shard(path: Path, out_dir: Path) -> _Shard:
@@ -132,9 +134,11 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
         if missing:
             raise StoreError(f"{path}: missing dataset(s) {', '.join(missing)}")
     rel = os.path.relpath(path.resolve(), out_dir.resolve())
+    uuid = attrs.get(STORE_UUID_ATTR)
     return _Shard(
         path=path, rel=rel, attrs=attrs, layers=layers, dim=dim, per_residue=per_residue, ids=ids,
         rows=int(offsets[-1]) if offsets is not None else 0, offsets=offsets, widths=widths, dtypes=dtypes,
+        identity=source_identity(path, rel, str(uuid) if uuid else None),
     )
 
 
@@ -305,6 +309,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
             _tag(f, FORMAT)
             f.attrs["format"] = FORMAT
             f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            f.attrs[STORE_UUID_ATTR] = new_store_uuid()
             root = dict(common)
             root.update(
                 created_utc=utc_now(),
@@ -314,6 +319,8 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
                 per_residue=per_residue,
                 merged_from=[s.rel for s in shards],
                 merged_rows=record_rows,
+                # pins each source: a rewritten shard no longer matches (docs/store-format.md)
+                merged_sources=[s.identity for s in shards],
                 shard_provenance=[{"path": s.rel, **s.attrs} for s in shards],
                 varying_attrs=varying,
                 config_varying=config_varying,

@@ -32,6 +32,14 @@ import numpy as np
 
 from embedpipe.atomic import commit, temp_path_for
 from embedpipe.errors import StoreError
+from embedpipe.integrity import (
+    STORE_UUID_ATTR,
+    MeanCheck,
+    mean_check_applies,
+    new_store_uuid,
+    resolve_source,
+    source_problems,
+)
 from embedpipe.records import EmbeddedRecord
 
 FORMAT = "embedpipe.store"
@@ -56,7 +64,7 @@ STRING_FIELDS = tuple(k for k, v in PER_RECORD.items() if v == "str")
 
 #: root attributes the writer owns; callers may not set them through ``attrs``/``set_attrs``
 RESERVED_ATTRS = frozenset(
-    {"format", "format_version", "complete", "json_attrs", "encoding-type", "encoding-version"}
+    {"format", "format_version", "complete", "json_attrs", "encoding-type", "encoding-version", STORE_UUID_ATTR}
 )
 #: root attributes the writer derives from its arguments; callers may repeat them only unchanged
 DERIVED_ATTRS = frozenset({"storage_dtype", "layers", "dim", "per_residue"})
@@ -422,6 +430,7 @@ class StoreWriter:
         _tag(f, FORMAT)
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+        f.attrs[STORE_UUID_ATTR] = new_store_uuid()  # identity of this file: a rewrite gets a new one
         root = {k: v for k, v in attrs.items() if k not in DERIVED_ATTRS}
         root.setdefault("created_utc", utc_now())
         root.update(
@@ -766,8 +775,10 @@ def render_info(info: Mapping[str, Any]) -> str:
 # validate
 
 
-def _read_all(ds: h5py.Dataset, name: str, problems: list[str], *, check_finite: bool) -> None:
-    """Read every block (verifying checksums at the source) and optionally check finiteness."""
+def _read_all(ds: h5py.Dataset, name: str, problems: list[str], *, check_finite: bool,
+              check: MeanCheck | None = None) -> None:
+    """Read every block (verifying checksums at the source), optionally check finiteness and
+    hand each block to ``check`` (so the mean check costs no second read)."""
     nonfinite = 0
     first_bad: int | None = None
     for sl in iter_row_blocks(ds):
@@ -786,20 +797,16 @@ def _read_all(ds: h5py.Dataset, name: str, problems: list[str], *, check_finite:
                 nonfinite += int(np.count_nonzero(bad))
                 if first_bad is None:
                     first_bad = sl.start + int(np.argmax(bad))
+        if check is not None:
+            check.feed(sl, block)
+    if check is not None and (problem := check.problem()):
+        problems.append(problem)
     if nonfinite:
         problems.append(f"dataset {name}: {nonfinite} row(s) with non-finite values (first at row {first_bad})")
 
 
-def resolve_source(store_dir: Path, file_name: str) -> Path:
-    p = Path(file_name)
-    return p if p.is_absolute() else store_dir / p
-
-
-def _validate_sources(f: h5py.File, path: Path, ids: list[str] | None, problems: list[str]) -> bool:
-    """Merged stores: every virtual source file exists, is a complete store and matches. Returns
-    False when sources are missing (reads through the virtual datasets would be meaningless)."""
-    store_dir = path.resolve().parent
-    ok = True
+def _virtual_sources(f: h5py.File) -> dict[str, set[str]]:
+    """Source file -> dataset names that the virtual datasets of ``f`` read from."""
     sources: dict[str, set[str]] = {}
 
     def visit(name: str, obj: Any) -> None:
@@ -809,42 +816,65 @@ def _validate_sources(f: h5py.File, path: Path, ids: list[str] | None, problems:
                     sources.setdefault(vmap.file_name, set()).add(vmap.dset_name)
 
     f.visititems(visit)
+    return sources
+
+
+def _check_source(f: h5py.File, g: h5py.File, rel: str, datasets: set[str], rows: tuple[int, int] | None,
+                  ids: list[str] | None, problems: list[str]) -> bool:
+    """One present source: complete, has the datasets read through it, same ids and offsets."""
+    if not is_complete(g):
+        problems.append(f"source store {rel} is incomplete")
+        return False
+    ok = True
+    for dname in sorted(datasets):
+        if dname not in g:
+            problems.append(f"source store {rel} lacks dataset {dname}")
+            ok = False
+        elif not g[dname].fletcher32:
+            problems.append(f"source store {rel} dataset {dname} has no fletcher32 checksum")
+    if ids is not None and rows is not None:
+        lo, hi = rows
+        if _read_strings_blockwise(g["ids"]) != ids[lo:hi]:
+            problems.append(f"source store {rel} holds different records than when merged (ids differ)")
+            return False
+        if "per_residue/offsets" in f and "per_residue/offsets" in g:
+            merged_off = f["per_residue/offsets"][lo : hi + 1]
+            if not np.array_equal(merged_off - merged_off[0], g["per_residue/offsets"][:]):
+                problems.append(f"source store {rel} per-residue offsets differ from the merged store's")
+                return False
+    return ok
+
+
+def _validate_sources(f: h5py.File, path: Path, ids: list[str] | None, problems: list[str]) -> bool:
+    """Merged stores: every source exists, is the very file that was merged (store_uuid, size,
+    sha256 for legacy sources), is complete and matches. Returns False when a source is missing
+    or unusable (reads through the virtual datasets would be meaningless)."""
+    store_dir = path.resolve().parent
+    sources = _virtual_sources(f)
     merged_from = [str(p) for p in (attr_to_python(f.attrs.get("merged_from")) or [])]
     merged_rows = [int(v) for v in (attr_to_python(f.attrs.get("merged_rows")) or [])]
-    for name in sources:
-        if name not in merged_from:
-            merged_from.append(name)
+    rows_known = len(merged_rows) == len(merged_from) + 1
+    merged_from += [name for name in sources if name not in merged_from]
+    ok = True
+    missing: set[str] = set()
+    try:
+        for problem in source_problems(f, path, full=True):
+            problems.append(problem.message)
+            if problem.missing:
+                missing.add(problem.rel)
+                ok = False
+    except StoreError as exc:
+        problems.append(str(exc))
     for i, rel in enumerate(merged_from):
         src = resolve_source(store_dir, rel)
-        if not src.exists():
-            problems.append(f"source store {rel} is missing (looked for {src}); merged stores need their shard stores")
+        if rel in missing or not src.exists():
             ok = False
             continue
+        rows = (merged_rows[i], merged_rows[i + 1]) if rows_known and i + 1 < len(merged_rows) else None
         try:
             with h5py.File(src, "r") as g:
                 check_format(g, src)
-                if not is_complete(g):
-                    problems.append(f"source store {rel} is incomplete")
-                    ok = False
-                    continue
-                for dname in sources.get(rel, ()):
-                    if dname not in g:
-                        problems.append(f"source store {rel} lacks dataset {dname}")
-                        ok = False
-                    elif not g[dname].fletcher32:
-                        problems.append(f"source store {rel} dataset {dname} has no fletcher32 checksum")
-                if ids is not None and len(merged_rows) == len(merged_from) + 1 and i < len(merged_from):
-                    lo, hi = merged_rows[i], merged_rows[i + 1]
-                    src_ids = _read_strings_blockwise(g["ids"])
-                    if src_ids != ids[lo:hi]:
-                        problems.append(f"source store {rel} holds different records than when merged (ids differ)")
-                        ok = False
-                    elif "per_residue/offsets" in f and "per_residue/offsets" in g:
-                        merged_off = f["per_residue/offsets"][lo : hi + 1]
-                        src_off = g["per_residue/offsets"][:]
-                        if not np.array_equal(merged_off - merged_off[0], src_off):
-                            problems.append(f"source store {rel} per-residue offsets differ from the merged store's")
-                            ok = False
+                ok = _check_source(f, g, rel, sources.get(rel, set()), rows, ids, problems) and ok
         except StoreError as exc:
             problems.append(f"source store {rel}: {exc}")
             ok = False
@@ -989,14 +1019,43 @@ def _validate_open(f: h5py.File, path: Path, problems: list[str]) -> None:
     ):
         sources_ok = _validate_sources(f, path, ids, problems)
 
-    # Read everything once: checksums (at the source, for virtual datasets) and finiteness.
+    # Read everything once: checksums (at the source, for virtual datasets), finiteness and
+    # whether each stored mean is the mean of its per-residue rows.
+    checks = _mean_checks(f, ids) if sources_ok else {}
     for name, ds in _datasets_by_name(f):
         if not ds.is_virtual and not ds.fletcher32:
             problems.append(f"dataset {name} has no fletcher32 checksum")
         if ds.is_virtual and not sources_ok:
             continue
         is_float = ds.dtype.kind == "f"
-        _read_all(ds, name, problems, check_finite=is_float and (name.startswith("mean/") or name.startswith("per_residue/")))
+        _read_all(ds, name, problems, check_finite=is_float and (name.startswith("mean/") or name.startswith("per_residue/")),
+                  check=checks.get(name))
+
+
+def _mean_checks(f: h5py.File, ids: list[str] | None) -> dict[str, MeanCheck]:
+    """per_residue/layer_k -> its mean check, when the check applies and the layout is sound
+    (layout problems are reported by the structural checks; then there is nothing to compare)."""
+    if not mean_check_applies(f) or ids is None:
+        return {}
+    pr = f["per_residue"]
+    n = len(ids)
+    if "offsets" not in pr or pr["offsets"].shape != (n + 1,):
+        return {}
+    try:
+        offsets = pr["offsets"][:].astype(np.int64)
+    except OSError:
+        return {}
+    if offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        return {}
+    checks: dict[str, MeanCheck] = {}
+    for k in stored_layers(f):
+        name, mean_name = f"per_residue/layer_{k}", f"mean/layer_{k}"
+        if name not in f or mean_name not in f:
+            continue
+        ds, mean = f[name], f[mean_name]
+        if ds.ndim == 2 and mean.ndim == 2 and ds.shape == (offsets[-1], mean.shape[1]) and mean.shape[0] == n:
+            checks[name] = MeanCheck(mean, offsets, ids, k)
+    return checks
 
 
 def _all_datasets(f: h5py.File) -> list[h5py.Dataset]:

@@ -528,6 +528,43 @@ def test_cli_exit_codes_and_fail_on_threshold(tmp_path, fp32_store):
     assert result.exit_code == 1 and "embedpipe: error:" in result.stderr
 
 
+def _flip_chunk_byte(path: Path, dataset: str) -> None:
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(0)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + 5)
+        byte = fh.read(1)
+        fh.seek(info.byte_offset + 5)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("missing", "dataset per_residue/layer_0 is missing (run embedpipe validate "),
+    ("flip-mean", "cannot read dataset mean/layer_1 row "),
+    ("flip-residues", "cannot read dataset per_residue/layer_2 rows "),
+])
+def test_damaged_store_is_one_line_naming_store_and_dataset(tmp_path, fp32_store, damage, expected):
+    """Issue 11 item 7: no KeyError traceback, no bare "Can't synchronously read data"."""
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    bad = tmp_path / "bad.h5"
+    shutil.copyfile(fp32_store, bad)
+    if damage == "missing":
+        with h5py.File(bad, "r+") as f:
+            del f["per_residue/layer_0"]
+    else:
+        _flip_chunk_byte(bad, "mean/layer_1" if damage == "flip-mean" else "per_residue/layer_2")
+    with pytest.raises(EmbedpipeError) as exc:
+        run_crosscheck(bad, out=tmp_path / "cc", sample=100, device="cpu", quiet=True)
+    assert str(exc.value).startswith(f"{bad}: {expected}"), str(exc.value)
+    result = CliRunner().invoke(app, ["crosscheck", str(bad), "--out", str(tmp_path / "cc2"), "--device", "cpu", "-q"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == f"embedpipe: error: {exc.value}", result.stderr
+
+
 # =============================================================================== HTML
 
 

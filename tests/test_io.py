@@ -193,3 +193,46 @@ def test_refuses_incomplete_newer_and_missing(store_path, tmp_path):
         embedpipe.open_store(path)
     with pytest.raises(StoreError, match="no such file"):
         embedpipe.open_store(tmp_path / "absent.h5")
+
+
+def _flip_first_chunk(path: Path, dataset: str) -> None:
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(0)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + 3)
+        byte = fh.read(1)
+        fh.seek(info.byte_offset + 3)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_missing_dataset_is_one_line_naming_store_and_dataset(store_path):
+    path, records = store_path
+    with h5py.File(path, "r+") as f:
+        del f["per_residue/layer_0"]
+    with embedpipe.open_store(path) as store:
+        with pytest.raises(StoreError) as exc:
+            store.per_residue(records[1].id, 0)
+        assert str(exc.value) == f"{path}: dataset per_residue/layer_0 is missing (run embedpipe validate {path})"
+        with pytest.raises(StoreError, match=r"dataset per_residue/layer_0 is missing"):
+            store.per_residue_array(0)
+
+
+@pytest.mark.parametrize("read", ["getitem", "mean_vector", "dask", "records"])
+def test_corrupt_chunk_names_store_dataset_and_rows(store_path, read):
+    path, records = store_path
+    dataset = "precision_used" if read == "records" else "mean/layer_3"
+    _flip_first_chunk(path, dataset)
+    with embedpipe.open_store(path) as store:
+        with pytest.raises(StoreError) as exc:
+            if read == "getitem":
+                store[records[2].id]
+            elif read == "mean_vector":
+                store.mean_vector(records[2].id, 3)
+            elif read == "dask":
+                store.mean(3).sum().compute()
+            else:
+                store.records()
+    msg = str(exc.value)
+    rows = {"getitem": " row 2", "mean_vector": " row 2", "dask": f" rows 0:{len(records)}", "records": ""}[read]
+    assert msg.startswith(f"{path}: cannot read dataset {dataset}{rows}: checksum mismatch or read error ("), msg
+    assert "\n" not in msg

@@ -29,12 +29,14 @@ def synthetic(prefix: str, n: int, *, start_len: int, dim: int = 8, layers=(1, 2
         seq = "".join(AMINO[(i * 3 + j * 7 + seed) % 20] for j in range(length))
         base = np.arange(dim, dtype=np.float64)
         grid = np.arange(length, dtype=np.float64)[:, None] * dim + base[None, :]
+        per_residue = {k: np.cos(grid * 0.05 + i + k + seed).astype(np.float32) for k in layers}
         records.append(
             EmbeddedRecord(
                 id=f"{prefix}{i}", sequence=seq, precision_used="fp16" if i % 3 else "fp32",
                 fallback_reason="" if i % 3 else "nonfinite",
-                mean={k: np.sin(base + i + k + seed).astype(np.float32) for k in layers},
-                per_residue={k: np.cos(grid * 0.05 + i + k + seed).astype(np.float32) for k in layers},
+                # the fp32 mean of the rows, as the worker computes it (validate checks it)
+                mean={k: per_residue[k].sum(axis=0, dtype=np.float32) / np.float32(length) for k in layers},
+                per_residue=per_residue,
                 max_abs_activation=float(i), embedded_length=length,
             )
         )
@@ -273,3 +275,119 @@ def test_merge_without_stores_is_one_clear_line(tmp_path):
     assert result.exit_code == 1
     assert "no shard stores to merge" in result.output and "skipped" in result.output
     assert not (tmp_path / "m.h5").exists()
+
+
+# --------------------------------------------------------------------------- merged stores pin their sources
+
+
+def _embed_shard(tmp: Path, model: Path, records, out: Path, precision: str) -> Path:
+    from embed_helpers import write_fasta
+
+    from embedpipe.embed import EmbedOptions, embed_fasta
+
+    fasta = write_fasta(tmp / f"{out.stem}.fasta", records)
+    embed_fasta(fasta, model=str(model), out=out, quiet=True,
+                options=EmbedOptions(precision=precision, layers=(0, -1), per_residue=True))
+    return out
+
+
+def test_reembedded_shard_is_refused_by_validate_open_store_and_crosscheck(tmp_path, tiny_model_path):
+    """Issue 11 item 2: merge three shards, re-embed one with another policy into the same path."""
+    from typer.testing import CliRunner
+
+    from embed_helpers import random_sequences
+    from embedpipe.cli import app
+    from embedpipe.crosscheck import run_crosscheck
+
+    records = random_sequences(9, (10, 40), seed=11)
+    root = tmp_path / "results"
+    (root / "stores").mkdir(parents=True)
+    shards = [_embed_shard(tmp_path, tiny_model_path, records[3 * k : 3 * k + 3],
+                           root / "stores" / f"shard-{k:05d}.h5", "fp32") for k in range(3)]
+    merged = root / "embeddings.h5"
+    merge_stores(shards, out=merged)
+    assert validate_store(merged) == []
+    with h5py.File(shards[1], "r") as g:
+        old_uuid = g.attrs["store_uuid"]
+    _embed_shard(tmp_path, tiny_model_path, records[3:6], shards[1], "bf16")
+    with h5py.File(shards[1], "r") as g:
+        assert g.attrs["store_uuid"] != old_uuid
+
+    problems = validate_store(merged)
+    assert any(p.startswith("source store stores/shard-00001.h5 was rewritten after the merge") for p in problems), problems
+    # the pooled vectors (old run) no longer are the means of the per-residue rows (new run)
+    assert any(p.startswith(f"record {records[3][0]!r} (row 3) layer 0: stored mean differs") for p in problems), problems
+    res = CliRunner().invoke(app, ["validate", str(merged)])
+    assert res.exit_code == 1 and "shard-00001.h5 was rewritten" in res.output
+    with pytest.raises(StoreError, match=r"embeddings\.h5: source store stores/shard-00001\.h5 was rewritten") as exc:
+        embedpipe.open_store(merged)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(StoreError, match=r"stores/shard-00001\.h5 was rewritten"):
+        run_crosscheck(merged, out=tmp_path / "cc", sample=1, device="cpu", quiet=True)
+    assert not (tmp_path / "cc" / "crosscheck.json").exists()
+    res = CliRunner().invoke(app, ["crosscheck", str(merged), "--out", str(tmp_path / "cc"), "--device", "cpu"])
+    assert res.exit_code == 1 and "shard-00001.h5 was rewritten" in res.output and "Traceback" not in res.output
+
+
+def test_merged_sources_record_uuid_size_and_sha256_for_legacy_shards(results):
+    root, paths, _, _ = results
+    with h5py.File(paths[2], "r+") as g:  # a store written before store_uuid existed
+        del g.attrs["store_uuid"]
+    out = root / "m.h5"
+    merge_stores(paths, out=out)
+    with embedpipe.open_store(out) as store:
+        prov = store.provenance
+    sources = prov["merged_sources"]
+    assert [s["path"] for s in sources] == [f"stores/shard-0000{k}.h5" for k in range(3)]
+    for s, p in zip(sources[:2], paths):
+        with h5py.File(p, "r") as g:
+            assert s == {"path": s["path"], "store_uuid": g.attrs["store_uuid"], "size": p.stat().st_size}
+    assert sources[2] == {"path": "stores/shard-00002.h5", "store_uuid": None, "size": paths[2].stat().st_size,
+                          "sha256": hashlib.sha256(paths[2].read_bytes()).hexdigest()}
+    assert len(prov["store_uuid"]) == 32 and prov["store_uuid"] not in {s["store_uuid"] for s in sources}
+    assert "store_uuid" not in prov["varying_attrs"] and validate_store(out) == []
+
+    # same size, other content: validate re-hashes legacy sources; open_store checks uuid and size only
+    with h5py.File(paths[2], "r+") as g:
+        g["mean/layer_1"][0] = g["mean/layer_1"][1]  # uncompressed: rewritten in place
+    assert paths[2].stat().st_size == sources[2]["size"]
+    problems = validate_store(out)
+    assert any(p.startswith("source store stores/shard-00002.h5 changed after the merge (sha256") for p in problems)
+    embedpipe.open_store(out).close()
+    # a legacy source rewritten by this embedpipe now has a store_uuid: open_store notices
+    with h5py.File(paths[2], "r+") as g:
+        g.attrs["store_uuid"] = "f" * 32
+    with pytest.raises(StoreError, match=r"shard-00002\.h5 was rewritten after the merge \(store_uuid f+, merged none\)"):
+        embedpipe.open_store(out)
+
+
+def test_source_that_changed_size_is_refused(results):
+    root, paths, _, _ = results
+    out = root / "m.h5"
+    merge_stores(paths, out=out)
+    with open(paths[0], "ab") as fh:
+        fh.write(b"\0" * 16)
+    with pytest.raises(StoreError, match=r"shard-00000\.h5 changed after the merge \(size"):
+        embedpipe.open_store(out)
+    assert any("shard-00000.h5 changed after the merge (size" in p for p in validate_store(out))
+
+
+def test_corrupt_shard_chunk_read_through_merged_store_names_dataset_rows_and_shard(results):
+    root, paths, records, _ = results
+    out = root / "m.h5"
+    merge_stores(paths, out=out)
+    with h5py.File(paths[1], "r") as f:
+        chunk = f["per_residue/layer_2"].id.get_chunk_info(0)
+    with open(paths[1], "r+b") as fh:
+        fh.seek(chunk.byte_offset + 10)
+        b = fh.read(1)
+        fh.seek(chunk.byte_offset + 10)
+        fh.write(bytes([b[0] ^ 0x55]))
+    with embedpipe.open_store(out) as store:  # same uuid and size: corruption is the checksums' job
+        start, stop = int(store.offsets[6]), int(store.offsets[7])
+        with pytest.raises(StoreError) as exc:
+            store.per_residue("b0", 2)
+    msg = str(exc.value)
+    assert msg.startswith(f"{out}: cannot read dataset per_residue/layer_2 rows {start}:{stop}, stored in "
+                          "stores/shard-00001.h5: checksum mismatch")
+    assert "\n" not in msg

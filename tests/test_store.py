@@ -37,8 +37,11 @@ AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
 
 def synthetic(n: int, *, dim: int = 4, layers=(0, 2), seed: int = 0, per_residue: bool = True,
-              truncate_every: int = 0) -> tuple[list[EmbeddedRecord], list[int] | None]:
-    """Deterministic records built from arithmetic only (stable across numpy versions)."""
+              truncate_every: int = 0, legacy_means: bool = False) -> tuple[list[EmbeddedRecord], list[int] | None]:
+    """Deterministic records built from arithmetic only (stable across numpy versions).
+
+    With per-residue rows, each mean is their fp32 mean, as the worker computes it;
+    ``legacy_means`` gives the unrelated means the archived v1 example was written with."""
     records, rows = [], []
     for i in range(n):
         length = 2 + (i * 7 + seed) % 9
@@ -51,6 +54,8 @@ def synthetic(n: int, *, dim: int = 4, layers=(0, 2), seed: int = 0, per_residue
         if per_residue:
             grid = np.arange(emb, dtype=np.float64)[:, None] * dim + base[None, :]
             pr = {k: np.cos(grid * 0.37 + i + 10 * k + seed).astype(np.float32) for k in layers}
+            if not legacy_means:
+                mean = {k: pr[k].sum(axis=0, dtype=np.float32) / np.float32(emb) for k in layers}
         fallback = i % 4 == 3
         records.append(
             EmbeddedRecord(
@@ -448,12 +453,122 @@ def test_cli_validate_and_info(good_store, tmp_path):
     assert res.exit_code == 1 and "no such file" in res.output
 
 
+# --------------------------------------------------------------------------- identity and mean check
+
+
+def test_every_store_gets_a_fresh_store_uuid_the_caller_cannot_set(tmp_path):
+    records, rows = synthetic(3)
+    a = write_store(tmp_path / "a.h5", records, rows)
+    b = write_store(tmp_path / "b.h5", records, rows)
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        ua, ub = fa.attrs["store_uuid"], fb.attrs["store_uuid"]
+    assert len(ua) == 32 and int(ua, 16) >= 0 and ua != ub
+    with pytest.raises(StoreError, match="store_uuid"):
+        write_store(tmp_path / "c.h5", records, rows, attrs={**ATTRS, "store_uuid": "0" * 32})
+
+
+def _edit_mean(path: Path, row: int, layer: int, element: int, delta: float) -> None:
+    """Overwrite one pooled value through h5py (the chunk's fletcher32 is recomputed)."""
+    with h5py.File(path, "r+") as f:
+        ds = f[f"mean/layer_{layer}"]
+        vec = ds[row]
+        vec[element] = vec[element] + np.asarray(delta, dtype=vec.dtype)
+        ds[row] = vec
+
+
+@pytest.mark.parametrize("dtype, rel", [("float32", 1e-4), ("float16", 1e-2)])
+def test_validate_names_a_record_whose_mean_is_not_the_mean_of_its_rows(tmp_path, dtype, rel):
+    records, rows = synthetic(12, dim=6, truncate_every=5)  # rows 4 and 9 are truncated
+    path = write_store(tmp_path / f"{dtype}.h5", records, rows, dim=6, storage_dtype=dtype)
+    assert validate_store(path) == []  # fp32 means of the rows, cast like the worker does
+    r = records[4]
+    scale = float(np.abs(r.per_residue[2]).mean(axis=0)[1])
+    _edit_mean(path, 4, 2, 1, rel * scale)  # far below a policy or model change, above rounding
+    problems = validate_store(path)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"record {r.id!r} (row 4) layer 2: stored mean differs from the mean of its "
+                                  f"{r.embedded_length} per-residue rows")
+    assert f"for {dtype}" in problems[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(1, 400), log_scale=st.floats(-3, 3), seed=st.integers(0, 2**32 - 1))
+def test_mean_tolerance_covers_the_workers_rounding(dtype, length, log_scale, seed):
+    """The bound holds for fp32 sums cast to the storage dtype against individually cast rows."""
+    from embedpipe.integrity import mean_tolerance
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((length, 16)) * 10.0**log_scale + rng.standard_normal(16) * 10.0**log_scale)
+    x = x.astype(np.float32)
+    stored_mean = (x.sum(axis=0, dtype=np.float32) / np.float32(length)).astype(dtype).astype(np.float64)
+    rows = x.astype(dtype).astype(np.float64)
+    tol = mean_tolerance(stored_mean[None], np.abs(rows).mean(axis=0)[None], np.array([float(length)]), np.dtype(dtype))
+    assert (np.abs(stored_mean - rows.mean(axis=0)) <= tol[0]).all()
+
+
+def test_mean_check_is_the_same_for_any_block_split(tmp_path):
+    """validate streams per-residue rows in blocks; records spanning blocks are carried over."""
+    from embedpipe.integrity import MeanCheck
+
+    records, rows = synthetic(15, dim=5, truncate_every=4)
+    path = write_store(tmp_path / "s.h5", records, rows, dim=5)
+    _edit_mean(path, 9, 0, 3, 0.05)
+    _edit_mean(path, 13, 0, 0, -0.05)
+    results = set()
+    with h5py.File(path, "r") as f:
+        offsets = f["per_residue/offsets"][:]
+        ids = [r.id for r in records]
+        data = f["per_residue/layer_0"][:]
+        for size in (1, 2, 3, 5, 8, 13, len(data)):
+            check = MeanCheck(f["mean/layer_0"], offsets, ids, 0)
+            for start in range(0, len(data), size):
+                check.feed(slice(start, min(start + size, len(data))), data[start : start + size])
+            results.add(check.problem())
+    assert len(results) == 1
+    (problem,) = results
+    assert problem.startswith(f"record {records[9].id!r} (row 9) layer 0:") and "2 record(s)" in problem
+
+
+def test_mean_check_skips_single_run_stores_from_before_store_uuid(tmp_path):
+    """Documented choice: a store without store_uuid that is not merged was written by one run
+    in one atomic step (it cannot mix runs) before the check existed; the archived v1 example
+    holds synthetic means unrelated to its rows and must keep validating."""
+    records, rows = synthetic(6)
+    path = write_store(tmp_path / "old.h5", records, rows)
+    _edit_mean(path, 1, 2, 0, 0.5)
+    assert any("record 's0r1'" in p for p in validate_store(path))
+    with h5py.File(path, "r+") as f:
+        del f.attrs["store_uuid"]
+    assert validate_store(path) == []
+
+
+@pytest.mark.parametrize("precision, storage, long_sequences", [
+    ("fp32", "float16", "chunk"), ("fp16", "float16", "truncate"), ("bf16-mixed", "float32", "chunk"),
+    ("fp32", "float32", "full"),
+])
+def test_real_stores_pass_the_mean_check(tmp_path, tiny_model_path, precision, storage, long_sequences):
+    from embed_helpers import random_sequences, write_fasta
+
+    from embedpipe.embed import EmbedOptions, embed_fasta
+
+    records = random_sequences(6, (5, 300), seed=3) + random_sequences(1, [1400], seed=4)
+    fasta = write_fasta(tmp_path / "in.fasta", [(f"r{i}", s) for i, (_, s) in enumerate(records)])
+    out = tmp_path / "s.h5"
+    embed_fasta(fasta, model=str(tiny_model_path), out=out, quiet=True, options=EmbedOptions(
+        precision=precision, storage_dtype=storage, long_sequences=long_sequences, layers=(0, 1, 2),
+        per_residue=True))
+    assert validate_store(out) == []
+    _edit_mean(out, 6, 1, 0, 0.05)
+    assert any(p.startswith("record 'r6' (row 6) layer 1: stored mean differs") for p in validate_store(out))
+
+
 # --------------------------------------------------------------------------- archived v1 file
 
 
 def make_archived_example(path: Path) -> Path:
     """How tests/data/store-v1-example.h5 was made (kept to compare values, never to rewrite it)."""
-    records, rows = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4)
+    records, rows = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4, legacy_means=True)
     attrs = {**ATTRS, "created_utc": "2026-01-01T00:00:00Z", "embedpipe_version": "0.1.0"}
     return write_store(path, records, rows, layers=(1, 2), dim=3, storage_dtype="float16", attrs=attrs)
 
@@ -467,7 +582,7 @@ def test_archived_v1_store_still_reads(tmp_path):
     assert validate_store(work) == []
     import embedpipe
 
-    records, _ = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4)
+    records, _ = synthetic(5, dim=3, layers=(1, 2), seed=3, truncate_every=4, legacy_means=True)
     with embedpipe.open_store(work) as store:
         assert store.provenance["format_version"] == 1
         assert store.provenance["created_utc"] == "2026-01-01T00:00:00Z"
