@@ -302,6 +302,21 @@ def make_test_model(
     print(path)
 
 
+class _Interrupts:
+    """Ctrl-C that Python could only report as ``Exception ignored in: ...`` (it landed in a
+    weakref callback or ``__del__``, where it cannot propagate) is remembered instead, and the
+    run ends as interrupted."""
+
+    swallowed = False
+
+    @classmethod
+    def hook(cls, args: Any) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
+            cls.swallowed = True
+            return
+        sys.__unraisablehook__(args)
+
+
 def _interrupted_while_exiting(signum: int, frame: Any) -> None:
     """SIGINT after the command has returned (while files close and the interpreter shuts
     down): the same one line as during the command, not ``Exception ignored ...``."""
@@ -313,6 +328,9 @@ def _interrupted_while_exiting(signum: int, frame: Any) -> None:
 def _finish(code: int) -> None:
     """Exit with ``code`` once stdout is flushed; a reader that went away ends it quietly."""
     signal.signal(signal.SIGINT, _interrupted_while_exiting)
+    if _Interrupts.swallowed and code != EXIT_INTERRUPTED:
+        print("embedpipe: interrupted", file=sys.stderr)
+        code = EXIT_INTERRUPTED
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -327,6 +345,7 @@ def run() -> None:
     Typer vendors its own click, so its exceptions are recognised by what they carry
     (``format_message`` and ``exit_code``), not by class.
     """
+    sys.unraisablehook = _Interrupts.hook
     try:
         result = app(standalone_mode=False)
     except BrokenPipeError:

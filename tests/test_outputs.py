@@ -273,6 +273,31 @@ def test_ctrl_c_while_exiting_is_one_quiet_line(stores):
     assert result.stderr.splitlines() == ["embedpipe: interrupted"]
 
 
+def test_ctrl_c_landing_in_a_finalizer_during_merge_is_one_quiet_line(stores, tmp_path):
+    """Ctrl-C landing where Python cannot raise it (a ``__del__`` or weakref callback, as when
+    h5py objects are released) was printed as ``Exception ignored ... KeyboardInterrupt``."""
+    result = _script(
+        f"""
+        import os, signal, sys
+        from embedpipe import cli, merge
+        class Released:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(100000))  # KeyboardInterrupt is raised here, inside __del__
+        copy = merge._copy_rows
+        def copy_and_release(*args, **kwargs):
+            copy(*args, **kwargs)
+            Released()
+        merge._copy_rows = copy_and_release
+        sys.argv = ["embedpipe", "merge", *{[str(s) for s in stores]!r}, "--out", {str(tmp_path / "m.h5")!r}, "-q"]
+        cli.run()
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.splitlines() == ["embedpipe: interrupted"]
+
+
 def test_ctrl_c_during_merge_is_one_line_and_leaves_nothing(stores, tmp_path):
     result = _script(
         f"""
