@@ -6,9 +6,12 @@ A killed or failed job therefore never leaves a file at the final path that look
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from embedpipe.errors import EmbedpipeError
@@ -28,13 +31,72 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def check_output_path(path: Path) -> None:
-    """Fail before any work when ``path`` cannot become an output file (a directory, an
-    unwritable or uncreatable parent), rather than after hours of compute at the rename."""
-    path = Path(path)
-    if path.is_dir():
+_KINDS = {
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFIFO: "FIFO (named pipe)",
+    stat.S_IFSOCK: "socket",
+}
+
+
+def refuse_non_regular(path: Path) -> None:
+    """Refuse an existing ``path`` that is not a regular file: renaming over a device node or
+    FIFO would replace it (as root, ``--out /dev/null`` would replace /dev/null)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # absent (or unreadable): creating the temp file next to it says what is wrong
+    if stat.S_ISDIR(mode):
         raise EmbedpipeError(f"output {path} is a directory; give a file name")
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "special file")
+        raise EmbedpipeError(f"output {path} exists and is a {kind}, not a regular file; refusing to replace it")
+
+
+def check_output_path(path: Path) -> None:
+    """Fail before any work when ``path`` cannot become an output file (a directory, a device
+    node or FIFO, an unwritable or uncreatable parent), rather than after hours of compute at
+    the rename. Every output writer calls this before it starts."""
+    path = Path(path)
+    refuse_non_regular(path)
     temp_path_for(path).unlink()
+
+
+def check_output_entries(directory: Path, names: Iterable[str]) -> None:
+    """:func:`refuse_non_regular` for each entry of an output directory that a run will
+    replace or remove."""
+    for name in names:
+        refuse_non_regular(Path(directory) / name)
+
+
+# errno values that mean "this file could not be written" rather than a bug
+WRITE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG", "EIO", "EROFS", "EACCES", "EPERM") if hasattr(errno, name)
+)
+_HDF5_ERRNO = re.compile(r"errno = (\d+)")
+_HDF5_FILE = re.compile(r"(?:file)?name = '([^']*)'")
+
+
+def write_error(path: Path, tmp: Path | None, exc: BaseException) -> EmbedpipeError | None:
+    """The one-line error for a failed write of ``path`` (through ``tmp``), or None when ``exc``
+    is not a write failure of that file (a bug, an interrupt, a problem with another file).
+
+    Understands plain ``OSError`` and h5py's errors, which carry HDF5's message
+    (``... filename = '...', errno = 28, error message = 'No space left on device' ...``).
+    """
+    if isinstance(exc, EmbedpipeError) or not isinstance(exc, (OSError, RuntimeError)):
+        return None
+    text = str(exc)
+    mine = {str(path), str(tmp)} if tmp is not None else {str(path)}
+    named = getattr(exc, "filename", None) or (m.group(1) if (m := _HDF5_FILE.search(text)) else None)
+    if named is not None and str(named) not in mine:
+        return None
+    code = getattr(exc, "errno", None)
+    if code is None and (m := _HDF5_ERRNO.search(text)):
+        code = int(m.group(1))
+    if code not in WRITE_ERRNOS:
+        return None
+    return EmbedpipeError(f"cannot write {path}: {os.strerror(code)}")
 
 
 def temp_path_for(path: Path) -> Path:
@@ -58,10 +120,11 @@ def _default_mode() -> int:
 
 def commit(tmp: Path, path: Path) -> None:
     """fsync ``tmp``, give it ordinary permissions, and rename it over ``path``."""
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.chmod(tmp, _default_mode())
     try:
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, _default_mode())
+        refuse_non_regular(Path(path))  # a FIFO or device made while we worked
         os.replace(tmp, path)
     except OSError as exc:
         raise EmbedpipeError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -70,15 +133,31 @@ def commit(tmp: Path, path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path; on success it becomes ``path``, on any exception it is removed."""
-    path = Path(path)
-    tmp = temp_path_for(path)
-    try:
+    """Yield a temporary path; on success it becomes ``path``, on any exception it is removed
+    (a failed write, e.g. a full disk, becomes one line naming ``path``)."""
+    with atomic_paths(path) as (tmp,):
         yield tmp
-        commit(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_paths(*paths: Path) -> Iterator[tuple[Path, ...]]:
+    """Like :func:`atomic_path` for files that belong together: all are written before any is
+    renamed into place (in the order given), and a failure removes every temporary file."""
+    finals = [Path(p) for p in paths]
+    temps: list[Path] = []
+    try:
+        for final in finals:
+            temps.append(temp_path_for(final))
+        yield tuple(temps)
+        for tmp, final in zip(temps, finals):
+            commit(tmp, final)
+    except BaseException as exc:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        for tmp, final in zip(temps, finals):
+            if (err := write_error(final, tmp, exc)) is not None:
+                raise err from None
         raise
 
 

@@ -175,7 +175,8 @@ def run_crosscheck(
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
-    check_output_path(out_dir / "crosscheck.json")  # before the fp32 re-embedding, not after
+    for name in ("crosscheck.json", "crosscheck.html"):  # before the fp32 re-embedding, not after
+        check_output_path(out_dir / name)
     started = time.perf_counter()
 
     with open_store(store_path) as st:

@@ -78,8 +78,9 @@ class EmbedOptions:
             )
         if self.tokens_per_batch < 3:
             raise EmbedpipeError("--tokens-per-batch must be at least 3 (BOS, one residue, EOS)")
-        if self.overflow_margin is not None and not 0.0 < self.overflow_margin <= 1.0:
-            raise EmbedpipeError("--overflow-margin must be in (0, 1]")
+        margin = self.overflow_margin
+        if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
+            raise EmbedpipeError(f"--overflow-margin must be a number in (0, 1], not {margin!r}")
 
 
 def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:

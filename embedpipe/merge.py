@@ -26,8 +26,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.atomic import atomic_path, check_output_path
+from embedpipe.atomic import check_output_path
 from embedpipe.errors import StoreError
+from embedpipe.h5write import atomic_h5
 from embedpipe.integrity import MERGED_SOURCES_ATTR, STORE_UUID_ATTR, new_store_uuid, source_identity
 from embedpipe.store import (
     FORMAT,
@@ -304,8 +305,8 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     residue_rows = np.concatenate([[0], np.cumsum([s.rows for s in shards])]).astype(np.int64)
     common, varying, config_varying = _common_provenance(shards)
 
-    with atomic_path(out) as tmp:
-        with h5py.File(tmp, "w", libver=LIBVER, rdcc_nbytes=_WRITE_CACHE_BYTES, rdcc_w0=1.0, rdcc_nslots=_WRITE_CACHE_SLOTS) as f:
+    with atomic_h5(out) as target:
+        with target.create(libver=LIBVER, rdcc_nbytes=_WRITE_CACHE_BYTES, rdcc_w0=1.0, rdcc_nslots=_WRITE_CACHE_SLOTS) as f:
             _tag(f, FORMAT)
             f.attrs["format"] = FORMAT
             f.attrs["format_version"] = np.int64(FORMAT_VERSION)
@@ -342,6 +343,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
                     cast = dtype
                 for shard, start in zip(shards, record_rows[:-1]):
                     _copy_rows(shard.path, name, dst, int(start), cast, check_finite=False)
+                dst.flush()  # a full disk surfaces here, not when ``dst`` is garbage collected
 
             g = f.create_group("mean")
             _tag(g, "pooled-layers", pooling="mean")
@@ -349,6 +351,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
                 dst = create_array_dataset(g, f"layer_{k}", shape=(n, dim), dtype=storage)
                 for shard, start in zip(shards, record_rows[:-1]):
                     _copy_rows(shard.path, f"mean/layer_{k}", dst, int(start), storage, check_finite=True)
+                dst.flush()
 
             if per_residue:
                 pr = f.create_group("per_residue")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import pickle
 import re
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from embedpipe.atomic import atomic_path
+from embedpipe.atomic import atomic_path, atomic_paths, check_output_path
 from embedpipe.batching import TRAINED_RESIDUES
 from embedpipe.errors import ModelError
 
@@ -623,7 +624,8 @@ def make_test_model(
     "embedpipe": {"trained": False, "seed": ..., ...}}``; the companion
     ``OUT-without-suffix-contact-regression.pt`` gets the contact head (so fair-esm's own
     ``load_model_and_alphabet_local`` loads the file when its name starts with ``esm2``).
-    Both are written atomically, the companion first.
+    Both are written before either is renamed into place (the companion first), so a
+    failure (a full disk) leaves neither.
 
     Weights are fair-esm's default init, with the layer-norm scales and the biases that
     init leaves constant drawn at random too, so every parameter matters; deterministic
@@ -638,8 +640,9 @@ def make_test_model(
 
     out = Path(out)
     layers, dim, heads = _validate_shape(layers, dim, heads, where="make-test-model")
-    if out.exists() and out.is_dir():
-        raise ModelError(f"make-test-model: {out} is a directory")
+    check_output_path(out)
+    if companion:
+        check_output_path(companion_path(out))
 
     alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
     overrides = dict(token_row_overrides or {})
@@ -712,9 +715,25 @@ def make_test_model(
         "token_row_overrides": {k: float(v) for k, v in overrides.items()},
         "edited": edit is not None,
     }
+    checkpoint = {"model": main_state, "cfg": {"model": cfg}, MARKER_KEY: marker}
     if companion:
-        with atomic_path(companion_path(out)) as tmp:
-            torch.save({"model": regression_state}, tmp)
-    with atomic_path(out) as tmp:
-        torch.save({"model": main_state, "cfg": {"model": cfg}, MARKER_KEY: marker}, tmp)
+        # both written before either is renamed into place: a failure leaves neither behind
+        with atomic_paths(companion_path(out), out) as (tmp_companion, tmp):
+            _save(torch, {"model": regression_state}, tmp_companion)
+            _save(torch, checkpoint, tmp)
+    else:
+        with atomic_paths(out) as (tmp,):
+            _save(torch, checkpoint, tmp)
     return out
+
+
+def _save(torch: Any, obj: Any, path: Path) -> None:
+    """``torch.save`` through memory, so that a failed write (a full disk) is an ``OSError``
+    naming ``path`` (torch's own file writer reports it as a RuntimeError without the cause)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        with open(path, "wb") as fh:
+            fh.write(buffer.getbuffer())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from embedpipe.atomic import fsync_dir
+from embedpipe.atomic import check_output_entries, fsync_dir
 from embedpipe.errors import InputError
 from embedpipe.fasta import INVALID_REASONS, NORMALISATION_KINDS, iter_fasta
 from embedpipe.progress import progress_bar
@@ -208,6 +208,7 @@ def shard_fasta(
     started = time.perf_counter()
     out = Path(out)
     paths = _check_arguments(inputs, out, tokens_per_shard, on_invalid)
+    check_output_entries(out, [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))])
     summary = ShardSummary(
         inputs=[str(p) for p in paths], out=str(out), tokens_per_shard=tokens_per_shard, on_invalid=on_invalid
     )

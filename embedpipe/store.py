@@ -31,6 +31,7 @@ import h5py
 import numpy as np
 
 from embedpipe.atomic import commit, temp_path_for
+from embedpipe.h5write import abandon, check_free_space, reraise
 from embedpipe.errors import StoreError
 from embedpipe.integrity import (
     STORE_UUID_ATTR,
@@ -149,6 +150,7 @@ def create_string_dataset(group: h5py.Group, name: str, values: Sequence[str]) -
     ds = create_fixed_string_dataset(group, name, len(data), data.dtype.itemsize)
     if len(data):
         ds[...] = data
+        ds.flush()  # a write failure surfaces here, not when the dataset is garbage collected
     return ds
 
 
@@ -178,6 +180,7 @@ def create_array_dataset(
     )
     if data is not None and shape[0]:
         ds[...] = data
+        ds.flush()  # a write failure surfaces here, not when the dataset is garbage collected
     _tag(ds, "array")
     return ds
 
@@ -390,7 +393,10 @@ class StoreWriter:
         self._finalized = False
         self._closed = False
 
+        total_rows = int(self.offsets[-1]) if self.offsets is not None else 0
+        check_free_space(self.path, (n + total_rows) * self.dim * len(self.layers) * self._np_dtype.itemsize)
         self._tmp = temp_path_for(self.path)
+        self._file: h5py.File | None = None
         try:
             self._file = h5py.File(
                 self._tmp,
@@ -401,8 +407,8 @@ class StoreWriter:
                 rdcc_nslots=_WRITE_CACHE_SLOTS,
             )
             self._create(attrs)
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self._fail(exc)
             raise
 
     # -- setup -------------------------------------------------------------------------------
@@ -542,13 +548,17 @@ class StoreWriter:
                 for k in self.layers
             }
 
-        for k, vec in means.items():
-            self._mean[k][index] = vec
-        if residues:
-            start, stop = int(self.offsets[index]), int(self.offsets[index + 1])  # type: ignore[index]
-            if stop > start:
-                for k, block in residues.items():
-                    self._per_residue[k][start:stop] = block
+        try:
+            for k, vec in means.items():
+                self._mean[k][index] = vec
+            if residues:
+                start, stop = int(self.offsets[index]), int(self.offsets[index + 1])  # type: ignore[index]
+                if stop > start:
+                    for k, block in residues.items():
+                        self._per_residue[k][start:stop] = block
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         self._precision_used[index] = str(record.precision_used)
         self._fallback_reason[index] = str(record.fallback_reason or "")
         self._long_handling[index] = record.long_handling
@@ -562,7 +572,11 @@ class StoreWriter:
         if self._closed or self._finalized:
             raise StoreError(f"{self.path}: writer is closed")
         self._check_attr_names(attrs, initial=False)
-        write_root_attrs(self._file, {k: v for k, v in attrs.items() if k not in DERIVED_ATTRS})
+        try:
+            write_root_attrs(self._file, {k: v for k, v in attrs.items() if k not in DERIVED_ATTRS})
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def finalize(self) -> None:
         """Check every record was written, write the per-record tables and ``complete`` (last),
@@ -595,16 +609,22 @@ class StoreWriter:
             self._closed = True
             commit(self._tmp, self.path)
             self._finalized = True
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self._fail(exc)
             raise
 
+    def _fail(self, exc: BaseException) -> None:
+        """Abort, and raise a write failure of the temp file (a full disk) as one line naming
+        the output path; any other exception is left for the caller to re-raise."""
+        self.abort()
+        reraise(self.path, self._tmp, exc)
+
     def abort(self) -> None:
-        """Close and delete the temporary file; the final path is never touched."""
+        """Close and delete the temporary file; the final path is never touched. Safe after a
+        failed write (see embedpipe.h5write)."""
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(Exception):
-                self._file.close()
+            abandon(self._file)
         if not self._finalized:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)

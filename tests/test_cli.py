@@ -19,6 +19,14 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         (("info",), "Missing argument"),
         (("frobnicate",), "No such command 'frobnicate'"),
         (("shard", "/nonexistent/input.fasta", "--out", "shards"), "/nonexistent/input.fasta"),
+        (
+            ("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--overflow-margin", "nan"),
+            "--overflow-margin must be a number in (0, 1], not nan",
+        ),
+        (
+            ("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--overflow-margin", "0"),
+            "--overflow-margin must be a number in (0, 1], not 0.0",
+        ),
     ],
 )
 def test_usage_and_input_errors_are_one_line(args, message, tmp_path):
@@ -33,3 +41,13 @@ def test_version_and_help_exit_zero():
     assert _run("--version").returncode == 0
     result = _run("embed", "--help")
     assert result.returncode == 0 and "--precision" in result.stdout
+
+
+@pytest.mark.parametrize("margin", [float("nan"), float("inf"), 0.0, -0.5, 1.5])
+def test_overflow_margin_outside_0_1_is_refused(margin):
+    from embedpipe.embed import EmbedOptions
+    from embedpipe.errors import EmbedpipeError
+
+    with pytest.raises(EmbedpipeError, match=r"must be a number in \(0, 1\]"):
+        EmbedOptions(overflow_margin=margin).validate()
+    EmbedOptions(overflow_margin=1.0).validate()
