@@ -46,6 +46,7 @@ INVALID_CHARACTER = "invalid-character"
 INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER)
 
 _WHITESPACE = b" \t\r\n\v\f"
+_BOM = b"\xef\xbb\xbf"
 _WHITESPACE_SET = frozenset(_WHITESPACE)
 _LOWER = b"abcdefghijklmnopqrstuvwxyz"
 _UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -112,8 +113,7 @@ def _open_binary(path: Path, display: str) -> tuple[BinaryIO, BinaryIO]:
     except OSError as exc:
         raise InputError(f"{display}: cannot open: {exc.strerror or exc}") from None
     try:
-        magic = raw.read(6)
-        raw.seek(0)
+        magic = raw.peek(6)[:6]  # peek, not read + seek: a pipe can be read once, in order
     except OSError as exc:
         raw.close()
         raise InputError(f"{display}: cannot read: {exc.strerror or exc}") from None
@@ -129,7 +129,7 @@ def _open_binary(path: Path, display: str) -> tuple[BinaryIO, BinaryIO]:
     return raw, raw
 
 
-def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[bytes]:
+def _read_raw(stream: BinaryIO, display: str, block_size: int) -> Iterator[bytes]:
     while True:
         try:
             block = stream.read(block_size)
@@ -138,6 +138,36 @@ def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[by
         if not block:
             return
         yield block
+
+
+def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[bytes]:
+    """Blocks of the file with every line end (``\\r\\n``, lone ``\\r``, ``\\n``) as ``\\n``.
+
+    A leading UTF-8 byte-order mark is dropped. A block ending in ``\\r`` keeps it back until
+    the next block shows whether a ``\\n`` follows, so a CRLF split across blocks is one line
+    end and line numbers count the same for LF, CRLF and old-Mac CR files.
+    """
+    carry = b""
+    head = True  # still looking for a byte-order mark
+    for block in _read_raw(stream, display, block_size):
+        if carry:
+            block = carry + block
+            carry = b""
+        if head:
+            if len(block) < len(_BOM) and _BOM.startswith(block):
+                carry = block  # too short to tell yet
+                continue
+            head = False
+            if block.startswith(_BOM):
+                block = block[len(_BOM) :]
+        if b"\r" in block:
+            if block.endswith(b"\r"):
+                block, carry = block[:-1], b"\r"
+            block = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if block:
+            yield block
+    if carry:  # a final lone CR, or a file that is only the start of a byte-order mark
+        yield b"\n" if carry == b"\r" else carry
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +241,16 @@ def _describe(reason: str, raw: bytes, data: bytes, bad_index: int, header_line:
 # The reader
 
 
+def display_path(path: PathLike) -> str:
+    """``path`` as printable UTF-8 text: bytes that are not UTF-8 appear as ``\\xNN``.
+
+    File names are bytes on POSIX; Python keeps undecodable ones as lone surrogates, which
+    cannot be written to a UTF-8 file (the manifest) and print oddly. Messages and the
+    manifest's ``source`` column use this form (docs/store-format.md, "Shard manifest").
+    """
+    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
+
+
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[PathLike]:
     if isinstance(paths, (str, os.PathLike)):
         return [paths]  # type: ignore[list-item]
@@ -234,7 +274,7 @@ def iter_fasta(
     """
     path_list = _as_paths(paths)
     seen_ids: set[str] = set()  # a set, not a dict: the first line is looked up on error only
-    displays = [str(p) for p in path_list]
+    displays = [display_path(p) for p in path_list]
 
     for file_index, path in enumerate(path_list):
         display = displays[file_index]
@@ -293,6 +333,10 @@ def iter_fasta(
                         raise InputError(f"{display}:{line}: header is not valid UTF-8 text") from None
                     if not header:
                         raise InputError(f"{display}:{line}: empty header (a '>' line with no ID)")
+                    if "\x00" in header:
+                        raise InputError(
+                            f"{display}:{line}: header contains a NUL byte (\\x00); headers must be text"
+                        )
                     rid = header.split(None, 1)[0]
                     if check_duplicate_ids:
                         if rid in seen_ids:
@@ -363,11 +407,12 @@ def read_sequences(path: PathLike) -> Iterator[tuple[str, str]]:
 def count_records(path: PathLike) -> int:
     """Number of records (``>`` header lines) in a FASTA file, without validating them."""
     path = Path(path)
-    stream, raw_fh = _open_binary(path, str(path))
+    display = display_path(path)
+    stream, raw_fh = _open_binary(path, display)
     try:
         total = 0
         last = b"\n"
-        for block in _read_blocks(stream, str(path), BLOCK_SIZE):
+        for block in _read_blocks(stream, display, BLOCK_SIZE):
             total += block.count(b"\n>") + (1 if last == b"\n" and block[:1] == b">" else 0)
             last = block[-1:]
         return total
@@ -382,6 +427,7 @@ __all__ = [
     "iter_fasta",
     "read_sequences",
     "count_records",
+    "display_path",
     "NORMALISATION_KINDS",
     "INVALID_REASONS",
     "EMPTY_SEQUENCE",
