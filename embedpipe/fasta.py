@@ -241,14 +241,21 @@ def _describe(reason: str, raw: bytes, data: bytes, bad_index: int, header_line:
 # The reader
 
 
-def display_path(path: PathLike) -> str:
-    """``path`` as printable UTF-8 text: bytes that are not UTF-8 appear as ``\\xNN``.
+def path_text(path: PathLike) -> str:
+    """``path`` as UTF-8 text for files (the manifest's ``source``): non-UTF-8 bytes as ``\\xNN``.
 
     File names are bytes on POSIX; Python keeps undecodable ones as lone surrogates, which
-    cannot be written to a UTF-8 file (the manifest) and print oddly. Messages and the
-    manifest's ``source`` column use this form (docs/store-format.md, "Shard manifest").
+    cannot be written to a UTF-8 file (docs/store-format.md, "Shard manifest").
     """
     return os.fsencode(path).decode("utf-8", errors="backslashreplace")
+
+
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {9: "\\t", 10: "\\n", 13: "\\r"}
+
+
+def display_path(path: PathLike) -> str:
+    """``path`` for a one-line message: :func:`path_text` with control characters escaped too."""
+    return path_text(path).translate(_CONTROL_ESCAPES)
 
 
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[PathLike]:
@@ -428,6 +435,7 @@ __all__ = [
     "read_sequences",
     "count_records",
     "display_path",
+    "path_text",
     "NORMALISATION_KINDS",
     "INVALID_REASONS",
     "EMPTY_SEQUENCE",
