@@ -7,9 +7,12 @@ normalised sequence (ASCII bytes) and whose ``invalid`` says why it cannot be em
 
 Rules (the issue's validation table):
 
+* a line ends at LF, CRLF or a lone CR (old-Mac files, or a stray CR inside an LF file), so
+  every ``>`` that starts a line is one record; a leading UTF-8 byte-order mark is dropped;
 * text other than blank lines before the first header, an empty header or ID, a header that
-  is not UTF-8, and the same ID twice are *structural* errors: :class:`InputError` at once;
-* blank lines, spaces, tabs and CRLF inside a record are ignored;
+  is not UTF-8 or holds a NUL byte, and the same ID twice are *structural* errors:
+  :class:`InputError` at once;
+* blank lines, spaces and tabs inside a record are ignored;
 * lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (counted in
   ``FastaRecord.normalised``); ``U O B Z X`` are kept (ESM has tokens for them);
 * a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty

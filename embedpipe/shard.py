@@ -234,7 +234,7 @@ def shard_fasta(
     """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
 
     Writes ``out/shard-00000.fasta`` ..., ``out/manifest.tsv`` and ``out/shards.json``
-    (docs: DESIGN section 4). ``on_invalid="error"`` stops at the first invalid record with an
+    (docs/store-format.md, "Shard manifest"). ``on_invalid="error"`` stops at the first invalid record with an
     :class:`InputError`; ``"skip"`` records it in the manifest as ``skipped:<reason>``.
     """
     started = time.perf_counter()
