@@ -7,9 +7,12 @@ normalised sequence (ASCII bytes) and whose ``invalid`` says why it cannot be em
 
 Rules (the issue's validation table):
 
+* a line ends at LF, CRLF or a lone CR (old-Mac files, or a stray CR inside an LF file), so
+  every ``>`` that starts a line is one record; a leading UTF-8 byte-order mark is dropped;
 * text other than blank lines before the first header, an empty header or ID, a header that
-  is not UTF-8, and the same ID twice are *structural* errors: :class:`InputError` at once;
-* blank lines, spaces, tabs and CRLF inside a record are ignored;
+  is not UTF-8 or holds a NUL byte, and the same ID twice are *structural* errors:
+  :class:`InputError` at once;
+* blank lines, spaces and tabs inside a record are ignored;
 * lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (counted in
   ``FastaRecord.normalised``); ``U O B Z X`` are kept (ESM has tokens for them);
 * a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty
@@ -46,6 +49,7 @@ INVALID_CHARACTER = "invalid-character"
 INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER)
 
 _WHITESPACE = b" \t\r\n\v\f"
+_BOM = b"\xef\xbb\xbf"
 _WHITESPACE_SET = frozenset(_WHITESPACE)
 _LOWER = b"abcdefghijklmnopqrstuvwxyz"
 _UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -112,8 +116,7 @@ def _open_binary(path: Path, display: str) -> tuple[BinaryIO, BinaryIO]:
     except OSError as exc:
         raise InputError(f"{display}: cannot open: {exc.strerror or exc}") from None
     try:
-        magic = raw.read(6)
-        raw.seek(0)
+        magic = raw.peek(6)[:6]  # peek, not read + seek: a pipe can be read once, in order
     except OSError as exc:
         raw.close()
         raise InputError(f"{display}: cannot read: {exc.strerror or exc}") from None
@@ -129,7 +132,7 @@ def _open_binary(path: Path, display: str) -> tuple[BinaryIO, BinaryIO]:
     return raw, raw
 
 
-def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[bytes]:
+def _read_raw(stream: BinaryIO, display: str, block_size: int) -> Iterator[bytes]:
     while True:
         try:
             block = stream.read(block_size)
@@ -138,6 +141,36 @@ def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[by
         if not block:
             return
         yield block
+
+
+def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[bytes]:
+    """Blocks of the file with every line end (``\\r\\n``, lone ``\\r``, ``\\n``) as ``\\n``.
+
+    A leading UTF-8 byte-order mark is dropped. A block ending in ``\\r`` keeps it back until
+    the next block shows whether a ``\\n`` follows, so a CRLF split across blocks is one line
+    end and line numbers count the same for LF, CRLF and old-Mac CR files.
+    """
+    carry = b""
+    head = True  # still looking for a byte-order mark
+    for block in _read_raw(stream, display, block_size):
+        if carry:
+            block = carry + block
+            carry = b""
+        if head:
+            if len(block) < len(_BOM) and _BOM.startswith(block):
+                carry = block  # too short to tell yet
+                continue
+            head = False
+            if block.startswith(_BOM):
+                block = block[len(_BOM) :]
+        if b"\r" in block:
+            if block.endswith(b"\r"):
+                block, carry = block[:-1], b"\r"
+            block = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if block:
+            yield block
+    if carry:  # a final lone CR, or a file that is only the start of a byte-order mark
+        yield b"\n" if carry == b"\r" else carry
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +244,23 @@ def _describe(reason: str, raw: bytes, data: bytes, bad_index: int, header_line:
 # The reader
 
 
+def path_text(path: PathLike) -> str:
+    """``path`` as UTF-8 text for files (the manifest's ``source``): non-UTF-8 bytes as ``\\xNN``.
+
+    File names are bytes on POSIX; Python keeps undecodable ones as lone surrogates, which
+    cannot be written to a UTF-8 file (docs/store-format.md, "Shard manifest").
+    """
+    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
+
+
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {9: "\\t", 10: "\\n", 13: "\\r"}
+
+
+def display_path(path: PathLike) -> str:
+    """``path`` for a one-line message: :func:`path_text` with control characters escaped too."""
+    return path_text(path).translate(_CONTROL_ESCAPES)
+
+
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[PathLike]:
     if isinstance(paths, (str, os.PathLike)):
         return [paths]  # type: ignore[list-item]
@@ -234,7 +284,7 @@ def iter_fasta(
     """
     path_list = _as_paths(paths)
     seen_ids: set[str] = set()  # a set, not a dict: the first line is looked up on error only
-    displays = [str(p) for p in path_list]
+    displays = [display_path(p) for p in path_list]
 
     for file_index, path in enumerate(path_list):
         display = displays[file_index]
@@ -293,6 +343,10 @@ def iter_fasta(
                         raise InputError(f"{display}:{line}: header is not valid UTF-8 text") from None
                     if not header:
                         raise InputError(f"{display}:{line}: empty header (a '>' line with no ID)")
+                    if "\x00" in header:
+                        raise InputError(
+                            f"{display}:{line}: header contains a NUL byte (\\x00); headers must be text"
+                        )
                     rid = header.split(None, 1)[0]
                     if check_duplicate_ids:
                         if rid in seen_ids:
@@ -363,11 +417,12 @@ def read_sequences(path: PathLike) -> Iterator[tuple[str, str]]:
 def count_records(path: PathLike) -> int:
     """Number of records (``>`` header lines) in a FASTA file, without validating them."""
     path = Path(path)
-    stream, raw_fh = _open_binary(path, str(path))
+    display = display_path(path)
+    stream, raw_fh = _open_binary(path, display)
     try:
         total = 0
         last = b"\n"
-        for block in _read_blocks(stream, str(path), BLOCK_SIZE):
+        for block in _read_blocks(stream, display, BLOCK_SIZE):
             total += block.count(b"\n>") + (1 if last == b"\n" and block[:1] == b">" else 0)
             last = block[-1:]
         return total
@@ -382,6 +437,8 @@ __all__ = [
     "iter_fasta",
     "read_sequences",
     "count_records",
+    "display_path",
+    "path_text",
     "NORMALISATION_KINDS",
     "INVALID_REASONS",
     "EMPTY_SEQUENCE",

@@ -15,6 +15,7 @@ See ``docs/store-format.md`` ("Merged stores").
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections import Counter
@@ -30,6 +31,7 @@ from embedpipe.atomic import check_output_path
 from embedpipe.errors import StoreError
 from embedpipe.h5write import atomic_h5
 from embedpipe.integrity import MERGED_SOURCES_ATTR, STORE_UUID_ATTR, new_store_uuid, source_identity
+from embedpipe.manifest import iter_manifest
 from embedpipe.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -180,80 +182,137 @@ def _common_provenance(shards: Sequence[_Shard]) -> tuple[dict[str, Any], list[s
     return common, varying, config_varying
 
 
-def _read_manifest(path: Path) -> list[dict[str, str]]:
-    """Rows of the shard manifest (tab-separated, header row, no quoting: IDs are single words)."""
-    required = ("id", "status", "sequence_sha256", "shard")
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            lines = [line.rstrip("\r\n") for line in fh]
-    except OSError as exc:
-        raise StoreError(f"manifest {path}: cannot read: {exc.strerror or exc}") from None
-    lines = [line for line in lines if line.strip()]
-    if not lines:
-        raise StoreError(f"manifest {path}: empty")
-    header = lines[0].split("\t")
-    missing = [c for c in required if c not in header]
-    if missing:
-        raise StoreError(f"manifest {path}: missing column(s) {', '.join(missing)} (has {', '.join(header)})")
-    rows = []
-    for number, line in enumerate(lines[1:], start=2):
-        cells = line.split("\t")
-        if len(cells) != len(header):
-            raise StoreError(f"manifest {path} line {number}: {len(cells)} fields, header has {len(header)}")
-        rows.append(dict(zip(header, cells)))
-    return rows
+def _index_ids(shards: Sequence[_Shard]) -> dict[str, int]:
+    """Row of every stored ID in the merged store; an ID held by two stores is refused."""
+    index: dict[str, int] = {}
+    row = 0
+    for shard in shards:
+        for rid in shard.ids:
+            if rid in index:
+                raise StoreError(f"duplicate id {rid!r} in {_store_of(shards, index[rid]).path} and {shard.path}")
+            index[rid] = row
+            row += 1
+    return index
 
 
-def _plan_manifest(
-    manifest: Path, rows: list[dict[str, str]], id_store: dict[str, Path]
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(aliases [(id, of)], skipped [(id, reason)]) from the manifest, checked against the stores."""
-    ok_by_sha: dict[str, str] = {}
-    ok_ids: set[str] = set()
-    for line, row in enumerate(rows, start=2):
-        if row.get("status") == "ok":
-            rid = row["id"]
-            if rid not in id_store:
-                raise StoreError(
-                    f"manifest {manifest} line {line}: id {rid!r} (status ok, shard {row.get('shard')!r}) "
-                    "is not in any of the stores being merged"
-                )
-            ok_ids.add(rid)
-            ok_by_sha.setdefault(row["sequence_sha256"], rid)
-    extra = [rid for rid in id_store if rid not in ok_ids]
-    if extra:
+def _store_of(shards: Sequence[_Shard], row: int) -> _Shard:
+    for shard in shards:
+        if row < len(shard.ids):
+            return shard
+        row -= len(shard.ids)
+    raise IndexError(row)  # pragma: no cover - rows come from _index_ids
+
+
+def _sequence_digests(shards: Sequence[_Shard]) -> bytearray:
+    """sha256 of every stored sequence, 32 bytes per row in merged order.
+
+    The digest ``shard`` writes as ``sequence_sha256`` (of the normalised ASCII sequence), so
+    a manifest row can be checked against the record it names. Read block by block.
+    """
+    digests = bytearray()
+    sha256 = hashlib.sha256
+    for shard in shards:
+        with h5py.File(shard.path, "r") as f:
+            ds = f["sequence"]
+            for sl in iter_row_blocks(ds):
+                try:
+                    block = ds[sl]
+                except OSError as exc:
+                    raise StoreError(
+                        f"{shard.path}: dataset sequence rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
+                    ) from None
+                for seq in block.tolist():
+                    digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
+    return digests
+
+
+class _ManifestCheck:
+    """Checks manifest rows against the stores: every ``ok`` row names a stored record whose
+    sequence has the row's ``sequence_sha256``, and so does every ``duplicate`` row's target
+    (a stale manifest would otherwise alias IDs to other sequences)."""
+
+    def __init__(self, manifest: Path, shards: Sequence[_Shard], index: dict[str, int]) -> None:
+        self.manifest, self.shards, self.index = manifest, shards, index
+        self.digests = _sequence_digests(shards)
+        self._by_digest: dict[bytes, str] | None = None
+
+    def where(self, line: int) -> str:
+        return f"manifest {self.manifest} line {line}"
+
+    def stored_sha(self, rid: str) -> str:
+        row = self.index[rid]
+        return self.digests[32 * row : 32 * row + 32].hex()
+
+    def check_sha(self, line: int, row: dict[str, str], target: str) -> None:
+        """The row's sequence_sha256 must be that of ``target``'s stored sequence."""
+        claimed, stored = row.get("sequence_sha256", "").strip().lower(), self.stored_sha(target)
+        if claimed == stored:
+            return
+        what = f"id {row['id']!r}" if row["id"] == target else f"duplicate {row['id']!r} of {target!r}"
         raise StoreError(
-            f"manifest {manifest}: store {id_store[extra[0]]} holds id {extra[0]!r}, which the manifest "
-            f"does not list as ok ({len(extra)} such id(s)); wrong manifest for these stores?"
+            f"{self.where(line)}: {what} has sequence_sha256 {claimed[:16] or '(empty)'}... but the sequence "
+            f"of {target!r} in {_store_of(self.shards, self.index[target]).path} has {stored[:16]}...; "
+            "is this manifest from another shard run (stale)?"
         )
+
+    def by_content(self, sha: str) -> str | None:
+        """The stored ID whose sequence has digest ``sha`` (duplicate rows without duplicate_of)."""
+        if self._by_digest is None:
+            ids = [rid for shard in self.shards for rid in shard.ids]
+            self._by_digest = {}
+            for row in range(len(ids) - 1, -1, -1):  # the first record wins
+                self._by_digest[bytes(self.digests[32 * row : 32 * row + 32])] = ids[row]
+        try:
+            return self._by_digest.get(bytes.fromhex(sha))
+        except ValueError:
+            return None
+
+
+def _check_ok_rows(check: _ManifestCheck) -> None:
+    """Pass 1 over the manifest: every ``ok`` row is stored with its sequence; every stored ID is ``ok``."""
+    seen = bytearray(len(check.index))
+    for line, row in iter_manifest(check.manifest):
+        if row.get("status") != "ok":
+            continue
+        rid = row["id"]
+        if rid not in check.index:
+            raise StoreError(
+                f"{check.where(line)}: id {rid!r} (status ok, shard {row.get('shard')!r}) "
+                "is not in any of the stores being merged"
+            )
+        check.check_sha(line, row, rid)
+        seen[check.index[rid]] = 1
+    missing = seen.find(0)
+    if missing >= 0:
+        shard = _store_of(check.shards, missing)
+        rid = next(r for r, k in check.index.items() if k == missing)
+        raise StoreError(
+            f"manifest {check.manifest}: store {shard.path} holds id {rid!r}, which the manifest "
+            f"does not list as ok ({seen.count(0)} such id(s)); wrong manifest for these stores?"
+        )
+
+
+def _plan_manifest(manifest: Path, shards: Sequence[_Shard], index: dict[str, int]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(aliases [(id, of)], skipped [(id, reason)]) from the manifest, checked against the stores.
+
+    Streams the manifest twice (``ok`` rows first), holding no per-row objects.
+    """
+    check = _ManifestCheck(manifest, shards, index)
+    _check_ok_rows(check)
     aliases: list[tuple[str, str]] = []
     alias_seen: dict[str, str] = {}
     skipped: list[tuple[str, str]] = []
-    for line, row in enumerate(rows, start=2):
+    for line, row in iter_manifest(manifest):
         status, rid = row.get("status") or "", row["id"]
         if status == "ok":
             continue
         if status == "duplicate":
-            # the kept record: the manifest's duplicate_of column where present, else by content
-            of = row.get("duplicate_of") or None
-            if of not in ok_ids:
-                of = ok_by_sha.get(row["sequence_sha256"])
+            of = _duplicate_target(check, line, row)
             if of is None:
-                raise StoreError(
-                    f"manifest {manifest} line {line}: duplicate {rid!r} has no ok record with sequence_sha256 "
-                    f"{row['sequence_sha256']} (shard {row.get('shard')!r})"
-                )
-            if rid == of:
-                continue  # the same ID and sequence seen twice: already resolves
-            if rid in ok_ids:
-                raise StoreError(
-                    f"manifest {manifest} line {line}: id {rid!r} is both a stored record and a duplicate of {of!r}"
-                )
+                continue
             if rid in alias_seen:
                 if alias_seen[rid] != of:
-                    raise StoreError(
-                        f"manifest {manifest} line {line}: id {rid!r} is a duplicate of both {alias_seen[rid]!r} and {of!r}"
-                    )
+                    raise StoreError(f"{check.where(line)}: id {rid!r} is a duplicate of both {alias_seen[rid]!r} and {of!r}")
                 continue
             alias_seen[rid] = of
             aliases.append((rid, of))
@@ -261,8 +320,28 @@ def _plan_manifest(
             reason = status.split(":", 1)[1] if ":" in status else ""
             skipped.append((rid, reason or "unspecified"))
         else:
-            raise StoreError(f"manifest {manifest} line {line}: unknown status {status!r} for id {rid!r}")
+            raise StoreError(f"{check.where(line)}: unknown status {status!r} for id {rid!r}")
     return aliases, skipped
+
+
+def _duplicate_target(check: _ManifestCheck, line: int, row: dict[str, str]) -> str | None:
+    """The stored ID a ``duplicate`` row aliases (``None``: it is that stored record itself)."""
+    rid = row["id"]
+    # the kept record: the manifest's duplicate_of column where present, else by content
+    of = row.get("duplicate_of") or None
+    if of not in check.index:
+        of = check.by_content(row.get("sequence_sha256", "").strip().lower())
+    if of is None:
+        raise StoreError(
+            f"{check.where(line)}: duplicate {rid!r} has no ok record with sequence_sha256 "
+            f"{row.get('sequence_sha256')} (shard {row.get('shard')!r})"
+        )
+    check.check_sha(line, row, of)
+    if rid == of:
+        return None  # the same ID and sequence seen twice: already resolves
+    if rid in check.index:
+        raise StoreError(f"{check.where(line)}: id {rid!r} is both a stored record and a duplicate of {of!r}")
+    return of
 
 
 def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
@@ -284,17 +363,12 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     shards = [_read_shard(p, out_dir) for p in paths]
     _check_agreement(shards)
 
-    id_store: dict[str, Path] = {}
-    for shard in shards:
-        for rid in shard.ids:
-            if rid in id_store:
-                raise StoreError(f"duplicate id {rid!r} in {id_store[rid]} and {shard.path}")
-            id_store[rid] = shard.path
+    index = _index_ids(shards)
 
     aliases: list[tuple[str, str]] = []
     skipped: list[tuple[str, str]] = []
     if manifest is not None:
-        aliases, skipped = _plan_manifest(Path(manifest), _read_manifest(Path(manifest)), id_store)
+        aliases, skipped = _plan_manifest(Path(manifest), shards, index)
 
     first = shards[0]
     layers, dim = first.layers, first.dim

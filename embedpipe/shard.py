@@ -22,8 +22,13 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import signal
+import socket
+import stat
+import threading
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -33,16 +38,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from embedpipe.atomic import check_output_entries, fsync_dir
-from embedpipe.errors import InputError
-from embedpipe.fasta import INVALID_REASONS, NORMALISATION_KINDS, iter_fasta
+from embedpipe.errors import EmbedpipeError, InputError
+from embedpipe.fasta import INVALID_REASONS, NORMALISATION_KINDS, display_path, iter_fasta, path_text
+from embedpipe.manifest import MANIFEST, MANIFEST_COLUMNS, ManifestWriter, quote, quote_all
 from embedpipe.progress import progress_bar
 
 ON_INVALID = ("error", "skip")
-MANIFEST = "manifest.tsv"
 SHARDS_JSON = "shards.json"
 SHARDS_FORMAT = "embedpipe.shards"
 SHARDS_VERSION = 1
-MANIFEST_COLUMNS = ("id", "source", "length", "sequence_sha256", "shard", "status", "duplicate_of", "normalised")
 TOKENS_PER_RECORD = 2  # BOS + EOS
 
 # Per-record status codes (a bytearray in memory): OK, DUPLICATE, then one per invalid reason.
@@ -141,7 +145,7 @@ class ShardSummary:
         for kind in NORMALISATION_KINDS:
             lines.append(f"    {kind:<16}{n(self.normalised.get(kind, 0)):>14}")
         lines.append(
-            f"  shards            {n(self.n_shards):>14}  (<= {n(self.tokens_per_shard)} tokens each) in {self.out}"
+            f"  shards            {n(self.n_shards):>14}  (<= {n(self.tokens_per_shard)} tokens each) in {display_path(self.out)}"
         )
         lines.append(f"  residues          {n(self.residues):>14}  ({n(self.tokens)} tokens)")
         if self.unique:
@@ -181,14 +185,42 @@ def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, o
     paths = [Path(p) for p in inputs]
     if not paths:
         raise InputError("no input FASTA files given")
-    for path in paths:
-        if not path.exists():
-            raise InputError(f"{path}: no such file")
-        if path.is_dir():
-            raise InputError(f"{path}: is a directory, not a FASTA file")
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out}: exists and is not a directory")
+        raise InputError(f"--out {display_path(out)}: exists and is not a directory")
+    out_real = out.resolve()
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        _check_input(path)
+        real = path.resolve()
+        if real in seen:
+            same = "" if seen[real] == path else f" (as {display_path(seen[real])} and {display_path(path)})"
+            raise InputError(f"{display_path(path)}: was given twice{same}; give each input file once")
+        seen[real] = path
+        if real.is_relative_to(out_real):
+            raise InputError(
+                f"{display_path(path)}: lies inside --out {display_path(out)}, which shard replaces; "
+                f"move the input elsewhere or choose another --out"
+            )
     return paths
+
+
+def _check_input(path: Path) -> None:
+    """A regular file: shard measures every input first and re-reads it to locate a duplicate ID."""
+    shown = display_path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{shown}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{shown}: cannot open: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{shown}: is a directory, not a FASTA file")
+    if not stat.S_ISREG(mode):
+        kind = "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise InputError(
+            f"{shown}: is {kind}; shard needs a regular file (it measures its inputs and may read "
+            f"them twice), so write the stream to a file first"
+        )
 
 
 def shard_fasta(
@@ -202,7 +234,7 @@ def shard_fasta(
     """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
 
     Writes ``out/shard-00000.fasta`` ..., ``out/manifest.tsv`` and ``out/shards.json``
-    (docs: DESIGN section 4). ``on_invalid="error"`` stops at the first invalid record with an
+    (docs/store-format.md, "Shard manifest"). ``on_invalid="error"`` stops at the first invalid record with an
     :class:`InputError`; ``"skip"`` records it in the manifest as ``skipped:<reason>``.
     """
     started = time.perf_counter()
@@ -210,19 +242,99 @@ def shard_fasta(
     paths = _check_arguments(inputs, out, tokens_per_shard, on_invalid)
     check_output_entries(out, [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))])
     summary = ShardSummary(
-        inputs=[str(p) for p in paths], out=str(out), tokens_per_shard=tokens_per_shard, on_invalid=on_invalid
+        inputs=[path_text(p) for p in paths], out=path_text(out), tokens_per_shard=tokens_per_shard,
+        on_invalid=on_invalid,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkdtemp: its 0700 mode would stick to ``out`` after the rename; mkdir honours umask.
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
-        _install(tmp, out, [shard_name(s.index) for s in summary.shards])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale_spools(out)
+    with _sigterm_exits():
+        # Not mkdtemp: its 0700 mode would stick to ``out`` after the rename; mkdir honours umask.
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
+            _install(tmp, out, [shard_name(s.index) for s in summary.shards])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     summary.elapsed_s = time.perf_counter() - started
     return summary
+
+
+# --------------------------------------------------------------------------------------------
+# The spool directory: removed on error, on SIGTERM, and (next run) after SIGKILL
+
+
+def _host_tag() -> str:
+    """8 hex digits naming this host, so a run never judges another host's PIDs."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _remove_stale_spools(out: Path) -> None:
+    """Remove ``.NAME.tmp-PID-*`` spool directories left by killed runs (SIGKILL, power loss).
+
+    Only those of this host (or of older versions, which did not name the host) whose
+    process no longer exists; a live run's spool is left alone.
+    """
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-(?:([0-9a-f]{{8}})-)?[0-9a-f]+")
+    host = _host_tag()
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = int(match[1])
+        if match[2] not in (None, host) or pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While shard runs, SIGTERM raises ``SystemExit(143)`` so ``finally`` blocks clean up.
+
+    The previous handler comes back afterwards. Signal handlers belong to the main thread;
+    elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _write_error(path: Path, exc: OSError) -> EmbedpipeError:
+    """One line naming the file being written (a full disk says only ``No space left on device``)."""
+    return EmbedpipeError(f"{display_path(path)}: cannot write: {exc.strerror or exc}")
+
+
+@contextlib.contextmanager
+def _spool_errors(spool: IO[bytes], path: Path) -> Iterator[IO[bytes]]:
+    """Close the spool; a write failure (full disk) becomes one line naming it."""
+    try:
+        with spool:
+            yield spool
+    except OSError as exc:
+        raise _write_error(path, exc) from None
 
 
 def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool) -> None:
@@ -253,7 +365,11 @@ def _run_passes(
     summary.input_bytes = total_bytes = sum(p.stat().st_size for p in paths)
     spool_path = tmp / ".spool"
     spool_pos = 0
-    with open(spool_path, "wb", buffering=8 << 20) as spool, progress_bar(
+    try:
+        spool = open(spool_path, "wb", buffering=8 << 20)  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise _write_error(spool_path, exc) from None
+    with _spool_errors(spool, spool_path), progress_bar(
         quiet=quiet, total=total_bytes, unit="B", unit_scale=True, desc="reading"
     ) as bar:
         for rec in iter_fasta(paths, on_bytes=bar.update):
@@ -360,34 +476,10 @@ def _run_passes(
     spool_path.unlink()
 
     # ---- manifest (input order) and shards.json --------------------------------------------
-    sources = [str(p) for p in paths]
-    status_text = ["ok", "duplicate"] + [f"skipped:{reason}" for reason in INVALID_REASONS]
-    norm_text = [
-        ",".join(kind for kind, bit in norm_bit.items() if flags & bit) for flags in range(1 << len(norm_bit))
-    ]
-    shard_of = shard_of_unique.tolist()
-    first_of = unique_rec.tolist()
-    digest_view = memoryview(digests)
-    fh = open(tmp / MANIFEST, "w", encoding="utf-8", newline="\n", buffering=8 << 20)  # noqa: SIM115
-    with syncer.syncing(fh):
-        fh.write("\t".join(MANIFEST_COLUMNS) + "\n")
-        rows: list[str] = []
-        for i, code, u in zip(range(n_records), status_np.tolist(), unique_of.tolist()):
-            if code >= _SKIP_BASE:
-                rows.append(
-                    f"{ids[i]}\t{sources[file_index[i]]}:{line[i]}\t{length[i]}\t\t\t{status_text[code]}\t\t{norm_text[norm[i]]}\n"
-                )
-            else:
-                rows.append(
-                    f"{ids[i]}\t{sources[file_index[i]]}:{line[i]}\t{length[i]}\t"
-                    f"{digest_view[32 * i : 32 * i + 32].hex()}\t{shard_of[u]}\t{status_text[code]}\t"
-                    f"{ids[first_of[u]] if code == _DUPLICATE else ''}\t{norm_text[norm[i]]}\n"
-                )
-            if len(rows) >= 65536:
-                fh.write("".join(rows))
-                rows.clear()
-        fh.write("".join(rows))
-    digest_view.release()
+    _write_manifest(
+        tmp / MANIFEST, syncer, [path_text(p) for p in paths], ids, file_index, line, length, norm, digests,
+        status_np.tolist(), unique_of.tolist(), shard_of_unique.tolist(), unique_rec.tolist(),
+    )
 
     meta = {
         "format": SHARDS_FORMAT,
@@ -401,6 +493,51 @@ def _run_passes(
         "counts": summary.counts(),
     }
     syncer.write(tmp / SHARDS_JSON, (json.dumps(meta, indent=1) + "\n").encode("utf-8"))
+
+
+def _write_manifest(
+    path: Path, syncer: _Syncer, sources: list[str], ids: list[str], file_index: array, line: array,
+    length: array, norm: bytearray, digests: bytearray, status: list[int], unique_of: list[int],
+    shard_of: list[int], first_of: list[int],
+) -> None:
+    """One row per input record, in input order, through :class:`ManifestWriter`.
+
+    Rows are formatted here and written 65536 at a time (millions of rows); only the free-text
+    cells (IDs, source paths) can need quoting, so they are quoted once up front.
+    """
+    # the source cell is "path:line": quoted as a whole when the path needs it
+    quoted = [quote(src) for src in sources]
+    src_open = [q[:-1] if q != src else src for q, src in zip(quoted, sources)]
+    src_close = ['"' if q != src else "" for q, src in zip(quoted, sources)]
+    ids = quote_all(ids)
+    status_text = ["ok", "duplicate"] + [f"skipped:{reason}" for reason in INVALID_REASONS]
+    norm_text = [
+        ",".join(kind for kind, bit in _NORM_BIT.items() if flags & bit) for flags in range(1 << len(_NORM_BIT))
+    ]
+    digest_view = memoryview(digests)
+    try:
+        fh = open(path, "w", encoding="utf-8", newline="", buffering=8 << 20)  # noqa: SIM115
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+    with syncer.syncing(fh, path):
+        writer = ManifestWriter(fh, MANIFEST_COLUMNS)
+        rows: list[str] = []
+        for i, code, u in zip(range(len(status)), status, unique_of):
+            if code >= _SKIP_BASE:
+                rows.append(
+                    f"{ids[i]}\t{src_open[file_index[i]]}:{line[i]}{src_close[file_index[i]]}\t{length[i]}\t\t\t{status_text[code]}\t\t{norm_text[norm[i]]}\n"
+                )
+            else:
+                rows.append(
+                    f"{ids[i]}\t{src_open[file_index[i]]}:{line[i]}{src_close[file_index[i]]}\t{length[i]}\t"
+                    f"{digest_view[32 * i : 32 * i + 32].hex()}\t{shard_of[u]}\t{status_text[code]}\t"
+                    f"{ids[first_of[u]] if code == _DUPLICATE else ''}\t{norm_text[norm[i]]}\n"
+                )
+            if len(rows) >= 65536:
+                writer.write_lines("".join(rows))
+                rows.clear()
+        writer.write_lines("".join(rows))
+    digest_view.release()
 
 
 def _first_copies(digests: "np.ndarray", valid: "np.ndarray") -> "np.ndarray":
@@ -460,26 +597,40 @@ class _Syncer:
             self._pool.shutdown(wait=True)
 
     @staticmethod
-    def _finish(fh: IO[Any]) -> None:
+    def _finish(fh: IO[Any], path: Path) -> None:
         try:
             fh.flush()
             os.fsync(fh.fileno())
+        except OSError as exc:
+            raise _write_error(path, exc) from None
         finally:
-            fh.close()
+            with contextlib.suppress(OSError):
+                fh.close()
 
     @contextlib.contextmanager
-    def syncing(self, fh: IO[Any]) -> Iterator[IO[Any]]:
-        """Use an open file; on success it is flushed, fsynced and closed in the background."""
+    def syncing(self, fh: IO[Any], path: Path) -> Iterator[IO[Any]]:
+        """Use an open file; on success it is flushed, fsynced and closed in the background.
+
+        A write error (a full disk) becomes one line naming ``path``.
+        """
         try:
             yield fh
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                fh.close()
+            raise _write_error(path, exc) from None
         except BaseException:
-            fh.close()
+            with contextlib.suppress(OSError):
+                fh.close()
             raise
-        self._pending.append(self._pool.submit(self._finish, fh))
+        self._pending.append(self._pool.submit(self._finish, fh, path))
 
     def write(self, path: Path, data: bytes) -> None:
-        fh = open(path, "wb")  # noqa: SIM115 - closed by _finish
-        with self.syncing(fh):
+        try:
+            fh = open(path, "wb")  # noqa: SIM115 - closed by _finish
+        except OSError as exc:
+            raise _write_error(path, exc) from None
+        with self.syncing(fh, path):
             fh.write(data)
 
 

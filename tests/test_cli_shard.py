@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,8 @@ def test_gzip_and_several_inputs(tmp_path: Path) -> None:
         (">P1\nMK\n>P2\nMK.V\n", ":4: record 'P2': gap character '.' at column 3"),
         (">P1\nMK\n>P2\nMKV\nW2\n", ":5: record 'P2': invalid character '2' at column 2 (residue 5)"),
         (">P1\nMK\n>P2\n", ":3: record 'P2': empty sequence"),
+        (">P1\nMK\n>P\x002 d\nMK\n", ":3: header contains a NUL byte"),
+        (">P1\rMK\r>P2\rMK-V\r", ":4: record 'P2': gap character '-' at column 3"),
     ],
 )
 def test_errors_exit_1_with_one_line_and_no_outputs(tmp_path: Path, body: str, message: str) -> None:
@@ -131,3 +134,54 @@ def test_module_entry_point_subprocess(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"embedpipe: error: {src}:4: record 'P2': invalid character '#' at column 2 (residue 2)"
     assert not (tmp_path / "out").exists()
+
+
+def test_cr_only_and_bom_files_just_work(tmp_path: Path) -> None:
+    cr3 = tmp_path / "cr3.fa"
+    cr3.write_bytes(b">x\rMKVLAA\r>y\rMSTNPK\r>z\rMAAAA\r")
+    bom = tmp_path / "bom.fa"
+    bom.write_bytes(b"\xef\xbb\xbf>b1\r\nMKV\r\n")
+    out = tmp_path / "out"
+    result = shard(cr3, bom, "--out", out, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    assert [(r["id"], r["status"]) for r in rows(out)] == [("x", "ok"), ("y", "ok"), ("z", "ok"), ("b1", "ok")]
+
+
+def test_input_inside_out_exits_1_and_keeps_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert shard(EXAMPLE, "--out", out, "--tokens-per-shard", "5000", "-q").exit_code == 0
+    inside = out / "shard-00003.fasta"
+    before = inside.read_bytes()
+    result = shard(inside, "--out", out, "-q")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"embedpipe: error: {inside}: lies inside --out {out}, which shard replaces; "
+        "move the input elsewhere or choose another --out"
+    )
+    assert inside.read_bytes() == before
+
+
+def test_non_utf8_input_path_subprocess(tmp_path: Path) -> None:
+    name = os.fsdecode(b"bad\xffname.fa")
+    write(tmp_path / name, ">P1\nMK\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "embedpipe.cli", "shard", name, "--out", "out", "-q"],
+        cwd=tmp_path, capture_output=True, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == b""
+    assert rows(tmp_path / "out")[0]["source"] == "bad\\xffname.fa:1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "embedpipe.cli", "shard", name, name, "--out", "out", "-q"],
+        cwd=tmp_path, capture_output=True, check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr == b"embedpipe: error: bad\\xffname.fa: was given twice; give each input file once\n"
+
+
+def test_path_with_newline_stays_one_line_in_messages(tmp_path: Path) -> None:
+    src = write(tmp_path / "two\nlines.fa", ">P1\nMK\n>P1\nMK\n")
+    result = shard(src, "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "two\\nlines.fa:3: duplicate ID 'P1'" in result.stderr

@@ -5,6 +5,9 @@ from __future__ import annotations
 import bz2
 import gzip
 import hashlib
+import os
+import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,8 +23,10 @@ from embedpipe.fasta import (
     J_TO_X,
     STOP_STRIPPED,
     UPPERCASED,
+    BLOCK_SIZE,
     FastaRecord,
     count_records,
+    display_path,
     iter_fasta,
     read_sequences,
 )
@@ -329,9 +334,12 @@ def test_read_sequences_on_example() -> None:
 
 
 def reference_parse(text: str) -> list[tuple[str, str, int]]:
-    """A deliberately naive line-by-line parser: (id, sequence-without-whitespace, line)."""
+    """A deliberately naive line-by-line parser: (id, sequence-without-whitespace, line).
+
+    Lines end at CRLF, a lone CR or LF; a leading byte-order mark is ignored.
+    """
     out: list[tuple[str, str, int]] = []
-    for number, raw in enumerate(text.split("\n"), start=1):
+    for number, raw in enumerate(re.split(r"\r\n|\r|\n", text.removeprefix("\ufeff")), start=1):
         if raw.startswith(">"):
             out.append((raw[1:].split()[0], "", number))
         elif out:
@@ -346,6 +354,7 @@ fasta_records = st.lists(
     min_size=0,
     max_size=12,
 )
+line_ends = st.sampled_from(["\n", "\r\n", "\r"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -354,20 +363,31 @@ fasta_records = st.lists(
     block_size=st.integers(min_value=1, max_value=64),
     trailing_newline=st.booleans(),
     gzipped=st.booleans(),
+    ends=st.lists(line_ends, min_size=1, max_size=8),
+    bom=st.booleans(),
 )
-def test_block_boundaries_do_not_matter(
-    tmp_path: Path, data: list[tuple[list[str]]], block_size: int, trailing_newline: bool, gzipped: bool
+def test_block_boundaries_and_line_endings_do_not_matter(
+    tmp_path: Path,
+    data: list[tuple[list[str]]],
+    block_size: int,
+    trailing_newline: bool,
+    gzipped: bool,
+    ends: list[str],
+    bom: bool,
 ) -> None:
     lines: list[str] = []
     for k, (seq_lines,) in enumerate(data):
         lines.append(f">R{k} description {k}")
         lines.extend(seq_lines)
-    text = "\n".join(lines) + ("\n" if trailing_newline and lines else "")
+    text = "\ufeff" if bom else ""
+    for k, line in enumerate(lines):
+        text += line + (ends[k % len(ends)] if k + 1 < len(lines) or trailing_newline else "")
     path = tmp_path / "prop.fa"
     path.write_bytes(gzip.compress(text.encode()) if gzipped else text.encode())
     got = [(r.id, r.sequence, r.line) for r in iter_fasta(path, block_size=block_size)]
-    want = [(i, s.replace("\r", ""), n) for i, s, n in reference_parse(text)]
+    want = reference_parse(text)
     assert got == want
+    assert len(got) == len(data)  # every header is one record, whatever the line ends
     for rec in iter_fasta(path, block_size=block_size):
         expected = None if rec.length else EMPTY_SEQUENCE
         assert rec.invalid == expected
@@ -379,3 +399,104 @@ def test_record_larger_than_a_block(tmp_path: Path) -> None:
     got = records(path, block_size=1000)
     assert [(r.id, r.sequence) for r in got] == [("BIG", seq), ("S", "MK")]
     assert hashlib.sha256(got[0].data).hexdigest() == hashlib.sha256(seq.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------- line endings (issue 11)
+
+CR_ONLY = b">x\rMKVLAA\r>y\rMSTNPK\r>z\rMAAAA\r"
+LONE_CR = b">a\nMKVLAA\r>b\nMSTNPK\n>c\nMAAAA\n"
+BLOCK_SIZES = [1, 2, 3, 4, 7, 11, BLOCK_SIZE]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_cr_only_line_endings_are_read_as_lines(tmp_path: Path, block_size: int) -> None:
+    got = records(write(tmp_path / "cr.fa", CR_ONLY), block_size=block_size)
+    assert [(r.id, r.sequence, r.line, r.invalid) for r in got] == [
+        ("x", "MKVLAA", 1, None),
+        ("y", "MSTNPK", 3, None),
+        ("z", "MAAAA", 5, None),
+    ]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_lone_cr_inside_an_lf_file_ends_a_line(tmp_path: Path, block_size: int) -> None:
+    got = records(write(tmp_path / "mixed.fa", LONE_CR), block_size=block_size)
+    assert [(r.id, r.sequence, r.line) for r in got] == [("a", "MKVLAA", 1), ("b", "MSTNPK", 3), ("c", "MAAAA", 5)]
+
+
+def test_count_records_sees_cr_only_headers(tmp_path: Path) -> None:
+    assert count_records(write(tmp_path / "cr.fa", CR_ONLY)) == 3
+    assert count_records(write(tmp_path / "mixed.fa", LONE_CR)) == 3
+
+
+@pytest.mark.parametrize("eol", ["\n", "\r\n", "\r"])
+@pytest.mark.parametrize("block_size", [1, 2, 5, BLOCK_SIZE])
+def test_error_lines_are_the_same_for_every_line_ending(tmp_path: Path, eol: str, block_size: int) -> None:
+    path = write(tmp_path / "in.fa", eol.join([">P1", "MK", "", ">P2", "MKV", "W2", ">P3", "MK", ""]))
+    got = records(path, block_size=block_size)
+    assert [r.line for r in got] == [1, 4, 7]
+    assert got[1].error == f"{path}:6: record 'P2': invalid character '2' at column 2 (residue 5)"
+    before = write(tmp_path / "before.fa", eol.join(["", "# note", ">P1", "MK", ""]))
+    with pytest.raises(InputError, match=rf"^{before}:2: text before the first '>' header"):
+        records(before, block_size=block_size)
+    dup = write(tmp_path / "dup.fa", eol.join([">P1", "MK", ">P1", "MK", ""]))
+    with pytest.raises(InputError, match=rf"first seen at {dup}:1, again at {dup}:3"):
+        records(dup, block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, BLOCK_SIZE])
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_utf8_byte_order_mark_is_stripped(tmp_path: Path, block_size: int, gzipped: bool) -> None:
+    body = b"\xef\xbb\xbf>P1 d\r\nMK\r\n>P2\r\nWW\r\n"
+    path = tmp_path / "bom.fa"
+    path.write_bytes(gzip.compress(body) if gzipped else body)
+    got = records(path, block_size=block_size)
+    assert [(r.id, r.header, r.sequence, r.line) for r in got] == [("P1", "P1 d", "MK", 1), ("P2", "P2", "WW", 3)]
+    assert count_records(path) == 2
+
+
+@pytest.mark.parametrize("body", [b"\xef\xbb\xbf", b"\xef\xbb\xbf\n\n"])
+def test_byte_order_mark_alone_is_an_empty_file(tmp_path: Path, body: bytes) -> None:
+    assert records(write(tmp_path / "in.fa", body), block_size=1) == []
+
+
+def test_byte_order_mark_only_at_the_start(tmp_path: Path) -> None:
+    path = write(tmp_path / "in.fa", b"\n\xef\xbb\xbf>P1\nMK\n")
+    with pytest.raises(InputError, match=rf"^{path}:2: text before the first"):
+        records(path)
+
+
+def test_nul_in_header_is_a_located_error(tmp_path: Path) -> None:
+    path = write(tmp_path / "in.fa", b">P1\nMK\n>P\x002 desc\nMK\n")
+    with pytest.raises(InputError, match=rf"^{path}:3: header contains a NUL byte"):
+        records(path)
+    desc = write(tmp_path / "desc.fa", b">P1 a\x00b\nMK\n")
+    with pytest.raises(InputError, match=rf"^{desc}:1: header contains a NUL byte"):
+        records(desc)
+
+
+def test_a_pipe_can_be_read_once_in_order(tmp_path: Path) -> None:
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    body = gzip.compress(b">P1\nMK\n>P2\nWW\n")
+
+    def feed() -> None:
+        with open(fifo, "wb") as fh:  # blocks until the reader opens the pipe
+            fh.write(body)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        assert list(read_sequences(fifo)) == [("P1", "MK"), ("P2", "WW")]
+    finally:
+        writer.join()
+
+
+def test_display_path_shows_undecodable_bytes_escaped(tmp_path: Path) -> None:
+    raw = os.fsdecode(b"bad\xffname.fa")
+    assert display_path(raw) == "bad\\xffname.fa"
+    assert display_path(Path("ok/é.fa")) == "ok/é.fa"
+    with pytest.raises(InputError) as err:
+        records(tmp_path / raw)
+    assert str(err.value) == f"{tmp_path}/bad\\xffname.fa: no such file"
+    str(err.value).encode("utf-8")  # printable as UTF-8

@@ -391,3 +391,94 @@ def test_corrupt_shard_chunk_read_through_merged_store_names_dataset_rows_and_sh
     assert msg.startswith(f"{out}: cannot read dataset per_residue/layer_2 rows {start}:{stop}, stored in "
                           "stores/shard-00001.h5: checksum mismatch")
     assert "\n" not in msg
+# ------------------------------------------------------------------ manifest checks (issue 11)
+
+
+def _store_of_fasta(path: Path, fasta: Path, *, dim: int = 8) -> Path:
+    """A store holding exactly the records of ``fasta`` (a shard), with synthetic vectors."""
+    from embedpipe.fasta import read_sequences
+
+    records = []
+    for i, (rid, seq) in enumerate(read_sequences(fasta)):
+        base = np.arange(dim, dtype=np.float32) + i
+        records.append(EmbeddedRecord(
+            id=rid, sequence=seq, precision_used="fp32", fallback_reason="",
+            mean={k: np.sin(base + k) for k in (1, 2)},
+            per_residue={k: np.ones((len(seq), dim), dtype=np.float32) * (i + k) for k in (1, 2)},
+            max_abs_activation=1.0, embedded_length=len(seq),
+        ))
+    return write(path, records, dim=dim)
+
+
+def test_stale_manifest_is_refused_naming_its_line(tmp_path):
+    from embedpipe.shard import shard_fasta
+
+    v1 = tmp_path / "v1.fa"
+    v1.write_text(">a\nAAAKV\n>b\nCCCKV\n>d\nCCCKV\n")
+    v2 = tmp_path / "v2.fa"
+    v2.write_text(">a\nCCCKV\n>b\nAAAKV\n>d\nCCCKV\n")
+    shard_fasta([v1], out=tmp_path / "s1", tokens_per_shard=100, quiet=True)
+    shard_fasta([v2], out=tmp_path / "s2", tokens_per_shard=100, quiet=True)
+    st1 = _store_of_fasta(tmp_path / "st1.h5", tmp_path / "s1" / "shard-00000.fasta")
+    good = merge_stores([st1], out=tmp_path / "good.h5", manifest=tmp_path / "s1" / "manifest.tsv")
+    assert good.aliases == 1
+    with embedpipe.open_store(tmp_path / "good.h5") as store:
+        assert store.aliases == {"d": "b"}
+        assert store["d"]["sequence"] == "CCCKV"
+    stale = tmp_path / "s2" / "manifest.tsv"
+    with pytest.raises(StoreError) as err:
+        merge_stores([st1], out=tmp_path / "m.h5", manifest=stale)
+    message = str(err.value)
+    assert message.startswith(f"manifest {stale} line 2: id 'a' has sequence_sha256 {sha('CCCKV')[:16]}")
+    assert f"{sha('AAAKV')[:16]}" in message and str(st1) in message and "\n" not in message
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_duplicate_row_whose_target_has_another_sequence_is_refused(results):
+    root, paths, records, manifest = results
+    text = manifest.read_text()
+    # d0 claims to duplicate a1 but carries a0's sequence digest: the alias would point elsewhere
+    bad = root / "bad.tsv"
+    bad.write_text(text + f"d0\tin.fa:21\t40\t{sha(records[0].sequence)}\t0\tduplicate\ta1\t\n")
+    last = len(text.splitlines()) + 1
+    with pytest.raises(StoreError, match=rf"manifest {bad} line {last}: duplicate 'd0' of 'a1' has sequence_sha256"):
+        merge_stores(paths, out=root / "m.h5", manifest=bad)
+    # a wrong digest on an ok row is refused too
+    lines = text.splitlines(keepends=True)
+    a0 = next(k for k, line in enumerate(lines) if line.startswith("a0\t"))
+    lines[a0] = lines[a0].replace(sha(records[0].sequence), sha("MKV"))
+    wrong = root / "wrong.tsv"
+    wrong.write_text("".join(lines))
+    with pytest.raises(StoreError, match=rf"manifest {wrong} line {a0 + 1}: id 'a0' has sequence_sha256"):
+        merge_stores(paths, out=root / "m.h5", manifest=wrong)
+    assert not (root / "m.h5").exists()
+
+
+def test_manifest_that_is_not_utf8_names_its_line(results):
+    root, paths, _, manifest = results
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    lines[4] = lines[4].replace(b"in.fa", b"in\xff.fa")
+    bad = root / "latin1.tsv"
+    bad.write_bytes(b"".join(lines))
+    with pytest.raises(StoreError, match=rf"^manifest {bad} line 5: not UTF-8 text \(byte 0xff at column \d+\)$"):
+        merge_stores(paths, out=root / "m.h5", manifest=bad)
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    res = CliRunner().invoke(app, ["merge", *map(str, paths), "--out", str(root / "m.h5"), "--manifest", str(bad)])
+    assert res.exit_code == 1
+    col = lines[4].index(b"\xff") + 1
+    assert res.stderr.strip().splitlines() == [
+        f"embedpipe: error: manifest {bad} line 5: not UTF-8 text (byte 0xff at column {col})"
+    ]
+
+
+def test_manifest_with_quoted_tab_and_newline_paths_merges(results):
+    root, paths, records, manifest = results
+    rows = manifest.read_text().splitlines(keepends=True)
+    rows[1] = rows[1].replace("in.fa:1", '"odd\tdir/new\nline ""q"".fa:1"')
+    odd = root / "odd.tsv"
+    odd.write_text("".join(rows))
+    summary = merge_stores(paths, out=root / "m.h5", manifest=odd)
+    assert summary.records == 15 and summary.aliases == 2 and summary.skipped == 2

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import csv
+import functools
 import gzip
 import hashlib
+import io
 import json
+import os
+import random
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedpipe.errors import InputError
-from embedpipe.fasta import read_sequences
+from embedpipe.errors import EmbedpipeError, InputError, StoreError
+from embedpipe.fasta import iter_fasta, read_sequences
+from embedpipe.manifest import DIALECT, iter_manifest, quote, quote_all
 from embedpipe.shard import MANIFEST_COLUMNS, ShardSummary, plan_shards, shard_fasta
 from shard_helpers import manifest, write
 
@@ -365,3 +373,225 @@ def test_property_every_record_once_shards_partition_and_order(
     assert len(normalised) == summary.unique
     check_invariants(out, summary, budget)
 
+
+
+# --------------------------------------------------------------- issue 11: nothing lost
+
+CR_ONLY = b">x\rMKVLAA\r>y\rMSTNPK\r>z\rMAAAA\r"
+LONE_CR = b">a\nMKVLAA\r>b\nMSTNPK\n>c\nMAAAA\n"
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 5, None])
+@pytest.mark.parametrize("on_invalid", ["skip", "error"])
+def test_cr_line_endings_keep_every_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_size: int | None, on_invalid: str
+) -> None:
+    if block_size is not None:
+        import embedpipe.shard
+
+        monkeypatch.setattr(embedpipe.shard, "iter_fasta", functools.partial(iter_fasta, block_size=block_size))
+    good = write(tmp_path / "good.fa", ">g1\nMKVLLA\n")
+    cr3 = tmp_path / "cr3.fa"
+    cr3.write_bytes(CR_ONLY)
+    mixed = tmp_path / "mixed.fa"
+    mixed.write_bytes(LONE_CR)
+    out = tmp_path / "o"
+    summary = shard_fasta([good, cr3, mixed], out=out, tokens_per_shard=100, on_invalid=on_invalid, quiet=True)
+    rows = manifest(out)
+    assert [(r["id"], r["source"], r["status"]) for r in rows] == [
+        ("g1", f"{good}:1", "ok"),
+        ("x", f"{cr3}:1", "ok"),
+        ("y", f"{cr3}:3", "ok"),
+        ("z", f"{cr3}:5", "ok"),
+        ("a", f"{mixed}:1", "duplicate"),
+        ("b", f"{mixed}:3", "duplicate"),
+        ("c", f"{mixed}:5", "duplicate"),
+    ]
+    assert [r["sequence_sha256"] for r in rows[4:]] == [sha("MKVLAA"), sha("MSTNPK"), sha("MAAAA")]
+    assert shards_json(out)["counts"]["records"] == 7 == summary.records
+    check_invariants(out, summary, 100)
+
+
+def test_input_inside_out_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    src = write(tmp_path / "in.fa", "".join(f">P{i}\n{'A' * (i + 1)}\n" for i in range(6)))
+    out = tmp_path / "out"
+    shard_fasta([src], out=out, tokens_per_shard=6, quiet=True)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    inside = out / "shard-00003.fasta"
+    with pytest.raises(InputError, match=rf"^{inside}: lies inside --out {out}, which shard replaces"):
+        shard_fasta([inside], out=out, tokens_per_shard=1000, quiet=True)
+    # through a symlink to the output directory, and with --out itself a symlink
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    with pytest.raises(InputError, match="lies inside --out"):
+        shard_fasta([link / "shard-00003.fasta"], out=out, tokens_per_shard=1000, quiet=True)
+    with pytest.raises(InputError, match="lies inside --out"):
+        shard_fasta([src, inside], out=link, tokens_per_shard=1000, quiet=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert leftovers(tmp_path) == []
+
+
+def test_same_file_given_twice_is_named(tmp_path: Path) -> None:
+    src = write(tmp_path / "in.fa", ">P1\nMK\n")
+    with pytest.raises(InputError, match=rf"^{src}: was given twice; give each input file once$"):
+        shard_fasta([src, src], out=tmp_path / "o", tokens_per_shard=10)
+    alias = tmp_path / "alias.fa"
+    alias.symlink_to(src)
+    with pytest.raises(InputError, match=rf"^{alias}: was given twice \(as {src} and {alias}\)"):
+        shard_fasta([src, alias], out=tmp_path / "o", tokens_per_shard=10)
+    assert not (tmp_path / "o").exists()
+
+
+def test_fifo_input_says_shard_needs_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match=rf"^{fifo}: is a pipe \(FIFO\); shard needs a regular file"):
+        shard_fasta([fifo], out=tmp_path / "o", tokens_per_shard=10)
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_utf8_input_path_is_written_escaped(tmp_path: Path) -> None:
+    src = write(tmp_path / os.fsdecode(b"bad\xffname.fa"), ">P1\nMK\n")
+    out = tmp_path / "out"
+    summary = shard_fasta([src], out=out, tokens_per_shard=10, quiet=True)
+    assert manifest(out)[0]["source"] == f"{tmp_path}/bad\\xffname.fa:1"
+    assert shards_json(out)["inputs"] == [f"{tmp_path}/bad\\xffname.fa"]
+    summary.render().encode("utf-8")
+
+
+# ---------------------------------------------------------------- manifest.tsv escaping
+
+ODD_NAMES = ["tab\there.fa", "new\nline.fa", 'quo"te.fa', "back\\slash.fa", "cr\rhere.fa", '"lead.fa', "plain.fa"]
+
+
+def test_manifest_round_trip_with_odd_paths_and_ids(tmp_path: Path) -> None:
+    paths = []
+    for k, name in enumerate(ODD_NAMES):
+        d = tmp_path / f"d{k}"
+        d.mkdir()
+        paths.append(write(d / name, f'>id{k}"q\\x desc\nMK{"A" * k}\n>dup{k}\nMK{"A" * k}\n'))
+    out = tmp_path / "out"
+    shard_fasta(paths, out=out, tokens_per_shard=100, quiet=True)
+    want = []
+    for k, path in enumerate(paths):
+        seq = "MK" + "A" * k
+        want.append([f'id{k}"q\\x', f"{path}:1", str(len(seq)), sha(seq), "0", "ok", "", ""])
+        want.append([f"dup{k}", f"{path}:3", str(len(seq)), sha(seq), "0", "duplicate", f'id{k}"q\\x', ""])
+    with open(out / "manifest.tsv", encoding="utf-8", newline="") as fh:
+        text = fh.read()
+    # the bytes are what Python's csv writer makes of these cells when it also quotes a lone CR
+    # (3.11's writer quotes only the line terminator's characters; no cell here holds CRLF)
+    expected = io.StringIO()
+    csv.writer(expected, **{**DIALECT, "lineterminator": "\r\n"}).writerows([list(MANIFEST_COLUMNS), *want])
+    assert text == expected.getvalue().replace("\r\n", "\n")
+    # and three readers agree: csv, embedpipe.manifest, pandas
+    assert [list(r.values()) for r in manifest(out)] == want
+    assert [list(r.values()) for _, r in iter_manifest(out / "manifest.tsv")] == want
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.read_csv(out / "manifest.tsv", sep="\t", dtype=str, keep_default_na=False)
+    assert list(frame.columns) == list(MANIFEST_COLUMNS)
+    assert frame.values.tolist() == want
+
+
+@given(cell=st.text(alphabet=st.sampled_from(list('ab \t\n\r"\\,\'x')), max_size=12))
+def test_quote_round_trips_and_matches_the_csv_writer(cell: str) -> None:
+    line = f"x\t{quote(cell)}\ty\n"
+    assert list(csv.reader(io.StringIO(line, newline=""), **DIALECT)) == [["x", cell, "y"]]
+    expected = io.StringIO()
+    csv.writer(expected, **DIALECT).writerow(["x", cell, "y"])
+    if "\r" not in cell:  # Python 3.11's writer leaves a lone CR bare, which its reader then splits at
+        assert line == expected.getvalue()
+    assert quote_all(["x", cell]) == ["x", quote(cell)]
+
+
+def test_manifest_reader_names_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "m.tsv"
+    path.write_text("id\tstatus\tsequence_sha256\tshard\na\tok\tff\t0\nb\tok\tff\n")
+    with pytest.raises(StoreError, match=rf"^manifest {path} line 3: 3 fields, header has 4$"):
+        list(iter_manifest(path))
+    path.write_text('id\tstatus\tsequence_sha256\tshard\n"a\nb"\tok\tff\t0\n\nc\tok\tff\n')
+    with pytest.raises(StoreError, match=rf"^manifest {path} line 5: 3 fields"):
+        list(iter_manifest(path))
+    path.write_bytes(b"id\tstatus\tsequence_sha256\tshard\na\tok\tff\t0\n\xfe\tok\tff\t0\n")
+    with pytest.raises(StoreError, match=rf"^manifest {path} line 3: not UTF-8 text \(byte 0xfe at column 1\)$"):
+        list(iter_manifest(path))
+    path.write_text("")
+    with pytest.raises(StoreError, match="empty"):
+        list(iter_manifest(path))
+
+
+# ------------------------------------------------------------ spool cleanup, full disk
+
+
+def test_sigterm_removes_the_spool_and_restores_the_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import embedpipe.shard
+
+    src = write(tmp_path / "in.fa", ">P1\nMK\n")
+    seen: list[Path] = []
+
+    def killed(paths: list[Path], tmp: Path, *args: object) -> None:
+        (tmp / ".spool").write_bytes(b"x" * 1000)
+        seen.append(tmp)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs at the next bytecode boundary
+            pass
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(embedpipe.shard, "_run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exc:
+        shard_fasta([src], out=tmp_path / "out", tokens_per_shard=10, quiet=True)
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert seen and not seen[0].exists()
+    assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_stale_spools_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    import embedpipe.shard
+
+    dead = subprocess.run(["true"], check=True)  # noqa: S603, S607
+    proc = subprocess.Popen(["true"])  # noqa: S603, S607
+    proc.wait()
+    dead_pid, live_pid = proc.pid, os.getppid()
+    del dead
+    host = embedpipe.shard._host_tag()
+    stale = [f".out.tmp-{dead_pid}-{host}-0a1b2c3d", f".out.tmp-{dead_pid}-deadbeef"]  # new and old names
+    kept = [
+        f".out.tmp-{live_pid}-{host}-0a1b2c3d",  # a live run
+        f".out.tmp-{dead_pid}-{'0' * 8 if host != '0' * 8 else '1' * 8}-0a1b2c3d",  # another host's
+        f".other.tmp-{dead_pid}-{host}-0a1b2c3d",  # another output directory's
+    ]
+    for name in stale + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".spool").write_bytes(b"x")
+    src = write(tmp_path / "in.fa", ">P1\nMK\n")
+    shard_fasta([src], out=tmp_path / "out", tokens_per_shard=10, quiet=True)
+    assert leftovers(tmp_path) == sorted(kept)
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],  # noqa: S603, S607
+                          capture_output=True, check=False)
+    return proc.returncode == 0
+
+
+@pytest.mark.parametrize("size", ["64k", "1m"])
+def test_full_disk_names_the_path_and_leaves_nothing(tmp_path: Path, size: str) -> None:
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, size):
+        pytest.skip("cannot mount a tmpfs here (needs root); the full-disk path is not exercised")
+    try:
+        rng = random.Random(0)
+        body = "".join(f">P{i}\n{''.join(rng.choice('ACDEFGHIKLMNPQRSTVWY') for _ in range(300))}\n" for i in range(4000))
+        src = write(tmp_path / "in.fa", body)
+        out = small / "out"
+        with pytest.raises(EmbedpipeError) as err:
+            shard_fasta([src], out=out, tokens_per_shard=50_000, quiet=True)
+        message = str(err.value)
+        assert message.startswith(f"{small}/.out.tmp-") and "No space left on device" in message
+        assert "\n" not in message
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=False)  # noqa: S603, S607
