@@ -322,9 +322,20 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
+
+
 def _write_error(path: Path, exc: OSError) -> EmbedpipeError:
-    """One line naming the file being written (a full disk says only ``No space left on device``)."""
-    return EmbedpipeError(f"{display_path(path)}: cannot write: {exc.strerror or exc}")
+    """One line naming the output being written (a full disk says only ``No space left on
+    device``): files in the hidden work directory are named by the ``--out`` they become."""
+    reason = exc.strerror or exc
+    work = _WORK_DIR.match(path.parent.name)
+    if work is None:
+        return EmbedpipeError(f"{display_path(path)}: cannot write: {reason}")
+    out = path.parent.parent / work["out"]
+    return EmbedpipeError(
+        f"{display_path(out)}: cannot write {path.name} (in the work directory {display_path(path.parent)}): {reason}"
+    )
 
 
 @contextlib.contextmanager

@@ -590,7 +590,9 @@ def test_full_disk_names_the_path_and_leaves_nothing(tmp_path: Path, size: str) 
         with pytest.raises(EmbedpipeError) as err:
             shard_fasta([src], out=out, tokens_per_shard=50_000, quiet=True)
         message = str(err.value)
-        assert message.startswith(f"{small}/.out.tmp-") and "No space left on device" in message
+        # named by the output it becomes, with the hidden work directory it was written in
+        assert message.startswith(f"{out}: cannot write ") and "No space left on device" in message
+        assert f"(in the work directory {small}/.out.tmp-" in message
         assert "\n" not in message
         assert list(small.iterdir()) == []
     finally:
