@@ -15,7 +15,7 @@ import h5py
 
 from embedpipe.errors import StoreError
 from embedpipe.manifest import iter_manifest
-from embedpipe.store.format import iter_row_blocks
+from embedpipe.store.format import read_blocks
 
 
 class StoredIds(Protocol):
@@ -43,14 +43,7 @@ def _sequence_digests(shards: Sequence[StoredIds]) -> bytearray:
     sha256 = hashlib.sha256
     for shard in shards:
         with h5py.File(shard.path, "r") as f:
-            ds = f["sequence"]
-            for sl in iter_row_blocks(ds):
-                try:
-                    block = ds[sl]
-                except OSError as exc:
-                    raise StoreError(
-                        f"{shard.path}: dataset sequence rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
-                    ) from None
+            for _, block in read_blocks(f["sequence"], shard.path, "sequence"):
                 for seq in block.tolist():
                     digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
     return digests

@@ -346,6 +346,18 @@ def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int = READ_BLOCK_BYTES) ->
         yield slice(start, min(n, start + rows))
 
 
+def read_blocks(ds: h5py.Dataset, path: Path | str, name: str) -> Iterator[tuple[slice, np.ndarray]]:
+    """(rows, block) over ``ds``; a failed read (checksum mismatch) is one StoreError naming the rows."""
+    for sl in iter_row_blocks(ds):
+        try:
+            block = ds[sl]
+        except OSError as exc:
+            raise StoreError(
+                f"{path}: dataset {name} rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
+            ) from None
+        yield sl, block
+
+
 def read_strings(ds: h5py.Dataset) -> list[str]:
     """A whole string dataset, read block by block."""
     out: list[str] = []

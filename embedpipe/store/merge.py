@@ -48,8 +48,8 @@ from embedpipe.store.format import (
     decode_strings,
     encode_strings,
     is_complete,
-    iter_row_blocks,
     open_h5,
+    read_blocks,
     read_root_attrs,
     stored_layers,
     string_dtype,
@@ -359,14 +359,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
 
 def _copy_rows(src_path: Path, name: str, dst: h5py.Dataset, start: int, cast: Any, *, check_finite: bool) -> None:
     with h5py.File(src_path, "r") as g:
-        src = g[name]
-        for sl in iter_row_blocks(src):
-            try:
-                block = src[sl]
-            except OSError as exc:
-                raise StoreError(
-                    f"{src_path}: dataset {name} rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
-                ) from None
+        for sl, block in read_blocks(g[name], src_path, name):
             if check_finite and not np.isfinite(block).all():
                 raise StoreError(f"{src_path}: dataset {name} holds non-finite values; run embedpipe validate")
             with contextlib.suppress(AttributeError):
