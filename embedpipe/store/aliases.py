@@ -43,7 +43,7 @@ def _sequence_digests(shards: Sequence[StoredIds]) -> bytearray:
     sha256 = hashlib.sha256
     for shard in shards:
         with h5py.File(shard.path, "r") as f:
-            for _, block in read_blocks(f["sequence"], shard.path, "sequence"):
+            for _, block in read_blocks(f["sequence"], "sequence", shard.path):
                 for seq in block.tolist():
                     digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
     return digests

@@ -346,14 +346,16 @@ def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int = READ_BLOCK_BYTES) ->
         yield slice(start, min(n, start + rows))
 
 
-def read_blocks(ds: h5py.Dataset, path: Path | str, name: str) -> Iterator[tuple[slice, np.ndarray]]:
-    """(rows, block) over ``ds``; a failed read (checksum mismatch) is one StoreError naming the rows."""
+def read_blocks(ds: h5py.Dataset, name: str, path: Path | str | None = None) -> Iterator[tuple[slice, np.ndarray]]:
+    """(rows, block) over ``ds``; a failed read (checksum mismatch) is one StoreError naming the
+    dataset, the rows and, when given, the store."""
     for sl in iter_row_blocks(ds):
         try:
             block = ds[sl]
         except OSError as exc:
+            where = "" if path is None else f"{path}: "
             raise StoreError(
-                f"{path}: dataset {name} rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
+                f"{where}dataset {name} rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
             ) from None
         yield sl, block
 

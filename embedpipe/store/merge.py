@@ -319,14 +319,13 @@ class _Merge:
             tag(pr.create_virtual_dataset(name, layout, fillvalue=np.nan), VIRTUAL)
 
     def write_aliases(self, f: h5py.File) -> None:
-        ga = f.create_group("aliases")
-        tag(ga, ALIASES)
-        create_string_dataset(ga, "id", [a for a, _ in self.aliases])
-        create_string_dataset(ga, "of", [b for _, b in self.aliases])
-        gs = f.create_group("skipped")
-        tag(gs, SKIPPED)
-        create_string_dataset(gs, "id", [a for a, _ in self.skipped])
-        create_string_dataset(gs, "reason", [b for _, b in self.skipped])
+        """``aliases/id`` -> ``aliases/of`` and ``skipped/id``, ``skipped/reason``."""
+        for group, encoding, second, pairs in (("aliases", ALIASES, "of", self.aliases),
+                                               ("skipped", SKIPPED, "reason", self.skipped)):
+            g = f.create_group(group)
+            tag(g, encoding)
+            create_string_dataset(g, "id", [a for a, _ in pairs])
+            create_string_dataset(g, second, [b for _, b in pairs])
 
 
 def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
@@ -359,7 +358,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
 
 def _copy_rows(src_path: Path, name: str, dst: h5py.Dataset, start: int, cast: Any, *, check_finite: bool) -> None:
     with h5py.File(src_path, "r") as g:
-        for sl, block in read_blocks(g[name], src_path, name):
+        for sl, block in read_blocks(g[name], name, src_path):
             if check_finite and not np.isfinite(block).all():
                 raise StoreError(f"{src_path}: dataset {name} holds non-finite values; run embedpipe validate")
             with contextlib.suppress(AttributeError):

@@ -154,14 +154,8 @@ class Store:
             self._n = int(dataset(f, self.path, "ids").shape[0])
             self._ids = decode_strings(read_dataset(f, self.path, "ids"))
             self._row = {rid: i for i, rid in enumerate(self._ids)}
-            self._aliases: dict[str, str] = {}
-            if "aliases" in f:
-                self._aliases = dict(zip(decode_strings(read_dataset(f, self.path, "aliases/id")),
-                                         decode_strings(read_dataset(f, self.path, "aliases/of"))))
-            self._skipped: dict[str, str] = {}
-            if "skipped" in f:
-                self._skipped = dict(zip(decode_strings(read_dataset(f, self.path, "skipped/id")),
-                                         decode_strings(read_dataset(f, self.path, "skipped/reason"))))
+            self._aliases = self._pairs(f, "aliases", "of")
+            self._skipped = self._pairs(f, "skipped", "reason")
             self._offsets = (read_dataset(f, self.path, "per_residue/offsets").astype(np.int64)
                              if "per_residue/offsets" in f else None)
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
@@ -174,6 +168,13 @@ class Store:
             f.close()
             raise StoreError(f"{self.path}: cannot read store: {exc}") from None
         self._file = f
+
+    def _pairs(self, f: h5py.File, group: str, second: str) -> dict[str, str]:
+        """``{group}/id`` -> ``{group}/{second}`` (aliases, skipped); empty without the group."""
+        if group not in f:
+            return {}
+        return dict(zip(decode_strings(read_dataset(f, self.path, f"{group}/id")),
+                        decode_strings(read_dataset(f, self.path, f"{group}/{second}"))))
 
     def _check_sources(self, f: h5py.File) -> None:
         """A merged store reads per-residue data from its shard stores: they must exist (HDF5

@@ -19,9 +19,9 @@ from embedpipe.store.format import (
     attr_to_python,
     check_format,
     is_complete,
-    iter_row_blocks,
     layer_names,
     open_h5,
+    read_blocks,
     read_root_attrs,
     read_strings,
     stored_layers,
@@ -36,28 +36,26 @@ def _read_all(ds: h5py.Dataset, name: str, problems: list[str], *, check_finite:
     hand each block to ``check`` (so the mean check costs no second read)."""
     nonfinite = 0
     first_bad: int | None = None
-    for sl in iter_row_blocks(ds):
-        try:
-            block = ds[sl]
-        except OSError as exc:
-            problems.append(
-                f"dataset {name} rows {sl.start}:{sl.stop}: checksum mismatch or read error ({exc})"
-            )
-            return
-        if check_finite:
-            bad = ~np.isfinite(block)
-            if bad.any():
-                if block.ndim > 1:
-                    bad = bad.reshape(bad.shape[0], -1).any(axis=1)
+    try:
+        for sl, block in read_blocks(ds, name):
+            if check_finite and (bad := _nonfinite_rows(block)).any():
                 nonfinite += int(np.count_nonzero(bad))
                 if first_bad is None:
                     first_bad = sl.start + int(np.argmax(bad))
-        if check is not None:
-            check.feed(sl, block)
+            if check is not None:
+                check.feed(sl, block)
+    except StoreError as exc:
+        problems.append(str(exc))
+        return
     if check is not None and (problem := check.problem()):
         problems.append(problem)
     if nonfinite:
         problems.append(f"dataset {name}: {nonfinite} row(s) with non-finite values (first at row {first_bad})")
+
+
+def _nonfinite_rows(block: np.ndarray) -> np.ndarray:
+    bad = ~np.isfinite(block)
+    return bad.reshape(bad.shape[0], -1).any(axis=1) if block.ndim > 1 else bad
 
 
 def _datasets_by_name(f: h5py.File) -> list[tuple[str, h5py.Dataset]]:
@@ -214,17 +212,14 @@ class _Validation:
                 )
 
     def aliases_and_skipped(self) -> None:
-        f = self.f
-        if "aliases" in f:
-            g = f["aliases"]
-            if "id" not in g or "of" not in g or g["id"].shape != g["of"].shape:
-                self.problems.append("aliases group needs datasets id and of of equal length")
-            elif self.ids is not None:
+        for group, second in (("aliases", "of"), ("skipped", "reason")):
+            if group not in self.f:
+                continue
+            g = self.f[group]
+            if "id" not in g or second not in g or g["id"].shape != g[second].shape:
+                self.problems.append(f"{group} group needs datasets id and {second} of equal length")
+            elif group == "aliases" and self.ids is not None:
                 self.alias_targets(read_strings(g["id"]), read_strings(g["of"]))
-        if "skipped" in f:
-            g = f["skipped"]
-            if "id" not in g or "reason" not in g or g["id"].shape != g["reason"].shape:
-                self.problems.append("skipped group needs datasets id and reason of equal length")
 
     def alias_targets(self, alias_ids: list[str], targets: list[str]) -> None:
         known = set(self.ids or ())
