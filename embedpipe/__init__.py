@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
-    from embedpipe.io import Store, open_store
+    from embedpipe.store.reader import Store, open_store
 
 __all__ = ["__version__", "open_store", "Store"]
 
@@ -15,7 +15,7 @@ __all__ = ["__version__", "open_store", "Store"]
 def __getattr__(name: str) -> Any:
     # Lazy so that `import embedpipe` (and the CLI's start-up) does not pay for h5py/dask/torch.
     if name in ("open_store", "Store"):
-        from embedpipe import io
+        from embedpipe.store import reader
 
-        return getattr(io, name)
+        return getattr(reader, name)
     raise AttributeError(name)

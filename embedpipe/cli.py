@@ -185,7 +185,7 @@ def merge(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Merge shard stores into one store (virtual datasets over the shard files)."""
-    from embedpipe.merge import merge_stores
+    from embedpipe.store import merge_stores
 
     summary = merge_stores(stores or [], out=out, manifest=manifest)
     if not quiet:

@@ -159,7 +159,7 @@ def run_crosscheck(
     ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
     """
     from embedpipe.devices import claim_device
-    from embedpipe.io import open_store
+    from embedpipe.store import open_store
 
     thresholds = thresholds or Thresholds()
     thresholds.validate()

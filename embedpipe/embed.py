@@ -14,7 +14,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from embedpipe.host_memory import keep_freed_memory
 from embedpipe.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
                                  get_policy, prepare_model)
 from embedpipe.progress import progress_bar, say
-from embedpipe.records import EmbeddedRecord
+from embedpipe.store import EmbeddedRecord, utc_now
 
 STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16}
 # Where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
@@ -536,7 +535,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
                 fallback_reasons=json.dumps(fallback, sort_keys=True),
                 padding_efficiency=plan.padding_efficiency,
                 fallback_device=embedder.fallback_device or "none",
-                finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                finished_utc=utc_now(),
             )
     return EmbedSummary(
         out=Path(out),

@@ -438,7 +438,7 @@ def test_long_sequence_handling_is_reproduced(tmp_path, tiny_model_path):
 
 
 def test_merged_store_matches_its_shards(tmp_path, tiny_model_path, records):
-    from embedpipe.merge import merge_stores
+    from embedpipe.store import merge_stores
 
     a = _embed(tmp_path, tiny_model_path, records[:14], "shard-a", precision="bf16", per_residue=True, layers=(2,))
     b = _embed(tmp_path, tiny_model_path, records[14:], "shard-b", precision="bf16", per_residue=True, layers=(2,))

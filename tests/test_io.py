@@ -13,9 +13,7 @@ import pytest
 
 import embedpipe
 from embedpipe.errors import StoreError
-from embedpipe.io import Store, UnknownIdError
-from embedpipe.records import EmbeddedRecord
-from embedpipe.store import StoreWriter
+from embedpipe.store import EmbeddedRecord, Store, StoreWriter, UnknownIdError
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 

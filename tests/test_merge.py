@@ -13,9 +13,7 @@ import pytest
 
 import embedpipe
 from embedpipe.errors import StoreError
-from embedpipe.merge import merge_stores
-from embedpipe.records import EmbeddedRecord
-from embedpipe.store import StoreWriter, store_info, validate_store
+from embedpipe.store import EmbeddedRecord, StoreWriter, merge_stores, store_info, validate_store
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 ATTRS = {"model_name": "esm2_t", "model_sha256": "cd" * 32, "precision_policy": "fp16", "device": "cpu",

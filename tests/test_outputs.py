@@ -91,7 +91,7 @@ def test_embed_refuses_a_special_output(make, tmp_path, tiny_model_path):
 
 @pytest.mark.parametrize("make", SPECIAL)
 def test_merge_refuses_a_special_output(make, tmp_path, stores):
-    from embedpipe.merge import merge_stores
+    from embedpipe.store import merge_stores
 
     _assert_refused(make, tmp_path / "merged.h5", lambda: merge_stores(stores, out=tmp_path / "merged.h5"))
 
@@ -279,7 +279,8 @@ def test_ctrl_c_landing_in_a_finalizer_during_merge_is_one_quiet_line(stores, tm
     result = _script(
         f"""
         import os, signal, sys
-        from embedpipe import cli, merge
+        from embedpipe import cli
+        from embedpipe.store import merge
         class Released:
             def __del__(self):
                 os.kill(os.getpid(), signal.SIGINT)
@@ -302,7 +303,8 @@ def test_ctrl_c_during_merge_is_one_line_and_leaves_nothing(stores, tmp_path):
     result = _script(
         f"""
         import os, signal, sys
-        from embedpipe import cli, merge
+        from embedpipe import cli
+        from embedpipe.store import merge
         copy = merge._copy_rows
         def interrupted_copy(*args, **kwargs):
             copy(*args, **kwargs)

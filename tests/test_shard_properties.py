@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import embedpipe
 from embedpipe.embed import EmbedOptions, embed_fasta
-from embedpipe.merge import merge_stores
+from embedpipe.store import merge_stores
 from embedpipe.shard import shard_fasta
 from shard_helpers import manifest
 

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedpipe.errors import StoreError
-from embedpipe.records import EmbeddedRecord
 from embedpipe.store import (
     FORMAT,
     FORMAT_VERSION,
+    EmbeddedRecord,
     StoreWriter,
     render_info,
     store_info,
@@ -496,7 +496,7 @@ def test_validate_names_a_record_whose_mean_is_not_the_mean_of_its_rows(tmp_path
 @given(length=st.integers(1, 400), log_scale=st.floats(-3, 3), seed=st.integers(0, 2**32 - 1))
 def test_mean_tolerance_covers_the_workers_rounding(dtype, length, log_scale, seed):
     """The bound holds for fp32 sums cast to the storage dtype against individually cast rows."""
-    from embedpipe.integrity import mean_tolerance
+    from embedpipe.store.meancheck import mean_tolerance
 
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((length, 16)) * 10.0**log_scale + rng.standard_normal(16) * 10.0**log_scale)
@@ -509,7 +509,7 @@ def test_mean_tolerance_covers_the_workers_rounding(dtype, length, log_scale, se
 
 def test_mean_check_is_the_same_for_any_block_split(tmp_path):
     """validate streams per-residue rows in blocks; records spanning blocks are carried over."""
-    from embedpipe.integrity import MeanCheck
+    from embedpipe.store.meancheck import MeanCheck
 
     records, rows = synthetic(15, dim=5, truncate_every=4)
     path = write_store(tmp_path / "s.h5", records, rows, dim=5)

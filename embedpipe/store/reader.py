@@ -13,7 +13,7 @@
 
 Values come back in the storage dtype (float16 stores give float16; pass ``dtype=np.float32``
 to upcast). Dask arrays open the file per chunk, so they survive pickling, forking and
-distributed schedulers, and do not hold the file open.
+distributed schedulers, and do not hold the file open. docs/store-format.md, "Reading".
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dask.array as da
 import h5py
 import numpy as np
+from dask.base import tokenize
 
 from embedpipe.errors import StoreError
-from embedpipe.integrity import require_sources
-from embedpipe.store import (
-    PER_RECORD,
+from embedpipe.store.columns import COLUMNS
+from embedpipe.store.encoding import check_encodings
+from embedpipe.store.format import (
     check_format,
     decode_strings,
     is_complete,
@@ -37,6 +39,7 @@ from embedpipe.store import (
     read_root_attrs,
     stored_layers,
 )
+from embedpipe.store.sources import require_sources
 
 __all__ = ["open_store", "Store", "UnknownIdError"]
 
@@ -141,23 +144,18 @@ class Store:
     def _open(self) -> None:
         f = open_h5(self.path)
         try:
-            check_format(f, self.path)
+            self._version = check_format(f, self.path)
             if not is_complete(f):
                 raise StoreError(f"{self.path}: incomplete store (the writer did not finish); refusing to read")
+            check_encodings(f, self.path)
             self._provenance = read_root_attrs(f)
             self._check_sources(f)
             self._layers = stored_layers(f)
             self._n = int(dataset(f, self.path, "ids").shape[0])
             self._ids = decode_strings(read_dataset(f, self.path, "ids"))
             self._row = {rid: i for i, rid in enumerate(self._ids)}
-            self._aliases: dict[str, str] = {}
-            if "aliases" in f:
-                self._aliases = dict(zip(decode_strings(read_dataset(f, self.path, "aliases/id")),
-                                         decode_strings(read_dataset(f, self.path, "aliases/of"))))
-            self._skipped: dict[str, str] = {}
-            if "skipped" in f:
-                self._skipped = dict(zip(decode_strings(read_dataset(f, self.path, "skipped/id")),
-                                         decode_strings(read_dataset(f, self.path, "skipped/reason"))))
+            self._aliases = self._pairs(f, "aliases", "of")
+            self._skipped = self._pairs(f, "skipped", "reason")
             self._offsets = (read_dataset(f, self.path, "per_residue/offsets").astype(np.int64)
                              if "per_residue/offsets" in f else None)
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
@@ -170,6 +168,13 @@ class Store:
             f.close()
             raise StoreError(f"{self.path}: cannot read store: {exc}") from None
         self._file = f
+
+    def _pairs(self, f: h5py.File, group: str, second: str) -> dict[str, str]:
+        """``{group}/id`` -> ``{group}/{second}`` (aliases, skipped); empty without the group."""
+        if group not in f:
+            return {}
+        return dict(zip(decode_strings(read_dataset(f, self.path, f"{group}/id")),
+                        decode_strings(read_dataset(f, self.path, f"{group}/{second}"))))
 
     def _check_sources(self, f: h5py.File) -> None:
         """A merged store reads per-residue data from its shard stores: they must exist (HDF5
@@ -285,26 +290,25 @@ class Store:
 
     # -- data --------------------------------------------------------------------------------
 
-    def mean(self, layer: int = -1, *, dtype: Any = None) -> Any:
-        """Mean-pooled vectors of ``layer`` as a lazy dask array (N, D), row order = ``ids``."""
-        import dask.array as da
-        from dask.base import tokenize
-
-        k = self.layer(layer)
-        name = f"mean/layer_{k}"
+    def _dask(self, name: str, label: str, dtype: Any) -> Any:
+        """Dataset ``name`` as a lazy dask array in whole HDF5 chunks, named by the file's
+        path, mtime and size (a rewritten store never reuses cached chunks)."""
         ds = dataset(self._h5, self.path, name)
-        rows = _dask_rows(ds)
         stat = self.path.stat()
-        src = _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype)
         arr = da.from_array(
-            src,
-            chunks=(rows, ds.shape[1]),
+            _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype),
+            chunks=(_dask_rows(ds), ds.shape[1]),
             lock=False,
             asarray=True,
             meta=np.empty((0, ds.shape[1]), dtype=ds.dtype),
-            name=f"embedpipe-mean-{k}-" + tokenize(str(self.path), stat.st_mtime_ns, stat.st_size, name),
+            name=f"embedpipe-{label}-" + tokenize(str(self.path), stat.st_mtime_ns, stat.st_size, name),
         )
         return arr if dtype is None else arr.astype(dtype)
+
+    def mean(self, layer: int = -1, *, dtype: Any = None) -> Any:
+        """Mean-pooled vectors of ``layer`` as a lazy dask array (N, D), row order = ``ids``."""
+        k = self.layer(layer)
+        return self._dask(f"mean/layer_{k}", f"mean-{k}", dtype)
 
     def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
         """One record's mean vector (D,) as numpy."""
@@ -325,24 +329,10 @@ class Store:
     def per_residue_array(self, layer: int = -1, *, dtype: Any = None) -> Any:
         """All per-residue vectors of ``layer`` as one lazy dask array (rows, D); record i is
         rows ``offsets[i]:offsets[i+1]`` (see ``offsets``)."""
-        import dask.array as da
-        from dask.base import tokenize
-
         if self._offsets is None:
             raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
         k = self.layer(layer)
-        name = f"per_residue/layer_{k}"
-        ds = dataset(self._h5, self.path, name)
-        stat = self.path.stat()
-        arr = da.from_array(
-            _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype),
-            chunks=(_dask_rows(ds), ds.shape[1]),
-            lock=False,
-            asarray=True,
-            meta=np.empty((0, ds.shape[1]), dtype=ds.dtype),
-            name=f"embedpipe-pr-{k}-" + tokenize(str(self.path), stat.st_mtime_ns, stat.st_size, name),
-        )
-        return arr if dtype is None else arr.astype(dtype)
+        return self._dask(f"per_residue/layer_{k}", f"pr-{k}", dtype)
 
     @property
     def offsets(self) -> np.ndarray | None:
@@ -360,30 +350,30 @@ class Store:
             "alias_of": canonical if canonical != record_id else None,
             "row": row,
         }
-        for name, kind in PER_RECORD.items():
-            if name == "ids" or name not in f:
+        for name, column in COLUMNS.items():
+            if name == "ids":
                 continue
-            value = read_dataset(f, self.path, name, row)
-            if kind == "str":
-                out[name] = decode_strings(np.asarray([value]))[0]
-            elif kind == "int":
-                out[name] = int(value)
-            else:
-                out[name] = float(value)
+            if name in f:
+                out[name] = column.to_python(read_dataset(f, self.path, name, row))
+            elif not column.required_in(self._version):
+                out[name] = column.default
         out["mean"] = {k: read_dataset(f, self.path, f"mean/layer_{k}", row) for k in self._layers}
         return out
 
     def records(self, *, sequence: bool = False) -> dict[str, np.ndarray]:
         """Per-record table, one array per column in row order (pass to ``pandas.DataFrame``):
         id, length, embedded_length, precision_used, fallback_reason, max_abs_activation,
-        long_handling, windows (and sequence when asked)."""
+        long_handling, windows (and sequence when asked); a later column an older store lacks
+        reads as its default."""
         f = self._h5
         table: dict[str, np.ndarray] = {"id": np.array(self._ids, dtype=object)}
-        for name, kind in PER_RECORD.items():
-            if name == "ids" or (name == "sequence" and not sequence) or name not in f:
+        for name, column in COLUMNS.items():
+            if name == "ids" or (name == "sequence" and not sequence):
                 continue
-            raw = read_dataset(f, self.path, name)
-            table[name] = np.array(decode_strings(raw), dtype=object) if kind == "str" else raw
+            if name in f:
+                table[name] = column.to_table(read_dataset(f, self.path, name))
+            elif not column.required_in(self._version):
+                table[name] = column.default_table(self._n)
         return table
 
 

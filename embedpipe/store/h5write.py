@@ -20,6 +20,7 @@ import h5py
 
 from embedpipe.atomic import commit, temp_path_for, write_error
 from embedpipe.errors import EmbedpipeError
+from embedpipe.store.info import human_bytes
 
 
 def check_free_space(path: Path, needed: int) -> None:
@@ -33,12 +34,9 @@ def check_free_space(path: Path, needed: int) -> None:
     free = st.f_bavail * st.f_frsize
     if st.f_blocks and needed > free:
         raise EmbedpipeError(
-            f"cannot write {path}: it needs at least {_size(needed)} and only {_size(free)} is free on its file system"
+            f"cannot write {path}: it needs at least {human_bytes(needed)} and only {human_bytes(free)} "
+            "is free on its file system"
         )
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def abandon(f: h5py.File | None) -> None:

@@ -1,0 +1,188 @@
+"""``embedpipe info``: provenance, counts, precision/fallback statistics and sizes of a store,
+as JSON-friendly data (:func:`store_info`) and as text (:func:`render_info`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from embedpipe.errors import StoreError
+from embedpipe.metrics import aggregate
+from embedpipe.store.format import check_format, open_h5, read_root_attrs, read_strings, stored_layers
+
+#: root attributes shown as the format line, not as provenance
+_FORMAT_ATTRS = ("format", "format_version", "complete", "encoding-type", "encoding-version")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _distribution(values: np.ndarray) -> dict[str, Any]:
+    """count (finite values), nonfinite, and min/median/max of the finite values."""
+    agg = aggregate(np.asarray(values, dtype=np.float64))
+    out: dict[str, Any] = {"count": agg["count"] - agg["nonfinite"], "nonfinite": agg["nonfinite"]}
+    if out["count"]:
+        out.update(min=agg["min"], median=agg["median"], max=agg["max"])
+    return out
+
+
+def _counts(f: h5py.File, n: int) -> dict[str, Any]:
+    counts: dict[str, Any] = {"records": n}
+    if "length" in f:
+        counts["residues"] = int(np.sum(f["length"][:], dtype=np.int64))
+    if "embedded_length" in f:
+        counts["embedded_residues"] = int(np.sum(f["embedded_length"][:], dtype=np.int64))
+    if "per_residue/offsets" in f:
+        counts["per_residue_rows"] = int(f["per_residue/offsets"][-1]) if n else 0
+    return counts
+
+
+def _record_stats(f: h5py.File, n: int) -> dict[str, Any]:
+    """Precision used, fallbacks, max |activation|, long-sequence handling, windows."""
+    info: dict[str, Any] = {}
+    if "precision_used" in f:
+        info["precision_used"] = dict(Counter(read_strings(f["precision_used"])))
+    if "fallback_reason" in f:
+        reasons = Counter(r for r in read_strings(f["fallback_reason"]) if r)
+        total = sum(reasons.values())
+        info["fallback"] = {"count": total, "rate": (total / n) if n else 0.0, "by_reason": dict(reasons)}
+    if "max_abs_activation" in f:
+        info["max_abs_activation"] = _distribution(f["max_abs_activation"][:])
+    if "long_handling" in f:
+        info["long_handling"] = dict(Counter(read_strings(f["long_handling"])))
+    if "windows" in f and n:
+        info["windows"] = {"max": int(np.max(f["windows"][:]))}
+    return info
+
+
+def _datasets(f: h5py.File) -> dict[str, Any]:
+    datasets: dict[str, Any] = {}
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            datasets[name] = {
+                "shape": list(obj.shape),
+                "dtype": str(obj.dtype),
+                "stored_bytes": int(obj.id.get_storage_size()),
+                "virtual": bool(obj.is_virtual),
+            }
+
+    f.visititems(visit)
+    return datasets
+
+
+def _info(f: h5py.File, path: Path, version: int) -> dict[str, Any]:
+    attrs = read_root_attrs(f)
+    n = int(f["ids"].shape[0]) if "ids" in f else 0
+    info: dict[str, Any] = {
+        "path": str(path),
+        "file_size": path.stat().st_size,
+        "format": attrs.get("format"),
+        "format_version": version,
+        "complete": bool(attrs.get("complete", False)),
+        "provenance": {k: v for k, v in attrs.items() if k not in _FORMAT_ATTRS},
+        "layers": stored_layers(f),
+        "dim": attrs.get("dim"),
+        "storage_dtype": attrs.get("storage_dtype"),
+        "counts": _counts(f, n),
+        "per_residue": "per_residue" in f,
+    }
+    info.update(_record_stats(f, n))
+    info["datasets"] = _datasets(f)
+    info["aliases"] = int(f["aliases/id"].shape[0]) if "aliases/id" in f else 0
+    info["skipped"] = int(f["skipped/id"].shape[0]) if "skipped/id" in f else 0
+    if "merged_from" in attrs:
+        info["merged_from"] = attrs["merged_from"]
+    return info
+
+
+def store_info(path: Path) -> dict[str, Any]:
+    """Provenance, counts, precision/fallback statistics and sizes of a store (JSON-friendly)."""
+    path = Path(path)
+    with open_h5(path) as f:
+        try:
+            return _info(f, path, check_format(f, path))
+        except StoreError:
+            raise
+        except (OSError, KeyError, ValueError) as exc:
+            raise StoreError(f"{path}: cannot read store: {exc}") from None
+
+
+def _fmt_counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k or '(empty)'} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+
+
+def _header_lines(info: Mapping[str, Any]) -> list[str]:
+    """Format, model, precision, storage, software, layers and counts."""
+    prov = info.get("provenance", {})
+    counts = info.get("counts", {})
+    return [
+        f"{info.get('path')}: {info.get('format')} v{info.get('format_version')}"
+        + ("" if info.get("complete") else "  ** INCOMPLETE **"),
+        f"  model       {prov.get('model_name', '?')}  sha256 {str(prov.get('model_sha256', '?'))[:16]}"
+        + ("" if prov.get("model_trained", True) else "  (UNTRAINED test model)"),
+        f"  precision   policy {prov.get('precision_policy', '?')}: weights {prov.get('weight_dtype', '?')}, "
+        f"matmuls {prov.get('compute_dtype', '?')}, islands {prov.get('island_dtype', '?')}, "
+        f"fallback {prov.get('fallback_dtype', '?')}; attention {prov.get('attention', '?')}",
+        f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}",
+        f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}, "
+        f"fair-esm {prov.get('fair_esm_version', '?')}; created {prov.get('created_utc', '?')}",
+        f"  layers      {info.get('layers')}  dim {info.get('dim')}  per-residue "
+        + ("on" if info.get("per_residue") else "off"),
+        f"  records     {counts.get('records', 0)}  residues {counts.get('residues', 0)}"
+        + (f"  embedded {counts['embedded_residues']}" if "embedded_residues" in counts else "")
+        + (f"  per-residue rows {counts['per_residue_rows']}" if "per_residue_rows" in counts else ""),
+    ]
+
+
+def _stats_lines(info: Mapping[str, Any]) -> list[str]:
+    """Precision used, fallbacks, max |activation| and long-sequence handling."""
+    lines = []
+    if "precision_used" in info:
+        lines.append(f"  used        {_fmt_counts(info['precision_used'])}")
+    fb = info.get("fallback")
+    if fb is not None:
+        lines.append(
+            f"  fallback    {fb['count']} ({100 * fb['rate']:.2f}%)"
+            + (f": {_fmt_counts(fb['by_reason'])}" if fb["by_reason"] else "")
+        )
+    mx = info.get("max_abs_activation")
+    if mx:
+        if mx.get("count"):
+            lines.append(
+                f"  max|act|    min {mx['min']:.4g}  median {mx['median']:.4g}  max {mx['max']:.4g}"
+                + (f"  (non-finite/unknown {mx['nonfinite']})" if mx.get("nonfinite") else "")
+            )
+        else:
+            lines.append(f"  max|act|    not recorded ({mx.get('nonfinite', 0)} records)")
+    if "long_handling" in info:
+        lines.append(f"  long seqs   {_fmt_counts(info['long_handling'])}")
+    return lines
+
+
+def render_info(info: Mapping[str, Any]) -> str:
+    """Compact human-readable summary of :func:`store_info`."""
+    lines = _header_lines(info) + _stats_lines(info)
+    if info.get("merged_from"):
+        lines.append(
+            f"  merged      {len(info['merged_from'])} store(s); aliases {info.get('aliases', 0)}; "
+            f"skipped {info.get('skipped', 0)}"
+        )
+    ds = info.get("datasets", {})
+    stored = sum(v["stored_bytes"] for v in ds.values())
+    virtual = sum(1 for v in ds.values() if v["virtual"])
+    lines.append(
+        f"  size        file {human_bytes(info.get('file_size', 0))}; datasets {len(ds)} "
+        f"({human_bytes(stored)} stored" + (f", {virtual} virtual" if virtual else "") + ")"
+    )
+    return "\n".join(lines)

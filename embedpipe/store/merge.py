@@ -1,0 +1,366 @@
+"""Merge shard stores into one store in which every input ID resolves.
+
+* Per-record columns and the mean vectors are copied (small: N rows), so pooled reads from
+  the merged store need nothing else. A column some shards lack (added to the format after
+  they were written) is filled with its default for their rows.
+* ``per_residue/layer_{k}`` becomes an HDF5 *virtual dataset* over the shard stores'
+  per-residue datasets, by path relative to the merged file: no per-residue data is copied,
+  the shard stores must stay next to the merged file (move the results directory as a whole),
+  and checksums are still verified when reading (filters apply at the source).
+* With the shard manifest, ``duplicate`` rows become ``aliases/id`` -> ``aliases/of`` and
+  ``skipped:<reason>`` rows are recorded in ``skipped/id``, ``skipped/reason``
+  (:mod:`embedpipe.store.aliases`).
+
+The header and the final ``complete`` are the writer's (:mod:`embedpipe.store.writer`).
+See ``docs/store-format.md`` ("Merged stores").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from embedpipe.atomic import check_output_path
+from embedpipe.errors import StoreError
+from embedpipe.store.aliases import plan_manifest, store_of
+from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
+from embedpipe.store.encoding import check_encodings
+from embedpipe.store.format import (
+    ALIASES,
+    RESERVED_ATTRS,
+    SKIPPED,
+    STORE_UUID_ATTR,
+    VIRTUAL,
+    check_format,
+    create_array_dataset,
+    create_mean_group,
+    create_per_residue_group,
+    create_string_dataset,
+    decode_strings,
+    encode_strings,
+    is_complete,
+    open_h5,
+    read_blocks,
+    read_root_attrs,
+    stored_layers,
+    string_dtype,
+    tag,
+)
+from embedpipe.store.h5write import atomic_h5
+from embedpipe.store.info import human_bytes
+from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
+from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
+
+__all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
+
+#: shard attributes that must be identical for stores to be merged
+MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue")
+#: attributes describing one file, never carried over as merged provenance
+_PER_FILE = {"created_utc", "complete", "merged_from", "merged_rows", "shard_provenance", "varying_attrs",
+             "config_varying", "alias_count", "skipped_count", MERGED_SOURCES_ATTR} | set(RESERVED_ATTRS)
+
+
+@dataclass
+class MergeSummary:
+    out: Path
+    stores: int
+    records: int
+    per_residue_rows: int
+    aliases: int = 0
+    skipped: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    varying_attrs: list[str] = field(default_factory=list)
+    file_size: int = 0
+
+    def render(self) -> str:
+        lines = [
+            f"merged {self.stores} store(s) -> {self.out}: {self.records} records"
+            + (f", {self.per_residue_rows} per-residue rows (virtual, read from the shard stores)"
+               if self.per_residue_rows else ""),
+        ]
+        if self.aliases or self.skipped:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped_by_reason.items()))
+            lines.append(
+                f"  aliases {self.aliases} (duplicate sequences); skipped {self.skipped}"
+                + (f" ({reasons})" if reasons else "")
+            )
+        if self.varying_attrs:
+            lines.append(f"  differs between shards (kept per shard in shard_provenance): {', '.join(self.varying_attrs)}")
+        lines.append(f"  file size {human_bytes(self.file_size)}; keep the shard stores next to it")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Shard:
+    path: Path
+    rel: str
+    attrs: dict[str, Any]
+    layers: list[int]
+    dim: int
+    per_residue: bool
+    ids: list[str]
+    rows: int  # per-residue rows
+    offsets: np.ndarray | None
+    widths: dict[str, int]  # item size of each column the shard has
+    identity: dict[str, Any]  # what merged_sources records about this file
+
+
+def _open_shard(f: h5py.File, path: Path) -> int:
+    """The shard's format version, once it is known to be a complete, unmerged store."""
+    version = check_format(f, path)
+    check_encodings(f, path)
+    if not is_complete(f):
+        raise StoreError(f"{path}: incomplete store; cannot merge it")
+    if "merged_from" in f.attrs:
+        raise StoreError(f"{path}: is itself a merged store; merge the shard stores instead")
+    return version
+
+
+def _read_shard(path: Path, out_dir: Path) -> _Shard:
+    with open_h5(path) as f:
+        version = _open_shard(f, path)
+        try:
+            attrs = read_root_attrs(f)
+            layers = stored_layers(f)
+            ds = f[f"mean/layer_{layers[-1]}"]
+            dim = int(ds.shape[1])
+            attrs.setdefault("dim", dim)
+            attrs.setdefault("storage_dtype", str(ds.dtype))
+            attrs["layers"] = layers
+            per_residue = "per_residue" in f
+            attrs["per_residue"] = per_residue
+            ids = decode_strings(f["ids"][:])
+            offsets = f["per_residue/offsets"][:].astype(np.int64) if per_residue else None
+            widths = {name: f[name].dtype.itemsize for name in COLUMNS if name in f}
+            missing = [c.name for c in required_columns(version) if c.name not in f]
+        except (KeyError, OSError, IndexError) as exc:
+            raise StoreError(f"{path}: cannot read store: {exc}") from None
+        if missing:
+            raise StoreError(f"{path}: missing dataset(s) {', '.join(missing)}")
+    rel = os.path.relpath(path.resolve(), out_dir.resolve())
+    uuid = attrs.get(STORE_UUID_ATTR)
+    return _Shard(
+        path=path, rel=rel, attrs=attrs, layers=layers, dim=dim, per_residue=per_residue, ids=ids,
+        rows=int(offsets[-1]) if offsets is not None else 0, offsets=offsets, widths=widths,
+        identity=source_identity(path, rel, str(uuid) if uuid else None),
+    )
+
+
+def _check_agreement(shards: Sequence[_Shard]) -> None:
+    first = shards[0]
+    for shard in shards[1:]:
+        for key in MUST_AGREE:
+            a, b = first.attrs.get(key), shard.attrs.get(key)
+            if a != b:
+                raise StoreError(
+                    f"{shard.path}: {key} is {b!r} but {first.path} has {a!r}; "
+                    f"stores to merge must agree on {', '.join(MUST_AGREE)}"
+                )
+
+
+def _common_provenance(shards: Sequence[_Shard]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Attributes equal in every shard; names that differ; config keys that differ."""
+    keys = sorted({k for s in shards for k in s.attrs} - _PER_FILE)
+    common: dict[str, Any] = {}
+    varying: list[str] = []
+    config_varying: list[str] = []
+    for key in keys:
+        values = [s.attrs.get(key) for s in shards]
+        if key == "config" and all(isinstance(v, dict) for v in values):
+            ckeys = sorted({ck for v in values for ck in v})
+            merged_config = {}
+            for ck in ckeys:
+                cv = [v.get(ck) for v in values]
+                if all(json.dumps(x, sort_keys=True, default=str) == json.dumps(cv[0], sort_keys=True, default=str) for x in cv):
+                    merged_config[ck] = cv[0]
+                else:
+                    config_varying.append(ck)
+            common["config"] = merged_config
+        elif all(v == values[0] for v in values):
+            common[key] = values[0]
+        else:
+            varying.append(key)
+    return common, varying, config_varying
+
+
+def _index_ids(shards: Sequence[_Shard]) -> dict[str, int]:
+    """Row of every stored ID in the merged store; an ID held by two stores is refused."""
+    index: dict[str, int] = {}
+    row = 0
+    for shard in shards:
+        for rid in shard.ids:
+            if rid in index:
+                raise StoreError(f"duplicate id {rid!r} in {store_of(shards, index[rid]).path} and {shard.path}")
+            index[rid] = row
+            row += 1
+    return index
+
+
+def _check_paths(stores: Sequence[Path], out: Path, manifest: Path | None) -> list[Path]:
+    if not stores:
+        hint = f" (see {manifest}: every record may have been skipped or invalid)" if manifest else ""
+        raise StoreError(f"no shard stores to merge: nothing was embedded{hint}")
+    check_output_path(out)
+    paths = [Path(p) for p in stores]
+    resolved = [p.resolve() for p in paths]
+    dup = [p for p, c in Counter(resolved).items() if c > 1]
+    if dup:
+        raise StoreError(f"{dup[0]}: given twice")
+    if out.resolve() in resolved:
+        raise StoreError(f"{out}: the output would overwrite one of the input stores")
+    return paths
+
+
+def _starts(counts: Sequence[int]) -> np.ndarray:
+    """[0, c0, c0+c1, ...]: where each shard's rows start in the merged store, then the total."""
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+@dataclass
+class _Merge:
+    """What the merged store is made of."""
+
+    shards: list[_Shard]
+    aliases: list[tuple[str, str]]
+    skipped: list[tuple[str, str]]
+    with_manifest: bool
+
+    def __post_init__(self) -> None:
+        first = self.shards[0]
+        self.layers, self.dim, self.per_residue = first.layers, first.dim, first.per_residue
+        self.storage = np.dtype(first.attrs["storage_dtype"])
+        self.record_rows = _starts([len(s.ids) for s in self.shards])
+        self.residue_rows = _starts([s.rows for s in self.shards])
+        self.n = int(self.record_rows[-1])
+        self.common, self.varying, self.config_varying = _common_provenance(self.shards)
+
+    def header(self) -> dict[str, Any]:
+        """Root attributes: those all shards share, the layout, and where each row came from."""
+        return {
+            **self.common,
+            "layers": np.array(self.layers, dtype=np.int64),
+            "dim": self.dim,
+            "storage_dtype": str(self.storage),
+            "per_residue": self.per_residue,
+            "merged_from": [s.rel for s in self.shards],
+            "merged_rows": self.record_rows,
+            # pins each source: a rewritten shard no longer matches (docs/store-format.md)
+            "merged_sources": [s.identity for s in self.shards],
+            "shard_provenance": [{"path": s.rel, **s.attrs} for s in self.shards],
+            "varying_attrs": self.varying,
+            "config_varying": self.config_varying,
+            "alias_count": len(self.aliases),
+            "skipped_count": len(self.skipped),
+        }
+
+    def write(self, f: h5py.File) -> None:
+        write_header(f, self.header())
+        for column in COLUMNS.values():
+            if any(column.name in s.widths for s in self.shards):
+                self.write_column(f, column)
+        g = create_mean_group(f)
+        for k in self.layers:
+            dst = create_array_dataset(g, f"layer_{k}", shape=(self.n, self.dim), dtype=self.storage)
+            for shard, start in zip(self.shards, self.record_rows[:-1]):
+                _copy_rows(shard.path, f"mean/layer_{k}", dst, int(start), self.storage, check_finite=True)
+            dst.flush()
+        if self.per_residue:
+            self.write_per_residue(f)
+        if self.with_manifest:
+            self.write_aliases(f)
+        mark_complete(f)
+
+    def write_column(self, f: h5py.File, column: Column) -> None:
+        """Copied block by block (checksums verified on read); rows of shards that lack the
+        column get its default."""
+        lacking = any(column.name not in s.widths for s in self.shards)
+        if column.dtype == STR:
+            default_width = len(str(column.default).encode("utf-8")) if lacking else 1
+            width = max([default_width] + [s.widths[column.name] for s in self.shards if column.name in s.widths])
+            dst, cast = create_column(f, column, self.n, width=width), string_dtype(width)
+        else:
+            dst, cast = create_column(f, column, self.n), np.dtype(column.dtype)
+        for shard, start in zip(self.shards, self.record_rows[:-1]):
+            if column.name in shard.widths:
+                _copy_rows(shard.path, column.name, dst, int(start), cast, check_finite=False)
+            elif shard.ids:
+                values = column.buffer(len(shard.ids))
+                dst[int(start) : int(start) + len(shard.ids)] = encode_strings(values) if column.dtype == STR else values
+        dst.flush()  # a full disk surfaces here, not when ``dst`` is garbage collected
+
+    def write_per_residue(self, f: h5py.File) -> None:
+        """Offsets recomputed over all shards; ``layer_{k}`` virtual over the shards' rows."""
+        offsets = np.concatenate(
+            [[0]] + [s.offsets[1:] + base for s, base in zip(self.shards, self.residue_rows[:-1])]  # type: ignore[index]
+        ).astype(np.int64)
+        pr = create_per_residue_group(f, offsets)
+        total = int(self.residue_rows[-1])
+        for k in self.layers:
+            name = f"layer_{k}"
+            if total == 0:
+                create_array_dataset(pr, name, shape=(0, self.dim), dtype=self.storage)
+                continue
+            layout = h5py.VirtualLayout(shape=(total, self.dim), dtype=self.storage)
+            for shard, base in zip(self.shards, self.residue_rows[:-1]):
+                if shard.rows:
+                    layout[int(base) : int(base) + shard.rows] = h5py.VirtualSource(
+                        shard.rel, f"per_residue/{name}", shape=(shard.rows, self.dim), dtype=self.storage
+                    )
+            # a missing source reads as NaN (not zeros), which validate and readers catch
+            tag(pr.create_virtual_dataset(name, layout, fillvalue=np.nan), VIRTUAL)
+
+    def write_aliases(self, f: h5py.File) -> None:
+        """``aliases/id`` -> ``aliases/of`` and ``skipped/id``, ``skipped/reason``."""
+        for group, encoding, second, pairs in (("aliases", ALIASES, "of", self.aliases),
+                                               ("skipped", SKIPPED, "reason", self.skipped)):
+            g = f.create_group(group)
+            tag(g, encoding)
+            create_string_dataset(g, "id", [a for a, _ in pairs])
+            create_string_dataset(g, second, [b for _, b in pairs])
+
+
+def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
+    """Merge shard stores into ``out`` (atomic). See the module docstring."""
+    out = Path(out)
+    paths = _check_paths(stores, out, manifest)
+    out_dir = out.parent if str(out.parent) else Path(".")
+    shards = [_read_shard(p, out_dir) for p in paths]
+    _check_agreement(shards)
+    index = _index_ids(shards)
+    aliases: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = []
+    if manifest is not None:
+        aliases, skipped = plan_manifest(Path(manifest), shards, index)
+    merge = _Merge(shards, aliases, skipped, with_manifest=manifest is not None)
+    with atomic_h5(out) as target, target.create(**WRITE_OPTIONS) as f:
+        merge.write(f)
+    return MergeSummary(
+        out=out,
+        stores=len(shards),
+        records=merge.n,
+        per_residue_rows=int(merge.residue_rows[-1]) if merge.per_residue else 0,
+        aliases=len(aliases),
+        skipped=len(skipped),
+        skipped_by_reason=dict(Counter(r for _, r in skipped)),
+        varying_attrs=merge.varying,
+        file_size=out.stat().st_size,
+    )
+
+
+def _copy_rows(src_path: Path, name: str, dst: h5py.Dataset, start: int, cast: Any, *, check_finite: bool) -> None:
+    with h5py.File(src_path, "r") as g:
+        for sl, block in read_blocks(g[name], name, src_path):
+            if check_finite and not np.isfinite(block).all():
+                raise StoreError(f"{src_path}: dataset {name} holds non-finite values; run embedpipe validate")
+            with contextlib.suppress(AttributeError):
+                block = block.astype(cast, copy=False)
+            dst[start + sl.start : start + sl.stop] = block

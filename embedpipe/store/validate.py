@@ -1,0 +1,270 @@
+"""``embedpipe validate``: every check of docs/store-format.md ("Checking a store"), each
+failure one problem line, never an exception for a bad file."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from embedpipe.errors import StoreError
+from embedpipe.store.columns import COLUMNS, required_columns
+from embedpipe.store.encoding import encoding_problems
+from embedpipe.store.format import (
+    LONG_HANDLING,
+    STORAGE_DTYPES,
+    attr_to_python,
+    check_format,
+    is_complete,
+    layer_names,
+    open_h5,
+    read_blocks,
+    read_root_attrs,
+    read_strings,
+    stored_layers,
+)
+from embedpipe.store.meancheck import MeanCheck, mean_checks
+from embedpipe.store.sources import validate_sources
+
+
+def _read_all(ds: h5py.Dataset, name: str, problems: list[str], *, check_finite: bool,
+              check: MeanCheck | None = None) -> None:
+    """Read every block (verifying checksums at the source), optionally check finiteness and
+    hand each block to ``check`` (so the mean check costs no second read)."""
+    nonfinite = 0
+    first_bad: int | None = None
+    try:
+        for sl, block in read_blocks(ds, name):
+            if check_finite and (bad := _nonfinite_rows(block)).any():
+                nonfinite += int(np.count_nonzero(bad))
+                if first_bad is None:
+                    first_bad = sl.start + int(np.argmax(bad))
+            if check is not None:
+                check.feed(sl, block)
+    except StoreError as exc:
+        problems.append(str(exc))
+        return
+    if check is not None and (problem := check.problem()):
+        problems.append(problem)
+    if nonfinite:
+        problems.append(f"dataset {name}: {nonfinite} row(s) with non-finite values (first at row {first_bad})")
+
+
+def _nonfinite_rows(block: np.ndarray) -> np.ndarray:
+    bad = ~np.isfinite(block)
+    return bad.reshape(bad.shape[0], -1).any(axis=1) if block.ndim > 1 else bad
+
+
+def _datasets_by_name(f: h5py.File) -> list[tuple[str, h5py.Dataset]]:
+    out: list[tuple[str, h5py.Dataset]] = []
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            out.append((name, obj))
+
+    f.visititems(visit)
+    return out
+
+
+class _Validation:
+    """The checks of one open store, in order; each appends to ``problems``."""
+
+    def __init__(self, f: h5py.File, path: Path, version: int, problems: list[str]) -> None:
+        self.f, self.path, self.version, self.problems = f, path, version, problems
+        self.attrs = read_root_attrs(f)
+        self.storage = self.attrs.get("storage_dtype")
+        self.dim = self.attrs.get("dim")
+        self.layers = stored_layers(f)
+        self.n = 0
+        self.ids: list[str] | None = None
+        self.embedded: np.ndarray | None = None
+
+    def label(self, i: int) -> str:
+        return repr(self.ids[i] if self.ids else i)
+
+    def run(self) -> None:
+        f, problems = self.f, self.problems
+        if not is_complete(f):
+            problems.append("store is incomplete (attribute 'complete' is not true): the writer did not finish")
+        if self.storage not in STORAGE_DTYPES:
+            problems.append(f"storage_dtype attribute is {self.storage!r}, not one of {', '.join(STORAGE_DTYPES)}")
+        problems.extend(str(p).removeprefix(f"{self.path}: ") for p in encoding_problems(f, self.path))
+        if "ids" not in f:
+            problems.append("dataset ids is missing")
+            return
+        self.n = int(f["ids"].shape[0])
+        self.columns()
+        self.read_ids()
+        self.means()
+        self.lengths()
+        self.per_residue()
+        self.aliases_and_skipped()
+        self.data()
+
+    def columns(self) -> None:
+        """Every column the store's version requires exists; every column has N rows."""
+        required = {c.name for c in required_columns(self.version)}
+        for name in COLUMNS:
+            if name not in self.f:
+                if name in required:
+                    self.problems.append(f"dataset {name} is missing")
+            elif self.f[name].shape != (self.n,):
+                self.problems.append(f"dataset {name} has shape {self.f[name].shape}, expected ({self.n},)")
+
+    def read_ids(self) -> None:
+        try:
+            self.ids = read_strings(self.f["ids"])
+        except OSError as exc:
+            self.problems.append(f"dataset ids: checksum mismatch or read error ({exc})")
+            return
+        dup = [k for k, c in Counter(self.ids).items() if c > 1]
+        if dup:
+            self.problems.append(f"ids are not unique ({len(dup)} duplicated, e.g. {dup[0]!r})")
+        if any(not i for i in self.ids):
+            self.problems.append("ids contains an empty id")
+
+    def means(self) -> None:
+        """``layers`` matches the mean datasets, each (N, D) in the storage dtype."""
+        mean_layers = layer_names(self.f.get("mean", {}))
+        if self.f.attrs.get("layers") is None:
+            self.problems.append("root attribute 'layers' is missing")
+        elif mean_layers != self.layers:
+            self.problems.append(f"layers attribute {self.layers} != mean datasets {mean_layers}")
+        for k in mean_layers:
+            ds = self.f[f"mean/layer_{k}"]
+            if ds.ndim != 2 or ds.shape[0] != self.n or (self.dim is not None and ds.shape[1] != self.dim):
+                self.problems.append(f"dataset mean/layer_{k} has shape {ds.shape}, expected ({self.n}, {self.dim})")
+            if self.storage in STORAGE_DTYPES and ds.dtype != np.dtype(self.storage):
+                self.problems.append(f"dataset mean/layer_{k} has dtype {ds.dtype}, storage_dtype says {self.storage}")
+
+    def _column(self, name: str, read: Any) -> Any:
+        """``read(dataset)`` of a column with N rows; None when absent, misshapen or unreadable."""
+        if name not in self.f or self.f[name].shape != (self.n,):
+            return None
+        try:
+            return read(self.f[name])
+        except OSError as exc:
+            self.problems.append(f"dataset {name}: checksum mismatch or read error ({exc})")
+            return None
+
+    def lengths(self) -> None:
+        """``embedded_length`` within 0..``length``, ``length == len(sequence)``, known ``long_handling``."""
+        lengths = self._column("length", lambda ds: ds[:].astype(np.int64))
+        self.embedded = self._column("embedded_length", lambda ds: ds[:].astype(np.int64))
+        if lengths is not None and self.embedded is not None:
+            emb = self.embedded
+            if (emb < 0).any() or (emb > lengths).any():
+                i = int(np.argmax((emb < 0) | (emb > lengths)))
+                self.problems.append(f"record {self.label(i)}: embedded_length {emb[i]} outside 0..length {lengths[i]}")
+        sequences = self._column("sequence", read_strings) if lengths is not None else None
+        if sequences is not None:
+            seq_lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=self.n)
+            if not np.array_equal(seq_lengths, lengths):
+                i = int(np.argmax(seq_lengths != lengths))
+                self.problems.append(f"record {self.label(i)}: length {lengths[i]} != len(sequence) {seq_lengths[i]}")
+        handling = self._column("long_handling", read_strings)
+        bad = sorted(set(handling or ()) - set(LONG_HANDLING))
+        if bad:
+            self.problems.append(f"long_handling has unknown value(s) {bad}")
+
+    def per_residue(self) -> None:
+        on = attr_to_python(self.attrs.get("per_residue", "per_residue" in self.f))
+        if on and "per_residue" not in self.f:
+            self.problems.append("per_residue attribute is true but the per_residue group is missing")
+        if "per_residue" not in self.f:
+            return
+        pr = self.f["per_residue"]
+        pr_layers = layer_names(pr)
+        if pr_layers != self.layers:
+            self.problems.append(f"per_residue datasets {pr_layers} != layers attribute {self.layers}")
+        if "offsets" not in pr:
+            self.problems.append("dataset per_residue/offsets is missing")
+        elif pr["offsets"].shape != (self.n + 1,):
+            self.problems.append(f"dataset per_residue/offsets has shape {pr['offsets'].shape}, expected ({self.n + 1},)")
+        else:
+            try:
+                offsets = pr["offsets"][:].astype(np.int64)
+            except OSError as exc:
+                self.problems.append(f"dataset per_residue/offsets: checksum mismatch or read error ({exc})")
+                return
+            self.offsets(offsets, pr, pr_layers)
+
+    def offsets(self, offsets: np.ndarray, pr: h5py.Group, pr_layers: list[int]) -> None:
+        """Start at 0, monotonic, steps equal ``embedded_length``, the last is the row count."""
+        if offsets[0] != 0:
+            self.problems.append(f"per_residue/offsets[0] is {offsets[0]}, not 0")
+        steps = np.diff(offsets)
+        if (steps < 0).any():
+            self.problems.append(f"per_residue/offsets not monotonic (first drop after row {int(np.argmax(steps < 0))})")
+        elif self.embedded is not None and not np.array_equal(steps, self.embedded):
+            i = int(np.argmax(steps != self.embedded))
+            self.problems.append(
+                f"record {self.label(i)}: {steps[i]} per-residue rows but embedded_length {self.embedded[i]}"
+            )
+        for k in pr_layers:
+            ds = pr[f"layer_{k}"]
+            if ds.ndim != 2 or ds.shape[0] != offsets[-1] or (self.dim is not None and ds.shape[1] != self.dim):
+                self.problems.append(
+                    f"dataset per_residue/layer_{k} has shape {ds.shape}, expected ({offsets[-1]}, {self.dim})"
+                )
+
+    def aliases_and_skipped(self) -> None:
+        for group, second in (("aliases", "of"), ("skipped", "reason")):
+            if group not in self.f:
+                continue
+            g = self.f[group]
+            if "id" not in g or second not in g or g["id"].shape != g[second].shape:
+                self.problems.append(f"{group} group needs datasets id and {second} of equal length")
+            elif group == "aliases" and self.ids is not None:
+                self.alias_targets(read_strings(g["id"]), read_strings(g["of"]))
+
+    def alias_targets(self, alias_ids: list[str], targets: list[str]) -> None:
+        known = set(self.ids or ())
+        missing = [t for t in targets if t not in known]
+        if missing:
+            self.problems.append(f"{len(missing)} alias(es) point to unknown ids (e.g. {missing[0]!r})")
+        clash = [a for a in alias_ids if a in known]
+        if clash:
+            self.problems.append(f"alias id {clash[0]!r} is also a record id")
+        if len(set(alias_ids)) != len(alias_ids):
+            self.problems.append("alias ids are not unique")
+
+    def data(self) -> None:
+        """Merged sources, then every chunk once: checksums (at the source, for virtual
+        datasets), finiteness and whether each stored mean is the mean of its per-residue rows."""
+        datasets = _datasets_by_name(self.f)
+        sources_ok = True
+        if "merged_from" in self.f.attrs or any(ds.is_virtual for _, ds in datasets):
+            sources_ok = validate_sources(self.f, self.path, self.ids, self.problems)
+        checks = mean_checks(self.f, self.ids) if sources_ok else {}
+        for name, ds in datasets:
+            if not ds.is_virtual and not ds.fletcher32:
+                self.problems.append(f"dataset {name} has no fletcher32 checksum")
+            if ds.is_virtual and not sources_ok:
+                continue
+            vectors = ds.dtype.kind == "f" and (name.startswith("mean/") or name.startswith("per_residue/"))
+            _read_all(ds, name, self.problems, check_finite=vectors, check=checks.get(name))
+
+
+def validate_store(path: Path) -> list[str]:
+    """Problems with the store at ``path``; empty only for a complete, consistent, checksummed,
+    finite store. Never raises for a bad file: every failure is a problem string."""
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        f = open_h5(path)
+    except StoreError as exc:
+        return [str(exc).removeprefix(f"{path}: ")]
+    try:
+        with f:
+            try:
+                version = check_format(f, path)
+            except StoreError as exc:
+                return [str(exc).removeprefix(f"{path}: ")]
+            _Validation(f, path, version, problems).run()
+    except Exception as exc:  # noqa: BLE001 - validate must report, never crash
+        problems.append(f"unreadable store structure: {type(exc).__name__}: {exc}")
+    return problems
