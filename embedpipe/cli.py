@@ -308,6 +308,24 @@ def make_test_model(
     print(path)
 
 
+@app.command()
+@_user_errors
+def export(
+    store: Path = typer.Argument(..., help="Store to export (a merged store exports every input ID, aliases too)."),
+    fmt: str = typer.Option(..., "--format", help="h5-per-id (one dataset per ID), parquet, or npy (matrix + IDs)."),
+    out: Path = typer.Option(..., "--out", help="Output file (npy: OUT.npy plus OUT.ids.txt, OUT.provenance.json)."),
+    layer: int = typer.Option(-1, "--layer", help="Stored layer to export (-1 = the highest stored)."),
+    per_residue: bool = typer.Option(False, "--per-residue", help="Per-residue vectors instead of pooled ones."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Write a store in the layout downstream tools read (docs/exports.md)."""
+    from embedpipe.export import export_store
+
+    summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, quiet=quiet)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
 class _Interrupts:
     """Ctrl-C that Python could only report as ``Exception ignored in: ...`` (it landed in a
     weakref callback or ``__del__``, where it cannot propagate) is remembered instead, and the

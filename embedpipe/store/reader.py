@@ -360,21 +360,50 @@ class Store:
         out["mean"] = {k: read_dataset(f, self.path, f"mean/layer_{k}", row) for k in self._layers}
         return out
 
-    def records(self, *, sequence: bool = False) -> dict[str, np.ndarray]:
+    def records(self, *, sequence: bool = False, rows: slice | None = None) -> dict[str, np.ndarray]:
         """Per-record table, one array per column in row order (pass to ``pandas.DataFrame``):
         id, length, embedded_length, precision_used, fallback_reason, max_abs_activation,
         long_handling, windows (and sequence when asked); a later column an older store lacks
-        reads as its default."""
+        reads as its default. ``rows`` (a step-1 slice) reads just those rows, so a whole
+        store can be streamed block by block in bounded memory."""
         f = self._h5
-        table: dict[str, np.ndarray] = {"id": np.array(self._ids, dtype=object)}
+        lo, hi = _row_range(rows, self._n)
+        key = slice(lo, hi)
+        table: dict[str, np.ndarray] = {"id": np.array(self._ids[key], dtype=object)}
         for name, column in COLUMNS.items():
             if name == "ids" or (name == "sequence" and not sequence):
                 continue
             if name in f:
-                table[name] = column.to_table(read_dataset(f, self.path, name))
+                table[name] = column.to_table(read_dataset(f, self.path, name, key))
             elif not column.required_in(self._version):
-                table[name] = column.default_table(self._n)
+                table[name] = column.default_table(hi - lo)
         return table
+
+    def mean_rows(self, rows: slice, layer: int = -1) -> np.ndarray:
+        """Mean vectors of the records in ``rows`` (a step-1 slice), as numpy in the storage dtype."""
+        lo, hi = _row_range(rows, self._n)
+        return read_dataset(self._h5, self.path, f"mean/layer_{self.layer(layer)}", slice(lo, hi))
+
+    def per_residue_rows(self, rows: slice, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
+        """(vectors, offsets) of the records in ``rows``: record ``rows.start + i`` is
+        ``vectors[offsets[i]:offsets[i+1]]``. One read for the whole block."""
+        if self._offsets is None:
+            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        lo, hi = _row_range(rows, self._n)
+        offsets = self._offsets[lo : hi + 1]
+        name = f"per_residue/layer_{self.layer(layer)}"
+        vectors = read_dataset(self._h5, self.path, name, slice(int(offsets[0]), int(offsets[-1])))
+        return vectors, offsets - offsets[0]
+
+
+def _row_range(rows: slice | None, n: int) -> tuple[int, int]:
+    """(start, stop) of a step-1 row slice within ``n`` rows (stop >= start)."""
+    if rows is None:
+        return 0, n
+    start, stop, step = rows.indices(n)
+    if step != 1:
+        raise StoreError(f"rows must be a contiguous slice (step 1), not {rows}")
+    return start, max(start, stop)
 
 
 def _dask_rows(ds: h5py.Dataset) -> int:

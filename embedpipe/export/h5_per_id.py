@@ -1,0 +1,33 @@
+"""``h5-per-id``: one dataset per input ID at the file root, the layout bio_embeddings, the
+ProtT5 embedder, protspace, LightAttention and TMbed read (docs/exports.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from embedpipe.export.blocks import RECORD_COLUMNS, ExportBlock
+from embedpipe.export.keys import encode_key
+from embedpipe.store.format import write_root_attrs
+from embedpipe.store.h5write import atomic_h5
+
+
+def write_h5_per_id(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any],
+                    on_block: Callable[[ExportBlock], None]) -> None:
+    """Write ``out`` atomically: dataset ``encode_key(id)`` holds the vector (D,) or the
+    per-residue rows (L, D), with ``original_id``, ``alias_of``, ``sequence_sha256`` and the
+    record's ``length``, ``precision_used``, ``fallback_reason`` as attributes."""
+    with atomic_h5(out) as target, target.create() as f:
+        write_root_attrs(f, attrs)
+        for block in blocks:
+            for j, record_id in enumerate(block.ids):
+                ds = f.create_dataset(encode_key(record_id), data=block.record_rows(j))
+                i = int(block.source[j])
+                ds.attrs["original_id"] = record_id
+                ds.attrs["alias_of"] = block.alias_of[j]
+                ds.attrs["sequence_sha256"] = block.table["sequence_sha256"][i]
+                for name in RECORD_COLUMNS:
+                    value = block.table[name][i]
+                    ds.attrs[name] = value if isinstance(value, str) else value.item()
+            on_block(block)

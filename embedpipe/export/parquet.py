@@ -1,0 +1,65 @@
+"""``parquet``: one row per input ID with its vector as a fixed-size list, readable by
+pandas, polars, DuckDB and Hugging Face ``datasets`` without help (docs/exports.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from embedpipe.atomic import atomic_path
+from embedpipe.export.blocks import ExportBlock
+
+_ARROW_TYPES = {np.dtype(np.float32): pa.float32(), np.dtype(np.float16): pa.float16()}
+VECTOR_COLUMN = "embedding"
+METADATA_KEY = b"embedpipe"
+
+
+def schema(dim: int, dtype: np.dtype, per_residue: bool, attrs: Mapping[str, Any]) -> pa.Schema:
+    """id, alias_of, sequence_sha256, length, precision_used, fallback_reason, embedding."""
+    vector = pa.list_(_ARROW_TYPES[np.dtype(dtype)], dim)
+    fields = [
+        ("id", pa.string()), ("alias_of", pa.string()), ("sequence_sha256", pa.string()),
+        ("length", pa.int64()), ("precision_used", pa.string()), ("fallback_reason", pa.string()),
+        (VECTOR_COLUMN, pa.list_(vector) if per_residue else vector),
+    ]
+    metadata = {METADATA_KEY: json.dumps(dict(attrs), sort_keys=True, default=str).encode("utf-8")}
+    return pa.schema(fields, metadata=metadata)
+
+
+def _table(block: ExportBlock, schema_: pa.Schema, dim: int) -> pa.Table:
+    src = block.source
+    if block.residues is None:
+        values = block.vectors[src]  # type: ignore[index]
+        vectors = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), dim)
+    else:
+        rows, offsets = block.gathered_residues()
+        inner = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), dim)
+        vectors = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), inner)
+    columns = {
+        "id": block.ids,
+        "alias_of": block.alias_of,
+        "sequence_sha256": block.table["sequence_sha256"][src].tolist(),
+        "length": block.table["length"][src].astype(np.int64),
+        "precision_used": block.table["precision_used"][src].tolist(),
+        "fallback_reason": block.table["fallback_reason"][src].tolist(),
+    }
+    arrays = [pa.array(columns[f.name], type=f.type) for f in schema_ if f.name != VECTOR_COLUMN]
+    return pa.Table.from_arrays([*arrays, vectors], schema=schema_)
+
+
+def write_parquet(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], *, dim: int,
+                  dtype: np.dtype, per_residue: bool, on_block: Callable[[ExportBlock], None]) -> None:
+    """Write ``out`` atomically, one row group per block (bounded memory when reading too);
+    the store's provenance is the file's key-value metadata under ``embedpipe``."""
+    schema_ = schema(dim, dtype, per_residue, attrs)
+    with atomic_path(out) as tmp:
+        with pq.ParquetWriter(tmp, schema_, compression="zstd") as writer:
+            for block in blocks:
+                writer.write_table(_table(block, schema_, dim))
+                on_block(block)
