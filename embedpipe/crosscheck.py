@@ -39,6 +39,7 @@ import numpy as np
 from embedpipe import __version__
 from embedpipe.atomic import check_output_path, write_text_atomic
 from embedpipe.checksums import file_sha256
+from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
 from embedpipe.metrics import (
     aggregate,
@@ -50,7 +51,9 @@ from embedpipe.metrics import (
     top_k_neighbours,
     wilson_interval,
 )
+from embedpipe.model import is_model_name, load_model
 from embedpipe.progress import progress_bar, say
+from embedpipe.worker import EmbedOptions, Embedder
 
 __all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "Thresholds", "VERDICTS", "run_crosscheck"]
 
@@ -158,7 +161,6 @@ def run_crosscheck(
 
     ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
     """
-    from embedpipe.devices import claim_device
     from embedpipe.io import open_store
 
     thresholds = thresholds or Thresholds()
@@ -304,8 +306,6 @@ def run_crosscheck(
 def _load_reference_model(provenance: dict[str, Any], override: str | None, allow_mismatch: bool,
                           notes: list[str], quiet: bool):
     """Load the store's model (or ``override``) and check its sha256 against the store's."""
-    from embedpipe.models import is_model_name, load_model
-
     config = provenance.get("config") if isinstance(provenance.get("config"), dict) else {}
     expected = provenance.get("model_sha256")
     name = provenance.get("model_name")
@@ -355,8 +355,6 @@ def _load_reference_model(provenance: dict[str, Any], override: str | None, allo
 
 def _reference_options(provenance: dict[str, Any], layers: list[int], per_residue: bool):
     """fp32 ``EmbedOptions`` that reproduce the store's pooling and long-sequence handling."""
-    from embedpipe.embed import EmbedOptions
-
     config = provenance.get("config") if isinstance(provenance.get("config"), dict) else {}
     defaults = EmbedOptions()
 
@@ -390,8 +388,6 @@ def _reference_options(provenance: dict[str, Any], layers: list[int], per_residu
 def _reembed(loaded, options, device, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
     """fp32 forward of ``pairs`` on the claimed ``device`` (the worker's fp32 policy already pins
     true fp32 matmuls, no TF32)."""
-    from embedpipe.embed import Embedder
-
     started = time.perf_counter()
     out: dict[int, Any] = {}
     embedder = Embedder(loaded, options, device)
