@@ -55,7 +55,8 @@ def window_starts(length: int, window: int, overlap: int) -> list[int]:
 def plan_record(record: int, length: int, mode: str, *, window: int,
                 overlap: int = DEFAULT_OVERLAP, record_id: str = "") -> tuple[list[Piece], str]:
     """The pieces for one record and what happened to it (none, chunked, truncated, full);
-    ``window``: residues per forward window (the model's trained window)."""
+    ``window``: residues per forward window (the model's trained window). The overlap is at
+    most half a window, so that windows advance for models with short windows."""
     if length <= window:
         return [Piece(record, 0, length, 0, length)], "none"
     if mode == "full":
@@ -69,7 +70,7 @@ def plan_record(record: int, length: int, mode: str, *, window: int,
         )
     if mode != "chunk":
         raise InputError(f"--long-sequences must be one of {', '.join(LONG_SEQUENCE_MODES)}, not {mode!r}")
-    starts = window_starts(length, window, overlap)
+    starts = window_starts(length, window, min(overlap, window // 2))
     centres = [s + window / 2 for s in starts]
     pieces = []
     for i, start in enumerate(starts):

@@ -311,8 +311,8 @@ class Embedder:
               device: torch.device) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """Pooled sums, largest stored |value| and max activation per piece, plus per-residue rows.
 
-        Runs under ``exact_fp32`` (autocast off, no TF32): the sums accumulate in fp32
-        whatever the policy.
+        Runs under ``exact_fp32``: autocast is off there and the hidden states are cast to
+        fp32 first, so the sums accumulate in fp32 whatever the policy.
         """
         # residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device copy
         bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1] for p in batch])

@@ -6,10 +6,9 @@ import torch (the modules that need it are imported when a model is loaded).
 """
 
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
-from embedpipe.model.registry import FAMILIES, Family, describe, inspect, is_model_name, load_model
+from embedpipe.model.registry import Family, describe, inspect, is_model_name, load_model, register
 
 __all__ = [
-    "FAMILIES",
     "Family",
     "MemoryEstimate",
     "ModelFacts",
@@ -17,4 +16,5 @@ __all__ = [
     "inspect",
     "is_model_name",
     "load_model",
+    "register",
 ]

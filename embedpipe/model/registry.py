@@ -3,7 +3,7 @@
 Adding a family (ESM C, a Hugging Face ESM checkpoint) means one module that defines
 ``load(spec) -> EmbeddingModel`` and ``inspect(facts) -> ModelFacts`` (a checkpoint path's
 facts completed from its header), plus one
-:class:`Family` line in :data:`FAMILIES`. Families are asked in order; ESM-2 comes last
+:class:`Family` line in :data:`FAMILIES` (or a :func:`register` call). Families are asked in order; ESM-2 comes last
 because it takes every spec (its names and any checkpoint path).
 
 A family's module is imported when a model is first loaded or inspected, by name
@@ -43,6 +43,11 @@ class Family:
 FAMILIES: list[Family] = [
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2"),
 ]
+
+
+def register(family: Family) -> None:
+    """Ask ``family`` before those already registered (ESM-2, which takes every spec, stays last)."""
+    FAMILIES.insert(0, family)
 
 
 def family_for(spec: str) -> Family:
