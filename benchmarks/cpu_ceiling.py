@@ -41,10 +41,10 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from embedpipe.embed import EmbedOptions, Embedder
+    from embedpipe.worker import EmbedOptions, Embedder
     from embedpipe.fasta import read_sequences
-    from embedpipe.models import load_model
-    from embedpipe.packed_linear import pack_linear
+    from embedpipe.model import load_model
+    from embedpipe.model.packed_linear import pack_linear
 
     torch.set_num_threads(args.threads)
     model_path = bench_model(args)
@@ -57,7 +57,7 @@ def main() -> None:
     store = OUT / "ceiling-bf16-mixed.h5"
     store.unlink(missing_ok=True)
     embed_s, _ = timed(system_command("bf16-mixed", model_path, args.fasta, store, args.threads), env)
-    startup_s = min(timed([sys.executable, "-c", "import torch, esm, h5py; from embedpipe.models import load_model; "
+    startup_s = min(timed([sys.executable, "-c", "import torch, esm, h5py; from embedpipe.model import load_model; "
                            f"torch.set_num_threads({args.threads}); load_model({str(model_path)!r})"], env)[0]
                     for _ in range(args.repeats))
 

@@ -113,7 +113,7 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) 
     import torch
     import torch.nn.functional as F
 
-    from embedpipe.packed_linear import pack_linear
+    from embedpipe.model.packed_linear import pack_linear
 
     torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
@@ -163,7 +163,7 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench_model(args: argparse.Namespace) -> Path:
     """The random-weight checkpoint of the requested shape, made once under benchmarks/out/."""
-    from embedpipe.models import make_test_model
+    from embedpipe.model.random_checkpoint import make_test_model
 
     OUT.mkdir(parents=True, exist_ok=True)
     model = OUT / f"esm2_bench_t{args.layers}_{args.dim}.pt"

@@ -46,8 +46,9 @@ def _peak_mib(device: torch.device) -> float:
 def run(args: argparse.Namespace) -> None:
     import esm
 
-    from embedpipe.embed import EmbedOptions, Embedder
-    from embedpipe.models import load_model, make_test_model
+    from embedpipe.worker import EmbedOptions, Embedder
+    from embedpipe.model import load_model
+    from embedpipe.model.random_checkpoint import make_test_model
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"esm2_gpu_t{args.layers}_{args.dim}.pt"

@@ -1,6 +1,6 @@
 """Optional benchmark peer: Hugging Face transformers' ``EsmModel`` with SDPA attention.
 
-Converts a fair-esm ESM-2 checkpoint (as loaded by ``embedpipe.models.load_model``) into
+Converts a fair-esm ESM-2 checkpoint (as loaded by ``embedpipe.model.load_model``) into
 ``transformers.EsmModel`` (no pooling layer, ``attn_implementation="sdpa"``) and runs the
 same whole-process recipe as fair-esm's scripts/extract.py in ``embed_throughput.py``:
 length-sorted batches of at most 4096 tokens (BOS/EOS included), truncation at 1022
@@ -67,7 +67,7 @@ def _hf_state_dict(fair: dict[str, "torch.Tensor"], num_layers: int) -> dict[str
 def convert_to_hf(loaded: Any) -> "transformers.EsmModel":
     """A ``transformers.EsmModel`` (eval, fp32, SDPA when supported) with ``loaded``'s ESM-2 weights.
 
-    ``loaded`` is an ``embedpipe.models.LoadedModel``. ``last_hidden_state`` of the result
+    ``loaded`` is an ``embedpipe.model.esm2.Esm2Model``. ``last_hidden_state`` of the result
     equals fair-esm's last-layer representation (``emb_layer_norm_after`` applied).
     """
     import torch
@@ -117,7 +117,7 @@ def run_hf(model_path: Path, fasta: Path, out_dir: Path, threads: int) -> None:
     import torch
     from esm.data import FastaBatchedDataset
 
-    from embedpipe.models import load_model
+    from embedpipe.model import load_model
 
     torch.set_num_threads(threads)
     loaded = load_model(str(model_path))

@@ -24,9 +24,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from embed_helpers import random_sequences  # noqa: E402
 
-from embedpipe.embed import EmbedOptions, Embedder  # noqa: E402
-from embedpipe.models import load_model, make_test_model  # noqa: E402
+from embedpipe.model import load_model  # noqa: E402
+from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
 from embedpipe.precision import POLICIES  # noqa: E402
+from embedpipe.worker import EmbedOptions, Embedder  # noqa: E402
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from embedpipe.atomic import write_text_atomic
 from embedpipe.progress import progress_bar
 
 _CHUNK = 8 << 20
@@ -56,8 +57,6 @@ def file_sha256(path: Path, *, quiet: bool = True, cache: bool = False) -> str:
     hexdigest = digest.hexdigest()
     if entry is not None:
         try:
-            from embedpipe.atomic import write_text_atomic
-
             write_text_atomic(entry, json.dumps({"path": str(path.resolve()), "stamp": _stamp(stat), "sha256": hexdigest}))
         except Exception:  # a read-only home is no reason to fail a job
             pass

@@ -286,7 +286,7 @@ def fetch_model(
     dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache)."),
 ) -> None:
     """Download a model ahead of time, for compute nodes without internet."""
-    from embedpipe.models import fetch_model as _fetch
+    from embedpipe.model.sources import fetch_model as _fetch
 
     path = _fetch(name, dest=dest)
     print(path)
@@ -302,7 +302,7 @@ def make_test_model(
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Write a random-weight (untrained) ESM-2 checkpoint in fair-esm's format."""
-    from embedpipe.models import make_test_model as _make
+    from embedpipe.model.random_checkpoint import make_test_model as _make
 
     path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed)
     print(path)
@@ -324,6 +324,23 @@ def export(
     summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
+
+
+@app.command("model-info", hidden=True)
+@_user_errors
+def model_info(
+    spec: str = typer.Argument(..., help="Model name or checkpoint path."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
+) -> None:
+    """Facts about a model without loading its weights (the workflow's mem_mb comes from here)."""
+    from embedpipe.model import inspect
+
+    data = inspect(spec).to_dict()
+    if as_json:
+        print(json.dumps(data, sort_keys=True))
+    else:
+        for key, value in data.items():
+            print(f"{key}: {value}")
 
 
 class _Interrupts:

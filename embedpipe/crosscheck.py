@@ -13,8 +13,8 @@ matter downstream? The steps, all from the store alone:
    vectors of the store, queried with the stored and with the fp32 vector: overlap@k;
 5. whole-store figures (fallbacks, precision used, max activation) and a verdict.
 
-The store is read only through :class:`embedpipe.io.Store`, whose reads all go through
-:func:`embedpipe.io.read_dataset`: a missing dataset or a failed read (a flipped byte) is one
+The store is read only through :class:`embedpipe.store.Store`, whose reads all go through
+:func:`embedpipe.store.reader.read_dataset`: a missing dataset or a failed read (a flipped byte) is one
 ``StoreError`` naming the file, the dataset and the rows, and ``open_store`` refuses a merged
 store whose shard stores were rewritten after the merge (docs/store-format.md).
 
@@ -30,7 +30,6 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ import numpy as np
 from embedpipe import __version__
 from embedpipe.atomic import check_output_path, write_text_atomic
 from embedpipe.checksums import file_sha256
+from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
 from embedpipe.metrics import (
     aggregate,
@@ -50,7 +50,10 @@ from embedpipe.metrics import (
     top_k_neighbours,
     wilson_interval,
 )
+from embedpipe.model import is_model_name, load_model
 from embedpipe.progress import progress_bar, say
+from embedpipe.store import open_store, utc_now
+from embedpipe.worker import EmbedOptions, Embedder
 
 __all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "Thresholds", "VERDICTS", "run_crosscheck"]
 
@@ -158,8 +161,6 @@ def run_crosscheck(
 
     ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
     """
-    from embedpipe.devices import claim_device
-    from embedpipe.store import open_store
 
     thresholds = thresholds or Thresholds()
     thresholds.validate()
@@ -252,7 +253,7 @@ def run_crosscheck(
 
     data: dict[str, Any] = {
         "crosscheck_format_version": CROSSCHECK_FORMAT_VERSION,
-        "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": utc_now(),
         "embedpipe_version": __version__,
         "verdict": verdict,
         "verdict_reasons": reasons,
@@ -304,8 +305,6 @@ def run_crosscheck(
 def _load_reference_model(provenance: dict[str, Any], override: str | None, allow_mismatch: bool,
                           notes: list[str], quiet: bool):
     """Load the store's model (or ``override``) and check its sha256 against the store's."""
-    from embedpipe.models import is_model_name, load_model
-
     config = provenance.get("config") if isinstance(provenance.get("config"), dict) else {}
     expected = provenance.get("model_sha256")
     name = provenance.get("model_name")
@@ -355,8 +354,6 @@ def _load_reference_model(provenance: dict[str, Any], override: str | None, allo
 
 def _reference_options(provenance: dict[str, Any], layers: list[int], per_residue: bool):
     """fp32 ``EmbedOptions`` that reproduce the store's pooling and long-sequence handling."""
-    from embedpipe.embed import EmbedOptions
-
     config = provenance.get("config") if isinstance(provenance.get("config"), dict) else {}
     defaults = EmbedOptions()
 
@@ -390,8 +387,6 @@ def _reference_options(provenance: dict[str, Any], layers: list[int], per_residu
 def _reembed(loaded, options, device, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
     """fp32 forward of ``pairs`` on the claimed ``device`` (the worker's fp32 policy already pins
     true fp32 matmuls, no TF32)."""
-    from embedpipe.embed import Embedder
-
     started = time.perf_counter()
     out: dict[int, Any] = {}
     embedder = Embedder(loaded, options, device)

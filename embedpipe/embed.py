@@ -1,444 +1,29 @@
-"""The embedding worker: batch, forward under a precision policy, check, fall back, pool, store.
+"""``embedpipe embed``: one FASTA (a shard) into one store, with the worker and provenance.
 
-One worker embeds one FASTA (a shard) into one store. The model is prepared once per
-policy; results leave the device once per batch (one transfer per stored layer), so memory
-is bounded by a batch. Every record's stored outputs are checked for NaN/inf and for values
-the storage dtype cannot hold; such records are re-run alone in fp32 and tagged.
+The worker itself is :mod:`embedpipe.worker`; the model comes from :mod:`embedpipe.model`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from embedpipe import __version__
-from embedpipe.batching import LONG_SEQUENCE_MODES, TRAINED_RESIDUES, Piece, padding_efficiency, plan_batches, plan_record
 from embedpipe.atomic import check_output_path
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
-from embedpipe.forward import ATTENTION_IMPLEMENTATIONS, EsmForward, masked_max_abs
+from embedpipe.fasta import read_sequences
 from embedpipe.host_memory import keep_freed_memory
-from embedpipe.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
-                                 get_policy, prepare_model)
-from embedpipe.progress import progress_bar, say
-from embedpipe.store import EmbeddedRecord, utc_now
-
-STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16}
-# Where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
-# fp32 model does not fit there beside the low-precision one; same = the main device or fail;
-# cpu = always the CPU. Memory each needs: docs/precision.md.
-FALLBACK_DEVICES = ("auto", "same", "cpu")
-
-
-@dataclass(frozen=True)
-class EmbedOptions:
-    """Every option that changes what is computed; stored as the store's ``config``."""
-
-    precision: str = "fp32"
-    layers: tuple[int, ...] = (-1,)
-    per_residue: bool = False
-    tokens_per_batch: int = 4096
-    device: str = "auto"
-    storage_dtype: str = "float32"
-    long_sequences: str = "chunk"
-    attention: str = "sdpa"
-    overflow_margin: float | None = None
-    threads: int | None = None
-    fallback_device: str = "auto"
-
-    def validate(self) -> None:
-        get_policy(self.precision)
-        if self.fallback_device not in FALLBACK_DEVICES:
-            raise EmbedpipeError(
-                f"--fallback-device must be one of {', '.join(FALLBACK_DEVICES)}, not {self.fallback_device!r}"
-            )
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise EmbedpipeError(f"--storage-dtype must be float32 or float16, not {self.storage_dtype!r}")
-        if self.long_sequences not in LONG_SEQUENCE_MODES:
-            raise EmbedpipeError(
-                f"--long-sequences must be one of {', '.join(LONG_SEQUENCE_MODES)}, not {self.long_sequences!r}"
-            )
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise EmbedpipeError(
-                f"--attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, not {self.attention!r}"
-            )
-        if self.attention == "fair-esm" and get_policy(self.precision).fp32_islands:
-            raise EmbedpipeError(
-                f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "
-                "forward cannot do; use --attention sdpa or math"
-            )
-        if self.tokens_per_batch < 3:
-            raise EmbedpipeError("--tokens-per-batch must be at least 3 (BOS, one residue, EOS)")
-        margin = self.overflow_margin
-        if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
-            raise EmbedpipeError(f"--overflow-margin must be a number in (0, 1], not {margin!r}")
-
-
-def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:
-    """Absolute, sorted, unique layer indices; negative ones count from the last (-1 = last)."""
-    resolved = set()
-    for layer in requested:
-        absolute = layer if layer >= 0 else num_layers + 1 + layer
-        if not 0 <= absolute <= num_layers:
-            raise EmbedpipeError(
-                f"layer {layer} does not exist: the model has layers 0..{num_layers} "
-                f"(0 = token embedding, -1 = last)"
-            )
-        resolved.add(absolute)
-    if not resolved:
-        raise EmbedpipeError("no layers requested")
-    return sorted(resolved)
-
-
-@dataclass
-class Plan:
-    """How a list of records will be run: batches of pieces, per-record handling and row counts."""
-
-    batches: list[list[Piece]]
-    handling: list[str]  # none | chunked | truncated | full
-    rows: list[int]  # residues embedded per record (the per-residue rows the store will hold)
-
-    @property
-    def padding_efficiency(self) -> float:
-        return padding_efficiency(self.batches)
-
-
-@dataclass
-class _PieceResult:
-    sums: dict[int, np.ndarray]  # layer -> (D,) float32 sum over the kept residues
-    residues: dict[int, np.ndarray] | None  # layer -> (keep_len, D) float32, when needed
-    max_abs: float
-    stored_max: float  # largest |value| over the stored outputs (NaN/inf propagate)
-
-
-@dataclass
-class _Assembly:
-    """A record whose pieces are being collected."""
-
-    pieces_left: int
-    results: list[tuple[Piece, _PieceResult]] = field(default_factory=list)
-
-
-class Embedder:
-    """Embeds sequences with one loaded model under one policy; reusable for many inputs.
-
-    ``embed`` yields ``(index, EmbeddedRecord)`` in completion order (not input order).
-    Records whose low-precision outputs are unusable are re-run alone in fp32 with an fp32
-    model prepared lazily, once.
-    """
-
-    def __init__(self, loaded, options: EmbedOptions, device: torch.device) -> None:
-        options.validate()
-        self.loaded = loaded
-        self.options = options
-        self.device = device
-        self.policy = get_policy(options.precision)
-        self.layers = resolve_layers(options.layers, loaded.num_layers)
-        self.storage_max = float(np.finfo(STORAGE_DTYPES[options.storage_dtype]).max)
-        self.notes = check_policy_on_device(self.policy, device)
-        self._runners: dict[str, EsmForward] = {}
-        self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
-        self.quiet = True
-        self._lut = _token_lookup(loaded.alphabet)
-        self.stats = Counter()
-
-    # -- model preparation (once per policy) --------------------------------------------------
-    def runner(self, policy: Policy) -> EsmForward:
-        """The forward for ``policy``, prepared once, on the device it runs on (``self._devices``).
-
-        Out of memory while preparing is not a batch that is too big: for the fp32 fallback
-        under ``--fallback-device auto`` it moves the fallback to the CPU, otherwise it fails
-        with what to do. The retry runs after the ``except`` block, so the failed attempt's
-        tensors are freed first.
-        """
-        if policy.name in self._runners:
-            return self._runners[policy.name]
-        device = self._planned_device(policy)
-        try:
-            return self._prepare(policy, device)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not self._is_fallback(policy) or self.options.fallback_device != "auto" or device.type == "cpu":
-            raise EmbedpipeError(self._prepare_oom_message(policy, device))
-        cpu = torch.device("cpu")
-        say(f"warning: the fp32 fallback model of {self.loaded.name} does not fit on {device} beside the "
-            f"{self.policy.name} model; fallback records run on the CPU (slower; see docs/precision.md)",
-            quiet=self.quiet)
-        self.stats["fallback_moved_to_cpu"] += 1
-        return self._prepare(policy, cpu)
-
-    def _is_fallback(self, policy: Policy) -> bool:
-        return policy.name != self.policy.name
-
-    def _planned_device(self, policy: Policy) -> torch.device:
-        if self._is_fallback(policy) and self.options.fallback_device == "cpu":
-            return torch.device("cpu")
-        return self.device
-
-    def _prepare(self, policy: Policy, device: torch.device) -> EsmForward:
-        # The fp32 source model is moved to the fallback device, unless it already serves the
-        # main runner on another device (the amp policies run it): then a copy is made.
-        home = next(self.loaded.model.parameters()).device
-        private = self._is_fallback(policy) and home.type != "cpu" and home != device
-        prepared = prepare_model(self.loaded.model, policy, device, private=private)
-        self._runners[policy.name] = EsmForward(prepared, policy, self.options.attention)
-        self._devices[policy.name] = device
-        return self._runners[policy.name]
-
-    def _prepare_oom_message(self, policy: Policy, device: torch.device) -> str:
-        if self._is_fallback(policy):
-            return (
-                f"the fp32 fallback model of {self.loaded.name} does not fit in memory on {device} beside the "
-                f"{self.policy.name} model; use --fallback-device cpu (or auto) to re-run fallback records on "
-                "the CPU, or a GPU with more memory"
-            )
-        return (
-            f"the {policy.name} model of {self.loaded.name} does not fit in memory on {device} (before any "
-            "batch ran); use a lower precision, a smaller model or a GPU with more memory"
-        )
-
-    @property
-    def fallback_device(self) -> str:
-        """Where fp32 fallback records ran ('' when none did)."""
-        if not self.stats["fallback"] or self.policy.is_reference:
-            return ""
-        return str(self._devices.get(FP32.name, ""))
-
-    # -- public ---------------------------------------------------------------------------------
-    def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
-        """Windows and batches for ``records``; raises for long records under --long-sequences error."""
-        pieces: list[Piece] = []
-        handling: list[str] = []
-        rows: list[int] = []
-        for index, (rid, seq) in enumerate(records):
-            record_pieces, how = plan_record(index, len(seq), self.options.long_sequences, record_id=rid)
-            pieces.extend(record_pieces)
-            handling.append(how)
-            rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
-        return Plan(plan_batches(pieces, self.options.tokens_per_batch), handling, rows)
-
-    def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
-              quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
-        plan = plan or self.plan(records)
-        self.quiet = quiet
-        batches, handling = plan.batches, plan.handling
-        pending: dict[int, _Assembly] = {}
-        for batch in batches:
-            for piece in batch:
-                pending.setdefault(piece.record, _Assembly(pieces_left=0)).pieces_left += 1
-        total_residues = sum(len(s) for _, s in records)
-        bar = progress_bar(quiet=quiet, total=total_residues, unit="res", unit_scale=True, desc="embed")
-        try:
-            for batch in batches:
-                for piece, result in self._run_batch(self.policy, batch, records):
-                    assembly = pending[piece.record]
-                    assembly.results.append((piece, result))
-                    assembly.pieces_left -= 1
-                    if assembly.pieces_left == 0:
-                        del pending[piece.record]
-                        record = self._finish(piece.record, records, handling, assembly.results)
-                        bar.update(len(records[piece.record][1]))
-                        bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
-                        yield piece.record, record
-        finally:
-            bar.close()
-
-    # -- batches --------------------------------------------------------------------------------
-    def _run_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
-        """Forward one batch; on CUDA out-of-memory split it in halves and retry.
-
-        The retry happens after leaving the ``except`` block: the exception's traceback holds
-        the failed attempt's tensors, which must be freed before the halves run.
-        """
-        self.runner(policy)  # out of memory while preparing is handled there, not as a batch
-        device = self._devices[policy.name]
-        try:
-            return self._forward_batch(policy, batch, records)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if len(batch) == 1:
-            piece = batch[0]
-            rid, seq = records[piece.record]
-            raise EmbedpipeError(
-                f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
-                f"memory on {device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
-                + (", or --fallback-device cpu for the fp32 re-run" if self._is_fallback(policy) and device.type == "cuda" else "")
-            )
-        self.stats["oom_splits"] += 1
-        middle = len(batch) // 2
-        return self._run_batch(policy, batch[:middle], records) + self._run_batch(policy, batch[middle:], records)
-
-    def _forward_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
-        runner = self.runner(policy)
-        device = self._devices[policy.name]
-        tokens, lengths = self._tokenize(batch, records)
-        with forward_context(policy, device):
-            out = runner(tokens.to(device, non_blocking=True), self.layers)
-            with exact_fp32(device):
-                packed, dense = self._pool(out, batch, tokens.shape[1], int(lengths.max()), device)
-        dim = out.hidden[self.layers[0]].shape[-1]
-        n_layers = len(self.layers)
-        sums = {layer: packed[:, i * dim : (i + 1) * dim] for i, layer in enumerate(self.layers)}
-        stored = packed[:, n_layers * dim : n_layers * dim + n_layers].max(axis=1)  # NaN propagates
-        max_abs = packed[:, -1]
-        results = []
-        for row, piece in enumerate(batch):
-            residues = None
-            if self.options.per_residue:
-                lo, hi = piece.keep_start - piece.start, piece.keep_end - piece.start
-                residues = {layer: dense[layer][row, lo:hi] for layer in self.layers}
-            results.append((piece, _PieceResult(
-                sums={layer: sums[layer][row] for layer in self.layers},
-                residues=residues,
-                max_abs=float(max_abs[row]),
-                stored_max=float(stored[row]),
-            )))
-        self.stats["batches"] += 1
-        self.stats["computed_tokens"] += tokens.numel()
-        self.stats["real_tokens"] += int(lengths.sum()) + 2 * len(batch)
-        return results
-
-    def _pool(self, out, batch: list[Piece], width: int, longest: int,
-              device: torch.device) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """Pooled sums, largest stored |value| and max activation per piece, plus per-residue rows.
-
-        Runs under ``exact_fp32``: the sums accumulate in fp32 whatever the policy.
-        """
-        # residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device copy
-        bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1] for p in batch])
-        bounds = bounds.to(device, non_blocking=True)
-        positions = torch.arange(width, device=device)[None, :]
-        in_record = (positions >= 1) & (positions <= bounds[:, :1])
-        kept = ((positions >= bounds[:, 1:2]) & (positions < bounds[:, 2:3])).float()
-        sums, stored_max, dense = [], [], {}
-        for layer in self.layers:
-            h = out.hidden[layer]
-            stored_max.append(masked_max_abs(h, in_record))
-            hf = h.float()  # the one fp32 copy
-            sums.append(torch.einsum("bt,btd->bd", kept, hf))
-            if self.options.per_residue:
-                dense[layer] = hf[:, 1 : longest + 1]
-        # one device->host transfer for the pooled sums and the checks, one per stored layer for residues
-        packed = torch.cat([torch.stack(sums, 1).flatten(1), torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1)
-        return packed.cpu().numpy(), {layer: value.cpu().numpy() for layer, value in dense.items()}
-
-    def _tokenize(self, batch: list[Piece], records: Sequence[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        alphabet = self.loaded.alphabet
-        width = max(p.residues for p in batch) + 2
-        tokens = np.full((len(batch), width), alphabet.padding_idx, dtype=np.int64)
-        for row, piece in enumerate(batch):
-            seq = records[piece.record][1][piece.start : piece.end]
-            tokens[row, 0] = alphabet.cls_idx
-            tokens[row, 1 : piece.residues + 1] = self._lut[np.frombuffer(seq.encode("ascii"), dtype=np.uint8)]
-            tokens[row, piece.residues + 1] = alphabet.eos_idx
-        lengths = torch.tensor([p.residues for p in batch])
-        return torch.from_numpy(tokens), lengths
-
-    # -- records ----------------------------------------------------------------------------------
-    def _reason(self, policy: Policy, result: _PieceResult) -> str:
-        """Why a piece's outputs cannot be stored as computed ('' when they can)."""
-        if not math.isfinite(result.stored_max) or not math.isfinite(result.max_abs):
-            return "nonfinite"
-        if not all(np.isfinite(total).all() for total in result.sums.values()):
-            return "nonfinite"  # e.g. inf in a padding position reaching the masked sum as 0 * inf
-        if result.stored_max > self.storage_max:
-            return "overflow"
-        margin = self.options.overflow_margin
-        if margin is not None and not policy.is_reference:
-            limit = margin * float(torch.finfo(policy.compute_dtype).max)
-            if result.max_abs > limit:
-                return "overflow-margin"
-        return ""
-
-    def _reasons(self, policy: Policy, results: list[tuple[Piece, _PieceResult]]) -> str:
-        """Every reason the record's pieces cannot be stored as computed, '+'-joined ('' if none)."""
-        return "+".join(sorted({r for r in (self._reason(policy, res) for _, res in results) if r}))
-
-    def _finish(self, index: int, records: Sequence[tuple[str, str]], handling: list[str],
-                results: list[tuple[Piece, _PieceResult]]) -> EmbeddedRecord:
-        rid, seq = records[index]
-        low_max_abs = max(res.max_abs for _, res in results)  # what the requested policy saw
-        precision_used, fallback_reason = self.policy.name, self._reasons(self.policy, results)
-        if fallback_reason:
-            if self.policy.is_reference:
-                raise EmbedpipeError(self._fp32_failure(rid, results, fallback_reason))
-            results = self._rerun_fp32([piece for piece, _ in results], records, rid)
-            precision_used = FP32.name
-            self.stats["fallback"] += 1
-            self.stats[f"fallback:{fallback_reason}"] += 1
-        record = self._assemble(rid, seq, results, handling[index])
-        record.precision_used = precision_used
-        record.fallback_reason = fallback_reason
-        record.max_abs_activation = low_max_abs
-        self.stats["records"] += 1
-        self.stats[f"precision:{precision_used}"] += 1
-        return record
-
-    def _rerun_fp32(self, pieces: list[Piece], records: Sequence[tuple[str, str]], rid: str) -> list[tuple[Piece, _PieceResult]]:
-        """The record's own windows again, each alone, with the fp32 model."""
-        results = []
-        for piece in pieces:
-            results.extend(self._run_batch(FP32, [piece], records))
-        problems = self._reasons(FP32, results)
-        if problems:
-            raise EmbedpipeError(self._fp32_failure(rid, results, problems))
-        return results
-
-    def _fp32_failure(self, rid: str, results: list[tuple[Piece, _PieceResult]], reason: str) -> str:
-        largest = max(res.stored_max for _, res in results)
-        if reason == "overflow":
-            return (
-                f"record {rid!r}: fp32 values up to {largest:.4g} do not fit --storage-dtype "
-                f"{self.options.storage_dtype}; use --storage-dtype float32"
-            )
-        return f"record {rid!r}: the fp32 forward itself produced non-finite values ({reason}); nothing was written for it"
-
-    def _assemble(self, rid: str, seq: str, results: list[tuple[Piece, _PieceResult]], how: str) -> EmbeddedRecord:
-        results = sorted(results, key=lambda item: item[0].keep_start)
-        embedded = sum(p.keep_end - p.keep_start for p, _ in results)
-        mean = {}
-        for layer in self.layers:
-            total = np.sum([res.sums[layer] for _, res in results], axis=0, dtype=np.float64)
-            mean[layer] = (total / embedded).astype(np.float32)
-        per_residue = None
-        if self.options.per_residue:
-            per_residue = {
-                layer: np.concatenate([res.residues[layer] for _, res in results], axis=0)
-                for layer in self.layers
-            }
-        return EmbeddedRecord(
-            id=rid,
-            sequence=seq,
-            precision_used=self.policy.name,
-            mean=mean,
-            per_residue=per_residue,
-            long_handling=how,
-            embedded_length=embedded,
-            windows=len(results),
-        )
-
-
-def _token_lookup(alphabet) -> np.ndarray:
-    """ASCII byte -> token index; unknown letters map to <unk> (validated FASTA has none)."""
-    lut = np.full(256, alphabet.unk_idx, dtype=np.int64)
-    for letter in "ACDEFGHIKLMNPQRSTVWYXBUZO":
-        lut[ord(letter)] = alphabet.get_idx(letter)
-    return lut
-
-
-# -- the command ---------------------------------------------------------------------------------
+from embedpipe.model import load_model
+from embedpipe.model.base import EmbeddingModel
+from embedpipe.precision import Policy, dtype_name
+from embedpipe.progress import say
+from embedpipe.store import StoreWriter, utc_now
+from embedpipe.worker import EmbedOptions, Embedder
 
 @dataclass
 class EmbedSummary:
@@ -450,7 +35,6 @@ class EmbedSummary:
     device: str
     fallback: dict[str, int]
     padding_efficiency: float
-    notes: list[str]
 
     def render(self) -> str:
         rate = self.residues / self.seconds if self.seconds > 0 else float("nan")
@@ -464,11 +48,9 @@ class EmbedSummary:
         return "\n".join(lines)
 
 
-def provenance(loaded, options: EmbedOptions, device: torch.device, policy: Policy, layers: list[int],
-               source: Path | None) -> dict:
+def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, policy: Policy,
+               layers: list[int], source: Path | None) -> dict:
     """Root attributes: which weights, which numerics, where, with what."""
-    import esm
-
     islands = "float32" if policy.fp32_islands else ("per-op (autocast)" if policy.autocast else dtype_name(policy.compute_dtype))
     config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
     return {
@@ -484,11 +66,11 @@ def provenance(loaded, options: EmbedOptions, device: torch.device, policy: Poli
         "fallback_dtype": "float32",
         "attention": options.attention,
         "long_sequences": options.long_sequences,
-        "trained_window_residues": TRAINED_RESIDUES,
+        "trained_window_residues": loaded.trained_window,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,
-        "fair_esm_version": getattr(esm, "__version__", "unknown"),
+        **loaded.provenance,
         "embedpipe_version": __version__,
         "config": json.dumps(config, sort_keys=True),
     }
@@ -496,10 +78,6 @@ def provenance(loaded, options: EmbedOptions, device: torch.device, policy: Poli
 
 def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False) -> EmbedSummary:
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
-    from embedpipe.fasta import read_sequences
-    from embedpipe.models import load_model
-    from embedpipe.store import StoreWriter
-
     options.validate()
     started = time.perf_counter()
     records = list(read_sequences(Path(fasta)))
@@ -546,5 +124,4 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         device=str(device),
         fallback=fallback,
         padding_efficiency=plan.padding_efficiency,
-        notes=embedder.notes,
     )

@@ -1,14 +1,13 @@
 """Precision policies: which dtype the weights live in, which dtype each op computes in.
 
-The policy names are a contract (DESIGN.md section 6). A policy never patches fair-esm
-globally: low-precision weights live in a private copy of the model, so other models in the
-same process (and the fp32 fallback copy) are untouched.
+The policy names are a contract (docs/precision.md). What a policy does to a model's
+weights is the model family's business (:meth:`embedpipe.model.base.EmbeddingModel.prepare`);
+this module holds the policies and the contexts a forward pass runs in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,83 +101,15 @@ def check_policy_on_device(policy: Policy, device: torch.device) -> list[str]:
     return notes
 
 
-def reset_rotary_caches(model: torch.nn.Module) -> None:
-    """Drop fair-esm's rotary cos/sin caches.
-
-    fair-esm caches the tables in whatever dtype they were first built in and rebuilds them
-    only when the sequence length or device changes, not the dtype: a cache built under one
-    precision would otherwise leak into another (including through ``copy.deepcopy``).
-    """
-    for module in model.modules():
-        if hasattr(module, "_cos_cached") and hasattr(module, "_seq_len_cached"):
-            module._seq_len_cached = None
-            module._cos_cached = None
-            module._sin_cached = None
-
-
-def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device, *,
-                  private: bool = False) -> torch.nn.Module:
-    """The model as ``policy`` runs it on ``device``: a private copy whenever weights change dtype
-    (or when ``private``), otherwise ``model`` itself moved to ``device``.
-
-    The fp32 source model is never modified except for that move, so it can serve as the fp32
-    fallback. If the move runs out of memory, the source is moved back before the error
-    propagates: it is never left split across devices.
-    """
-    reset_rotary_caches(model)
-    if policy.weight_dtype == torch.float32 and not private:
-        prepared = _move(model, device)
-    else:
-        prepared = _cast_copy(model, policy, device)
-    reset_rotary_caches(prepared)
-    prepared.eval()
-    for param in prepared.parameters():
-        param.requires_grad_(False)
-    return prepared
-
-
-def _move(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model.to(device)``, undone on out-of-memory."""
-    home = next(model.parameters()).device
-    try:
-        return model.to(device)
-    except torch.cuda.OutOfMemoryError:
-        model.to(home)
-        raise
-
-
-def _cast_copy(model: torch.nn.Module, policy: Policy, device: torch.device) -> torch.nn.Module:
-    """Copy ``model`` with its tensors already in their target dtypes, on ``device``.
-
-    Casting while copying (through ``deepcopy``'s memo) never holds a second fp32 copy of the
-    weights: for a 15B model that is 60 GB of host memory saved; each tensor is made on
-    ``device`` directly. The mixed policies keep layer-norm weights and the rotary frequencies
-    (``inv_freq``) in fp32; a plain cast converts everything, as ``.half()`` would.
-    """
-    fp32_ids: set[int] = set()
-    if policy.fp32_islands:
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                fp32_ids.update(id(p) for p in module.parameters(recurse=False))
-            if hasattr(module, "inv_freq"):
-                fp32_ids.add(id(module.inv_freq))
-    memo: dict[int, torch.Tensor] = {}
-    for param in model.parameters():
-        dtype = torch.float32 if id(param) in fp32_ids else policy.weight_dtype
-        memo[id(param)] = torch.nn.Parameter(param.detach().to(device, dtype, copy=True), requires_grad=False)
-    for buffer in model.buffers():
-        if buffer.is_floating_point():
-            dtype = torch.float32 if id(buffer) in fp32_ids else policy.weight_dtype
-            memo[id(buffer)] = buffer.detach().to(device, dtype, copy=True)
-        else:
-            memo[id(buffer)] = buffer.detach().to(device, copy=True)
-    return copy.deepcopy(model, memo).to(device)  # any tensor not listed above
-
-
 @contextlib.contextmanager
-def _true_fp32_matmuls(device: torch.device) -> Iterator[None]:
+def true_fp32_matmuls() -> Iterator[None]:
     """fp32 means fp32: no TF32 (CUDA) or reduced-precision fp32 matmuls, whatever the process
-    enabled globally; the settings are restored afterwards."""
+    enabled globally; the settings are restored afterwards.
+
+    These are process-wide flags, so the worker enters this once per run, not per batch.
+    The legacy flags, not torch 2.13's ``fp32_precision`` ones: once both APIs are in use,
+    torch refuses to read the legacy flags that callers may still use.
+    """
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
              torch.get_float32_matmul_precision())
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -193,8 +124,9 @@ def _true_fp32_matmuls(device: torch.device) -> Iterator[None]:
 
 @contextlib.contextmanager
 def forward_context(policy: Policy, device: torch.device) -> Iterator[None]:
-    """Inference mode, autocast for the amp policies, and true fp32 (no TF32) for the reference."""
-    with torch.inference_mode(), (_true_fp32_matmuls(device) if policy.is_reference else contextlib.nullcontext()):
+    """Inference mode, and autocast for the amp policies. Run inside :func:`true_fp32_matmuls`,
+    which keeps the reference (and every fp32 island) in true fp32."""
+    with torch.inference_mode():
         if policy.autocast:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -208,6 +140,6 @@ def forward_context(policy: Policy, device: torch.device) -> Iterator[None]:
 @contextlib.contextmanager
 def exact_fp32(device: torch.device) -> Iterator[None]:
     """Plain fp32 inside any policy's forward context: autocast off (it would run an einsum in
-    16 bits) and no TF32. For pooling, whose sums over a thousand residues overflow fp16."""
-    with torch.autocast(device_type=device.type, enabled=False), _true_fp32_matmuls(device):
+    16 bits). For pooling, whose sums over a thousand residues overflow fp16."""
+    with torch.autocast(device_type=device.type, enabled=False):
         yield

@@ -5,7 +5,8 @@ Fixtures (session-scoped, so each test model is written once per run):
 * ``tiny_model_path``: a random-weight ESM-2 (2 layers, dim 32, 4 heads, seed 0) in
   fair-esm's checkpoint format, named ``esm2_tiny_t2_32.pt``.
 * ``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides)``: the same for other
-  shapes or options (any keyword of ``embedpipe.models.make_test_model``); cached by
+  shapes or options (any keyword of ``embedpipe.model.random_checkpoint.make_test_model``,
+  or of ``embed_helpers.edit_test_checkpoint``, applied to the written file); cached by
   arguments. File names start with ``esm2`` so fair-esm's own loader accepts them.
 * ``fair_esm_reference(path)``: ``(model, alphabet)`` loaded by fair-esm's own
   ``esm.pretrained.load_model_and_alphabet_local`` (Namespace allowlisted), eval mode: the
@@ -79,7 +80,9 @@ def session_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def model_factory(session_models_dir: Path) -> Callable[..., Path]:
     """``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides) -> Path``, cached."""
-    from embedpipe.models import make_test_model
+    from embed_helpers import edit_test_checkpoint
+
+    from embedpipe.model.random_checkpoint import make_test_model
 
     cache: dict[str, Path] = {}
     counter = itertools.count()
@@ -90,9 +93,11 @@ def model_factory(session_models_dir: Path) -> Callable[..., Path]:
         key = repr((layers, dim, heads, seed, sorted(overrides.items(), key=lambda kv: kv[0])))
         if key not in cache:
             name = f"esm2_test_t{layers}_d{dim}_h{heads}_s{seed}_{next(counter)}.pt"
-            cache[key] = make_test_model(
+            edits = {k: overrides.pop(k) for k in ("token_row_overrides", "edit", "key_prefix") if k in overrides}
+            path = make_test_model(
                 session_models_dir / name, layers=layers, dim=dim, heads=heads, seed=seed, **overrides
             )
+            cache[key] = edit_test_checkpoint(path, **edits) if edits else path
         return cache[key]
 
     return make
@@ -101,7 +106,7 @@ def model_factory(session_models_dir: Path) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def tiny_model_path(session_models_dir: Path) -> Path:
     """``esm2_tiny_t2_32.pt``: 2 layers, dim 32, 4 heads, seed 0 (with its companion file)."""
-    from embedpipe.models import make_test_model
+    from embedpipe.model.random_checkpoint import make_test_model
 
     return make_test_model(session_models_dir / "esm2_tiny_t2_32.pt", layers=2, dim=32, heads=4, seed=0)
 

@@ -1,13 +1,19 @@
-"""Shared helpers for embedding tests: write FASTA, run the worker, compute fair-esm references."""
+"""Shared helpers for embedding tests: write FASTA, run the worker, compute fair-esm references,
+and edit test checkpoints."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
+
+from embedpipe.errors import ModelError
+from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
+from embedpipe.model.esm2 import build_model
+from embedpipe.model.random_checkpoint import KEY_PREFIX, save
 
 AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
 
@@ -69,3 +75,33 @@ def read_store(path: Path) -> dict:
                 data = f["per_residue"][key][()]
                 out["per_residue"][layer] = {i: data[offsets[n] : offsets[n + 1]] for n, i in enumerate(ids)}
     return out
+
+
+def edit_test_checkpoint(path: Path, *, token_row_overrides: Mapping[str, float] | None = None,
+                         edit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                         key_prefix: str = KEY_PREFIX) -> Path:
+    """Rewrite a ``make_test_model`` checkpoint in place with test-only changes.
+
+    ``token_row_overrides`` sets whole rows of ``embed_tokens.weight`` (e.g. ``{"C": 7e4}``);
+    ``edit`` gets the unprefixed state dict (tensors aliasing the model's, embed and LM head
+    tied) to change in place or replace entries; ``key_prefix`` replaces fair-esm's prefix.
+    The marker records what was done. The contact-regression companion is left as it is.
+    """
+    data = load_checkpoint_safely(path)
+    model, alphabet = build_model(checkpoint_info(data), upgrade_state_dict(data["model"]), where=str(path))
+    overrides = dict(token_row_overrides or {})
+    for token in overrides:
+        if token not in alphabet.tok_to_idx:
+            raise ModelError(f"make-test-model: {token!r} is not a token of the ESM-2 alphabet")
+    state = model.state_dict()  # detached tensors sharing the model's storage
+    with torch.no_grad():
+        for token, value in overrides.items():
+            state["embed_tokens.weight"][alphabet.get_idx(token)].fill_(float(value))
+        if edit is not None:
+            edit(state)
+            # Entries the hook replaced go back into the model; the tie keeps embed == LM head.
+            model.load_state_dict(state, strict=True)
+    data["model"] = {key_prefix + k: v for k, v in model.state_dict().items() if k not in CONTACT_KEYS}
+    data[MARKER_KEY] |= {"token_row_overrides": {k: float(v) for k, v in overrides.items()}, "edited": edit is not None}
+    save(data, Path(path))
+    return Path(path)

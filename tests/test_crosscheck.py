@@ -456,7 +456,7 @@ def test_merged_store_matches_its_shards(tmp_path, tiny_model_path, records):
 
 
 def test_model_checks_moved_checkpoint_and_mismatch(tmp_path, model_factory, records):
-    from embedpipe.models import make_test_model
+    from embedpipe.model.random_checkpoint import make_test_model
 
     model = make_test_model(tmp_path / "models" / "esm2_moving.pt", layers=2, dim=32, heads=4, seed=7)
     store = _embed(tmp_path, model, records[:8], "moving", precision="bf16")

@@ -8,11 +8,13 @@ import torch
 from typer.testing import CliRunner
 
 from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
-from embedpipe.batching import TRAINED_RESIDUES, plan_record
+from embedpipe.planning import plan_record
 from embedpipe.cli import app
-from embedpipe.embed import EmbedOptions, Embedder, embed_fasta, resolve_layers
+from embedpipe.embed import embed_fasta
 from embedpipe.errors import EmbedpipeError
-from embedpipe.models import load_model
+from embedpipe.model import load_model
+from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.worker import EmbedOptions, Embedder, resolve_layers
 
 ATOL = 1e-5
 
@@ -65,7 +67,7 @@ def test_long_sequences_chunked_windows_match_fair_esm_per_window(tmp_path, tiny
     model, alphabet = fair_esm_reference(tiny_model_path)
     layer = max(store["mean"])
     rid, seq = records[0]
-    pieces, how = plan_record(0, len(seq), "chunk")
+    pieces, how = plan_record(0, len(seq), "chunk", window=TRAINED_RESIDUES)
     assert how == "chunked" and len(pieces) >= 3
     assert all(p.residues <= TRAINED_RESIDUES for p in pieces)
     stitched = store["per_residue"][layer][rid]
@@ -82,7 +84,7 @@ def test_long_sequences_chunked_windows_match_fair_esm_per_window(tmp_path, tiny
 
 def test_chunk_plan_covers_every_residue_once():
     for length in (1023, 1500, 2044, 3000, 10_000):
-        pieces, _ = plan_record(0, length, "chunk")
+        pieces, _ = plan_record(0, length, "chunk", window=TRAINED_RESIDUES)
         covered = np.zeros(length, dtype=int)
         for p in pieces:
             assert 0 <= p.start <= p.keep_start < p.keep_end <= p.end <= length

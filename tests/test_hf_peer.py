@@ -41,7 +41,7 @@ def _random_sequences(seed: int, lengths: list[int]) -> list[str]:
 
 
 def check_matches_fair_esm(peer, fair_esm_reference, path: Path, seqs: list[str]) -> None:
-    from embedpipe.models import load_model
+    from embedpipe.model import load_model
 
     ref_model, ref_alphabet = fair_esm_reference(path)
     hf = peer.convert_to_hf(load_model(str(path)))

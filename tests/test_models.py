@@ -1,4 +1,4 @@
-"""embedpipe.models: test checkpoints, safe loading, resolving names and paths, downloads."""
+"""embedpipe.model (ESM-2): test checkpoints, safe loading, resolving names and paths, downloads."""
 
 from __future__ import annotations
 
@@ -6,27 +6,26 @@ import hashlib
 import os
 import pickle
 import shutil
+import threading
 import urllib.error
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
-from embedpipe import models
+from embed_helpers import edit_test_checkpoint
+
 from embedpipe.cli import app
 from embedpipe.errors import ModelError
-from embedpipe.models import (
-    ESM2_MODELS,
-    LoadedModel,
-    companion_path,
-    fetch_model,
-    load_checkpoint_safely,
-    load_model,
-    make_test_model,
-    resolve_checkpoint,
-)
+from embedpipe.model import esm2_spec, load_model, sources
+from embedpipe.model.checkpoint import load_checkpoint_safely
+from embedpipe.model.esm2 import Esm2Model
+from embedpipe.model.esm2_spec import ESM2_MODELS
+from embedpipe.model.random_checkpoint import make_test_model
+from embedpipe.model.sources import companion_path, fetch_model, resolve_checkpoint
 
 SEQS = [
     ("a", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"),
@@ -54,7 +53,7 @@ def test_round_trip_make_then_load(tiny_model_path: Path) -> None:
     assert tiny_model_path.name == "esm2_tiny_t2_32.pt"
     assert companion_path(tiny_model_path).is_file()
     loaded = load_model(str(tiny_model_path))
-    assert isinstance(loaded, LoadedModel)
+    assert isinstance(loaded, Esm2Model)
     assert loaded.name == "esm2_tiny_t2_32"
     assert loaded.source == str(tiny_model_path.resolve())
     assert loaded.sha256 == _sha256(tiny_model_path)
@@ -206,7 +205,7 @@ def test_token_row_override_and_edit_hook(model_factory, fair_esm_reference) -> 
 
 def test_unknown_override_token_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="not a token"):
-        make_test_model(tmp_path / "x.pt", token_row_overrides={"CC": 1.0})
+        edit_test_checkpoint(make_test_model(tmp_path / "esm2_x.pt"), token_row_overrides={"CC": 1.0})
 
 
 @pytest.mark.parametrize(
@@ -336,25 +335,31 @@ def test_mismatched_weights_are_refused(tiny_model_path: Path, tmp_path: Path) -
         load_model(str(path))
 
 
-def test_loading_skips_random_init_and_puts_it_back(tiny_model_path: Path, tmp_path: Path, monkeypatch) -> None:
-    """Constructor init is thrown-away work (minutes for 15B): skipped while building, restored after."""
-    calls: list[str] = []
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops that really run (names without overload), in this thread."""
 
-    def spy(name: str):
-        original = getattr(torch.nn.init, name)
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
 
-        def counted(tensor, *args, **kwargs):
-            calls.append(name)
-            return original(tensor, *args, **kwargs)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
-        return counted
 
-    spies = {name: spy(name) for name in ("normal_", "uniform_", "kaiming_uniform_", "xavier_uniform_", "ones_", "zeros_")}
-    for name, function in spies.items():
-        monkeypatch.setattr(torch.nn.init, name, function)
-    loaded = load_model(str(tiny_model_path))
+RANDOM_INIT_OPS = {"uniform_", "normal_"}
+
+
+def test_loading_skips_random_init_and_puts_it_back(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Constructor init is thrown-away work (minutes for 15B): skipped while building, and only
+    there: torch.nn.init is never swapped, and init works again right after (also after an error)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "xavier_uniform_", "ones_", "zeros_")
+    functions = {name: getattr(torch.nn.init, name) for name in names}
+    with _CountOps() as ops:
+        loaded = load_model(str(tiny_model_path))
+    calls = [op for op in ops.calls if op in RANDOM_INIT_OPS]
     assert calls == []
-    assert all(getattr(torch.nn.init, name) is function for name, function in spies.items())
+    assert all(getattr(torch.nn.init, name) is function for name, function in functions.items())
     assert all(torch.isfinite(p).all() for p in loaded.model.parameters())
 
     data = load_checkpoint_safely(tiny_model_path)
@@ -362,9 +367,27 @@ def test_loading_skips_random_init_and_puts_it_back(tiny_model_path: Path, tmp_p
     torch.save(data, tmp_path / "wrong_dim.pt")
     with pytest.raises(ModelError):
         load_model(str(tmp_path / "wrong_dim.pt"))
-    assert all(getattr(torch.nn.init, name) is function for name, function in spies.items())
-    torch.nn.Linear(3, 2)  # init works again outside the loader
-    assert "kaiming_uniform_" in calls
+    assert all(getattr(torch.nn.init, name) is function for name, function in functions.items())
+    with _CountOps() as ops:
+        torch.nn.Linear(3, 2)  # init works again outside the loader
+    assert "uniform_" in ops.calls
+
+
+def test_skipping_init_is_local_to_its_thread() -> None:
+    """Another thread building a module meanwhile still initialises it."""
+    from embedpipe.model.esm2 import skip_random_init
+
+    built: list[torch.nn.Linear] = []
+    with skip_random_init():
+        worker = threading.Thread(target=lambda: built.append(torch.nn.Linear(64, 64)))
+        worker.start()
+        worker.join()
+        skipped = torch.nn.Linear(64, 64)
+    bound = 1 / 8  # kaiming_uniform_(a=sqrt(5)) on fan_in 64
+    assert built[0].weight.abs().max() <= bound and built[0].weight.std() > bound / 4
+    with torch.no_grad():
+        skipped.weight.fill_(7.0)  # outside the block fills work again
+    assert torch.all(skipped.weight == 7.0)
 
 
 def test_legacy_format_checkpoint_loads_without_mmap(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -404,7 +427,7 @@ def test_known_names() -> None:
     }
     for layers, dim, heads in ESM2_MODELS.values():
         assert dim % heads == 0 and (dim // heads) % 2 == 0 and layers > 0
-    assert models.TRAINED_CONTEXT == 1022
+    assert esm2_spec.TRAINED_RESIDUES == 1022
 
 
 def test_unknown_name_lists_valid_names() -> None:
@@ -426,7 +449,7 @@ def test_missing_path_is_an_error(tmp_path: Path) -> None:
 def empty_torch_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "torch_home"
     monkeypatch.setenv("TORCH_HOME", str(home))
-    monkeypatch.delenv(models.OFFLINE_ENV, raising=False)
+    monkeypatch.delenv(sources.OFFLINE_ENV, raising=False)
     return home
 
 
@@ -435,7 +458,7 @@ def _no_network(url: str, dest: Path, **kwargs) -> None:
 
 
 def test_offline_name_error_says_how_to_prefetch(empty_torch_home: Path, monkeypatch) -> None:
-    monkeypatch.setattr(models, "_download", _no_network)
+    monkeypatch.setattr(sources, "_download", _no_network)
     with pytest.raises(ModelError) as info:
         load_model("esm2_t6_8M_UR50D")
     message = str(info.value)
@@ -451,8 +474,8 @@ def test_offline_env_skips_the_download(empty_torch_home: Path, monkeypatch) -> 
     def must_not_download(*args, **kwargs):
         raise AssertionError("download attempted")
 
-    monkeypatch.setattr(models, "_download", must_not_download)
-    monkeypatch.setenv(models.OFFLINE_ENV, "1")
+    monkeypatch.setattr(sources, "_download", must_not_download)
+    monkeypatch.setenv(sources.OFFLINE_ENV, "1")
     with pytest.raises(ModelError, match="fetch-model esm2_t12_35M_UR50D"):
         resolve_checkpoint("esm2_t12_35M_UR50D")
 
@@ -462,7 +485,7 @@ def test_truncated_download_leaves_nothing(empty_torch_home: Path, monkeypatch) 
         Path(dest).write_bytes(b"half a checkpoint")
         raise OSError("download truncated: 17 of 1000 bytes")
 
-    monkeypatch.setattr(models, "_download", partial)
+    monkeypatch.setattr(sources, "_download", partial)
     with pytest.raises(ModelError, match="truncated"):
         fetch_model("esm2_t6_8M_UR50D")
     checkpoints = empty_torch_home / "hub" / "checkpoints"
@@ -479,7 +502,7 @@ def test_fetch_then_load_by_name(empty_torch_home: Path, monkeypatch, tiny_model
         source = companion_path(tiny_model_path) if "regression" in url else tiny_model_path
         shutil.copyfile(source, dest)
 
-    monkeypatch.setattr(models, "_download", serve)
+    monkeypatch.setattr(sources, "_download", serve)
     path = fetch_model("esm2_t6_8M_UR50D")
     assert path == empty_torch_home / "hub" / "checkpoints" / "esm2_t6_8M_UR50D.pt"
     assert companion_path(path).is_file()
@@ -493,7 +516,7 @@ def test_fetch_then_load_by_name(empty_torch_home: Path, monkeypatch, tiny_model
     ]
     assert fetch_model("esm2_t6_8M_UR50D") == path and len(urls) == 2  # already there
 
-    monkeypatch.setattr(models, "_download", _no_network)  # cached: no network needed
+    monkeypatch.setattr(sources, "_download", _no_network)  # cached: no network needed
     loaded = load_model("esm2_t6_8M_UR50D")
     assert loaded.name == "esm2_t6_8M_UR50D"
     assert loaded.source == str(path)
@@ -507,7 +530,7 @@ def test_fetch_into_dest_and_missing_companion_only_warns(tmp_path: Path, monkey
             raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
         shutil.copyfile(tiny_model_path, dest)
 
-    monkeypatch.setattr(models, "_download", serve)
+    monkeypatch.setattr(sources, "_download", serve)
     with pytest.warns(UserWarning, match="contact-regression"):
         path = fetch_model("esm2_t12_35M_UR50D", dest=tmp_path / "weights")
     assert path == tmp_path / "weights" / "esm2_t12_35M_UR50D.pt"
@@ -518,7 +541,7 @@ def test_http_error_message(empty_torch_home: Path, monkeypatch) -> None:
     def not_found(url: str, dest: Path, **kwargs) -> None:
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
-    monkeypatch.setattr(models, "_download", not_found)
+    monkeypatch.setattr(sources, "_download", not_found)
     with pytest.raises(ModelError, match="HTTP 404"):
         fetch_model("esm2_t6_8M_UR50D")
 
@@ -549,7 +572,7 @@ def test_cli_make_test_model_bad_shape(tmp_path: Path) -> None:
 
 
 def test_cli_fetch_model_offline(empty_torch_home: Path, monkeypatch) -> None:
-    monkeypatch.setattr(models, "_download", _no_network)
+    monkeypatch.setattr(sources, "_download", _no_network)
     result = CliRunner().invoke(app, ["fetch-model", "esm2_t6_8M_UR50D"])
     assert result.exit_code == 1
     assert "embedpipe fetch-model esm2_t6_8M_UR50D" in result.stderr
@@ -558,20 +581,18 @@ def test_cli_fetch_model_offline(empty_torch_home: Path, monkeypatch) -> None:
 def test_download_streams_a_url_to_a_file(tmp_path: Path, tiny_model_path: Path) -> None:
     """The real download function, on a file:// URL (no network)."""
     dest = tmp_path / "copy.pt"
-    models._download(tiny_model_path.resolve().as_uri(), dest)
+    sources._download(tiny_model_path.resolve().as_uri(), dest)
     assert _sha256(dest) == _sha256(tiny_model_path)
 
 
 def test_fetch_model_respects_embedpipe_offline(tmp_path, monkeypatch):
-    from embedpipe import models as models_module
-
     def no_network(*args, **kwargs):  # pragma: no cover - must not be reached
         raise AssertionError("fetch_model tried the network while EMBEDPIPE_OFFLINE is set")
 
     monkeypatch.setenv("EMBEDPIPE_OFFLINE", "1")
-    monkeypatch.setattr(models_module, "_download", no_network)
+    monkeypatch.setattr(sources, "_download", no_network)
     with pytest.raises(ModelError, match="EMBEDPIPE_OFFLINE is set.*fetch-model esm2_t6_8M_UR50D"):
-        models_module.fetch_model("esm2_t6_8M_UR50D", dest=tmp_path)
+        sources.fetch_model("esm2_t6_8M_UR50D", dest=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 

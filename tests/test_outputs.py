@@ -99,7 +99,7 @@ def test_merge_refuses_a_special_output(make, tmp_path, stores):
 @pytest.mark.parametrize("make", SPECIAL)
 @pytest.mark.parametrize("name", ["esm2_x.pt", "esm2_x-contact-regression.pt"])
 def test_make_test_model_refuses_a_special_output_or_companion(make, name, tmp_path):
-    from embedpipe.models import make_test_model
+    from embedpipe.model.random_checkpoint import make_test_model
 
     _assert_refused(make, tmp_path / name, lambda: make_test_model(tmp_path / "esm2_x.pt"))
     assert not any(p.is_file() for p in tmp_path.iterdir()), "a checkpoint was written"

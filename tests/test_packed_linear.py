@@ -1,4 +1,4 @@
-"""embedpipe.packed_linear: oneDNN-prepacked projections equal F.linear; anything odd falls back."""
+"""embedpipe.model.packed_linear: oneDNN-prepacked projections equal F.linear; anything odd falls back."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from embedpipe import packed_linear
-from embedpipe.forward import EsmForward
+from embedpipe.model import packed_linear
+from embedpipe.model.esm2 import prepare_model
+from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.host_memory import keep_freed_memory
-from embedpipe.packed_linear import pack_linear
-from embedpipe.precision import get_policy, prepare_model
+from embedpipe.model.packed_linear import pack_linear
+from embedpipe.precision import get_policy
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # oneDNN packs bf16 weights only on CPUs with AVX512-BF16-class instructions (or AVX-NE-CONVERT);
@@ -103,7 +104,7 @@ def test_unsupported_dtypes_and_broken_ops_fall_back(monkeypatch):
 @pytest.mark.parametrize("precision, expected", [("fp32", True), ("bf16-mixed", True), ("bf16", True),
                                                  ("amp-bf16", False), ("fp16", False)])
 def test_forward_prepacks_where_it_can_and_matches_unpacked(tiny_model_path, precision, expected):
-    from embedpipe.models import load_model
+    from embedpipe.model import load_model
 
     loaded = load_model(str(tiny_model_path))
     policy = get_policy(precision)

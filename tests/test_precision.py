@@ -12,10 +12,11 @@ import torch
 
 from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
 from embedpipe import precision
-from embedpipe.embed import EmbedOptions, Embedder, embed_fasta
+from embedpipe.embed import embed_fasta
 from embedpipe.errors import EmbedpipeError
-from embedpipe.models import load_model
+from embedpipe.model import load_model
 from embedpipe.precision import POLICIES, check_policy_on_device, get_policy
+from embedpipe.worker import EmbedOptions, Embedder
 
 LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
 
@@ -201,18 +202,37 @@ def test_mixed_policy_refuses_fair_esm_attention():
         EmbedOptions(precision="bf16-mixed", attention="fair-esm").validate()
 
 
-def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings():
-    from embedpipe.precision import forward_context
+def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_path, monkeypatch):
+    """No TF32 for fp32 work; the process-wide flags are set once per worker run (not per
+    batch) and restored after it."""
+    from embedpipe.precision import forward_context, true_fp32_matmuls
 
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
     try:
-        with forward_context(get_policy("fp32"), torch.device("cpu")):
+        with true_fp32_matmuls(), forward_context(get_policy("fp32"), torch.device("cpu")):
             assert torch.get_float32_matmul_precision() == "highest"
             assert torch.backends.cuda.matmul.allow_tf32 is False
         assert torch.get_float32_matmul_precision() == "medium"
         with forward_context(get_policy("bf16-mixed"), torch.device("cpu")):
             assert torch.get_float32_matmul_precision() == "medium"
+
+        seen: list[str] = []
+        real_forward = Embedder._forward_batch
+
+        def forward(self, *args):
+            seen.append(torch.get_float32_matmul_precision())
+            return real_forward(self, *args)
+
+        settings: list[str] = []
+        real_set = torch.set_float32_matmul_precision
+        monkeypatch.setattr(Embedder, "_forward_batch", forward)
+        monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (settings.append(p), real_set(p))[1])
+        records = random_sequences(6, (20, 60), seed=1)
+        dict(Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu")).embed(records))
+        assert len(seen) > 1 and set(seen) == {"highest"}
+        assert settings == ["highest", "medium"]
+        assert torch.get_float32_matmul_precision() == "medium"
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -233,7 +253,7 @@ def test_fused_qkv_weights_follow_each_policys_dtype(tiny_model_path):
 
 
 def test_prepared_copies_hold_each_policys_dtypes_and_leave_the_source_alone(tiny_model_path):
-    from embedpipe.precision import prepare_model
+    from embedpipe.model.esm2 import prepare_model
 
     loaded = load_model(str(tiny_model_path))
     source = {k: v.clone() for k, v in loaded.model.state_dict().items()}
@@ -253,7 +273,7 @@ def test_prepared_copies_hold_each_policys_dtypes_and_leave_the_source_alone(tin
 
 
 def test_rotary_tables_are_bounded_and_prefixes_are_exact():
-    from embedpipe.forward import RotaryTables
+    from embedpipe.model.esm2_forward import RotaryTables
 
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     tables = RotaryTables()
@@ -273,7 +293,7 @@ def test_rotation_equals_fair_esms_rotary_embedding(dtype):
     """q (scaled first, as fair-esm does) and k rotated together into a wider buffer."""
     from esm.rotary_embedding import RotaryEmbedding
 
-    from embedpipe.forward import RotaryTables, rotate_into
+    from embedpipe.model.esm2_forward import RotaryTables, rotate_into
 
     head_dim, heads, length, scale = 16, 3, 41, 16 ** -0.5
     rot = RotaryEmbedding(dim=head_dim).to(dtype)
@@ -296,7 +316,7 @@ def test_pair_order_rotation_equals_fair_esms_rotary_embedding():
     """Interleaved q/k rows + one complex multiply == fair-esm's rotation, once the order is undone."""
     from esm.rotary_embedding import RotaryEmbedding
 
-    from embedpipe.forward import RotaryTables, interleave_rotary_rows, rotate_pairs_
+    from embedpipe.model.esm2_forward import RotaryTables, interleave_rotary_rows, rotate_pairs_
 
     heads, head_dim, length, dim, scale = 3, 8, 29, 24, 8 ** -0.5
     generator = torch.Generator().manual_seed(7)
@@ -325,7 +345,7 @@ def test_pair_order_rotation_equals_fair_esms_rotary_embedding():
 
 
 def test_masked_max_abs_sees_negatives_and_nonfinite_and_skips_padding():
-    from embedpipe.forward import masked_max_abs
+    from embedpipe.model.base import masked_max_abs
 
     x = torch.zeros(3, 4, 5, dtype=torch.float16)
     x[0, 1, 2] = -7.0
@@ -361,9 +381,9 @@ def test_pooling_sums_stay_fp32_under_autocast(tiny_model_path, policy):
 def _fallback_embedder(loaded, fallback_device: str, monkeypatch, prepared_on: list):
     """An fp16 embedder whose main model runs on the CPU while its main device reads as a GPU on
     which preparing the fp32 model runs out of memory (the CPU stand-in for a full 80 GB GPU)."""
-    from embedpipe import embed as embed_module
+    from embedpipe.model import esm2 as esm2_module
 
-    real = embed_module.prepare_model
+    real = esm2_module.prepare_model
 
     def prepare(model, policy, device, **kw):
         prepared_on.append((policy.name, str(device), kw.get("private", False)))
@@ -371,7 +391,7 @@ def _fallback_embedder(loaded, fallback_device: str, monkeypatch, prepared_on: l
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected while moving the fp32 model)")
         return real(model, policy, device, **kw)
 
-    monkeypatch.setattr(embed_module, "prepare_model", prepare)
+    monkeypatch.setattr(esm2_module, "prepare_model", prepare)
     embedder = Embedder(loaded, EmbedOptions(precision="fp16", per_residue=True, layers=(0, -1),
                                              fallback_device=fallback_device), torch.device("cpu"))
     embedder.runner(embedder.policy)  # the fp16 model: prepared on the CPU

@@ -4,9 +4,7 @@
 
 import glob
 import json
-import math
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ from snakemake.utils import validate
 
 if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
+from embedpipe import model as embedpipe_model
 from embedpipe import workflow_config
 
 
@@ -39,13 +38,13 @@ except workflow_config.ConfigError as exc:
 OUTDIR = os.path.normpath(config["outdir"])
 MODEL = config["model"]
 
-# fair-esm ESM-2 names (esm2_t6_8M_UR50D ... esm2_t48_15B_UR50D); `embedpipe fetch-model`
-# checks the exact list. Anything else is a checkpoint path.
-_MODEL_NAME = re.compile(r"esm2_t(?P<layers>\d+)_(?P<size>\d+)(?P<unit>[MB])_UR50D")
+# What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):
+# whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size.
+MODEL_FACTS = embedpipe_model.describe(MODEL)
 
 if config.get("test_model"):
     MODEL_KIND = "test"  # written by rule make_test_model
-elif _MODEL_NAME.fullmatch(MODEL) and not Path(MODEL).exists():
+elif MODEL_FACTS.kind == "name" and not Path(MODEL).exists():
     MODEL_KIND = "name"  # fetched by rule fetch_model
 else:
     MODEL_KIND = "path"  # a checkpoint the user provides
@@ -114,16 +113,9 @@ def test_model_companion():
 
 
 def model_mem_mb(attempt=1):
-    """Host memory for a job that loads the model: a few copies of the fp32 weights + slack."""
-    match = _MODEL_NAME.fullmatch(Path(MODEL).stem) if MODEL_KIND != "test" else None
-    if match:
-        params = int(match["size"]) * (10**9 if match["unit"] == "B" else 10**6)
-        weights_mb = params * 4 / 2**20
-    elif MODEL_KIND == "path" and Path(MODEL).is_file():
-        weights_mb = Path(MODEL).stat().st_size / 2**20
-    else:
-        weights_mb = 50
-    return int(math.ceil((2048 + 3 * weights_mb) * attempt / 512) * 512)
+    """Host memory for a job that loads the model: a few copies of the weights + slack
+    (embedpipe.model.facts), more on each retry."""
+    return MODEL_FACTS.host_mem_mb(attempt)
 
 
 # ---------------------------------------------------------------- shards

@@ -10,23 +10,12 @@ it is tested against (``attention="fair-esm"`` calls that forward directly).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from embedpipe.packed_linear import PackedLinear, pack_linear
+from embedpipe.model.base import ATTENTION_IMPLEMENTATIONS, ForwardOutput, masked_max_abs
+from embedpipe.model.packed_linear import PackedLinear, pack_linear
 from embedpipe.precision import Policy
-
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
-
-
-@dataclass
-class ForwardOutput:
-    """Hidden states of the requested layers, (B, T, D), plus per-record max |activation|."""
-
-    hidden: dict[int, torch.Tensor]
-    max_abs: torch.Tensor  # (B,) float32: largest |x| over the record's own tokens, all layers seen
 
 
 class RotaryTables:
@@ -141,22 +130,12 @@ def _still_views(cached: tuple[torch.Tensor, torch.Tensor], projections: tuple) 
     )
 
 
-def masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Per-record max |x| over kept tokens, in fp32; NaN/inf propagate so they are never hidden.
-
-    ``abs`` then ``amax`` over the feature dim, then a tiny (B, T) mask. (The one-kernel
-    ``vector_norm(ord=inf)`` is ~10x slower on CPU: it was 3% of a bf16 run.)
-    """
-    per_token = x.detach().abs().amax(dim=-1).float()
-    return per_token.masked_fill(~keep, 0.0).amax(dim=1)
-
-
 class EsmForward:
-    """Runs one prepared ESM-2 model (see ``precision.prepare_model``) under one policy."""
+    """Runs one prepared ESM-2 model (see :func:`embedpipe.model.esm2.prepare_model`) under one policy."""
 
     def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True) -> None:
         """``prepack``: on CPU, run the projections and FFN with oneDNN-prepacked weights
-        (see :mod:`embedpipe.packed_linear`); ignored elsewhere and under autocast."""
+        (see :mod:`embedpipe.model.packed_linear`); ignored elsewhere and under autocast."""
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, not {attention!r}")
         self.model = model

@@ -1,7 +1,8 @@
-"""Pure planning for the worker: long-sequence windows and token-budget batches.
+"""Pure planning for the worker: long sequences cut into windows, pieces grouped into batches.
 
 Kept free of torch (numpy only) so the invariants (windows within the trained length, every residue
-covered exactly once when stitching, batches within budget) are cheap to test.
+covered exactly once when stitching, batches within budget) are cheap to test. The trained window
+is the model's (``EmbeddingModel.trained_window``), passed in.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import numpy as np
 
 from embedpipe.errors import InputError
 
-TRAINED_RESIDUES = 1022  # ESM-2 was trained on 1024 tokens: 1022 residues plus BOS and EOS
 DEFAULT_OVERLAP = 256
 LONG_SEQUENCE_MODES = ("chunk", "truncate", "error", "full")
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One forward input: residues ``start:end`` of record ``record``.
+    """One forward input: residues ``start:end`` of record ``record`` (plus BOS and EOS tokens).
 
     ``keep_start:keep_end`` (absolute residue positions) is the part of this window that is
     stitched into the record: each residue is taken from the window whose centre is nearest.
@@ -52,9 +52,11 @@ def window_starts(length: int, window: int, overlap: int) -> list[int]:
     return [round(i * last / (count - 1)) for i in range(count)]
 
 
-def plan_record(record: int, length: int, mode: str, *, window: int = TRAINED_RESIDUES,
+def plan_record(record: int, length: int, mode: str, *, window: int,
                 overlap: int = DEFAULT_OVERLAP, record_id: str = "") -> tuple[list[Piece], str]:
-    """The pieces for one record and what happened to it (none, chunked, truncated, full)."""
+    """The pieces for one record and what happened to it (none, chunked, truncated, full);
+    ``window``: residues per forward window (the model's trained window). The overlap is at
+    most half a window, so that windows advance for models with short windows."""
     if length <= window:
         return [Piece(record, 0, length, 0, length)], "none"
     if mode == "full":
@@ -63,12 +65,12 @@ def plan_record(record: int, length: int, mode: str, *, window: int = TRAINED_RE
         return [Piece(record, 0, window, 0, window)], "truncated"
     if mode == "error":
         raise InputError(
-            f"record {record_id!r} has {length} residues, over ESM-2's trained length of {window}; "
+            f"record {record_id!r} has {length} residues, over the model's trained length of {window}; "
             "use --long-sequences chunk, truncate or full"
         )
     if mode != "chunk":
         raise InputError(f"--long-sequences must be one of {', '.join(LONG_SEQUENCE_MODES)}, not {mode!r}")
-    starts = window_starts(length, window, overlap)
+    starts = window_starts(length, window, min(overlap, window // 2))
     centres = [s + window / 2 for s in starts]
     pieces = []
     for i, start in enumerate(starts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedpipe.batching import Piece, padding_efficiency, plan_batches
+from embedpipe.planning import Piece, padding_efficiency, plan_batches
 
 
 def _pieces(lengths):

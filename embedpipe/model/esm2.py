@@ -1,0 +1,303 @@
+"""ESM-2 through fair-esm: building from a checkpoint, tokens, preparing under a policy.
+
+:func:`load` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
+for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`.
+What policies do to the weights (which tensors stay fp32, the rotary caches) is ESM-2
+specific and lives here; the policies themselves are in :mod:`embedpipe.precision`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import esm
+import numpy as np
+import torch
+from esm.model.esm2 import ESM2
+from torch.overrides import TorchFunctionMode
+
+from embedpipe.errors import ModelError
+from embedpipe.model import esm2_spec
+from embedpipe.model.checkpoint import (CONTACT_KEYS, checkpoint_info, load_checkpoint_safely,
+                                        upgrade_state_dict)
+from embedpipe.model.esm2_forward import EsmForward
+from embedpipe.model.facts import MemoryEstimate, ModelFacts
+from embedpipe.model.sources import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
+from embedpipe.precision import Policy
+
+#: Protein letters with their own ESM-2 token; any other byte maps to <unk>.
+PROTEIN_LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
+
+
+def esm2_alphabet() -> esm.data.Alphabet:
+    return esm.data.Alphabet.from_architecture("ESM-1b")
+
+
+@dataclass
+class Esm2Model:
+    """A ready ESM-2: eval mode, fp32, on CPU, no gradients; plus where it came from."""
+
+    model: ESM2
+    alphabet: esm.data.Alphabet
+    name: str  # fair-esm name, or the checkpoint file's stem for a path
+    source: str  # resolved checkpoint path
+    sha256: str  # of the checkpoint file's bytes
+    trained: bool  # False for random-weight test models (never present them as real)
+    num_layers: int
+    embed_dim: int
+    attention_heads: int
+    trained_window: int = esm2_spec.TRAINED_RESIDUES
+    provenance: Mapping[str, str] = field(
+        default_factory=lambda: {"fair_esm_version": getattr(esm, "__version__", "unknown")})
+    _lut: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lut = np.full(256, self.alphabet.unk_idx, dtype=np.int64)  # ASCII byte -> token
+        for letter in PROTEIN_LETTERS:
+            self._lut[ord(letter)] = self.alphabet.get_idx(letter)
+
+    def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
+        """(B, 2 + longest): <cls>, the residues, <eos>, then <pad>."""
+        width = max(len(seq) for seq in sequences) + 2
+        tokens = np.full((len(sequences), width), self.alphabet.padding_idx, dtype=np.int64)
+        for row, seq in enumerate(sequences):
+            tokens[row, 0] = self.alphabet.cls_idx
+            tokens[row, 1 : len(seq) + 1] = self._lut[np.frombuffer(seq.encode("ascii"), dtype=np.uint8)]
+            tokens[row, len(seq) + 1] = self.alphabet.eos_idx
+        return torch.from_numpy(tokens)
+
+    def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa") -> EsmForward:
+        """A runner for ``policy`` on ``device`` (see :func:`prepare_model`).
+
+        The fp32 model itself is moved to ``device``, unless it already serves a runner on
+        another accelerator (an amp policy ran it there): then the runner gets a copy.
+        """
+        home = next(self.model.parameters()).device
+        private = home.type != "cpu" and home != device
+        return EsmForward(prepare_model(self.model, policy, device, private=private), policy, attention)
+
+    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
+        return esm2_spec.estimate_memory(self.num_layers, self.embed_dim, self.attention_heads,
+                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load(spec: str) -> Esm2Model:
+    """Resolve, checksum and safely load a model spec into a fresh fp32 CPU ``ESM2``.
+
+    Each call returns a new model. The contact-regression companion is loaded (safely)
+    when it sits next to the checkpoint, and is otherwise not needed.
+    """
+    path = resolve_checkpoint(spec)
+    sha = checkpoint_sha256(path)
+    data = load_checkpoint_safely(path)
+    info = checkpoint_info(data, where=str(path))
+    state_dict = upgrade_state_dict(data["model"])
+    del data
+    state_dict.update(_companion_state(companion_path(path)))
+    model, alphabet = build_model(info, state_dict, where=str(path))
+    return Esm2Model(
+        model=model,
+        alphabet=alphabet,
+        name=spec if esm2_spec.is_model_name(spec) else path.stem,
+        source=str(path),
+        sha256=sha,
+        trained=info["trained"],
+        num_layers=info["num_layers"],
+        embed_dim=info["embed_dim"],
+        attention_heads=info["attention_heads"],
+    )
+
+
+def inspect(facts: ModelFacts) -> ModelFacts:
+    """A checkpoint path's facts completed from its config and parameter count. The file is
+    memory-mapped, so its weights are never read."""
+    path = Path(facts.spec).expanduser()
+    info = checkpoint_info(load_checkpoint_safely(path), where=str(path))
+    parameters = esm2_spec.parameter_count(info["num_layers"], info["embed_dim"], info["attention_heads"])
+    return replace(facts, num_layers=info["num_layers"], embed_dim=info["embed_dim"],
+                   attention_heads=info["attention_heads"], trained=info["trained"], parameters=parameters)
+
+
+def _companion_state(companion: Path) -> dict[str, Any]:
+    """The contact head from ``companion`` ({} when there is none)."""
+    if not companion.is_file():
+        return {}
+    regression = load_checkpoint_safely(companion)
+    reg_state = regression.get("model", regression)
+    if not isinstance(reg_state, Mapping):
+        raise ModelError(f"{companion} is not a contact-regression checkpoint")
+    reg_state = upgrade_state_dict(reg_state)
+    extra = set(reg_state) - CONTACT_KEYS
+    if extra:
+        raise ModelError(f"{companion}: unexpected keys {', '.join(sorted(extra)[:6])} in a contact-regression file")
+    return reg_state
+
+
+class _SkipInit(TorchFunctionMode):
+    """Inside: ``torch.nn.init`` functions and in-place random or constant fills do nothing."""
+
+    SKIPPED = frozenset({torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.SKIPPED or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Module constructors in this block and this thread skip their random init.
+
+    Every parameter is then assigned from the checkpoint (the key check refuses a checkpoint
+    that leaves one out), so the init is work thrown away (seconds for a 650M model, minutes
+    for 15B). A torch function mode is scoped to the block and thread-local: ``torch.nn.init``
+    itself is never changed. Not the meta device: fair-esm computes rotary frequencies in its
+    constructor, and meta ops import torch._dynamo (2 s per process with torch 2.13).
+    """
+    with _SkipInit():
+        yield
+
+
+def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: str) -> tuple[ESM2, esm.data.Alphabet]:
+    """An ``ESM2`` from the cfg with ``state_dict`` assigned (no second copy of the weights)."""
+    alphabet = esm2_alphabet()
+    with skip_random_init():  # parameters allocated, never written; the loaded tensors replace them
+        model = ESM2(num_layers=info["num_layers"], embed_dim=info["embed_dim"],
+                     attention_heads=info["attention_heads"], alphabet=alphabet, token_dropout=info["token_dropout"])
+    _check_state_dict(model, state_dict, info, where)
+    try:
+        model.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as exc:  # shape mismatches
+        raise ModelError(f"{where}: weights do not fit the configured ESM-2: {one_line(exc)[:400]}") from None
+    model.lm_head.weight = model.embed_tokens.weight  # re-tie
+    if not (CONTACT_KEYS <= set(state_dict)):
+        # No companion: a real (zeroed) contact head, so that no parameter stays uninitialised.
+        # embedpipe never predicts contacts.
+        regression = torch.nn.Linear(model.contact_head.regression.in_features, 1, bias=True)
+        torch.nn.init.zeros_(regression.weight)
+        torch.nn.init.zeros_(regression.bias)
+        model.contact_head.regression = regression
+    model = model.float().eval()
+    model.requires_grad_(False)
+    return model, alphabet
+
+
+def _listing(names: list[str]) -> str:
+    return f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+
+
+def _check_state_dict(model: ESM2, state_dict: Mapping[str, Any], info: Mapping[str, Any], where: str) -> None:
+    """Refuse a state dict that misses or adds keys, holds non-tensors or NaN/inf, or unties
+    the LM head from the token embedding."""
+    expected, found = set(model.state_dict().keys()), set(state_dict.keys())
+    missing, unexpected = sorted((expected - found) - CONTACT_KEYS), sorted(found - expected)
+    if missing or unexpected:
+        parts = ([f"missing {_listing(missing)}"] if missing else []) + (
+            [f"unexpected {_listing(unexpected)}"] if unexpected else [])
+        raise ModelError(
+            f"{where} does not match an ESM-2 with {info['num_layers']} layers, dim "
+            f"{info['embed_dim']}, {info['attention_heads']} heads: {'; '.join(parts)}"
+        )
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise ModelError(f"{where}: state dict entry {key} is not a tensor")
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ModelError(f"{where}: weights {key} hold NaN or inf")
+    # ESM-2 ties the LM head to the token embedding. fair-esm's copy-loading leaves both
+    # equal to lm_head.weight; a checkpoint where the two differ was edited inconsistently.
+    emb, head = state_dict.get("embed_tokens.weight"), state_dict.get("lm_head.weight")
+    if emb is not None and head is not None and not torch.equal(emb, head):
+        raise ModelError(
+            f"{where}: embed_tokens.weight and lm_head.weight differ, but ESM-2 ties them "
+            f"(fair-esm would silently use lm_head.weight); edit both or neither"
+        )
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def reset_rotary_caches(model: torch.nn.Module) -> None:
+    """Drop fair-esm's rotary cos/sin caches.
+
+    fair-esm caches the tables in whatever dtype they were first built in and rebuilds them
+    only when the sequence length or device changes, not the dtype: a cache built under one
+    precision would otherwise leak into another (including through ``copy.deepcopy``).
+    """
+    for module in model.modules():
+        if hasattr(module, "_cos_cached") and hasattr(module, "_seq_len_cached"):
+            module._seq_len_cached = None
+            module._cos_cached = None
+            module._sin_cached = None
+
+
+def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device, *,
+                  private: bool = False) -> torch.nn.Module:
+    """The model as ``policy`` runs it on ``device``: a private copy whenever weights change dtype
+    (or when ``private``), otherwise ``model`` itself moved to ``device``.
+
+    The fp32 source stays fp32 with its values, so it can serve as the fp32 fallback; it is
+    changed only by that move (and by the runner, which fuses its q/k/v into one tensor of
+    the same values). If the move runs out of memory, the source is moved back before the
+    error propagates: it is never left split across devices.
+    """
+    reset_rotary_caches(model)
+    if policy.weight_dtype == torch.float32 and not private:
+        prepared = _move(model, device)
+    else:
+        prepared = _cast_copy(model, policy, device)
+    reset_rotary_caches(prepared)
+    prepared.eval()
+    for param in prepared.parameters():
+        param.requires_grad_(False)
+    return prepared
+
+
+def _move(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to(device)``, undone on out-of-memory."""
+    home = next(model.parameters()).device
+    try:
+        return model.to(device)
+    except torch.cuda.OutOfMemoryError:
+        model.to(home)
+        raise
+
+
+def _fp32_tensor_ids(model: torch.nn.Module) -> set[int]:
+    """Tensors the mixed policies keep in fp32: layer-norm weights and rotary ``inv_freq``."""
+    ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            ids.update(id(p) for p in module.parameters(recurse=False))
+        if hasattr(module, "inv_freq"):
+            ids.add(id(module.inv_freq))
+    return ids
+
+
+def _cast_copy(model: torch.nn.Module, policy: Policy, device: torch.device) -> torch.nn.Module:
+    """Copy ``model`` with its tensors already in their target dtypes, on ``device``.
+
+    Casting while copying (through ``deepcopy``'s memo) never holds a second fp32 copy of the
+    weights: for a 15B model that is 60 GB of host memory saved; each tensor is made on
+    ``device`` directly. A plain cast converts everything, as ``.half()`` would.
+    """
+    fp32_ids = _fp32_tensor_ids(model) if policy.fp32_islands else set()
+    memo: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        dtype = torch.float32 if id(param) in fp32_ids else policy.weight_dtype
+        memo[id(param)] = torch.nn.Parameter(param.detach().to(device, dtype, copy=True), requires_grad=False)
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dtype = torch.float32 if id(buffer) in fp32_ids else policy.weight_dtype
+            memo[id(buffer)] = buffer.detach().to(device, dtype, copy=True)
+        else:
+            memo[id(buffer)] = buffer.detach().to(device, copy=True)
+    return copy.deepcopy(model, memo).to(device)  # any tensor not listed above

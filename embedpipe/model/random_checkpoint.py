@@ -1,0 +1,137 @@
+"""Random-weight (untrained) ESM-2 checkpoints in fair-esm's format, for tests and demos.
+
+``embedpipe make-test-model`` and the offline demo write them; the checkpoint carries the
+untrained marker (see :mod:`embedpipe.model.checkpoint`), so stores made with it say
+``model_trained = false``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from esm.model.esm2 import ESM2
+
+from embedpipe import __version__
+from embedpipe.atomic import atomic_paths, check_output_path
+from embedpipe.errors import ModelError
+from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, validate_shape
+from embedpipe.model.esm2 import esm2_alphabet
+from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.model.sources import companion_path
+
+#: State-dict key prefix of fair-esm's released checkpoints.
+KEY_PREFIX = "encoder.sentence_encoder."
+
+
+def make_test_model(
+    out: Path,
+    *,
+    layers: int = 2,
+    dim: int = 32,
+    heads: int = 4,
+    seed: int = 0,
+    token_dropout: bool = True,
+    storage_dtype: torch.dtype | None = None,
+    companion: bool = True,
+) -> Path:
+    """Write a random-weight (untrained) ESM-2 in fair-esm's checkpoint format.
+
+    ``out`` gets ``{"model": state dict with fair-esm's key prefix, "cfg": {"model":
+    Namespace(...)}, "embedpipe": {"trained": False, "seed": ..., ...}}``; the companion
+    ``OUT-without-suffix-contact-regression.pt`` gets the contact head (so fair-esm's own
+    ``load_model_and_alphabet_local`` loads the file when its name starts with ``esm2``).
+    Both are written before either is renamed into place (the companion first), so a
+    failure (a full disk) leaves neither.
+
+    Weights are fair-esm's default init, with the layer-norm scales and the biases that
+    init leaves constant drawn at random too, so every parameter matters; deterministic
+    in ``seed``. ``storage_dtype`` (e.g. ``torch.float16``) stores the weights in a lower
+    dtype, as some releases do.
+    """
+    out = Path(out)
+    layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    check_output_path(out)
+    if companion:
+        check_output_path(companion_path(out))
+    state = _storage_cast(_random_esm2(layers, dim, heads, seed, token_dropout).state_dict(), storage_dtype)
+    cfg = argparse.Namespace(
+        arch="esm2",
+        encoder_layers=layers,
+        encoder_embed_dim=dim,
+        encoder_ffn_embed_dim=4 * dim,
+        encoder_attention_heads=heads,
+        token_dropout=token_dropout,
+        max_positions=TRAINED_RESIDUES + 2,
+    )
+    marker = {
+        "trained": False,
+        "seed": int(seed),
+        "created_by": "embedpipe make-test-model",
+        "embedpipe_version": __version__,
+        "torch_version": str(torch.__version__),
+        "init": "fair-esm default; constant-initialised layer-norm scales and biases randomised",
+    }
+    main_state = {KEY_PREFIX + k: v for k, v in state.items() if k not in CONTACT_KEYS}
+    checkpoint = {"model": main_state, "cfg": {"model": cfg}, MARKER_KEY: marker}
+    regression = {"model": {k: v.clone() for k, v in state.items() if k in CONTACT_KEYS}}
+    if companion:
+        # both written before either is renamed into place: a failure leaves neither behind
+        with atomic_paths(companion_path(out), out) as (tmp_companion, tmp):
+            save(regression, tmp_companion)
+            save(checkpoint, tmp)
+    else:
+        with atomic_paths(out) as (tmp,):
+            save(checkpoint, tmp)
+    return out
+
+
+def _random_esm2(layers: int, dim: int, heads: int, seed: int, token_dropout: bool) -> ESM2:
+    """fair-esm's init, then the constant parameters drawn at random; the global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads, alphabet=esm2_alphabet(),
+                     token_dropout=token_dropout)
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                flat = param.detach().flatten()
+                if flat.numel() < 2 or not bool((flat == flat[0]).all()):
+                    continue
+                noise = torch.randn(param.shape)
+                if pname.endswith(".weight"):  # layer-norm scales around 1
+                    param.copy_(1.0 + 0.1 * noise)
+                else:  # biases around 0
+                    param.copy_(0.05 * noise)
+    return model.eval()
+
+
+def _storage_cast(state: dict[str, torch.Tensor], storage_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` with its floating-point weights (not ``inv_freq``) in ``storage_dtype``."""
+    if storage_dtype is None:
+        return state
+    if not storage_dtype.is_floating_point:
+        raise ModelError(f"make-test-model: storage dtype {storage_dtype} is not floating point")
+    # Cast the shared tensor once so that embed and LM head stay one storage in the file.
+    cast: dict[int, torch.Tensor] = {}
+    for key, value in list(state.items()):
+        if value.is_floating_point() and not key.endswith("inv_freq"):
+            ptr = value.data_ptr()
+            if ptr not in cast:
+                cast[ptr] = value.to(storage_dtype)
+            state[key] = cast[ptr]
+    return state
+
+
+def save(obj: Any, path: Path) -> None:
+    """``torch.save`` through memory, so that a failed write (a full disk) is an ``OSError``
+    naming ``path`` (torch's own file writer reports it as a RuntimeError without the cause)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        with open(path, "wb") as fh:
+            fh.write(buffer.getbuffer())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None

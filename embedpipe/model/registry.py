@@ -1,0 +1,81 @@
+"""Model families by name: which family takes a spec, its facts, and loading it.
+
+Adding a family (ESM C, a Hugging Face ESM checkpoint) means one module that defines
+``load(spec) -> EmbeddingModel`` and ``inspect(facts) -> ModelFacts`` (a checkpoint path's
+facts completed from its header), plus one
+:class:`Family` line in :data:`FAMILIES` (or a :func:`register` call). Families are asked in order; ESM-2 comes last
+because it takes every spec (its names and any checkpoint path).
+
+A family's module is imported when a model is first loaded or inspected, by name
+(``importlib``): describing a spec must stay torch-free, since the workflow does it while
+Snakemake parses the rules in every job (importing torch costs 2.5 s).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from embedpipe.model import esm2_spec
+from embedpipe.model.facts import ModelFacts
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from embedpipe.model.base import EmbeddingModel
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: cheap, torch-free ``claims``/``describe``, and the module that loads it."""
+
+    name: str
+    claims: Callable[[str], bool]  # does this family take the spec?
+    describe: Callable[[str], ModelFacts]  # facts without loading weights or importing torch
+    is_name: Callable[[str], bool]  # is the spec one of the family's registered names?
+    module: str  # defines load(spec) -> EmbeddingModel and inspect(facts) -> ModelFacts
+
+    def implementation(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+FAMILIES: list[Family] = [
+    Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2"),
+]
+
+
+def register(family: Family) -> None:
+    """Ask ``family`` before those already registered (ESM-2, which takes every spec, stays last)."""
+    FAMILIES.insert(0, family)
+
+
+def family_for(spec: str) -> Family:
+    """The first registered family that takes ``spec``."""
+    spec = str(spec)
+    return next(family for family in FAMILIES if family.claims(spec))
+
+
+def describe(spec: str) -> ModelFacts:
+    """What is known about ``spec`` without loading weights or importing torch."""
+    return family_for(spec).describe(str(spec))
+
+
+def inspect(spec: str) -> ModelFacts:
+    """:func:`describe`, plus what an existing checkpoint file's header says (its weights stay
+    unread). Names and missing files are only described: no torch import."""
+    family = family_for(spec)
+    facts = family.describe(str(spec))
+    if facts.kind == "name" or facts.weights_bytes is None:
+        return facts
+    return family.implementation().inspect(facts)
+
+
+def is_model_name(spec: str) -> bool:
+    """Whether ``spec`` is a registered name of any family (not a path)."""
+    return any(family.is_name(str(spec)) for family in FAMILIES)
+
+
+def load_model(spec: str) -> EmbeddingModel:
+    """Resolve, checksum and load ``spec`` with its family: a fresh fp32 CPU model per call."""
+    return family_for(spec).implementation().load(str(spec))

@@ -1,0 +1,183 @@
+"""Where a model spec's checkpoint comes from: fair-esm names, the torch hub cache, downloads.
+
+A fair-esm ESM-2 name resolves through the torch hub cache
+(``torch.hub.get_dir()/checkpoints/NAME.pt``, the file fair-esm itself uses) and is
+downloaded from fair-esm's URL when it is not there yet; any other spec is a checkpoint path.
+The ``NAME-contact-regression.pt`` companion is fetched alongside and never required.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+import torch
+
+from embedpipe.atomic import atomic_path
+from embedpipe.checksums import file_sha256
+from embedpipe.errors import ModelError
+from embedpipe.model.esm2_spec import is_model_name, valid_names
+from embedpipe.progress import progress_bar
+
+#: Same URL scheme as fair-esm's ``esm/pretrained.py``.
+MODEL_URL = "https://dl.fbaipublicfiles.com/fair-esm/models/{name}.pt"
+REGRESSION_URL = "https://dl.fbaipublicfiles.com/fair-esm/regression/{name}-contact-regression.pt"
+
+#: Socket timeout (seconds) for downloads: a node without internet fails fast.
+DOWNLOAD_TIMEOUT_S = 30.0
+
+#: Set to 1/true/yes to never attempt a download while resolving a name (``fetch_model``
+#: still downloads when called explicitly).
+OFFLINE_ENV = "EMBEDPIPE_OFFLINE"
+
+
+def hub_checkpoint_path(name: str) -> Path:
+    """Where fair-esm (torch hub) keeps ``name``: ``torch.hub.get_dir()/checkpoints/NAME.pt``.
+
+    ``torch.hub.get_dir()`` follows ``TORCH_HOME`` (default ``~/.cache/torch``).
+    """
+    return Path(torch.hub.get_dir()) / "checkpoints" / f"{name}.pt"
+
+
+def companion_path(path: Path) -> Path:
+    """The contact-regression companion of a checkpoint, named as fair-esm expects it."""
+    path = Path(path)
+    return Path(str(path.with_suffix("")) + "-contact-regression.pt")
+
+
+def checkpoint_sha256(path: Path) -> str:
+    """:func:`embedpipe.checksums.file_sha256`, cached per unchanged file (checkpoints are
+    gigabytes), with an unreadable file as a ``ModelError``."""
+    try:
+        return file_sha256(path, cache=True)
+    except OSError as exc:
+        raise ModelError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+
+
+def _offline() -> bool:
+    return os.environ.get(OFFLINE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _offline_message(name: str, target: Path, reason: str) -> str:
+    return (
+        f"model {name!r} is not in the local cache ({target}) and could not be downloaded "
+        f"from {MODEL_URL.format(name=name)} ({reason}). On a machine with internet run "
+        f"`embedpipe fetch-model {name}` (it fills the torch hub cache; point TORCH_HOME at a "
+        f"shared directory, or use --dest DIR and pass that file), or pass a local fair-esm "
+        f".pt checkpoint path as the model; configs/offline-demo.yaml runs without downloads"
+    )
+
+
+def resolve_checkpoint(spec: str) -> Path:
+    """The checkpoint file for a model spec.
+
+    A fair-esm name resolves to the torch hub cache and is downloaded when missing (unless
+    ``EMBEDPIPE_OFFLINE`` is set); offline, a ``ModelError`` says how to pre-fetch it. Any
+    other spec is a path that must exist.
+    """
+    spec = str(spec)
+    if is_model_name(spec):
+        target = hub_checkpoint_path(spec)
+        if target.is_file():
+            return target
+        if _offline():
+            raise ModelError(_offline_message(spec, target, f"{OFFLINE_ENV} is set"))
+        return fetch_model(spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.resolve()
+    if path.exists():
+        raise ModelError(f"model path {spec} is not a file (expected a fair-esm .pt checkpoint)")
+    looks_like_path = spec.endswith(".pt") or os.sep in spec or "/" in spec
+    if looks_like_path:
+        raise ModelError(f"model checkpoint not found: {spec}")
+    raise ModelError(
+        f"unknown model {spec!r}: use a fair-esm ESM-2 name ({valid_names()}) or a path to a "
+        f"checkpoint in fair-esm's format (e.g. one written by `embedpipe make-test-model`)"
+    )
+
+
+
+def _download(url: str, dest: Path, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
+    """Stream ``url`` into ``dest`` (a temporary file the caller renames). Raises on failure,
+    including a short read (fewer bytes than Content-Length)."""
+    request = urllib.request.Request(url, headers={"User-Agent": "embedpipe"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        length = response.headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() else None
+        received = 0
+        with open(dest, "wb") as fh, progress_bar(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=Path(url).name
+        ) as bar:
+            while chunk := response.read(1024 * 1024):
+                fh.write(chunk)
+                received += len(chunk)
+                bar.update(len(chunk))
+    if total is not None and received != total:
+        raise OSError(f"download truncated: {received} of {total} bytes")
+
+
+def _fetch_one(url: str, target: Path) -> None:
+    with atomic_path(target) as tmp:
+        _download(url, tmp)
+        if tmp.stat().st_size == 0:
+            raise OSError("empty download")
+
+
+def _network_reason(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return f"network error: {one_line(exc.reason)}"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "network timeout"
+    return one_line(exc) or type(exc).__name__
+
+
+def fetch_model(name: str, dest: Path | None = None) -> Path:
+    """Download fair-esm model ``name`` (and its small contact-regression companion) into
+    ``dest`` (a directory) or the torch hub cache; return the checkpoint path.
+
+    Files are written under a temporary name and renamed, so an interrupted download never
+    leaves a partial checkpoint. An already present checkpoint is not downloaded again.
+    """
+    if not is_model_name(name):
+        raise ModelError(f"unknown model {name!r}: fetch-model takes one of {valid_names()}")
+    if dest is None:
+        target = hub_checkpoint_path(name)
+    else:
+        dest = Path(dest).expanduser()
+        if dest.exists() and not dest.is_dir():
+            raise ModelError(f"--dest {dest} exists and is not a directory")
+        target = dest / f"{name}.pt"
+    if not target.is_file():
+        if _offline():
+            raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set"))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ModelError(f"cannot create {target.parent}: {exc.strerror or exc}") from None
+        try:
+            _fetch_one(MODEL_URL.format(name=name), target)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ModelError(_offline_message(name, target, _network_reason(exc))) from None
+    companion = companion_path(target)
+    if not companion.is_file():
+        try:
+            _fetch_one(REGRESSION_URL.format(name=name), companion)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            # Only fair-esm's contact prediction needs it; embeddings do not.
+            warnings.warn(
+                f"could not download the contact-regression companion of {name} "
+                f"({_network_reason(exc)}); embeddings do not need it",
+                stacklevel=2,
+            )
+    return target
