@@ -29,6 +29,7 @@ include: "workflows/rules/shard.smk"
 include: "workflows/rules/embed.smk"
 include: "workflows/rules/merge.smk"
 include: "workflows/rules/crosscheck.smk"
+include: "workflows/rules/export.smk"
 
 
 rule all:

@@ -75,3 +75,5 @@ def test_readme_commands_run_as_written(tmp_path):
         assert proc.returncode == 0, f"README.md line {block.line} failed:\n{block.code}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert (repo / "results-demo" / "report.html").stat().st_size > 0
     assert (repo / "results-demo" / "embeddings.h5").is_file()
+    for name in ("embeddings.h5", "embeddings.parquet"):
+        assert (repo / "results-demo" / "exports" / name).stat().st_size > 0

@@ -199,6 +199,17 @@ def test_dry_run_offline_demo_config(checkout_like: Path) -> None:
     assert "results-demo/model/esm2_demo_t2_64.pt" in out
 
 
+def test_exports_add_one_job_per_format(checkout_like: Path) -> None:
+    proc = snakemake(checkout_like, "--dry-run", "--printshellcmds", "--cores", "2", "--configfile",
+                     "configs/offline-demo.yaml", "--config", 'exports=["h5-per-id","parquet","npy"]')
+    out = proc.stdout + proc.stderr
+    assert job_counts(out)["export"] == 3
+    for ext, fmt in (("h5", "h5-per-id"), ("parquet", "parquet"), ("npy", "npy")):
+        assert f"--format {fmt} --out results-demo/exports/embeddings.{ext}" in out
+    err = _short_error(snakemake(checkout_like, "--dry-run", "--cores", "1", "--config", 'exports=["csv"]', check=False))
+    assert "exports" in err
+
+
 def test_input_glob_and_list(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()

@@ -181,10 +181,23 @@ def crosscheck_options():
 # ---------------------------------------------------------------- targets
 
 
+EXPORT_NAMES = {"h5-per-id": "embeddings.h5", "parquet": "embeddings.parquet", "npy": "embeddings.npy"}
+
+
+def export_path(fmt):
+    """Where the export rule writes format ``fmt`` (config key `exports`)."""
+    return f"{OUTDIR}/exports/{EXPORT_NAMES[fmt]}"
+
+
+def export_format(wildcards):
+    """The format the export rule writes to {outdir}/exports/embeddings.{ext}."""
+    return next(fmt for fmt, name in EXPORT_NAMES.items() if name == f"embeddings.{wildcards.ext}")
+
+
 def final_outputs():
     return [
         f"{OUTDIR}/shards/manifest.tsv",
         f"{OUTDIR}/embeddings.h5",
         f"{OUTDIR}/crosscheck/crosscheck.json",
         f"{OUTDIR}/crosscheck/crosscheck.html",
-    ]
+    ] + [export_path(fmt) for fmt in config["exports"]]
