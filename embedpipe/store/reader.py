@@ -368,7 +368,7 @@ class Store:
         store can be streamed block by block in bounded memory."""
         f = self._h5
         lo, hi = _row_range(rows, self._n)
-        key = slice(lo, hi)
+        key = slice(None) if rows is None else slice(lo, hi)
         table: dict[str, np.ndarray] = {"id": np.array(self._ids[key], dtype=object)}
         for name, column in COLUMNS.items():
             if name == "ids" or (name == "sequence" and not sequence):
