@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedpipe.errors import InputError
+from embedpipe.options import LONG_SEQUENCE_MODES
 
 TRAINED_RESIDUES = 1022  # ESM-2 was trained on 1024 tokens: 1022 residues plus BOS and EOS
 DEFAULT_OVERLAP = 256
-LONG_SEQUENCE_MODES = ("chunk", "truncate", "error", "full")
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from embedpipe.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.packed_linear import PackedLinear, pack_linear
 from embedpipe.precision import Policy
-
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
 
 
 @dataclass
