@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from embedpipe.formatting import format_cosine
 from embedpipe.metrics import aggregate, is_finite_number, wilson_interval
 from embedpipe.options import Thresholds
-from embedpipe.formatting import format_cosine
 
 __all__ = ["VERDICTS", "decide_verdict", "judge", "record_status", "store_figures", "summarise"]
 
