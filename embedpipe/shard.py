@@ -35,10 +35,11 @@ import numpy as np
 
 from embedpipe.atomic import check_output_entries, fsync_dir
 from embedpipe.errors import InputError
-from embedpipe.fasta import NORMALISATION_KINDS, display_path, path_text
+from embedpipe.fasta import display_path, path_text
 from embedpipe.manifest import MANIFEST
 from embedpipe.options import ON_INVALID, ON_INVALID_DEFAULT, check_choice
 from embedpipe.progress import progress_bar
+from embedpipe.residues import NORMALISATION_KINDS
 from embedpipe.shard_index import (DUPLICATE, NORM_BIT, OK, REASON_CODE, SKIP_BASE, RecordIndex, Unique, dedupe,
                                    read_inputs, write_manifest)
 from embedpipe.shard_output import Syncer, spool_directory

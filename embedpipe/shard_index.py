@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.errors import InputError
-from embedpipe.fasta import INVALID_REASONS, NORMALISATION_KINDS, iter_fasta
+from embedpipe.fasta import iter_fasta
 from embedpipe.manifest import MANIFEST_COLUMNS, ManifestWriter, quote, quote_all
 from embedpipe.progress import progress_bar
+from embedpipe.residues import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.shard_output import Syncer, open_for_writing, write_errors
 
 __all__ = ["DUPLICATE", "NORM_BIT", "OK", "REASON_CODE", "SKIP_BASE", "RecordIndex", "Unique", "dedupe", "read_inputs",
