@@ -1,7 +1,8 @@
 """The `embedpipe` command line: typer commands that parse options and call library functions.
 
-No logic lives here. Heavy imports (torch, h5py) happen inside each command so that
-`embedpipe --help` stays fast. Every user-facing failure is an ``EmbedpipeError`` and is
+No logic lives here. Defaults, and the allowed values the help lists, come from
+:mod:`embedpipe.options` (plain Python). Heavy imports (torch, h5py) happen inside each
+command so that `embedpipe --help` stays fast. Every user-facing failure is an ``EmbedpipeError`` and is
 printed as one line on stderr with a non-zero exit code.
 """
 
@@ -19,23 +20,8 @@ from typing import Any, Optional, TypeVar
 
 import typer
 
+from embedpipe import options
 from embedpipe.errors import EmbedpipeError
-from embedpipe.options import (
-    ATTENTION_IMPLEMENTATIONS,
-    CROSSCHECK_K,
-    CROSSCHECK_SAMPLE,
-    CROSSCHECK_SEED,
-    DEFAULT_DEVICE,
-    FALLBACK_DEVICES,
-    LONG_SEQUENCE_MODES,
-    ON_INVALID,
-    ON_INVALID_DEFAULT,
-    POLICY_NAMES,
-    STORAGE_DTYPES,
-    TOKENS_PER_SHARD,
-    EmbedOptions,
-    Thresholds,
-)
 
 app = typer.Typer(
     add_completion=False,
@@ -48,8 +34,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N."
 #: defaults of the commands' options, from the library (embedpipe/options.py)
-EMBED = EmbedOptions()
-THRESHOLDS = Thresholds()
+EMBED = options.EmbedOptions()
+THRESHOLDS = options.Thresholds()
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
@@ -130,11 +116,12 @@ def shard(
     inputs: list[Path] = typer.Argument(..., help="FASTA files, plain or gzip."),
     out: Path = typer.Option(..., "--out", help="Output directory for shards and manifest."),
     tokens_per_shard: int = typer.Option(
-        TOKENS_PER_SHARD, "--tokens-per-shard", min=1, help="Token budget per shard (residues + 2 per record)."
+        options.TOKENS_PER_SHARD, "--tokens-per-shard", min=1, help="Token budget per shard (residues + 2 per record)."
     ),
     on_invalid: str = typer.Option(
-        ON_INVALID_DEFAULT, "--on-invalid",
-        help=_one_of(ON_INVALID, {"error": "stop at the first invalid record", "skip": "record it as skipped"}) + ".",
+        options.ON_INVALID_DEFAULT, "--on-invalid",
+        help=_one_of(options.ON_INVALID, {"error": "stop at the first invalid record",
+                                          "skip": "record it as skipped"}) + ".",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
@@ -154,7 +141,7 @@ def embed(
     fasta: Path = typer.Argument(..., help="A shard (or any protein FASTA)."),
     model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
     out: Path = typer.Option(..., "--out", help="Output store (.h5), written atomically."),
-    precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(POLICY_NAMES) + "."),
+    precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
     layers: list[int] = typer.Option(
         list(EMBED.layers), "--layers", help="Layer indices to store (0 = token embedding, -1 = last); repeatable."
     ),
@@ -165,15 +152,18 @@ def embed(
         EMBED.tokens_per_batch, "--tokens-per-batch", min=1, help="Token budget per batch, BOS/EOS included."
     ),
     device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
-    storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype", help=_one_of(STORAGE_DTYPES) + "."),
+    storage_dtype: str = typer.Option(
+        EMBED.storage_dtype, "--storage-dtype", help=_one_of(options.STORAGE_DTYPES) + "."
+    ),
     long_sequences: str = typer.Option(
         EMBED.long_sequences, "--long-sequences",
-        help=f"Sequences over 1022 residues: {_one_of(LONG_SEQUENCE_MODES)}.",
+        help=f"Sequences over 1022 residues: {_one_of(options.LONG_SEQUENCE_MODES)}.",
     ),
     attention: str = typer.Option(
         EMBED.attention, "--attention",
-        help=_one_of(ATTENTION_IMPLEMENTATIONS, {"sdpa": "fused, default", "math": "explicit scores and softmax",
-                                                 "fair-esm": "fair-esm's own forward"}) + ".",
+        help=_one_of(options.ATTENTION_IMPLEMENTATIONS, {
+            "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward",
+        }) + ".",
     ),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin,
@@ -186,7 +176,8 @@ def embed(
     fallback_device: str = typer.Option(
         EMBED.fallback_device, "--fallback-device",
         help="Where records that fall back are re-run in fp32: "
-             + _one_of(FALLBACK_DEVICES, {"auto": "the same device; the CPU when the fp32 model does not fit there"})
+             + _one_of(options.FALLBACK_DEVICES,
+                       {"auto": "the same device; the CPU when the fp32 model does not fit there"})
              + ". See docs/precision.md.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
@@ -194,7 +185,7 @@ def embed(
     """Embed every record of a FASTA file into one HDF5 store."""
     from embedpipe.embed import embed_fasta
 
-    options = EmbedOptions(
+    chosen = options.EmbedOptions(
         precision=precision,
         layers=tuple(layers),
         per_residue=per_residue,
@@ -207,7 +198,7 @@ def embed(
         threads=threads,
         fallback_device=fallback_device,
     )
-    summary = embed_fasta(fasta, model=model, out=out, options=options, quiet=quiet)
+    summary = embed_fasta(fasta, model=model, out=out, options=chosen, quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -236,10 +227,10 @@ def crosscheck(
     store: Path = typer.Argument(..., help="Store to check."),
     out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
     sample: int = typer.Option(
-        CROSSCHECK_SAMPLE, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."
+        options.CROSSCHECK_SAMPLE, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."
     ),
-    seed: int = typer.Option(CROSSCHECK_SEED, "--seed", help="Sampling seed."),
-    device: str = typer.Option(DEFAULT_DEVICE, "--device", help=DEVICE_HELP),
+    seed: int = typer.Option(options.CROSSCHECK_SEED, "--seed", help="Sampling seed."),
+    device: str = typer.Option(options.DEFAULT_DEVICE, "--device", help=DEVICE_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint); its sha256 must match."),
     allow_model_mismatch: bool = typer.Option(
         False, "--allow-model-mismatch", help="Compare even when the model's sha256 differs from the store's (verdict at best warn)."
@@ -257,7 +248,7 @@ def crosscheck(
     determinism_cosine: float = typer.Option(
         THRESHOLDS.determinism_cosine, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
     ),
-    k: int = typer.Option(CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
+    k: int = typer.Option(options.CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
@@ -272,7 +263,7 @@ def crosscheck(
         seed=seed,
         device=device,
         model=model,
-        thresholds=Thresholds(
+        thresholds=options.Thresholds(
             pass_cosine=pass_cosine,
             fail_cosine=fail_cosine,
             pass_overlap=pass_overlap,

@@ -72,7 +72,9 @@ class EmbedOptions:
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""
         if self.precision not in POLICY_NAMES:
-            raise EmbedpipeError(f"unknown precision policy {self.precision!r}; choose one of: {', '.join(POLICY_NAMES)}")
+            raise EmbedpipeError(
+                f"unknown precision policy {self.precision!r}; choose one of: {', '.join(POLICY_NAMES)}"
+            )
         check_choice("--fallback-device", self.fallback_device, FALLBACK_DEVICES)
         check_choice("--storage-dtype", self.storage_dtype, STORAGE_DTYPES)
         check_choice("--long-sequences", self.long_sequences, LONG_SEQUENCE_MODES)
@@ -138,7 +140,8 @@ class Thresholds:
 # ------------------------------------------------------------------------------ helpers
 
 
-def check_choice(option: str, value: object, allowed: Sequence[str], error: type[EmbedpipeError] = EmbedpipeError) -> None:
+def check_choice(option: str, value: object, allowed: Sequence[str],
+                 error: type[EmbedpipeError] = EmbedpipeError) -> None:
     """Raise ``error`` ("--option must be one of a, b, not 'x'") unless ``value`` is allowed."""
     if value not in allowed:
         raise error(f"{option} must be one of {', '.join(allowed)}, not {value!r}")

@@ -13,7 +13,9 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from embedpipe.formatting import escape as _e
-from embedpipe.formatting import format_cosine, format_number, format_percent
+from embedpipe.formatting import format_cosine as _cos
+from embedpipe.formatting import format_number as _num
+from embedpipe.formatting import format_percent as _pct
 from embedpipe.report_figures import activation_histogram, cosine_histogram, error_scatter, overlap_bars
 
 __all__ = ["VERDICT_COLOURS", "render_html"]
@@ -91,13 +93,13 @@ def _verdict_section(data: dict) -> str:
     k = data["neighbours"]["k"]
     fb = data["store_figures"]["fallback"]
     cards = [
-        (format_cosine(overall["pooled_cosine"]["min"]), "min pooled cosine"),
-        (format_cosine(overall["pooled_cosine"]["median"]), "median pooled cosine"),
-        (format_number(overall["pooled_max_abs_diff"]["max"]), "max |difference| (pooled)"),
-        (f"{format_percent(frac['fraction'])} [{format_percent(frac['ci95'][0])}, {format_percent(frac['ci95'][1])}]",
+        (_cos(overall["pooled_cosine"]["min"]), "min pooled cosine"),
+        (_cos(overall["pooled_cosine"]["median"]), "median pooled cosine"),
+        (_num(overall["pooled_max_abs_diff"]["max"]), "max |difference| (pooled)"),
+        (f"{_pct(frac['fraction'])} [{_pct(frac['ci95'][0])}, {_pct(frac['ci95'][1])}]",
          f"cosine >= {frac['threshold']:g} (95% CI)"),
-        (format_number(overall["overlap"]["median"]) if k else "n/a", f"median overlap@{k}"),
-        (f"{fb['count']:,} ({format_percent(fb['rate'])})", "fp32 fallbacks in the store"),
+        (_num(overall["overlap"]["median"]) if k else "n/a", f"median overlap@{k}"),
+        (f"{fb['count']:,} ({_pct(fb['rate'])})", "fp32 fallbacks in the store"),
     ]
     card_html = "".join(f'<div class="card"><div class="v">{_e(v)}</div><div class="l">{_e(l)}</div></div>'
                         for v, l in cards)
@@ -125,13 +127,13 @@ def _layer_table(data: dict) -> str:
     for layer in data["store"]["layers"]:
         e = data["summary"]["layers"][str(layer)]
         c, f = e["pooled_cosine"], e["fraction_above_pass"]
-        row = [_e(layer), _e(e["n"]), format_cosine(c["min"]), format_cosine(c["p1"]), format_cosine(c["p5"]), format_cosine(c["median"]), format_cosine(c["max"]),
-               format_number(e["pooled_max_abs_diff"]["max"]), format_number(e["pooled_rel_l2"]["median"]), format_number(e["pooled_rel_l2"]["max"]),
+        row = [_e(layer), _e(e["n"]), _cos(c["min"]), _cos(c["p1"]), _cos(c["p5"]), _cos(c["median"]), _cos(c["max"]),
+               _num(e["pooled_max_abs_diff"]["max"]), _num(e["pooled_rel_l2"]["median"]), _num(e["pooled_rel_l2"]["max"]),
                _e(f"{f['count']}/{f['n']} [{100 * f['ci95'][0]:.1f}, {100 * f['ci95'][1]:.1f}]%")]
         if per_residue:
-            row += [format_cosine((e.get("residue_min_cosine") or {}).get("min"))]
+            row += [_cos((e.get("residue_min_cosine") or {}).get("min"))]
         if k:
-            row += [format_number(e["overlap"]["median"])]
+            row += [_num(e["overlap"]["median"])]
         s = e["status"]
         row += [f'<span class="pass">{s.get("pass", 0)}</span> / <span class="warn">{s.get("warn", 0)}</span> / '
                 f'<span class="fail">{s.get("fail", 0)}</span>']
@@ -146,9 +148,9 @@ def _length_bin_table(data: dict) -> str:
             info = data["length_bins"][b["bin"]]
             close = "]" if info["closed_right"] else ")"
             rows.append([str(layer), f"[{b['min_length']:g}, {b['max_length']:g}{close}", f"{info['records']:,}",
-                         str(b["n"]), format_cosine(b["pooled_cosine"]["min"]), format_cosine(b["pooled_cosine"]["median"]),
-                         format_number(b["pooled_rel_l2"]["median"]), format_number(b["pooled_rel_l2"]["max"]),
-                         format_number(b["pooled_max_abs_diff"]["max"])])
+                         str(b["n"]), _cos(b["pooled_cosine"]["min"]), _cos(b["pooled_cosine"]["median"]),
+                         _num(b["pooled_rel_l2"]["median"]), _num(b["pooled_rel_l2"]["max"]),
+                         _num(b["pooled_max_abs_diff"]["max"])])
     return _table(["layer", "length bin", "records in store", "sampled", "min cos", "median cos", "median rel L2",
                    "max rel L2", "max |diff|"], rows, text_cols=(0, 1))
 
@@ -158,8 +160,8 @@ def _overlap_table(data: dict) -> str:
     rows = []
     for layer in data["store"]["layers"]:
         o = data["summary"]["layers"][str(layer)]["overlap"]
-        rows.append([str(layer), str(o["count"]), format_number(o["min"]), format_number(o["p5"]), format_number(o["median"]), format_number(o["mean"]),
-                     format_number(o["max"])])
+        rows.append([str(layer), str(o["count"]), _num(o["min"]), _num(o["p5"]), _num(o["median"]), _num(o["mean"]),
+                     _num(o["max"])])
     return _table(["layer", "records", f"min overlap@{k}", "p5", "median", "mean", "max"], rows)
 
 
@@ -178,10 +180,10 @@ def _worst_table(data: dict, limit: int = 12) -> str:
     for r in worst:
         row = [_e(r["id"]), _e(r["layer"]), _e(r["length"]),
                _e(r["precision_used"] + (f" ({r['fallback_reason']})" if r.get("fallback_reason") else "")),
-               format_cosine(r["pooled_cosine"]), format_number(r["pooled_max_abs_diff"]), format_number(r["pooled_rel_l2"])]
+               _cos(r["pooled_cosine"]), _num(r["pooled_max_abs_diff"]), _num(r["pooled_rel_l2"])]
         if per_residue:
-            row += [format_cosine(r.get("residue_min_cosine"))]
-        row += [format_number(r.get("overlap_at_k")), _status(r["status"])]
+            row += [_cos(r.get("residue_min_cosine"))]
+        row += [_num(r.get("overlap_at_k")), _status(r["status"])]
         rows.append(row)
     return _table(header, rows, text_cols=(0, 3), raw=True)
 
@@ -190,9 +192,9 @@ def _store_section(data: dict) -> str:
     fig = data["store_figures"]
     n = fig["records"]
     fb = fig["fallback"]
-    fb_rows = [[reason, f"{v['count']:,}", format_percent(v["rate"])] for reason, v in fb["by_reason"].items()]
-    fb_rows.append(["all reasons", f"{fb['count']:,}", format_percent(fb["rate"])])
-    used_rows = [[key, f"{v['count']:,}", format_percent(v["rate"])] for key, v in fig["precision_used"].items()]
+    fb_rows = [[reason, f"{v['count']:,}", _pct(v["rate"])] for reason, v in fb["by_reason"].items()]
+    fb_rows.append(["all reasons", f"{fb['count']:,}", _pct(fb["rate"])])
+    used_rows = [[key, f"{v['count']:,}", _pct(v["rate"])] for key, v in fig["precision_used"].items()]
     parts = [
         "<h3>fp32 fallback</h3>",
         _table(["reason", "records", "rate"], fb_rows),
@@ -203,18 +205,18 @@ def _store_section(data: dict) -> str:
     if act:
         parts.append("<h3>Max |activation| per record</h3>")
         parts.append(_table(["", "count", "non-finite", "min", "p5", "median", "p95", "max"],
-                            [["all records", f"{act['count']:,}", f"{act['nonfinite']:,}", format_number(act["min"]),
-                              format_number(act["p5"]), format_number(act["median"]), format_number(act["p95"]), format_number(act["max"])]]
-                            + [[f"precision_used = {key}", f"{v['count']:,}", f"{v['nonfinite']:,}", format_number(v["min"]),
-                                format_number(v["p5"]), format_number(v["median"]), format_number(v["p95"]), format_number(v["max"])]
+                            [["all records", f"{act['count']:,}", f"{act['nonfinite']:,}", _num(act["min"]),
+                              _num(act["p5"]), _num(act["median"]), _num(act["p95"]), _num(act["max"])]]
+                            + [[f"precision_used = {key}", f"{v['count']:,}", f"{v['nonfinite']:,}", _num(v["min"]),
+                                _num(v["p5"]), _num(v["median"]), _num(v["p95"]), _num(v["max"])]
                                for key, v in act.get("by_precision_used", {}).items()]))
         parts.append(activation_histogram(fig))
     if fig.get("long_handling"):
         parts.append("<h3>Long-sequence handling</h3>")
         parts.append(_table(["handling", "records"], [[k, f"{v:,}"] for k, v in fig["long_handling"].items()]))
     lengths = fig["length"]
-    parts.append(f"<p>{n:,} records; lengths {format_number(lengths['min'])} to {format_number(lengths['max'])} "
-                 f"(median {format_number(lengths['median'])}).</p>")
+    parts.append(f"<p>{n:,} records; lengths {_num(lengths['min'])} to {_num(lengths['max'])} "
+                 f"(median {_num(lengths['median'])}).</p>")
     return "".join(parts)
 
 
