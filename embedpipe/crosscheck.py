@@ -45,7 +45,7 @@ from embedpipe.crosscheck_verdict import VERDICTS, judge, store_figures
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
 from embedpipe.formatting import format_cosine, format_short
-from embedpipe.metrics import length_bin_table, length_bins, stratified_sample
+from embedpipe.metrics import describe_length_bins, length_bins, stratified_sample
 from embedpipe.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, EmbedOptions, Thresholds
 from embedpipe.progress import say
 from embedpipe.report import render_html
@@ -152,7 +152,7 @@ def run_crosscheck(
         _add_overlap(st, drawn.records, reference.records, layers, records, k_eff, quiet)
     policy = str(provenance.get("precision_policy", "unknown"))
     pass_cos = thresholds.pass_cosine_for(policy == "fp32")
-    bins = length_bin_table(drawn.edges, drawn.bin_of, drawn.rows)
+    bins = describe_length_bins(drawn.edges, drawn.bin_of, drawn.rows)
     summary, verdict, reasons = judge(records, layers, bins, thresholds, pass_cos, k_eff, problems, reference.model_info)
     data = {
         "crosscheck_format_version": CROSSCHECK_FORMAT_VERSION,

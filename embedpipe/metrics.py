@@ -25,9 +25,9 @@ __all__ = [
     "compare_pooled",
     "compare_residues",
     "cosine",
+    "describe_length_bins",
     "is_finite_number",
     "knn_overlap",
-    "length_bin_table",
     "length_bins",
     "max_abs_diff",
     "mean_abs_diff",
@@ -208,7 +208,7 @@ def length_bins(lengths: Sequence[int] | np.ndarray, n_bins: int = 4) -> tuple[n
     return edges, which
 
 
-def length_bin_table(edges: np.ndarray, bin_of: np.ndarray, sampled_rows: np.ndarray) -> list[dict[str, Any]]:
+def describe_length_bins(edges: np.ndarray, bin_of: np.ndarray, sampled_rows: np.ndarray) -> list[dict[str, Any]]:
     """One row per bin of :func:`length_bins`: its length range, how many records of the
     store fall in it and how many of them ``sampled_rows`` holds (``length_bins`` in
     crosscheck.json)."""
