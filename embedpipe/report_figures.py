@@ -168,6 +168,7 @@ def _finite_values(values: Iterable[Any]) -> list[float]:
 
 
 def cosine_histogram(data: dict) -> str:
+    """Histogram of 1 - pooled cosine per layer on a log axis, with the pass/warn/fail bands."""
     layers = data["store"]["layers"]
     t = data["thresholds"]
     pass_cos, fail_cos = t["effective_pass_cosine"], t["fail_cosine"]
@@ -218,6 +219,7 @@ def cosine_histogram(data: dict) -> str:
 
 
 def error_scatter(data: dict) -> str:
+    """Relative L2 error of each sampled record against its length (long records drift more)."""
     layers = data["store"]["layers"]
     recs = [r for r in data["records"] if isinstance(r.get("pooled_rel_l2"), (int, float))]
     lengths = [r["length"] for r in data["records"]] or [1]
@@ -245,6 +247,7 @@ def error_scatter(data: dict) -> str:
 
 
 def overlap_bars(data: dict) -> str:
+    """How many of its k neighbours each record keeps when the fp32 vector is the query."""
     k = data["neighbours"]["k"]
     layers = data["store"]["layers"]
     hists = {layer: data["summary"]["layers"][str(layer)].get("overlap_histogram", {}) for layer in layers}
@@ -269,6 +272,7 @@ def overlap_bars(data: dict) -> str:
 
 
 def activation_histogram(figures: dict) -> str:
+    """Every record's largest |activation|, against the fp16 maximum (where overflow starts)."""
     hist = figures.get("max_abs_activation", {}).get("histogram")
     if not hist:
         return ""
