@@ -32,10 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from embedpipe.options import POLICY_NAMES
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "throughput"
 DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers")  # one .pt file per sequence, fair-esm's extract format
-POLICIES = ["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed"]
+POLICIES = list(POLICY_NAMES)
 
 
 # -- fair-esm's recipe (runs in a child process) -----------------------------------------------

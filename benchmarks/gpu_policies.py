@@ -19,8 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embedpipe.options import POLICY_NAMES
+
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed"]
+POLICIES = list(POLICY_NAMES)
 
 
 def random_records(count: int, length: int, seed: int) -> list[tuple[str, str]]:

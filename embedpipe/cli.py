@@ -1,7 +1,8 @@
 """The `embedpipe` command line: typer commands that parse options and call library functions.
 
-No logic lives here. Heavy imports (torch, h5py) happen inside each command so that
-`embedpipe --help` stays fast. Every user-facing failure is an ``EmbedpipeError`` and is
+No logic lives here. Defaults, and the allowed values the help lists, come from
+:mod:`embedpipe.options` (plain Python). Heavy imports (torch, h5py) happen inside each
+command so that `embedpipe --help` stays fast. Every user-facing failure is an ``EmbedpipeError`` and is
 printed as one line on stderr with a non-zero exit code.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Optional, TypeVar
 
 import typer
 
+from embedpipe import options
 from embedpipe.errors import EmbedpipeError
 
 app = typer.Typer(
@@ -30,8 +32,20 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+DEVICE_HELP = "auto, cpu, cuda or cuda:N."
+#: defaults of the commands' options, from the library (embedpipe/options.py)
+EMBED = options.EmbedOptions()
+THRESHOLDS = options.Thresholds()
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
+
+
+def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
+    """Help text listing the allowed values: ``a (note), b or c``."""
+    notes = notes or {}
+    shown = [f"{name} ({notes[name]})" if name in notes else name for name in names]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
 def _os_error_message(exc: OSError, out: Any) -> str:
@@ -102,10 +116,12 @@ def shard(
     inputs: list[Path] = typer.Argument(..., help="FASTA files, plain or gzip."),
     out: Path = typer.Option(..., "--out", help="Output directory for shards and manifest."),
     tokens_per_shard: int = typer.Option(
-        1_000_000, "--tokens-per-shard", min=1, help="Token budget per shard (residues + 2 per record)."
+        options.TOKENS_PER_SHARD, "--tokens-per-shard", min=1, help="Token budget per shard (residues + 2 per record)."
     ),
     on_invalid: str = typer.Option(
-        "error", "--on-invalid", help="error: stop at the first invalid record; skip: record it as skipped."
+        options.ON_INVALID_DEFAULT, "--on-invalid",
+        help=_one_of(options.ON_INVALID, {"error": "stop at the first invalid record",
+                                          "skip": "record it as skipped"}) + ".",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
@@ -125,38 +141,51 @@ def embed(
     fasta: Path = typer.Argument(..., help="A shard (or any protein FASTA)."),
     model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
     out: Path = typer.Option(..., "--out", help="Output store (.h5), written atomically."),
-    precision: str = typer.Option(
-        "fp32", "--precision", help="fp32, fp16, bf16, amp-fp16, amp-bf16, fp16-mixed, bf16-mixed."
+    precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
+    layers: list[int] = typer.Option(
+        list(EMBED.layers), "--layers", help="Layer indices to store (0 = token embedding, -1 = last); repeatable."
     ),
-    layers: list[int] = typer.Option([-1], "--layers", help="Layer indices to store (0 = token embedding, -1 = last); repeatable."),
-    per_residue: bool = typer.Option(False, "--per-residue/--no-per-residue", help="Also store per-residue vectors."),
-    tokens_per_batch: int = typer.Option(4096, "--tokens-per-batch", min=1, help="Token budget per batch, BOS/EOS included."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    storage_dtype: str = typer.Option("float32", "--storage-dtype", help="float32 or float16."),
+    per_residue: bool = typer.Option(
+        EMBED.per_residue, "--per-residue/--no-per-residue", help="Also store per-residue vectors."
+    ),
+    tokens_per_batch: int = typer.Option(
+        EMBED.tokens_per_batch, "--tokens-per-batch", min=1, help="Token budget per batch, BOS/EOS included."
+    ),
+    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
+    storage_dtype: str = typer.Option(
+        EMBED.storage_dtype, "--storage-dtype", help=_one_of(options.STORAGE_DTYPES) + "."
+    ),
     long_sequences: str = typer.Option(
-        "chunk", "--long-sequences", help="Sequences over 1022 residues: chunk, truncate, error or full."
+        EMBED.long_sequences, "--long-sequences",
+        help=f"Sequences over 1022 residues: {_one_of(options.LONG_SEQUENCE_MODES)}.",
     ),
     attention: str = typer.Option(
-        "sdpa", "--attention",
-        help="sdpa (fused, default), math (explicit scores and softmax) or fair-esm (fair-esm's own forward).",
+        EMBED.attention, "--attention",
+        help=_one_of(options.ATTENTION_IMPLEMENTATIONS, {
+            "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward",
+        }) + ".",
     ),
     overflow_margin: Optional[float] = typer.Option(
-        None,
+        EMBED.overflow_margin,
         "--overflow-margin",
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum.",
     ),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    threads: Optional[int] = typer.Option(
+        EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."
+    ),
     fallback_device: str = typer.Option(
-        "auto", "--fallback-device",
-        help="Where records that fall back are re-run in fp32: auto (the same device; the CPU when the fp32 "
-             "model does not fit there), same, or cpu. See docs/precision.md.",
+        EMBED.fallback_device, "--fallback-device",
+        help="Where records that fall back are re-run in fp32: "
+             + _one_of(options.FALLBACK_DEVICES,
+                       {"auto": "the same device; the CPU when the fp32 model does not fit there"})
+             + ". See docs/precision.md.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store."""
-    from embedpipe.embed import EmbedOptions, embed_fasta
+    from embedpipe.embed import embed_fasta
 
-    options = EmbedOptions(
+    chosen = options.EmbedOptions(
         precision=precision,
         layers=tuple(layers),
         per_residue=per_residue,
@@ -169,7 +198,7 @@ def embed(
         threads=threads,
         fallback_device=fallback_device,
     )
-    summary = embed_fasta(fasta, model=model, out=out, options=options, quiet=quiet)
+    summary = embed_fasta(fasta, model=model, out=out, options=chosen, quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -197,31 +226,35 @@ def merge(
 def crosscheck(
     store: Path = typer.Argument(..., help="Store to check."),
     out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
-    sample: int = typer.Option(64, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    sample: int = typer.Option(
+        options.CROSSCHECK_SAMPLE, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."
+    ),
+    seed: int = typer.Option(options.CROSSCHECK_SEED, "--seed", help="Sampling seed."),
+    device: str = typer.Option(options.DEFAULT_DEVICE, "--device", help=DEVICE_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint); its sha256 must match."),
     allow_model_mismatch: bool = typer.Option(
         False, "--allow-model-mismatch", help="Compare even when the model's sha256 differs from the store's (verdict at best warn)."
     ),
     pass_cosine: float = typer.Option(
-        0.999, "--pass-cosine", "--min-cosine", help="Pass needs every sampled pooled cosine to fp32 at or above this."
+        THRESHOLDS.pass_cosine, "--pass-cosine", "--min-cosine", help="Pass needs every sampled pooled cosine to fp32 at or above this."
     ),
-    fail_cosine: float = typer.Option(0.99, "--fail-cosine", help="Any pooled cosine below this fails."),
-    pass_overlap: float = typer.Option(0.9, "--pass-overlap", help="Pass needs each layer's median overlap@k at or above this."),
+    fail_cosine: float = typer.Option(THRESHOLDS.fail_cosine, "--fail-cosine", help="Any pooled cosine below this fails."),
+    pass_overlap: float = typer.Option(
+        THRESHOLDS.pass_overlap, "--pass-overlap", help="Pass needs each layer's median overlap@k at or above this."
+    ),
     residue_cosine: float = typer.Option(
-        0.99, "--residue-cosine", help="With per-residue vectors: any residue cosine below this warns."
+        THRESHOLDS.residue_cosine, "--residue-cosine", help="With per-residue vectors: any residue cosine below this warns."
     ),
     determinism_cosine: float = typer.Option(
-        0.99999, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
+        THRESHOLDS.determinism_cosine, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
     ),
-    k: int = typer.Option(10, "--k", min=1, help="Neighbours for overlap@k."),
+    k: int = typer.Option(options.CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Re-embed a sample in fp32 and report how far the store is from fp32."""
-    from embedpipe.crosscheck import Thresholds, run_crosscheck
+    from embedpipe.crosscheck import run_crosscheck
 
     report = run_crosscheck(
         store,
@@ -230,7 +263,7 @@ def crosscheck(
         seed=seed,
         device=device,
         model=model,
-        thresholds=Thresholds(
+        thresholds=options.Thresholds(
             pass_cosine=pass_cosine,
             fail_cosine=fail_cosine,
             pass_overlap=pass_overlap,

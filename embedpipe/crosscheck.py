@@ -13,14 +13,15 @@ matter downstream? The steps, all from the store alone:
    vectors of the store, queried with the stored and with the fp32 vector: overlap@k;
 5. whole-store figures (fallbacks, precision used, max activation) and a verdict.
 
-The store is read only through :class:`embedpipe.store.Store`, whose reads all go through
-:func:`embedpipe.store.reader.read_dataset`: a missing dataset or a failed read (a flipped byte) is one
+The store is read only through :class:`embedpipe.Store`, whose reads all go through one
+checked read: a missing dataset or a failed read (a flipped byte) is one
 ``StoreError`` naming the file, the dataset and the rows, and ``open_store`` refuses a merged
 store whose shard stores were rewritten after the merge (docs/store-format.md).
 
-Results go to ``DIR/crosscheck.json`` (the data) and ``DIR/crosscheck.html`` (a rendering
-of the same data, :mod:`embedpipe.report`), both written atomically. Metrics, thresholds
-and verdict rules are documented in ``docs/crosscheck.md``.
+Steps 3 and 4 are :mod:`embedpipe.crosscheck_compare`, the verdict and the aggregates
+:mod:`embedpipe.crosscheck_verdict`. Results go to ``DIR/crosscheck.json`` (the data) and
+``DIR/crosscheck.html`` (a rendering of the same data, :mod:`embedpipe.report`), both written
+atomically. Metrics, thresholds and verdict rules are documented in ``docs/crosscheck.md``.
 """
 
 from __future__ import annotations
@@ -28,81 +29,36 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from embedpipe import __version__
+from embedpipe import Store, __version__, open_store
 from embedpipe.atomic import check_output_path, write_text_atomic
 from embedpipe.checksums import file_sha256
+from embedpipe.crosscheck_compare import compare_records, neighbour_overlap
+from embedpipe.crosscheck_verdict import VERDICTS, judge, store_figures
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
-from embedpipe.metrics import (
-    aggregate,
-    compare_pooled,
-    compare_residues,
-    knn_overlap,
-    length_bins,
-    stratified_sample,
-    top_k_neighbours,
-    wilson_interval,
-)
+from embedpipe.formatting import format_cosine, format_short
+from embedpipe.metrics import describe_length_bins, length_bins, stratified_sample
 from embedpipe.model import is_model_name, load_model
-from embedpipe.progress import progress_bar, say
-from embedpipe.store import open_store, utc_now
-from embedpipe.worker import EmbedOptions, Embedder
+from embedpipe.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, EmbedOptions, Thresholds
+from embedpipe.progress import say
+from embedpipe.report import render_html
+from embedpipe.store import utc_now
+from embedpipe.worker import Embedder
 
 __all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "Thresholds", "VERDICTS", "run_crosscheck"]
 
 #: version of the crosscheck.json layout (bump on incompatible changes)
 CROSSCHECK_FORMAT_VERSION = 1
-#: verdicts, best first
-VERDICTS = ("pass", "warn", "fail")
-#: neighbours per query for overlap@k (fewer when the store holds fewer other records)
-DEFAULT_K = 10
 #: length bins for stratified sampling and per-bin figures
 DEFAULT_LENGTH_BINS = 4
-#: database rows scored per block in the neighbour search (float64 working set ~ rows x dim x 8)
-_KNN_BLOCK_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Verdict thresholds (documented in docs/crosscheck.md, section "Cross-check").
-
-    * ``pass_cosine``: every sampled record's pooled cosine to fp32, in every stored layer,
-      must be at least this for ``pass`` (below it: ``warn``).
-    * ``fail_cosine``: any pooled cosine below this is ``fail``.
-    * ``pass_overlap``: each layer's median overlap@k must be at least this for ``pass``
-      (below it: ``warn``).
-    * ``residue_cosine``: with per-residue vectors stored, any sampled residue whose cosine
-      to fp32 is below this makes the verdict at least ``warn``.
-    * ``determinism_cosine``: for a store computed in fp32 (a determinism check) the pass
-      threshold is ``max(pass_cosine, determinism_cosine)``.
-    """
-
-    pass_cosine: float = 0.999
-    fail_cosine: float = 0.99
-    pass_overlap: float = 0.9
-    residue_cosine: float = 0.99
-    determinism_cosine: float = 0.99999
-
-    def validate(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or not -1.0 <= value <= 1.0:
-                raise EmbedpipeError(f"threshold {name} must be a number in [-1, 1], not {value!r}")
-        if self.fail_cosine > self.pass_cosine:
-            raise EmbedpipeError(
-                f"the fail cosine ({self.fail_cosine}) must not exceed the pass cosine ({self.pass_cosine})"
-            )
-        if not 0.0 <= self.pass_overlap <= 1.0:
-            raise EmbedpipeError(f"the pass overlap must be in [0, 1], not {self.pass_overlap}")
-
-    def pass_cosine_for(self, determinism: bool) -> float:
-        return max(self.pass_cosine, self.determinism_cosine) if determinism else self.pass_cosine
+OUTPUT_NAMES = ("crosscheck.json", "crosscheck.html")
 
 
 @dataclass
@@ -123,21 +79,40 @@ class CrosscheckReport:
         for reason in d["verdict_reasons"][:5]:
             lines.append(f"  - {reason}")
         lines.append(
-            f"  pooled cosine to fp32: min {_fmt_cos(overall['pooled_cosine']['min'])}, "
-            f"median {_fmt_cos(overall['pooled_cosine']['median'])}; "
-            f"max |diff| {_fmt_num(overall['pooled_max_abs_diff']['max'])}"
+            f"  pooled cosine to fp32: min {format_cosine(overall['pooled_cosine']['min'])}, "
+            f"median {format_cosine(overall['pooled_cosine']['median'])}; "
+            f"max |diff| {format_short(overall['pooled_max_abs_diff']['max'])}"
         )
         k = d["neighbours"]["k"]
         if k:
-            lines.append(
-                f"  overlap@{k}: median {_fmt_num(overall['overlap']['median'])}, min {_fmt_num(overall['overlap']['min'])}"
-            )
+            lines.append(f"  overlap@{k}: median {format_short(overall['overlap']['median'])}, "
+                         f"min {format_short(overall['overlap']['min'])}")
         fb = d["store_figures"]["fallback"]
         lines.append(f"  fp32 fallback in the store: {fb['count']} of {d['store']['records']} records ({fb['rate']:.2%})")
         for note in d["notes"]:
             lines.append(f"  note: {note}")
         lines.append(f"  report: {self.html_path}  data: {self.json_path}")
         return "\n".join(lines)
+
+
+@dataclass
+class _Sample:
+    """The sampled rows, the length bins they were drawn from, and each sampled record as read."""
+
+    rows: np.ndarray
+    edges: np.ndarray
+    bin_of: np.ndarray
+    records: list[dict[str, Any]]
+
+
+@dataclass
+class _Reference:
+    """The fp32 re-run: which model, with which settings, and its records (by sample index)."""
+
+    model_info: dict[str, Any]
+    settings: dict[str, Any]
+    records: dict[int, Any]
+    dim: int
 
 
 # =============================================================================== the command
@@ -147,12 +122,12 @@ def run_crosscheck(
     store: Path | str,
     *,
     out: Path | str,
-    sample: int = 64,
-    seed: int = 0,
-    device: str = "auto",
+    sample: int = CROSSCHECK_SAMPLE,
+    seed: int = CROSSCHECK_SEED,
+    device: str = DEFAULT_DEVICE,
     model: str | None = None,
     thresholds: Thresholds | None = None,
-    k: int = DEFAULT_K,
+    k: int = CROSSCHECK_K,
     allow_model_mismatch: bool = False,
     threads: int | None = None,
     quiet: bool = False,
@@ -161,142 +136,166 @@ def run_crosscheck(
 
     ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
     """
-
     thresholds = thresholds or Thresholds()
-    thresholds.validate()
+    store_path, out_dir = Path(store), Path(out)
+    _check_arguments(thresholds, sample, k, out_dir)
     if threads:
-        import torch
-
         torch.set_num_threads(threads)
-    if sample < 1:
-        raise EmbedpipeError(f"--sample must be at least 1, not {sample}")
-    if k < 1:
-        raise EmbedpipeError(f"k must be at least 1, not {k}")
-    store_path = Path(store)
-    out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
-    for name in ("crosscheck.json", "crosscheck.html"):  # before the fp32 re-embedding, not after
-        check_output_path(out_dir / name)
     started = time.perf_counter()
-
+    notes: list[str] = []
     with open_store(store_path) as st:
-        provenance = st.provenance
-        n_records = len(st)
-        if n_records == 0:
-            raise EmbedpipeError(f"{store_path}: the store holds no records; nothing to cross-check")
-        table = st.records()
+        provenance, table, layers = st.provenance, st.records(), st.layers
         lengths = np.asarray(table["length"], dtype=np.int64)
-        layers = st.layers
-        policy = str(provenance.get("precision_policy", "unknown"))
-        determinism = policy == "fp32"
-
-        # -- 1. the sample ---------------------------------------------------------------------
-        rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
-        edges, bin_of = length_bins(lengths, n_bins=min(DEFAULT_LENGTH_BINS, rows.size))
-        ids = st.ids
-        sampled = []
-        for row in rows.tolist():
-            rec = st[ids[row]]
-            sampled.append({
-                "row": int(row),
-                "id": ids[row],
-                "sequence": rec["sequence"],
-                "length": int(rec["length"]),
-                "bin": int(bin_of[row]),
-                "precision_used": rec.get("precision_used", ""),
-                "fallback_reason": rec.get("fallback_reason", ""),
-                "embedded_length": int(rec.get("embedded_length", rec["length"])),
-                "long_handling": rec.get("long_handling", "none"),
-                "mean": {layer: np.asarray(rec["mean"][layer]) for layer in layers},
-            })
-
-        # -- 2. the fp32 reference -------------------------------------------------------------
-        notes: list[str] = []
-        with claim_device(device) as gpu:  # before loading: a job waiting for a GPU holds no model
-            loaded, model_info = _load_reference_model(provenance, model, allow_model_mismatch, notes, quiet)
-            if loaded.embed_dim != st.dim:
-                raise EmbedpipeError(
-                    f"model {model_info['path']} has embedding dim {loaded.embed_dim} but the store holds dim {st.dim}"
-                )
-            if max(layers) > loaded.num_layers:
-                raise EmbedpipeError(
-                    f"the store holds layer {max(layers)} but model {model_info['path']} has only {loaded.num_layers} layers"
-                )
-            if not loaded.trained:
-                notes.append("the model has random (untrained) weights: a test or smoke run, not a real measurement")
-            options, reference = _reference_options(provenance, layers, st.has_per_residue)
-            fp32 = _reembed(loaded, options, gpu, [(s["id"], s["sequence"]) for s in sampled], quiet)
-        reference["device"] = fp32.pop("device")
-        reference["seconds"] = fp32.pop("seconds")
-
-        # -- 3. per record and layer ------------------------------------------------------------
-        problems: list[str] = []
-        records = _compare(st, sampled, fp32["records"], layers, problems)
-
-        # -- 4. neighbours ---------------------------------------------------------------------
-        k_eff = min(k, n_records - 1)
-        overlap_by_layer = _neighbour_overlap(st, sampled, fp32["records"], layers, k_eff, quiet)
-        for rec in records:
-            rec["overlap_at_k"] = overlap_by_layer[rec["layer"]].get(rec["row"]) if k_eff > 0 else None
-            rec["k"] = k_eff
-
-    # -- 5. verdict, figures, outputs ------------------------------------------------------------
-    pass_cos = thresholds.pass_cosine_for(determinism)
-    for rec in records:
-        rec["status"] = _record_status(rec, thresholds, pass_cos)
-    bins = _bin_table(edges, bin_of, rows)
-    summary = _summarise(records, layers, bins, thresholds, pass_cos, k_eff)
-    verdict, reasons = _verdict(summary, records, thresholds, pass_cos, k_eff, problems, model_info)
-    store_sha = file_sha256(store_path, quiet=quiet)
-    json_path, html_path = out_dir / "crosscheck.json", out_dir / "crosscheck.html"
-
-    data: dict[str, Any] = {
+        drawn = _draw_sample(st, store_path, lengths, sample, seed)
+        reference = _fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
+                                    notes, quiet)
+        records, problems = compare_records(st, drawn.records, reference.records, layers)
+        k_eff = min(k, len(st) - 1)
+        _add_overlap(st, drawn.records, reference.records, layers, records, k_eff, quiet)
+    policy = str(provenance.get("precision_policy", "unknown"))
+    pass_cos = thresholds.pass_cosine_for(policy == "fp32")
+    bins = describe_length_bins(drawn.edges, drawn.bin_of, drawn.rows)
+    summary, verdict, reasons = judge(records, layers, bins, thresholds, pass_cos, k_eff, problems, reference.model_info)
+    data = {
         "crosscheck_format_version": CROSSCHECK_FORMAT_VERSION,
         "created_utc": utc_now(),
         "embedpipe_version": __version__,
         "verdict": verdict,
         "verdict_reasons": reasons,
-        "mode": "determinism" if determinism else "precision",
+        "mode": "determinism" if policy == "fp32" else "precision",
+        **_store_part(store_path, provenance, len(lengths), layers, reference.dim, records, quiet),
+        "model": reference.model_info,
+        "reference": reference.settings,
+        **_sample_part(drawn, seed, sample),
+        "thresholds": asdict(thresholds) | {"effective_pass_cosine": pass_cos},
+        "length_bins": bins,
+        "neighbours": _neighbours_part(k_eff, k, len(lengths)),
+        "records": records,
+        "summary": summary,
+        "store_figures": store_figures(table, lengths),
+        "problems": problems,
+        "notes": notes,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return _write_outputs(out_dir, data)
+
+
+def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path) -> None:
+    """Refuse bad options and unwritable outputs before the (slow) fp32 re-embedding, not after."""
+    thresholds.validate()
+    if sample < 1:
+        raise EmbedpipeError(f"--sample must be at least 1, not {sample}")
+    if k < 1:
+        raise EmbedpipeError(f"k must be at least 1, not {k}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
+    for name in OUTPUT_NAMES:
+        check_output_path(out_dir / name)
+
+
+def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, seed: int) -> _Sample:
+    """Step 1: a seeded, length-stratified sample, each record read with its stored vectors."""
+    if len(st) == 0:
+        raise EmbedpipeError(f"{store_path}: the store holds no records; nothing to cross-check")
+    rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
+    edges, bin_of = length_bins(lengths, n_bins=min(DEFAULT_LENGTH_BINS, rows.size))
+    ids = st.ids
+    records = []
+    for row in rows.tolist():
+        rec = st[ids[row]]
+        records.append({
+            "row": int(row),
+            "id": ids[row],
+            "sequence": rec["sequence"],
+            "length": int(rec["length"]),
+            "bin": int(bin_of[row]),
+            "precision_used": rec.get("precision_used", ""),
+            "fallback_reason": rec.get("fallback_reason", ""),
+            "embedded_length": int(rec.get("embedded_length", rec["length"])),
+            "long_handling": rec.get("long_handling", "none"),
+            "mean": {layer: np.asarray(rec["mean"][layer]) for layer in st.layers},
+        })
+    return _Sample(rows=rows, edges=edges, bin_of=bin_of, records=records)
+
+
+def _fp32_reference(st: Store, provenance: dict[str, Any], layers: list[int], sampled: list[dict], device: str,
+                    model: str | None, allow_model_mismatch: bool, notes: list[str], quiet: bool) -> _Reference:
+    """Step 2: the sampled records re-embedded in fp32 with the store's model."""
+    with claim_device(device) as gpu:  # before loading: a job waiting for a GPU holds no model
+        loaded, model_info = _load_reference_model(provenance, model, allow_model_mismatch, notes, quiet)
+        if loaded.embed_dim != st.dim:
+            raise EmbedpipeError(
+                f"model {model_info['path']} has embedding dim {loaded.embed_dim} but the store holds dim {st.dim}"
+            )
+        if max(layers) > loaded.num_layers:
+            raise EmbedpipeError(
+                f"the store holds layer {max(layers)} but model {model_info['path']} has only {loaded.num_layers} layers"
+            )
+        if not loaded.trained:
+            notes.append("the model has random (untrained) weights: a test or smoke run, not a real measurement")
+        options, reference = _reference_options(provenance, layers, st.has_per_residue)
+        fp32 = _reembed(loaded, options, gpu, [(s["id"], s["sequence"]) for s in sampled], quiet)
+    reference["device"] = fp32.pop("device")
+    reference["seconds"] = fp32.pop("seconds")
+    return _Reference(model_info=model_info, settings=reference, records=fp32["records"], dim=int(loaded.embed_dim))
+
+
+def _add_overlap(st: Store, sampled: list[dict], fp32: dict[int, Any], layers: list[int], records: list[dict],
+                 k: int, quiet: bool) -> None:
+    """Step 4: each record's overlap@k (None when the store has no other record)."""
+    overlap_by_layer = neighbour_overlap(st, sampled, fp32, layers, k, quiet)
+    for rec in records:
+        rec["overlap_at_k"] = overlap_by_layer[rec["layer"]].get(rec["row"]) if k > 0 else None
+        rec["k"] = k
+
+
+def _store_part(store_path: Path, provenance: dict[str, Any], n_records: int, layers: list[int], dim: int,
+                records: list[dict], quiet: bool) -> dict[str, Any]:
+    """The report's ``store``, ``store_sha256`` and ``provenance`` entries."""
+    store_sha = file_sha256(store_path, quiet=quiet)
+    return {
         "store": {
             "path": str(store_path),
             "sha256": store_sha,
             "records": n_records,
             "layers": layers,
-            "dim": int(loaded.embed_dim),
+            "dim": dim,
             "storage_dtype": str(provenance.get("storage_dtype", "")),
-            "precision_policy": policy,
+            "precision_policy": str(provenance.get("precision_policy", "unknown")),
             "per_residue": bool(any("residue_min_cosine" in r for r in records)),
             "merged": "merged_from" in provenance,
         },
         "store_sha256": store_sha,
         "provenance": provenance,
-        "model": model_info,
-        "reference": reference,
-        "sample_seed": int(seed),
-        "sample_requested": int(sample),
-        "sample_size": int(rows.size),
-        "sample_rows": [int(r) for r in rows],
-        "sample_ids": [s["id"] for s in sampled],
-        "thresholds": asdict(thresholds) | {"effective_pass_cosine": pass_cos},
-        "length_bins": bins,
-        "neighbours": {"k": k_eff, "requested_k": int(k), "database_records": n_records, "metric": "cosine",
-                       "database": "stored pooled vectors of every record, the query's own record excluded"},
-        "records": records,
-        "summary": summary,
-        "store_figures": _store_figures(table, lengths),
-        "problems": problems,
-        "notes": notes,
-        "seconds": round(time.perf_counter() - started, 3),
-        "outputs": {"json": str(json_path), "html": str(html_path)},
     }
-    data = _json_safe(data)
-    from embedpipe.report import render_html
 
+
+def _neighbours_part(k: int, requested: int, n_records: int) -> dict[str, Any]:
+    """The report's ``neighbours`` entry: how overlap@k was measured."""
+    return {"k": k, "requested_k": int(requested), "database_records": n_records, "metric": "cosine",
+            "database": "stored pooled vectors of every record, the query's own record excluded"}
+
+
+def _sample_part(drawn: _Sample, seed: int, requested: int) -> dict[str, Any]:
+    """The report's ``sample_*`` entries."""
+    return {
+        "sample_seed": int(seed),
+        "sample_requested": int(requested),
+        "sample_size": int(drawn.rows.size),
+        "sample_rows": [int(r) for r in drawn.rows],
+        "sample_ids": [s["id"] for s in drawn.records],
+    }
+
+
+def _write_outputs(out_dir: Path, data: dict[str, Any]) -> CrosscheckReport:
+    """Step 5: crosscheck.json and crosscheck.html, each written atomically."""
+    json_path, html_path = (out_dir / name for name in OUTPUT_NAMES)
+    data["outputs"] = {"json": str(json_path), "html": str(html_path)}
+    data = _json_safe(data)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(json_path, json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n")
     write_text_atomic(html_path, render_html(data))
-    return CrosscheckReport(verdict=verdict, json_path=json_path, html_path=html_path, data=data)
+    return CrosscheckReport(verdict=data["verdict"], json_path=json_path, html_path=html_path, data=data)
 
 
 # =============================================================================== model
@@ -396,267 +395,6 @@ def _reembed(loaded, options, device, pairs: list[tuple[str, str]], quiet: bool)
     return {"records": out, "device": str(device), "seconds": round(time.perf_counter() - started, 3)}
 
 
-# =============================================================================== comparison
-
-
-def _compare(st, sampled: list[dict], fp32: dict[int, Any], layers: list[int], problems: list[str]) -> list[dict]:
-    records: list[dict] = []
-    for i, s in enumerate(sampled):
-        ref = fp32[i]
-        if ref.embedded_length != s["embedded_length"] or ref.long_handling != s["long_handling"]:
-            problems.append(
-                f"record {s['id']!r}: the store embedded {s['embedded_length']} residues ({s['long_handling']}), "
-                f"the fp32 re-run {ref.embedded_length} ({ref.long_handling})"
-            )
-        for layer in layers:
-            stored = s["mean"][layer]
-            pooled = compare_pooled(stored, ref.mean[layer])
-            rec: dict[str, Any] = {
-                "id": s["id"],
-                "row": s["row"],
-                "length": s["length"],
-                "layer": int(layer),
-                "length_bin": s["bin"],
-                "precision_used": s["precision_used"],
-                "fallback_reason": s["fallback_reason"],
-                "long_handling": s["long_handling"],
-                "pooled_cosine": pooled["cosine"],
-                "pooled_max_abs_diff": pooled["max_abs_diff"],
-                "pooled_mean_abs_diff": pooled["mean_abs_diff"],
-                "pooled_rel_l2": pooled["rel_l2"],
-                "stored_finite": bool(np.all(np.isfinite(stored))),
-            }
-            if st.has_per_residue and ref.per_residue is not None:
-                stored_res = st.per_residue(s["id"], layer)
-                rec["stored_finite"] = rec["stored_finite"] and bool(np.all(np.isfinite(stored_res)))
-                ref_res = ref.per_residue[layer]
-                if stored_res.shape != ref_res.shape:
-                    problems.append(
-                        f"record {s['id']!r} layer {layer}: {stored_res.shape[0]} stored residue rows, "
-                        f"{ref_res.shape[0]} in the fp32 re-run"
-                    )
-                    residues = {"min_cosine": math.nan, "mean_cosine": math.nan, "max_abs_diff": math.nan,
-                                "mean_abs_diff": math.nan, "rel_l2": math.nan}
-                else:
-                    residues = compare_residues(stored_res, ref_res)
-                rec.update({f"residue_{key}": value for key, value in residues.items()})
-            records.append(rec)
-    return records
-
-
-def _database_blocks(st, layer: int, bar):
-    arr = st.mean(layer)
-    n, dim = arr.shape
-    rows = max(1, _KNN_BLOCK_BYTES // max(1, dim * 8))
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        block = np.asarray(arr[start:stop].compute())
-        bar.update(stop - start)
-        yield start, block
-
-
-def _neighbour_overlap(st, sampled: list[dict], fp32: dict[int, Any], layers: list[int], k: int,
-                       quiet: bool) -> dict[int, dict[int, float | None]]:
-    """layer -> {row: overlap@k of the stored-vector query with the fp32-vector query}."""
-    result: dict[int, dict[int, float | None]] = {layer: {} for layer in layers}
-    if k <= 0 or not sampled:
-        return result
-    bar = progress_bar(quiet=quiet, total=len(st) * len(layers), unit="vec", unit_scale=True, desc="neighbours")
-    try:
-        for layer in layers:
-            stored_q = np.stack([s["mean"][layer].astype(np.float64) for s in sampled])
-            fp32_q = np.stack([fp32[i].mean[layer].astype(np.float64) for i in range(len(sampled))])
-            exclude = np.array([s["row"] for s in sampled] * 2, dtype=np.int64)
-            nbrs, _ = top_k_neighbours(np.concatenate([stored_q, fp32_q]), _database_blocks(st, layer, bar), k,
-                                       exclude=exclude)
-            q = len(sampled)
-            overlap = knn_overlap(nbrs[:q], nbrs[q:])
-            # None for a non-finite query (no neighbours); such a record fails on its values anyway
-            result[layer] = {s["row"]: (float(o) if math.isfinite(o) else None) for s, o in zip(sampled, overlap)}
-    finally:
-        bar.close()
-    return result
-
-
-# =============================================================================== verdict
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _record_status(rec: dict, t: Thresholds, pass_cos: float) -> str:
-    values = [rec[k] for k in ("pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2")]
-    if "residue_min_cosine" in rec:
-        values += [rec["residue_min_cosine"], rec["residue_max_abs_diff"]]
-    if not rec.get("stored_finite", True) or not all(_finite(v) for v in values):
-        return "fail"
-    if rec["pooled_cosine"] < t.fail_cosine:
-        return "fail"
-    if rec["pooled_cosine"] < pass_cos:
-        return "warn"
-    if "residue_min_cosine" in rec and rec["residue_min_cosine"] < t.residue_cosine:
-        return "warn"
-    return "pass"
-
-
-def _bin_table(edges: np.ndarray, bin_of: np.ndarray, rows: np.ndarray) -> list[dict]:
-    sampled_bins = Counter(int(bin_of[r]) for r in rows.tolist())
-    counts = Counter(int(b) for b in bin_of.tolist())
-    out = []
-    for b in range(len(edges) - 1):
-        out.append({
-            "bin": b,
-            "min_length": float(edges[b]),
-            "max_length": float(edges[b + 1]),
-            "closed_right": b == len(edges) - 2,
-            "records": counts.get(b, 0),
-            "sampled": sampled_bins.get(b, 0),
-        })
-    return out
-
-
-_METRICS = ("pooled_cosine", "pooled_max_abs_diff", "pooled_mean_abs_diff", "pooled_rel_l2",
-            "residue_min_cosine", "residue_mean_cosine", "residue_max_abs_diff", "residue_mean_abs_diff",
-            "residue_rel_l2")
-
-
-def _metric_aggregates(recs: list[dict]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for metric in _METRICS:
-        values = [r[metric] for r in recs if metric in r]
-        if values:
-            out[metric] = aggregate(values)
-    overlaps = [r["overlap_at_k"] for r in recs if r.get("overlap_at_k") is not None]
-    out["overlap"] = aggregate(overlaps)
-    return out
-
-
-def _summarise(records: list[dict], layers: list[int], bins: list[dict], t: Thresholds, pass_cos: float,
-               k: int) -> dict[str, Any]:
-    per_layer: dict[str, Any] = {}
-    for layer in layers:
-        recs = [r for r in records if r["layer"] == layer]
-        n = len(recs)
-        above = sum(1 for r in recs if _finite(r["pooled_cosine"]) and r["pooled_cosine"] >= pass_cos)
-        lo, hi = wilson_interval(above, n)
-        entry = _metric_aggregates(recs)
-        entry["n"] = n
-        entry["fraction_above_pass"] = {
-            "threshold": pass_cos, "count": above, "n": n, "fraction": above / n if n else None,
-            "ci95": [lo, hi], "method": "Wilson score interval, 95%",
-        }
-        if k > 0:
-            hist = Counter(round(r["overlap_at_k"] * k) for r in recs if r.get("overlap_at_k") is not None)
-            entry["overlap_histogram"] = {str(j): hist.get(j, 0) for j in range(k + 1)}
-        entry["status"] = dict(Counter(r["status"] for r in recs))
-        entry["by_length_bin"] = []
-        for b in bins:
-            in_bin = [r for r in recs if r["length_bin"] == b["bin"]]
-            entry["by_length_bin"].append({
-                "bin": b["bin"], "min_length": b["min_length"], "max_length": b["max_length"], "n": len(in_bin),
-                "pooled_cosine": aggregate([r["pooled_cosine"] for r in in_bin]),
-                "pooled_rel_l2": aggregate([r["pooled_rel_l2"] for r in in_bin]),
-                "pooled_max_abs_diff": aggregate([r["pooled_max_abs_diff"] for r in in_bin]),
-            })
-        entry["by_precision_used"] = {
-            used: aggregate([r["pooled_cosine"] for r in recs if r["precision_used"] == used])
-            for used in sorted({r["precision_used"] for r in recs})
-        }
-        per_layer[str(layer)] = entry
-    overall = _metric_aggregates(records)
-    above = sum(1 for r in records if _finite(r["pooled_cosine"]) and r["pooled_cosine"] >= pass_cos)
-    lo, hi = wilson_interval(above, len(records))
-    overall["fraction_above_pass"] = {
-        "threshold": pass_cos, "count": above, "n": len(records),
-        "fraction": above / len(records) if records else None, "ci95": [lo, hi],
-        "method": "Wilson score interval, 95% (record-layer pairs)",
-    }
-    overall["status"] = dict(Counter(r["status"] for r in records))
-    return {"layers": per_layer, "overall": overall}
-
-
-def _verdict(summary: dict, records: list[dict], t: Thresholds, pass_cos: float, k: int, problems: list[str],
-             model_info: dict) -> tuple[str, list[str]]:
-    level = 0
-    reasons: list[str] = []
-
-    def raise_to(new: int, reason: str) -> None:
-        nonlocal level
-        level = max(level, new)
-        reasons.append(f"{VERDICTS[new]}: {reason}")
-
-    for problem in problems:
-        raise_to(2, problem)
-    for layer, entry in summary["layers"].items():
-        recs = [r for r in records if str(r["layer"]) == layer]
-        nonfinite = [r["id"] for r in recs if r["status"] == "fail" and not _all_finite(r)]
-        if nonfinite:
-            raise_to(2, f"layer {layer}: non-finite values for {len(nonfinite)} record(s) ({', '.join(nonfinite[:5])})")
-        cos = entry["pooled_cosine"]
-        if cos["min"] is not None and cos["min"] < t.fail_cosine:
-            low = sum(1 for r in recs if _finite(r["pooled_cosine"]) and r["pooled_cosine"] < t.fail_cosine)
-            raise_to(2, f"layer {layer}: {low} record(s) with pooled cosine below {t.fail_cosine} "
-                        f"(min {_fmt_cos(cos['min'])})")
-        elif cos["min"] is not None and cos["min"] < pass_cos:
-            low = sum(1 for r in recs if _finite(r["pooled_cosine"]) and r["pooled_cosine"] < pass_cos)
-            raise_to(1, f"layer {layer}: {low} record(s) with pooled cosine below {pass_cos} "
-                        f"(min {_fmt_cos(cos['min'])})")
-        res = entry.get("residue_min_cosine")
-        if res and res["min"] is not None and res["min"] < t.residue_cosine:
-            raise_to(1, f"layer {layer}: per-residue cosine down to {_fmt_cos(res['min'])} "
-                        f"(below {t.residue_cosine})")
-        ov = entry["overlap"]
-        if k > 0 and ov["median"] is not None and ov["median"] < t.pass_overlap:
-            raise_to(1, f"layer {layer}: median overlap@{k} {ov['median']:.3f} below {t.pass_overlap}")
-    if model_info.get("expected_sha256") and not model_info.get("sha256_matches"):
-        raise_to(1, "the reference model is not the store's model (sha256 mismatch, --allow-model-mismatch)")
-    if not reasons:
-        k_text = f" and median overlap@{k} >= {t.pass_overlap}" if k > 0 else ""
-        reasons.append(f"pass: every sampled pooled cosine >= {pass_cos} in every stored layer{k_text}")
-    return VERDICTS[level], reasons
-
-
-def _all_finite(rec: dict) -> bool:
-    return rec.get("stored_finite", True) and all(_finite(rec[m]) for m in _METRICS if m in rec)
-
-
-# =============================================================================== whole store
-
-
-def _store_figures(table: dict[str, np.ndarray], lengths: np.ndarray) -> dict[str, Any]:
-    n = int(lengths.size)
-    figures: dict[str, Any] = {"records": n, "length": aggregate(lengths)}
-    used = Counter(str(x) for x in table.get("precision_used", []))
-    figures["precision_used"] = {key: {"count": c, "rate": c / n} for key, c in sorted(used.items())}
-    reasons = Counter(str(x) for x in table.get("fallback_reason", []) if str(x))
-    total = sum(reasons.values())
-    figures["fallback"] = {
-        "count": total,
-        "rate": total / n if n else 0.0,
-        "by_reason": {key: {"count": c, "rate": c / n} for key, c in sorted(reasons.items())},
-    }
-    if "max_abs_activation" in table:
-        values = np.asarray(table["max_abs_activation"], dtype=np.float64)
-        figures["max_abs_activation"] = aggregate(values)
-        finite = values[np.isfinite(values) & (values > 0)]
-        if finite.size:
-            lo, hi = math.floor(math.log10(finite.min())), math.ceil(math.log10(finite.max()))
-            hi = max(hi, lo + 1)
-            edges = np.logspace(lo, hi, num=(hi - lo) * 4 + 1)
-            counts, _ = np.histogram(finite, bins=edges)
-            figures["max_abs_activation"]["histogram"] = {
-                "edges": [float(e) for e in edges], "counts": [int(c) for c in counts], "scale": "log10",
-            }
-        if "precision_used" in table:
-            figures["max_abs_activation"]["by_precision_used"] = {
-                key: aggregate(values[np.asarray(table["precision_used"], dtype=object) == key]) for key in sorted(used)
-            }
-    if "long_handling" in table:
-        figures["long_handling"] = dict(sorted(Counter(str(x) for x in table["long_handling"]).items()))
-    return figures
-
-
 # =============================================================================== helpers
 
 
@@ -678,18 +416,3 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (str, int)) or value is None:
         return value
     return str(value)
-
-
-def _fmt_cos(x: Any) -> str:
-    """At least 6 decimals, more when needed to show the distance from 1 (``0.99999997``)."""
-    if x is None or not _finite(x):
-        return "n/a"
-    gap = 1.0 - x
-    digits = min(12, math.ceil(-math.log10(gap)) + 1) if 0 < gap < 1e-5 else 6
-    return f"{x:.{digits}f}"
-
-
-def _fmt_num(x: Any) -> str:
-    if x is None or not _finite(x):
-        return "n/a"
-    return f"{x:.3g}"

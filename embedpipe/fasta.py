@@ -1,11 +1,11 @@
-"""Streaming protein FASTA reading: plain or gzip, validation and normalisation.
+"""Streaming protein FASTA reading: plain or gzip, each record validated and normalised.
 
 The reader works on large blocks of bytes (never the whole file) and does its per-record work
 with C-level bytes operations (``find``, ``count``, ``translate``), so that it stays fast on
 proteome-scale input. Every record comes out as a :class:`FastaRecord` whose ``data`` is the
 normalised sequence (ASCII bytes) and whose ``invalid`` says why it cannot be embedded, if so.
 
-Rules (the issue's validation table):
+Rules (what a sequence may hold: :mod:`embedpipe.residues`):
 
 * a line ends at LF, CRLF or a lone CR (old-Mac files, or a stray CR inside an LF file), so
   every ``>`` that starts a line is one record; a leading UTF-8 byte-order mark is dropped;
@@ -23,40 +23,20 @@ from __future__ import annotations
 
 import gzip
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Union
 
 from embedpipe.errors import InputError
+from embedpipe.residues import WHITESPACE, check_sequence, describe_invalid
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 #: Bytes read per block; records spanning blocks are carried over.
 BLOCK_SIZE = 8 * 1024 * 1024
 
-# Normalisation kinds (FastaRecord.normalised, manifest column, summary).
-UPPERCASED = "uppercased"
-STOP_STRIPPED = "stop-stripped"
-J_TO_X = "J-to-X"
-NORMALISATION_KINDS = (UPPERCASED, STOP_STRIPPED, J_TO_X)
-
-# Invalid-record reasons (FastaRecord.invalid; the manifest says ``skipped:<reason>``).
-EMPTY_SEQUENCE = "empty-sequence"
-INTERNAL_STOP = "internal-stop"
-ALIGNMENT_GAP = "alignment-gap"
-INVALID_CHARACTER = "invalid-character"
-INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER)
-
-_WHITESPACE = b" \t\r\n\v\f"
 _BOM = b"\xef\xbb\xbf"
-_WHITESPACE_SET = frozenset(_WHITESPACE)
-_LOWER = b"abcdefghijklmnopqrstuvwxyz"
-_UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-# Everything that may appear in a sequence before normalisation: letters and '*'.
-_ALLOWED = _LOWER + _UPPER + b"*"
-# One pass: lowercase -> uppercase, J/j -> X.
-_NORMALISE = bytes.maketrans(_LOWER + b"J", _UPPER.replace(b"J", b"X") + b"X")
 
 _COMPRESSED_MAGIC = {
     b"BZh": "bzip2",
@@ -174,73 +154,6 @@ def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[by
 
 
 # --------------------------------------------------------------------------------------------
-# Validation and normalisation of one record's sequence text
-
-
-def _locate(raw: bytes, residue: int) -> tuple[int, int]:
-    """(line offset within the record's sequence lines, 1-based column) of the n-th residue."""
-    seen = 0
-    for offset, text in enumerate(raw.split(b"\n")):
-        for col, byte in enumerate(text, start=1):
-            if byte in _WHITESPACE_SET:
-                continue
-            if seen == residue:
-                return offset, col
-            seen += 1
-    return 0, 0  # pragma: no cover - the residue always exists
-
-
-def _check(raw: bytes) -> tuple[bytes, tuple[str, ...], str | None, int]:
-    """Normalise one record's raw sequence text (the bytes after the header line).
-
-    Returns ``(data, normalised, invalid_reason, bad_residue_index)``.
-    """
-    seq = raw.translate(None, _WHITESPACE)
-    if not seq:
-        return seq, (), EMPTY_SEQUENCE, -1
-    bad = seq.translate(None, _ALLOWED)
-    if bad:
-        char = bad[:1]
-        reason = ALIGNMENT_GAP if char in b"-." else INVALID_CHARACTER
-        return seq, (), reason, seq.index(char)
-    kinds: tuple[str, ...] = ()
-    if seq[-1] == 42:  # b"*"
-        seq = seq[:-1]
-        kinds = (STOP_STRIPPED,)
-        if not seq:
-            return seq, kinds, EMPTY_SEQUENCE, -1
-    star = seq.find(b"*")
-    if star >= 0:
-        return seq, kinds, INTERNAL_STOP, star
-    norm = seq.translate(_NORMALISE)
-    if norm != seq:
-        extra = []
-        if len(seq.translate(None, _LOWER)) != len(seq):
-            extra.append(UPPERCASED)
-        if b"J" in seq or b"j" in seq:
-            extra.append(J_TO_X)
-        kinds = (*extra, *kinds)
-        seq = norm
-    return seq, kinds, None, -1
-
-
-def _describe(reason: str, raw: bytes, data: bytes, bad_index: int, header_line: int) -> tuple[int, str]:
-    """(line, message) for an invalid record; the line is that of the offending character."""
-    if reason == EMPTY_SEQUENCE:
-        return header_line, "empty sequence"
-    offset, col = _locate(raw, bad_index)
-    line = header_line + 1 + offset
-    char = data[bad_index : bad_index + 1].decode("ascii", errors="backslashreplace")
-    where = f"at column {col} (residue {bad_index + 1})"
-    if reason == INTERNAL_STOP:
-        return line, f"stop codon '*' inside the sequence {where}"
-    if reason == ALIGNMENT_GAP:
-        return line, f"gap character '{char}' {where}: this looks like an alignment, not raw sequences"
-    quoted = f"'{char}'" if char.isprintable() and char.strip() else repr(char)
-    return line, f"invalid character {quoted} {where}"
-
-
-# --------------------------------------------------------------------------------------------
 # The reader
 
 
@@ -283,105 +196,146 @@ def iter_fasta(
     ``on_bytes(n)`` is called with the number of on-disk bytes consumed (for progress bars).
     """
     path_list = _as_paths(paths)
-    seen_ids: set[str] = set()  # a set, not a dict: the first line is looked up on error only
-    displays = [display_path(p) for p in path_list]
-
+    seen = _SeenIds(path_list) if check_duplicate_ids else None
     for file_index, path in enumerate(path_list):
-        display = displays[file_index]
+        display = display_path(path)
         stream, raw_fh = _open_binary(Path(path), display)
         try:
-            disk_pos = 0
-            line = 1  # line number of data[0]
-            data = b""
-            started = False  # seen the first header
-            blocks = _read_blocks(stream, display, block_size)
-            eof = False
-            while not eof:
-                block = next(blocks, None)
-                if block is None:
-                    eof = True
-                else:
-                    data = data + block if data else block
-                    if on_bytes is not None:
-                        now = raw_fh.tell()
-                        on_bytes(now - disk_pos)
-                        disk_pos = now
-                pos = 0
-                if not started:
-                    # Skip leading blank lines; anything else before the first '>' is an error.
-                    if data[:1] != b">":
-                        nxt = data.find(b"\n>")
-                        if nxt < 0 and not eof:
-                            if data.strip(_WHITESPACE):
-                                _raise_text_before(data, display, line)
-                            continue  # only blank lines so far; keep them for line counting
-                        head = data if nxt < 0 else data[: nxt + 1]
-                        if head.strip(_WHITESPACE):
-                            _raise_text_before(head, display, line)
-                        if nxt < 0:
-                            break  # blank-only file
-                        line += data.count(b"\n", 0, nxt + 1)
-                        pos = nxt + 1
-                    started = True
-                while True:
-                    nxt = data.find(b"\n>", pos)
-                    if nxt < 0:
-                        if not eof:
-                            break
-                        end = len(data)
-                    else:
-                        end = nxt + 1
-                    if end <= pos:
-                        break
-                    hend = data.find(b"\n", pos, end)
-                    if hend < 0:
-                        hend = end
-                    header_b = data[pos + 1 : hend]
-                    try:
-                        header = header_b.decode("utf-8").strip()
-                    except UnicodeDecodeError:
-                        raise InputError(f"{display}:{line}: header is not valid UTF-8 text") from None
-                    if not header:
-                        raise InputError(f"{display}:{line}: empty header (a '>' line with no ID)")
-                    if "\x00" in header:
-                        raise InputError(
-                            f"{display}:{line}: header contains a NUL byte (\\x00); headers must be text"
-                        )
-                    rid = header.split(None, 1)[0]
-                    if check_duplicate_ids:
-                        if rid in seen_ids:
-                            first = _first_source(path_list, rid)
-                            raise InputError(
-                                f"{display}:{line}: duplicate ID '{rid}': first seen at {first}, "
-                                f"again at {display}:{line}"
-                            )
-                        seen_ids.add(rid)
-                    raw = data[hend + 1 : end]
-                    seq, kinds, reason, bad = _check(raw)
-                    record = FastaRecord(rid, header, seq, display, line, file_index, kinds)
-                    if reason is not None:
-                        err_line, msg = _describe(reason, raw, seq, bad, line)
-                        record.invalid = reason
-                        record.error = f"{display}:{err_line}: record '{rid}': {msg}"
-                    yield record
-                    line += data.count(b"\n", pos, end)
-                    pos = end
-                    if nxt < 0:
-                        break
-                data = data[pos:] if pos else data
-                if eof:
-                    break
-            if on_bytes is not None:
-                try:
-                    now = raw_fh.tell()
-                except (OSError, ValueError):
-                    now = disk_pos
-                if now > disk_pos:
-                    on_bytes(now - disk_pos)
+            blocks = _counted(_read_blocks(stream, display, block_size), raw_fh, on_bytes)
+            yield from _parse(blocks, display, file_index, seen)
         finally:
             stream.close()
             if raw_fh is not stream:
                 raw_fh.close()
+
+
+class _SeenIds:
+    """The IDs seen so far across all inputs; the same ID twice is a structural error.
+
+    A set, not a dict: the first line is looked up (by re-reading the input) on error only.
+    """
+
+    def __init__(self, paths: list[PathLike]) -> None:
+        self.paths = paths
+        self.ids: set[str] = set()
+
+    def duplicate(self, rid: str, display: str, line: int) -> InputError:
+        first = _first_source(self.paths, rid)
+        return InputError(f"{display}:{line}: duplicate ID '{rid}': first seen at {first}, again at {display}:{line}")
+
+
+def _counted(blocks: Iterator[bytes], raw_fh: BinaryIO, on_bytes: Callable[[int], None] | None) -> Iterator[bytes]:
+    """``blocks``, reporting the on-disk bytes read so far to ``on_bytes`` after each one."""
+    if on_bytes is None:
+        yield from blocks
+        return
+    disk_pos = 0
+    for block in blocks:
+        now = raw_fh.tell()
+        on_bytes(now - disk_pos)
+        disk_pos = now
+        yield block
+    try:
+        now = raw_fh.tell()
+    except (OSError, ValueError):
+        now = disk_pos
+    if now > disk_pos:
+        on_bytes(now - disk_pos)
+
+
+def _parse(blocks: Iterator[bytes], display: str, file_index: int, seen: _SeenIds | None) -> Iterator[FastaRecord]:
+    """The records of one file's blocks; a record spanning blocks waits for the next one."""
+    line = 1  # line number of data[0]
+    data = b""
+    started = False  # seen the first header
+    eof = False
+    while not eof:
+        block = next(blocks, None)
+        if block is None:
+            eof = True
+        else:
+            data = data + block if data else block
+        pos = 0
+        if not started:
+            first = _first_header(data, display, line, eof)
+            if first is None:
+                continue  # only blank lines so far; keep them for line counting
+            if first < 0:
+                break  # blank-only file
+            line += data.count(b"\n", 0, first)
+            pos = first
+            started = True
+        pos, line = yield from _complete_records(data, pos, eof, display, line, file_index, seen)
+        data = data[pos:] if pos else data
+
+
+def _first_header(data: bytes, display: str, line: int, eof: bool) -> int | None:
+    """Offset of the first ``>`` header in ``data`` (None: not yet seen; -1: a blank-only file).
+
+    Blank lines before it are skipped; anything else before it is an error.
+    """
+    if data[:1] == b">":
+        return 0
+    nxt = data.find(b"\n>")
+    if nxt < 0 and not eof:
+        if data.strip(WHITESPACE):
+            _raise_text_before(data, display, line)
+        return None
+    head = data if nxt < 0 else data[: nxt + 1]
+    if head.strip(WHITESPACE):
+        _raise_text_before(head, display, line)
+    return -1 if nxt < 0 else nxt + 1
+
+
+def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int, file_index: int,
+                      seen: _SeenIds | None) -> Generator[FastaRecord, None, tuple[int, int]]:
+    """Yield every record of ``data[pos:]`` known to be complete (all of them at ``eof``);
+    return where the incomplete rest starts and its line number."""
+    seen_ids = None if seen is None else seen.ids
+    while True:
+        nxt = data.find(b"\n>", pos)
+        if nxt < 0:
+            if not eof:
+                break
+            end = len(data)
+        else:
+            end = nxt + 1
+        if end <= pos:
+            break
+        hend = data.find(b"\n", pos, end)
+        if hend < 0:
+            hend = end
+        header, rid = _header(data[pos + 1 : hend], display, line)
+        if seen_ids is not None:
+            if rid in seen_ids:
+                raise seen.duplicate(rid, display, line)  # type: ignore[union-attr]
+            seen_ids.add(rid)
+        raw = data[hend + 1 : end]
+        seq, kinds, reason, bad = check_sequence(raw)
+        record = FastaRecord(rid, header, seq, display, line, file_index, kinds)
+        if reason is not None:
+            err_line, msg = describe_invalid(reason, raw, seq, bad, line)
+            record.invalid = reason
+            record.error = f"{display}:{err_line}: record '{rid}': {msg}"
+        yield record
+        line += data.count(b"\n", pos, end)
+        pos = end
+        if nxt < 0:
+            break
+    return pos, line
+
+
+def _header(header_b: bytes, display: str, line: int) -> tuple[str, str]:
+    """(header text, ID) of one ``>`` line; an empty, non-UTF-8 or NUL-holding header is an error."""
+    try:
+        header = header_b.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InputError(f"{display}:{line}: header is not valid UTF-8 text") from None
+    if not header:
+        raise InputError(f"{display}:{line}: empty header (a '>' line with no ID)")
+    if "\x00" in header:
+        raise InputError(f"{display}:{line}: header contains a NUL byte (\\x00); headers must be text")
+    return header, header.split(None, 1)[0]
 
 
 def _first_source(paths: list[PathLike], rid: str) -> str:
@@ -394,7 +348,7 @@ def _first_source(paths: list[PathLike], rid: str) -> str:
 
 def _raise_text_before(text: bytes, display: str, first_line: int) -> None:
     for offset, chunk in enumerate(text.split(b"\n")):
-        if chunk.strip(_WHITESPACE):
+        if chunk.strip(WHITESPACE):
             raise InputError(
                 f"{display}:{first_line + offset}: text before the first '>' header "
                 f"(is this a FASTA file?)"
@@ -414,38 +368,10 @@ def read_sequences(path: PathLike) -> Iterator[tuple[str, str]]:
         yield record.id, record.data.decode("ascii")
 
 
-def count_records(path: PathLike) -> int:
-    """Number of records (``>`` header lines) in a FASTA file, without validating them."""
-    path = Path(path)
-    display = display_path(path)
-    stream, raw_fh = _open_binary(path, display)
-    try:
-        total = 0
-        last = b"\n"
-        for block in _read_blocks(stream, display, BLOCK_SIZE):
-            total += block.count(b"\n>") + (1 if last == b"\n" and block[:1] == b">" else 0)
-            last = block[-1:]
-        return total
-    finally:
-        stream.close()
-        if raw_fh is not stream:
-            raw_fh.close()
-
-
 __all__ = [
     "FastaRecord",
     "iter_fasta",
     "read_sequences",
-    "count_records",
     "display_path",
     "path_text",
-    "NORMALISATION_KINDS",
-    "INVALID_REASONS",
-    "EMPTY_SEQUENCE",
-    "INTERNAL_STOP",
-    "ALIGNMENT_GAP",
-    "INVALID_CHARACTER",
-    "UPPERCASED",
-    "STOP_STRIPPED",
-    "J_TO_X",
 ]

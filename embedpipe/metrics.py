@@ -12,6 +12,7 @@ numbers, so each can be checked against an independent computation. Conventions:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ __all__ = [
     "compare_pooled",
     "compare_residues",
     "cosine",
+    "describe_length_bins",
+    "is_finite_number",
     "knn_overlap",
     "length_bins",
     "max_abs_diff",
@@ -42,6 +45,11 @@ QUANTILES: dict[str, float] = {"min": 0.0, "p1": 0.01, "p5": 0.05, "median": 0.5
 
 
 # --------------------------------------------------------------------------- element metrics
+
+
+def is_finite_number(x: Any) -> bool:
+    """A Python or numpy number that is neither NaN nor infinite (None and strings are not)."""
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _f64(x: Any) -> np.ndarray:
@@ -198,6 +206,25 @@ def length_bins(lengths: Sequence[int] | np.ndarray, n_bins: int = 4) -> tuple[n
         remap[used] = np.arange(used.size)
         which = remap[which]
     return edges, which
+
+
+def describe_length_bins(edges: np.ndarray, bin_of: np.ndarray, sampled_rows: np.ndarray) -> list[dict[str, Any]]:
+    """One row per bin of :func:`length_bins`: its length range, how many records of the
+    store fall in it and how many of them ``sampled_rows`` holds (``length_bins`` in
+    crosscheck.json)."""
+    sampled = Counter(int(bin_of[r]) for r in np.asarray(sampled_rows).tolist())
+    counts = Counter(int(b) for b in bin_of.tolist())
+    return [
+        {
+            "bin": b,
+            "min_length": float(edges[b]),
+            "max_length": float(edges[b + 1]),
+            "closed_right": b == len(edges) - 2,
+            "records": counts.get(b, 0),
+            "sampled": sampled.get(b, 0),
+        }
+        for b in range(len(edges) - 1)
+    ]
 
 
 def allocate_proportional(sizes: Sequence[int], total: int) -> list[int]:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedpipe.errors import InputError
+from embedpipe.options import LONG_SEQUENCE_MODES
 
 DEFAULT_OVERLAP = 256
-LONG_SEQUENCE_MODES = ("chunk", "truncate", "error", "full")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from embedpipe.errors import EmbedpipeError
+from embedpipe.options import FP32_ISLAND_POLICIES, POLICY_NAMES, check_same_names
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ POLICIES: dict[str, Policy] = {
     "fp16-mixed": Policy("fp16-mixed", torch.float16, torch.float16, fp32_islands=True),
     "bf16-mixed": Policy("bf16-mixed", torch.bfloat16, torch.bfloat16, fp32_islands=True),
 }
+check_same_names("precision.POLICIES", POLICIES, POLICY_NAMES)
+check_same_names("fp32-island policies", [n for n, p in POLICIES.items() if p.fp32_islands], FP32_ISLAND_POLICIES)
 FP32 = POLICIES["fp32"]
 
 

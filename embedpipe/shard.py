@@ -14,47 +14,40 @@ Two passes, so that memory holds a compact index per record and never the sequen
 Everything is written into the temporary directory and moved into ``out`` only once all of
 it is complete, so a failed run leaves no manifest or shard files behind (and never a mix of
 an old and a new run).
+
+Pass 1, the per-record index and the manifest rows are :mod:`embedpipe.shard_index`; the
+spool directory and background fsync :mod:`embedpipe.shard_output`. This module plans the
+shards, writes them and moves the finished run into ``out``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
-import secrets
-import shutil
-import signal
-import socket
 import stat
-import threading
 import time
-from array import array
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+
+import numpy as np
 
 from embedpipe.atomic import check_output_entries, fsync_dir
-from embedpipe.errors import EmbedpipeError, InputError
-from embedpipe.fasta import INVALID_REASONS, NORMALISATION_KINDS, display_path, iter_fasta, path_text
-from embedpipe.manifest import MANIFEST, MANIFEST_COLUMNS, ManifestWriter, quote, quote_all
+from embedpipe.errors import InputError
+from embedpipe.fasta import display_path, path_text
+from embedpipe.manifest import MANIFEST
+from embedpipe.options import ON_INVALID, ON_INVALID_DEFAULT, check_choice
 from embedpipe.progress import progress_bar
+from embedpipe.residues import NORMALISATION_KINDS
+from embedpipe.shard_index import (DUPLICATE, NORM_BIT, OK, REASON_CODE, SKIP_BASE, RecordIndex, Unique, dedupe,
+                                   read_inputs, write_manifest)
+from embedpipe.shard_output import Syncer, spool_directory
 
-ON_INVALID = ("error", "skip")
 SHARDS_JSON = "shards.json"
 SHARDS_FORMAT = "embedpipe.shards"
 SHARDS_VERSION = 1
 TOKENS_PER_RECORD = 2  # BOS + EOS
-
-# Per-record status codes (a bytearray in memory): OK, DUPLICATE, then one per invalid reason.
-_OK = 0
-_DUPLICATE = 1
-_SKIP_BASE = 2
-_REASON_CODE = {reason: _SKIP_BASE + k for k, reason in enumerate(INVALID_REASONS)}
-_NORM_BIT = {kind: 1 << k for k, kind in enumerate(NORMALISATION_KINDS)}
 
 
 def shard_name(index: int) -> str:
@@ -123,9 +116,6 @@ class ShardSummary:
             "max_length": self.max_length,
         }
 
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
     def render(self) -> str:
         def n(value: int) -> str:
             return f"{value:,}"
@@ -153,7 +143,15 @@ class ShardSummary:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """Unique sequences sorted by length (stable: ties in input order) and cut into shards:
+    shard k holds ``sorted_rec[bounds[k]:bounds[k+1]]``."""
+
+    sorted_rec: np.ndarray
+    sorted_len: np.ndarray
+    bounds: list[int]
+    shard_of_unique: np.ndarray
 
 
 def plan_shards(lengths: Sequence[int], tokens_per_shard: int) -> list[int]:
@@ -178,8 +176,7 @@ def plan_shards(lengths: Sequence[int], tokens_per_shard: int) -> list[int]:
 
 
 def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, on_invalid: str) -> list[Path]:
-    if on_invalid not in ON_INVALID:
-        raise InputError(f"--on-invalid must be one of {', '.join(ON_INVALID)}, not {on_invalid!r}")
+    check_choice("--on-invalid", on_invalid, ON_INVALID, InputError)
     if not isinstance(tokens_per_shard, int) or tokens_per_shard < 1:
         raise InputError(f"--tokens-per-shard must be a positive integer, not {tokens_per_shard!r}")
     paths = [Path(p) for p in inputs]
@@ -228,7 +225,7 @@ def shard_fasta(
     *,
     out: Path,
     tokens_per_shard: int,
-    on_invalid: str = "error",
+    on_invalid: str = ON_INVALID_DEFAULT,
     quiet: bool = False,
 ) -> ShardSummary:
     """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
@@ -245,216 +242,67 @@ def shard_fasta(
         inputs=[path_text(p) for p in paths], out=path_text(out), tokens_per_shard=tokens_per_shard,
         on_invalid=on_invalid,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_spools(out)
-    with _sigterm_exits():
-        # Not mkdtemp: its 0700 mode would stick to ``out`` after the rename; mkdir honours umask.
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
-            _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
-            _install(tmp, out, [shard_name(s.index) for s in summary.shards])
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with spool_directory(out) as tmp:
+        _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
+        _install(tmp, out, [shard_name(s.index) for s in summary.shards])
     summary.elapsed_s = time.perf_counter() - started
     return summary
 
 
-# --------------------------------------------------------------------------------------------
-# The spool directory: removed on error, on SIGTERM, and (next run) after SIGKILL
-
-
-def _host_tag() -> str:
-    """8 hex digits naming this host, so a run never judges another host's PIDs."""
-    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-def _remove_stale_spools(out: Path) -> None:
-    """Remove ``.NAME.tmp-PID-*`` spool directories left by killed runs (SIGKILL, power loss).
-
-    Only those of this host (or of older versions, which did not name the host) whose
-    process no longer exists; a live run's spool is left alone.
-    """
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-(?:([0-9a-f]{{8}})-)?[0-9a-f]+")
-    host = _host_tag()
-    try:
-        entries = list(os.scandir(out.parent))
-    except OSError:
-        return
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False):
-            continue
-        pid = int(match[1])
-        if match[2] not in (None, host) or pid == os.getpid() or _pid_alive(pid):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _sigterm_exits() -> Iterator[None]:
-    """While shard runs, SIGTERM raises ``SystemExit(143)`` so ``finally`` blocks clean up.
-
-    The previous handler comes back afterwards. Signal handlers belong to the main thread;
-    elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
-
-
-def _write_error(path: Path, exc: OSError) -> EmbedpipeError:
-    """One line naming the output being written (a full disk says only ``No space left on
-    device``): files in the hidden work directory are named by the ``--out`` they become."""
-    reason = exc.strerror or exc
-    work = _WORK_DIR.match(path.parent.name)
-    if work is None:
-        return EmbedpipeError(f"{display_path(path)}: cannot write: {reason}")
-    out = path.parent.parent / work["out"]
-    return EmbedpipeError(
-        f"{display_path(out)}: cannot write {path.name} (in the work directory {display_path(path.parent)}): {reason}"
-    )
-
-
-@contextlib.contextmanager
-def _spool_errors(spool: IO[bytes], path: Path) -> Iterator[IO[bytes]]:
-    """Close the spool; a write failure (full disk) becomes one line naming it."""
-    try:
-        with spool:
-            yield spool
-    except OSError as exc:
-        raise _write_error(path, exc) from None
-
-
 def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool) -> None:
-    with _Syncer() as syncer:
-        _run_passes(paths, tmp, summary, budget, on_invalid, quiet, syncer)
-
-
-def _run_passes(
-    paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool, syncer: _Syncer
-) -> None:
-    import numpy as np
-
-    # ---- pass 1: read, validate, normalise, hash; spool every valid sequence ----------------
-    ids: list[str] = []
-    file_index = array("I")
-    line = array("q")
-    length = array("q")
-    offset = array("q")  # per record: where its normalised sequence starts in the spool
-    status = bytearray()
-    norm = bytearray()
-    digests = bytearray()
-    zero_digest = bytes(32)
-    sha256 = hashlib.sha256
-    norm_bit = _NORM_BIT
-    reason_code = _REASON_CODE
-    skipping = on_invalid == "skip"
-
-    summary.input_bytes = total_bytes = sum(p.stat().st_size for p in paths)
+    """Both passes into ``tmp``: read and index, dedupe, count, plan, write shards, manifest, shards.json."""
+    summary.input_bytes = sum(p.stat().st_size for p in paths)
     spool_path = tmp / ".spool"
-    spool_pos = 0
-    try:
-        spool = open(spool_path, "wb", buffering=8 << 20)  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise _write_error(spool_path, exc) from None
-    with _spool_errors(spool, spool_path), progress_bar(
-        quiet=quiet, total=total_bytes, unit="B", unit_scale=True, desc="reading"
-    ) as bar:
-        for rec in iter_fasta(paths, on_bytes=bar.update):
-            ids.append(rec.id)
-            file_index.append(rec.file_index)
-            line.append(rec.line)
-            data = rec.data
-            size = len(data)
-            length.append(size)
-            flags = 0
-            for kind in rec.normalised:
-                flags |= norm_bit[kind]
-            norm.append(flags)
-            if rec.invalid is not None:
-                if not skipping:
-                    raise InputError(rec.error or f"{rec.source}: record '{rec.id}': {rec.invalid}")
-                status.append(reason_code[rec.invalid])
-                digests += zero_digest
-                offset.append(-1)
-                continue
-            digests += sha256(data).digest()
-            status.append(_OK)
-            offset.append(spool_pos)
-            spool.write(data)
-            spool_pos += size
+    with Syncer() as syncer:
+        index = read_inputs(paths, spool_path, summary.input_bytes, on_invalid == "skip", quiet)
+        if not index.ids:
+            raise InputError(f"no FASTA records found in {', '.join(summary.inputs)}")
+        unique = dedupe(index)
+        _count(summary, index, unique)
+        plan = _plan(summary, index, unique, budget)
+        _write_shards(tmp, spool_path, syncer, summary, index, plan, quiet)
+        spool_path.unlink()
+        write_manifest(tmp / MANIFEST, syncer, [path_text(p) for p in paths], index, unique,
+                       plan.shard_of_unique.tolist())
+        _write_shards_json(tmp / SHARDS_JSON, syncer, summary, budget, on_invalid)
 
-    n_records = len(ids)
-    if n_records == 0:
-        raise InputError(f"no FASTA records found in {', '.join(summary.inputs)}")
 
-    # ---- dedupe by sha256 of the normalised sequence --------------------------------------
-    status_np = np.frombuffer(status, dtype=np.uint8)
-    length_np = np.frombuffer(length, dtype=np.int64)
-    kept = _first_copies(np.frombuffer(digests, dtype=np.uint64).reshape(-1, 4), status_np < _SKIP_BASE)
-    is_dup = kept >= 0
-    is_dup[is_dup] = kept[is_dup] != np.flatnonzero(is_dup)
-    status_np = status_np.copy()
-    status_np[is_dup] = _DUPLICATE
-    unique_rec = np.flatnonzero(status_np == _OK)  # kept copies, in input order
-    unique_of = np.full(n_records, -1, dtype=np.int64)  # per record: its unique sequence
-    unique_of[unique_rec] = np.arange(len(unique_rec))
-    unique_of[is_dup] = unique_of[kept[is_dup]]
-    del kept, is_dup
+def _count(summary: ShardSummary, index: RecordIndex, unique: Unique) -> None:
+    """The summary's record counts: unique, duplicates, skipped and normalised by kind."""
+    code_counts = np.bincount(unique.status, minlength=SKIP_BASE + len(REASON_CODE))
+    norm = np.frombuffer(index.norm, dtype=np.uint8)
+    summary.records = len(index.ids)
+    summary.unique = int(code_counts[OK])
+    summary.duplicates = int(code_counts[DUPLICATE])
+    summary.skipped = {reason: int(code_counts[code]) for reason, code in REASON_CODE.items() if code_counts[code]}
+    summary.normalised = {kind: int(np.count_nonzero(norm & bit)) for kind, bit in NORM_BIT.items()}
+    summary.normalised_records = int(np.count_nonzero(norm))
+    summary.input_residues = int(np.frombuffer(index.length, dtype=np.int64)[unique.status < SKIP_BASE].sum())
 
-    # ---- counts --------------------------------------------------------------------------
-    code_counts = np.bincount(status_np, minlength=_SKIP_BASE + len(INVALID_REASONS))
-    norm_np = np.frombuffer(norm, dtype=np.uint8)
-    summary.records = n_records
-    summary.unique = int(code_counts[_OK])
-    summary.duplicates = int(code_counts[_DUPLICATE])
-    summary.skipped = {
-        reason: int(code_counts[code]) for reason, code in reason_code.items() if code_counts[code]
-    }
-    summary.normalised = {kind: int(np.count_nonzero(norm_np & bit)) for kind, bit in norm_bit.items()}
-    summary.normalised_records = int(np.count_nonzero(norm_np))
-    summary.input_residues = int(length_np[status_np < _SKIP_BASE].sum())
 
-    # ---- plan: sort unique sequences by length (stable: ties in input order), cut by budget --
-    u_len = length_np[unique_rec]
+def _plan(summary: ShardSummary, index: RecordIndex, unique: Unique, budget: int) -> _Plan:
+    """Sort the unique sequences by length (stable: ties in input order) and cut by budget."""
+    u_len = np.frombuffer(index.length, dtype=np.int64)[unique.unique_rec]
     order = np.argsort(u_len, kind="stable")
     sorted_len = u_len[order]
     bounds = plan_shards(sorted_len.tolist(), budget)
-    shard_of_unique = np.empty(len(unique_rec), dtype=np.int64)
+    shard_of_unique = np.empty(len(unique.unique_rec), dtype=np.int64)
     for k in range(len(bounds) - 1):
         shard_of_unique[order[bounds[k] : bounds[k + 1]]] = k
     summary.residues = int(sorted_len.sum())
-    summary.tokens = summary.residues + TOKENS_PER_RECORD * len(unique_rec)
-    if len(unique_rec):
+    summary.tokens = summary.residues + TOKENS_PER_RECORD * len(unique.unique_rec)
+    if len(unique.unique_rec):
         summary.min_length = int(sorted_len[0])
         summary.max_length = int(sorted_len[-1])
+    return _Plan(sorted_rec=unique.unique_rec[order], sorted_len=sorted_len, bounds=bounds,
+                 shard_of_unique=shard_of_unique)
 
-    # ---- pass 2: write the shards from the spool -----------------------------------------
-    sorted_rec = unique_rec[order].tolist()
-    del order
+
+def _write_shards(tmp: Path, spool_path: Path, syncer: Syncer, summary: ShardSummary, index: RecordIndex,
+                  plan: _Plan, quiet: bool) -> None:
+    """Pass 2: write the shards, reading each sequence back from the spool."""
+    ids, length, offset, sorted_len, bounds = index.ids, index.length, index.offset, plan.sorted_len, plan.bounds
+    sorted_rec = plan.sorted_rec.tolist()
     # pread, not mmap: faulting in random spool pages maps whole 64 KiB neighbourhoods and
     # would make the page cache look like this process's memory.
     with open(spool_path, "rb") as fh, progress_bar(
@@ -464,34 +312,20 @@ def _run_passes(
         pread = os.pread
         for k in range(len(bounds) - 1):
             lo, hi = bounds[k], bounds[k + 1]
-            parts: list[bytes] = []
-            for i in sorted_rec[lo:hi]:
-                parts.append(b">%s\n%s\n" % (ids[i].encode(), pread(fd, length[i], offset[i])))
+            parts = [b">%s\n%s\n" % (ids[i].encode(), pread(fd, length[i], offset[i])) for i in sorted_rec[lo:hi]]
             name = shard_name(k)
             syncer.write(tmp / name, b"".join(parts))
             del parts
             residues = int(sorted_len[lo:hi].sum())
             summary.shards.append(
-                ShardInfo(
-                    index=k,
-                    path=name,
-                    records=hi - lo,
-                    residues=residues,
-                    tokens=residues + TOKENS_PER_RECORD * (hi - lo),
-                    min_length=int(sorted_len[lo]),
-                    max_length=int(sorted_len[hi - 1]),
-                )
+                ShardInfo(index=k, path=name, records=hi - lo, residues=residues,
+                          tokens=residues + TOKENS_PER_RECORD * (hi - lo),
+                          min_length=int(sorted_len[lo]), max_length=int(sorted_len[hi - 1]))
             )
             bar.update(hi - lo)
-    del sorted_rec
-    spool_path.unlink()
 
-    # ---- manifest (input order) and shards.json --------------------------------------------
-    _write_manifest(
-        tmp / MANIFEST, syncer, [path_text(p) for p in paths], ids, file_index, line, length, norm, digests,
-        status_np.tolist(), unique_of.tolist(), shard_of_unique.tolist(), unique_rec.tolist(),
-    )
 
+def _write_shards_json(path: Path, syncer: Syncer, summary: ShardSummary, budget: int, on_invalid: str) -> None:
     meta = {
         "format": SHARDS_FORMAT,
         "version": SHARDS_VERSION,
@@ -503,146 +337,7 @@ def _run_passes(
         "shards": [asdict(s) for s in summary.shards],
         "counts": summary.counts(),
     }
-    syncer.write(tmp / SHARDS_JSON, (json.dumps(meta, indent=1) + "\n").encode("utf-8"))
-
-
-def _write_manifest(
-    path: Path, syncer: _Syncer, sources: list[str], ids: list[str], file_index: array, line: array,
-    length: array, norm: bytearray, digests: bytearray, status: list[int], unique_of: list[int],
-    shard_of: list[int], first_of: list[int],
-) -> None:
-    """One row per input record, in input order, through :class:`ManifestWriter`.
-
-    Rows are formatted here and written 65536 at a time (millions of rows); only the free-text
-    cells (IDs, source paths) can need quoting, so they are quoted once up front.
-    """
-    # the source cell is "path:line": quoted as a whole when the path needs it
-    quoted = [quote(src) for src in sources]
-    src_open = [q[:-1] if q != src else src for q, src in zip(quoted, sources)]
-    src_close = ['"' if q != src else "" for q, src in zip(quoted, sources)]
-    ids = quote_all(ids)
-    status_text = ["ok", "duplicate"] + [f"skipped:{reason}" for reason in INVALID_REASONS]
-    norm_text = [
-        ",".join(kind for kind, bit in _NORM_BIT.items() if flags & bit) for flags in range(1 << len(_NORM_BIT))
-    ]
-    digest_view = memoryview(digests)
-    try:
-        fh = open(path, "w", encoding="utf-8", newline="", buffering=8 << 20)  # noqa: SIM115
-    except OSError as exc:
-        raise _write_error(path, exc) from None
-    with syncer.syncing(fh, path):
-        writer = ManifestWriter(fh, MANIFEST_COLUMNS)
-        rows: list[str] = []
-        for i, code, u in zip(range(len(status)), status, unique_of):
-            if code >= _SKIP_BASE:
-                rows.append(
-                    f"{ids[i]}\t{src_open[file_index[i]]}:{line[i]}{src_close[file_index[i]]}\t{length[i]}\t\t\t{status_text[code]}\t\t{norm_text[norm[i]]}\n"
-                )
-            else:
-                rows.append(
-                    f"{ids[i]}\t{src_open[file_index[i]]}:{line[i]}{src_close[file_index[i]]}\t{length[i]}\t"
-                    f"{digest_view[32 * i : 32 * i + 32].hex()}\t{shard_of[u]}\t{status_text[code]}\t"
-                    f"{ids[first_of[u]] if code == _DUPLICATE else ''}\t{norm_text[norm[i]]}\n"
-                )
-            if len(rows) >= 65536:
-                writer.write_lines("".join(rows))
-                rows.clear()
-        writer.write_lines("".join(rows))
-    digest_view.release()
-
-
-def _first_copies(digests: "np.ndarray", valid: "np.ndarray") -> "np.ndarray":
-    """Per record, the index of the first record with the same digest (-1 where not ``valid``).
-
-    ``digests`` is (N, 4) uint64 (a view of the 32-byte sha256 digests). Sorting on the first
-    word alone is exact unless two *different* digests share it (odds ~N^2/2^65); then all four
-    words are sorted on. Stable sorts keep equal digests in input order, so the first of each
-    run is the earliest record.
-    """
-    import numpy as np
-
-    kept = np.full(len(digests), -1, dtype=np.int64)
-    rec = np.flatnonzero(valid)
-    if not len(rec):
-        return kept
-    d = digests[rec]
-    order = np.argsort(d[:, 0], kind="stable")
-    d = d[order]
-    same_word = d[1:, 0] == d[:-1, 0]
-    same = same_word & (d[1:] == d[:-1]).all(axis=1)
-    if not np.array_equal(same, same_word):  # a first-word collision: sort on all four words
-        d = digests[rec]
-        order = np.lexsort((np.arange(len(rec)), d[:, 3], d[:, 2], d[:, 1], d[:, 0]))
-        d = d[order]
-        same = (d[1:] == d[:-1]).all(axis=1)
-    starts = np.concatenate(([True], ~same))
-    group = np.cumsum(starts) - 1
-    first = rec[order][starts]
-    kept[rec[order]] = first[group]
-    return kept
-
-
-class _Syncer:
-    """Write files and fsync them on a background thread.
-
-    ``fsync`` releases the GIL, so the disk writeback of one shard overlaps the CPU work of the
-    next. Leaving the ``with`` block waits for every fsync (and re-raises its error); only then
-    are the files moved into place.
-    """
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedpipe-fsync")
-        self._pending: list[Future[None]] = []
-
-    def __enter__(self) -> _Syncer:
-        return self
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        try:
-            for future in self._pending:
-                if exc_type is None:
-                    future.result()
-                else:
-                    future.exception()  # wait, but let the first error propagate
-        finally:
-            self._pool.shutdown(wait=True)
-
-    @staticmethod
-    def _finish(fh: IO[Any], path: Path) -> None:
-        try:
-            fh.flush()
-            os.fsync(fh.fileno())
-        except OSError as exc:
-            raise _write_error(path, exc) from None
-        finally:
-            with contextlib.suppress(OSError):
-                fh.close()
-
-    @contextlib.contextmanager
-    def syncing(self, fh: IO[Any], path: Path) -> Iterator[IO[Any]]:
-        """Use an open file; on success it is flushed, fsynced and closed in the background.
-
-        A write error (a full disk) becomes one line naming ``path``.
-        """
-        try:
-            yield fh
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                fh.close()
-            raise _write_error(path, exc) from None
-        except BaseException:
-            with contextlib.suppress(OSError):
-                fh.close()
-            raise
-        self._pending.append(self._pool.submit(self._finish, fh, path))
-
-    def write(self, path: Path, data: bytes) -> None:
-        try:
-            fh = open(path, "wb")  # noqa: SIM115 - closed by _finish
-        except OSError as exc:
-            raise _write_error(path, exc) from None
-        with self.syncing(fh, path):
-            fh.write(data)
+    syncer.write(path, (json.dumps(meta, indent=1) + "\n").encode("utf-8"))
 
 
 def _install(tmp: Path, out: Path, shard_files: list[str]) -> None:
@@ -684,8 +379,6 @@ __all__ = [
     "shard_fasta",
     "plan_shards",
     "shard_name",
-    "MANIFEST",
-    "MANIFEST_COLUMNS",
     "SHARDS_JSON",
     "TOKENS_PER_RECORD",
 ]

@@ -18,70 +18,13 @@ import numpy as np
 import torch
 
 from embedpipe.errors import EmbedpipeError
-from embedpipe.model.base import ATTENTION_IMPLEMENTATIONS, EmbeddingModel, ForwardOutput, Runner, masked_max_abs
-from embedpipe.planning import LONG_SEQUENCE_MODES, Piece, padding_efficiency, plan_batches, plan_record
+from embedpipe.model.base import EmbeddingModel, ForwardOutput, Runner, masked_max_abs
+from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_record
 from embedpipe.precision import (FP32, Policy, check_policy_on_device, exact_fp32, forward_context, get_policy,
                                  true_fp32_matmuls)
+from embedpipe.options import EmbedOptions
 from embedpipe.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
-
-
-STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16}
-# Where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
-# fp32 model does not fit there beside the low-precision one; same = the main device or fail;
-# cpu = always the CPU. Memory each needs: docs/precision.md.
-FALLBACK_DEVICES = ("auto", "same", "cpu")
-
-
-@dataclass(frozen=True)
-class EmbedOptions:
-    """How the worker embeds; every field is stored in the store's ``config``.
-
-    What is computed: ``precision``, ``layers``, ``per_residue``, ``storage_dtype``,
-    ``long_sequences``, ``attention``, ``overflow_margin`` (which records fall back),
-    ``device`` and ``tokens_per_batch`` (rounding differs with the hardware and with the
-    padding of low-precision batches). How it runs, not what: ``threads`` and
-    ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
-    """
-
-    precision: str = "fp32"
-    layers: tuple[int, ...] = (-1,)
-    per_residue: bool = False
-    tokens_per_batch: int = 4096
-    device: str = "auto"
-    storage_dtype: str = "float32"
-    long_sequences: str = "chunk"
-    attention: str = "sdpa"
-    overflow_margin: float | None = None
-    threads: int | None = None
-    fallback_device: str = "auto"
-
-    def validate(self) -> None:
-        get_policy(self.precision)
-        if self.fallback_device not in FALLBACK_DEVICES:
-            raise EmbedpipeError(
-                f"--fallback-device must be one of {', '.join(FALLBACK_DEVICES)}, not {self.fallback_device!r}"
-            )
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise EmbedpipeError(f"--storage-dtype must be float32 or float16, not {self.storage_dtype!r}")
-        if self.long_sequences not in LONG_SEQUENCE_MODES:
-            raise EmbedpipeError(
-                f"--long-sequences must be one of {', '.join(LONG_SEQUENCE_MODES)}, not {self.long_sequences!r}"
-            )
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise EmbedpipeError(
-                f"--attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, not {self.attention!r}"
-            )
-        if self.attention == "fair-esm" and get_policy(self.precision).fp32_islands:
-            raise EmbedpipeError(
-                f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "
-                "forward cannot do; use --attention sdpa or math"
-            )
-        if self.tokens_per_batch < 3:
-            raise EmbedpipeError("--tokens-per-batch must be at least 3 (BOS, one residue, EOS)")
-        margin = self.overflow_margin
-        if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
-            raise EmbedpipeError(f"--overflow-margin must be a number in (0, 1], not {margin!r}")
 
 
 def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:
@@ -144,7 +87,7 @@ class Embedder:
         self.device = device
         self.policy = get_policy(options.precision)
         self.layers = resolve_layers(options.layers, loaded.num_layers)
-        self.storage_max = float(np.finfo(STORAGE_DTYPES[options.storage_dtype]).max)
+        self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
         self.notes = check_policy_on_device(self.policy, device)
         self._runners: dict[str, Runner] = {}
         self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives

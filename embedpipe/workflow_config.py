@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import yaml
 
 from embedpipe.errors import EmbedpipeError
@@ -105,8 +106,6 @@ def unknown_keys(config: Any, schema: dict[str, Any], prefix: str = "") -> list[
 
 def check(config: dict[str, Any], schema: dict[str, Any], schema_name: str = "the config schema") -> None:
     """Raise ``ConfigError`` (one line) for the first problem the schema finds in ``config``."""
-    import jsonschema
-
     for key, near in unknown_keys(config, schema):
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ConfigError(f"config: unknown key {key!r}{hint} (validated against {schema_name})")

@@ -12,10 +12,9 @@ Fixtures (session-scoped, so each test model is written once per run):
   ``esm.pretrained.load_model_and_alphabet_local`` (Namespace allowlisted), eval mode: the
   independent reference for numeric tests.
 
-Markers: tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is False.
-Tests marked ``slurm``, ``browser`` or ``peer`` must run in CI: under ``CI=true`` a skip of
-one of them is reported as a failure (a suite that skips did not run); elsewhere it stays a
-skip with its reason.
+Markers: tests marked ``slurm``, ``browser`` or ``peer`` must run in CI: under ``CI=true`` a
+skip of one of them is reported as a failure (a suite that skips did not run); elsewhere it
+stays a skip with its reason.
 """
 
 from __future__ import annotations
@@ -30,20 +29,6 @@ from typing import Any
 import pytest
 
 # --------------------------------------------------------------------------- markers
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not gpu_items:
-        return
-    import torch  # only when a gpu test was collected: keeps collection fast
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
-    for item in gpu_items:
-        item.add_marker(skip)
-
 
 #: markers whose tests CI must run, never skip
 MUST_RUN_IN_CI = ("slurm", "browser", "peer")

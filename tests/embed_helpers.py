@@ -14,6 +14,8 @@ from embedpipe.errors import ModelError
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.esm2 import build_model
 from embedpipe.model.random_checkpoint import KEY_PREFIX, save
+from embedpipe.embed import embed_fasta
+from embedpipe.options import EmbedOptions
 
 AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
 
@@ -36,6 +38,21 @@ def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
             for i in range(0, len(seq), 60):
                 fh.write(seq[i : i + 60] + "\n")
     return path
+
+
+def embed_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]], name: str = "out", **options) -> Path:
+    """Write ``records`` to ``tmp/NAME.fasta`` and embed them (quietly) into ``tmp/NAME.h5``;
+    ``options`` are :class:`EmbedOptions` fields."""
+    fasta = write_fasta(tmp / f"{name}.fasta", records)
+    out = tmp / f"{name}.h5"
+    embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(**options), quiet=True)
+    return out
+
+
+def embed_and_read(tmp: Path, model: Path, records: Sequence[tuple[str, str]], name: str = "out",
+                   **options) -> dict:
+    """:func:`embed_store`, then the store as :func:`read_store` reads it."""
+    return read_store(embed_store(tmp, model, records, name, **options))
 
 
 def fair_esm_forward(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, np.ndarray]:

@@ -45,8 +45,8 @@ def test_version_and_help_exit_zero():
 
 @pytest.mark.parametrize("margin", [float("nan"), float("inf"), 0.0, -0.5, 1.5])
 def test_overflow_margin_outside_0_1_is_refused(margin):
-    from embedpipe.embed import EmbedOptions
     from embedpipe.errors import EmbedpipeError
+    from embedpipe.options import EmbedOptions
 
     with pytest.raises(EmbedpipeError, match=r"must be a number in \(0, 1\]"):
         EmbedOptions(overflow_margin=margin).validate()

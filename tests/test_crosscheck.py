@@ -20,10 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from embed_helpers import embed_store, fair_esm_forward, random_sequences, read_store
 from embedpipe import metrics
 from embedpipe.crosscheck import Thresholds, run_crosscheck
-from embedpipe.embed import EmbedOptions, embed_fasta
 from embedpipe.errors import EmbedpipeError
 from embedpipe.report import render_html
 
@@ -31,13 +30,6 @@ CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_ab
 
 
 # =============================================================================== helpers
-
-
-def _embed(tmp: Path, model: Path, records, name: str, **options) -> Path:
-    fasta = write_fasta(tmp / f"{name}.fasta", records)
-    out = tmp / f"{name}.h5"
-    embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(**options), quiet=True)
-    return out
 
 
 def _py_cosine(a, b) -> float:
@@ -265,13 +257,13 @@ def records():
 @pytest.fixture(scope="module")
 def fp32_store(tmp_path_factory, tiny_model_path, records) -> Path:
     tmp = tmp_path_factory.mktemp("fp32store")
-    return _embed(tmp, tiny_model_path, records, "fp32", precision="fp32", layers=(0, 1, 2), per_residue=True)
+    return embed_store(tmp, tiny_model_path, records, "fp32", precision="fp32", layers=(0, 1, 2), per_residue=True)
 
 
 @pytest.fixture(scope="module")
 def low_store(tmp_path_factory, tiny_model_path, records) -> Path:
     tmp = tmp_path_factory.mktemp("lowstore")
-    return _embed(tmp, tiny_model_path, records, "bf16", precision="bf16-mixed", layers=(0, 2), per_residue=True,
+    return embed_store(tmp, tiny_model_path, records, "bf16", precision="bf16-mixed", layers=(0, 2), per_residue=True,
                   tokens_per_batch=700)
 
 
@@ -347,7 +339,7 @@ def test_fp32_store_is_a_passing_determinism_check(tmp_path, fp32_store, records
 
 
 def test_fp32_compute_with_float16_storage_passes_the_determinism_check(tmp_path, tiny_model_path, records):
-    store = _embed(tmp_path, tiny_model_path, records[:10], "f16", precision="fp32", storage_dtype="float16",
+    store = embed_store(tmp_path, tiny_model_path, records[:10], "f16", precision="fp32", storage_dtype="float16",
                    per_residue=True)
     report = run_crosscheck(store, out=tmp_path / "cc", device="cpu", quiet=True)
     assert report.data["mode"] == "determinism" and report.verdict == "pass", report.data["verdict_reasons"]
@@ -428,7 +420,7 @@ def test_json_contract_and_outputs(tmp_path, low_store):
 
 def test_long_sequence_handling_is_reproduced(tmp_path, tiny_model_path):
     records = random_sequences(3, (30, 60), seed=5) + [("long", random_sequences(1, [1100], seed=6)[0][1])]
-    store = _embed(tmp_path, tiny_model_path, records, "trunc", precision="fp32", per_residue=True,
+    store = embed_store(tmp_path, tiny_model_path, records, "trunc", precision="fp32", per_residue=True,
                    long_sequences="truncate", tokens_per_batch=1100)
     report = run_crosscheck(store, out=tmp_path / "cc", device="cpu", quiet=True)
     assert report.verdict == "pass", report.data["verdict_reasons"] + report.data["problems"]
@@ -440,8 +432,8 @@ def test_long_sequence_handling_is_reproduced(tmp_path, tiny_model_path):
 def test_merged_store_matches_its_shards(tmp_path, tiny_model_path, records):
     from embedpipe.store import merge_stores
 
-    a = _embed(tmp_path, tiny_model_path, records[:14], "shard-a", precision="bf16", per_residue=True, layers=(2,))
-    b = _embed(tmp_path, tiny_model_path, records[14:], "shard-b", precision="bf16", per_residue=True, layers=(2,))
+    a = embed_store(tmp_path, tiny_model_path, records[:14], "shard-a", precision="bf16", per_residue=True, layers=(2,))
+    b = embed_store(tmp_path, tiny_model_path, records[14:], "shard-b", precision="bf16", per_residue=True, layers=(2,))
     merged = tmp_path / "merged.h5"
     merge_stores([a, b], out=merged)
     report = run_crosscheck(merged, out=tmp_path / "cc", sample=100, device="cpu", quiet=True)
@@ -459,7 +451,7 @@ def test_model_checks_moved_checkpoint_and_mismatch(tmp_path, model_factory, rec
     from embedpipe.model.random_checkpoint import make_test_model
 
     model = make_test_model(tmp_path / "models" / "esm2_moving.pt", layers=2, dim=32, heads=4, seed=7)
-    store = _embed(tmp_path, model, records[:8], "moving", precision="bf16")
+    store = embed_store(tmp_path, model, records[:8], "moving", precision="bf16")
     moved = tmp_path / "elsewhere" / "esm2_moving.pt"
     moved.parent.mkdir()
     shutil.move(model, moved)
@@ -483,7 +475,7 @@ def test_model_checks_moved_checkpoint_and_mismatch(tmp_path, model_factory, rec
 
 
 def test_single_record_store_has_no_neighbours(tmp_path, tiny_model_path):
-    store = _embed(tmp_path, tiny_model_path, [("only", "MKTAYIAKQR")], "one", precision="bf16")
+    store = embed_store(tmp_path, tiny_model_path, [("only", "MKTAYIAKQR")], "one", precision="bf16")
     report = run_crosscheck(store, out=tmp_path / "cc", device="cpu", quiet=True)
     assert report.data["neighbours"]["k"] == 0
     assert all(r["overlap_at_k"] is None for r in report.data["records"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
 from embedpipe.planning import plan_record
 from embedpipe.cli import app
 from embedpipe.embed import embed_fasta
@@ -19,20 +19,13 @@ from embedpipe.worker import EmbedOptions, Embedder, resolve_layers
 ATOL = 1e-5
 
 
-def _embed(tmp_path, model_path, records, name="out.h5", **options):
-    fasta = write_fasta(tmp_path / f"{name}.fasta", records)
-    out = tmp_path / name
-    embed_fasta(fasta, model=str(model_path), out=out, options=EmbedOptions(**options), quiet=True)
-    return read_store(out)
-
-
 @pytest.mark.parametrize("shape", [(2, 32, 4), (3, 48, 6)])
 @pytest.mark.parametrize("attention", ["sdpa", "math", "fair-esm"])
 def test_fp32_equals_fair_esm_forward_record_by_record(tmp_path, model_factory, fair_esm_reference, shape, attention):
     layers, dim, heads = shape
     path = model_factory(layers=layers, dim=dim, heads=heads, seed=layers)
     records = random_sequences(9, (5, 90), seed=1)
-    store = _embed(tmp_path, path, records, per_residue=True, layers=(0, 1, -1),
+    store = embed_and_read(tmp_path, path, records, per_residue=True, layers=(0, 1, -1),
                    tokens_per_batch=300, attention=attention)
     model, alphabet = fair_esm_reference(path)
     wanted = [0, 1, layers]
@@ -53,8 +46,8 @@ def test_fp32_equals_fair_esm_forward_record_by_record(tmp_path, model_factory, 
 
 def test_values_do_not_depend_on_batch_composition(tmp_path, tiny_model_path):
     records = random_sequences(12, (3, 120), seed=2)
-    one = _embed(tmp_path, tiny_model_path, records, name="a.h5", per_residue=True, tokens_per_batch=130)
-    many = _embed(tmp_path, tiny_model_path, records, name="b.h5", per_residue=True, tokens_per_batch=100_000)
+    one = embed_and_read(tmp_path, tiny_model_path, records, name="a", per_residue=True, tokens_per_batch=130)
+    many = embed_and_read(tmp_path, tiny_model_path, records, name="b", per_residue=True, tokens_per_batch=100_000)
     layer = max(one["mean"])
     for rid, _ in records:
         np.testing.assert_allclose(one["mean"][layer][rid], many["mean"][layer][rid], atol=ATOL, rtol=0)
@@ -63,7 +56,7 @@ def test_values_do_not_depend_on_batch_composition(tmp_path, tiny_model_path):
 
 def test_long_sequences_chunked_windows_match_fair_esm_per_window(tmp_path, tiny_model_path, fair_esm_reference):
     records = random_sequences(2, [2500, 40], seed=3)
-    store = _embed(tmp_path, tiny_model_path, records, per_residue=True)
+    store = embed_and_read(tmp_path, tiny_model_path, records, per_residue=True)
     model, alphabet = fair_esm_reference(tiny_model_path)
     layer = max(store["mean"])
     rid, seq = records[0]
@@ -95,7 +88,7 @@ def test_chunk_plan_covers_every_residue_once():
 
 def test_truncate_and_error_modes(tmp_path, tiny_model_path, fair_esm_reference):
     records = random_sequences(2, [1100, 30], seed=4)
-    store = _embed(tmp_path, tiny_model_path, records, per_residue=True, long_sequences="truncate")
+    store = embed_and_read(tmp_path, tiny_model_path, records, per_residue=True, long_sequences="truncate")
     rid, seq = records[0]
     layer = max(store["mean"])
     assert store["fields"]["long_handling"][rid] == "truncated"
@@ -105,7 +98,7 @@ def test_truncate_and_error_modes(tmp_path, tiny_model_path, fair_esm_reference)
     ref = fair_esm_forward(model, alphabet, seq[:TRAINED_RESIDUES], [layer])[layer]
     np.testing.assert_allclose(store["per_residue"][layer][rid], ref, atol=ATOL, rtol=0)
     with pytest.raises(EmbedpipeError, match="rec000.*1100 residues"):
-        _embed(tmp_path, tiny_model_path, records, name="err.h5", long_sequences="error")
+        embed_and_read(tmp_path, tiny_model_path, records, name="err", long_sequences="error")
     assert not (tmp_path / "err.h5").exists()
 
 
@@ -236,7 +229,7 @@ def test_unwritable_output_fails_in_one_line_before_any_work(tmp_path, tiny_mode
 
 def test_long_sequences_full_embeds_whole_sequences_like_fair_esm(tmp_path, tiny_model_path, fair_esm_reference):
     records = random_sequences(2, [1300, 50], seed=16)
-    store = _embed(tmp_path, tiny_model_path, records, per_residue=True, long_sequences="full")
+    store = embed_and_read(tmp_path, tiny_model_path, records, per_residue=True, long_sequences="full")
     model, alphabet = fair_esm_reference(tiny_model_path)
     layer = max(store["mean"])
     rid, seq = records[0]

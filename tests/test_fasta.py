@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedpipe.errors import InputError
-from embedpipe.fasta import (
+from embedpipe.fasta import BLOCK_SIZE, FastaRecord, display_path, iter_fasta, read_sequences
+from embedpipe.residues import (
     ALIGNMENT_GAP,
     EMPTY_SEQUENCE,
     INTERNAL_STOP,
@@ -23,12 +24,6 @@ from embedpipe.fasta import (
     J_TO_X,
     STOP_STRIPPED,
     UPPERCASED,
-    BLOCK_SIZE,
-    FastaRecord,
-    count_records,
-    display_path,
-    iter_fasta,
-    read_sequences,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swissprot100.fasta"
@@ -76,7 +71,6 @@ def test_example_file_counts() -> None:
     got = records(EXAMPLE)
     assert len(got) == 100
     assert sum(r.length for r in got) == 37_225
-    assert count_records(EXAMPLE) == 100
 
 
 def test_several_inputs_keep_order_and_sources(tmp_path: Path) -> None:
@@ -424,11 +418,6 @@ def test_lone_cr_inside_an_lf_file_ends_a_line(tmp_path: Path, block_size: int) 
     assert [(r.id, r.sequence, r.line) for r in got] == [("a", "MKVLAA", 1), ("b", "MSTNPK", 3), ("c", "MAAAA", 5)]
 
 
-def test_count_records_sees_cr_only_headers(tmp_path: Path) -> None:
-    assert count_records(write(tmp_path / "cr.fa", CR_ONLY)) == 3
-    assert count_records(write(tmp_path / "mixed.fa", LONE_CR)) == 3
-
-
 @pytest.mark.parametrize("eol", ["\n", "\r\n", "\r"])
 @pytest.mark.parametrize("block_size", [1, 2, 5, BLOCK_SIZE])
 def test_error_lines_are_the_same_for_every_line_ending(tmp_path: Path, eol: str, block_size: int) -> None:
@@ -452,7 +441,6 @@ def test_utf8_byte_order_mark_is_stripped(tmp_path: Path, block_size: int, gzipp
     path.write_bytes(gzip.compress(body) if gzipped else body)
     got = records(path, block_size=block_size)
     assert [(r.id, r.header, r.sequence, r.line) for r in got] == [("P1", "P1 d", "MK", 1), ("P2", "P2", "WW", 3)]
-    assert count_records(path) == 2
 
 
 @pytest.mark.parametrize("body", [b"\xef\xbb\xbf", b"\xef\xbb\xbf\n\n"])

@@ -10,22 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
 from embedpipe import precision
 from embedpipe.embed import embed_fasta
+from embedpipe.options import EmbedOptions
+from embedpipe.worker import Embedder
 from embedpipe.errors import EmbedpipeError
 from embedpipe.model import load_model
 from embedpipe.precision import POLICIES, check_policy_on_device, get_policy
 from embedpipe.worker import EmbedOptions, Embedder
 
 LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
-
-
-def _embed(tmp_path, model_path, records, name, **options):
-    fasta = write_fasta(tmp_path / f"{name}.fasta", records)
-    out = tmp_path / f"{name}.h5"
-    embed_fasta(fasta, model=str(model_path), out=out, options=EmbedOptions(**options), quiet=True)
-    return read_store(out)
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -49,7 +44,7 @@ def overflow_records():
 @pytest.mark.parametrize("attention", ["sdpa", "fair-esm"])
 def test_fp16_overflow_falls_back_exactly_for_records_with_the_token(tmp_path, overflow_model, overflow_records,
                                                                      fair_esm_reference, attention):
-    store = _embed(tmp_path, overflow_model, overflow_records, "fp16", precision="fp16", per_residue=True,
+    store = embed_and_read(tmp_path, overflow_model, overflow_records, "fp16", precision="fp16", per_residue=True,
                    layers=(0, -1), attention=attention)
     model, alphabet = fair_esm_reference(overflow_model)
     used = store["fields"]["precision_used"]
@@ -71,7 +66,7 @@ def test_fp16_overflow_falls_back_exactly_for_records_with_the_token(tmp_path, o
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_nothing_non_finite_is_stored_under_any_policy(tmp_path, overflow_model, overflow_records, policy):
-    store = _embed(tmp_path, overflow_model, overflow_records, policy, precision=policy, per_residue=True,
+    store = embed_and_read(tmp_path, overflow_model, overflow_records, policy, precision=policy, per_residue=True,
                    layers=(0, 1, 2), storage_dtype="float16" if policy == "bf16" else "float32")
     for layer in (0, 1, 2):
         for rid, _ in overflow_records:
@@ -84,9 +79,9 @@ def test_nothing_non_finite_is_stored_under_any_policy(tmp_path, overflow_model,
 
 def test_overflow_margin_falls_back_before_the_dtype_limit(tmp_path, overflow_model, overflow_records):
     """amp-fp16 keeps the 61,600-sized activations finite, but within 50% of fp16's max."""
-    plain = _embed(tmp_path, overflow_model, overflow_records, "amp", precision="amp-fp16")
+    plain = embed_and_read(tmp_path, overflow_model, overflow_records, "amp", precision="amp-fp16")
     assert set(plain["fields"]["precision_used"].values()) == {"amp-fp16"}
-    margin = _embed(tmp_path, overflow_model, overflow_records, "amp-margin", precision="amp-fp16", overflow_margin=0.5)
+    margin = embed_and_read(tmp_path, overflow_model, overflow_records, "amp-margin", precision="amp-fp16", overflow_margin=0.5)
     for rid, seq in overflow_records:
         expected = ("fp32", "overflow-margin") if "C" in seq else ("amp-fp16", "")
         assert (margin["fields"]["precision_used"][rid], margin["fields"]["fallback_reason"][rid]) == expected
@@ -98,17 +93,17 @@ def test_fp32_values_that_do_not_fit_float16_storage_fail_naming_the_record(tmp_
     path = model_factory(layers=2, dim=32, heads=4, seed=22, token_row_overrides={"W": 9e4})
     records = [("fine", "ACDEFGHIK"), ("bigW", "ACDWEFG")]
     with pytest.raises(EmbedpipeError, match="record 'bigW'.*storage-dtype float16"):
-        _embed(tmp_path, path, records, "f16store", precision="fp32", layers=(0,), storage_dtype="float16")
+        embed_and_read(tmp_path, path, records, "f16store", precision="fp32", layers=(0,), storage_dtype="float16")
     assert not (tmp_path / "f16store.h5").exists()
 
 
 def test_every_policy_is_finite_recorded_and_close_to_fp32(tmp_path, model_factory):
     path = model_factory(layers=3, dim=64, heads=4, seed=5)
     records = random_sequences(8, (30, 300), seed=10)
-    ref = _embed(tmp_path, path, records, "ref", precision="fp32")
+    ref = embed_and_read(tmp_path, path, records, "ref", precision="fp32")
     figures = {}
     for policy in LOW_POLICIES:
-        store = _embed(tmp_path, path, records, policy, precision=policy)
+        store = embed_and_read(tmp_path, path, records, policy, precision=policy)
         assert store["attrs"]["precision_policy"] == policy
         assert store["attrs"]["compute_dtype"] == precision.dtype_name(POLICIES[policy].compute_dtype)
         cosines = [_cosine(store["mean"][3][r], ref["mean"][3][r]) for r, _ in records]
@@ -148,9 +143,9 @@ def test_mixed_policies_are_closer_to_fp32_than_plain_casts_on_long_sequences(mo
 def test_low_precision_then_fp32_in_one_process_equals_a_fresh_process(tmp_path, tiny_model_path):
     records = random_sequences(6, (10, 200), seed=11)
     for policy in ("fp16", "bf16-mixed"):
-        _embed(tmp_path, tiny_model_path, records, f"warm-{policy}", precision=policy, attention="fair-esm"
+        embed_and_read(tmp_path, tiny_model_path, records, f"warm-{policy}", precision=policy, attention="fair-esm"
                if policy == "fp16" else "sdpa")
-    same_process = _embed(tmp_path, tiny_model_path, records, "after", precision="fp32", attention="fair-esm",
+    same_process = embed_and_read(tmp_path, tiny_model_path, records, "after", precision="fp32", attention="fair-esm",
                           per_residue=True)
     fasta = tmp_path / "after.fasta"
     fresh_out = tmp_path / "fresh.h5"
@@ -443,10 +438,10 @@ def test_a_fallback_forward_out_of_memory_still_names_the_record(overflow_model,
 
 
 def test_fallback_device_is_recorded_in_the_store(tmp_path, overflow_model, overflow_records):
-    store = _embed(tmp_path, overflow_model, overflow_records, "cpufb", precision="fp16", fallback_device="cpu")
+    store = embed_and_read(tmp_path, overflow_model, overflow_records, "cpufb", precision="fp16", fallback_device="cpu")
     assert store["attrs"]["fallback_device"] == "cpu" and store["attrs"]["fallback_count"] == 4
     assert json.loads(store["attrs"]["config"])["fallback_device"] == "cpu"
-    plain = _embed(tmp_path, overflow_model, overflow_records, "nofb", precision="fp32")
+    plain = embed_and_read(tmp_path, overflow_model, overflow_records, "nofb", precision="fp32")
     assert plain["attrs"]["fallback_device"] == "none"
     with pytest.raises(EmbedpipeError, match="--fallback-device must be one of auto, same, cpu"):
         EmbedOptions(fallback_device="gpu").validate()

@@ -22,7 +22,8 @@ import pytest
 from embed_helpers import random_sequences, write_fasta
 from embedpipe.crosscheck import run_crosscheck
 from embedpipe.embed import EmbedOptions, embed_fasta
-from embedpipe.report import LAYER_COLOURS, VERDICT_COLOURS
+from embedpipe.report import VERDICT_COLOURS
+from embedpipe.report_figures import LAYER_COLOURS
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -20,8 +21,8 @@ from hypothesis import strategies as st
 
 from embedpipe.errors import EmbedpipeError, InputError, StoreError
 from embedpipe.fasta import iter_fasta, read_sequences
-from embedpipe.manifest import DIALECT, iter_manifest, quote, quote_all
-from embedpipe.shard import MANIFEST_COLUMNS, ShardSummary, plan_shards, shard_fasta
+from embedpipe.manifest import DIALECT, MANIFEST_COLUMNS, iter_manifest, quote, quote_all
+from embedpipe.shard import ShardSummary, plan_shards, shard_fasta
 from shard_helpers import manifest, write
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swissprot100.fasta"
@@ -335,7 +336,7 @@ def test_summary_is_data_and_renders_one_screen(tmp_path: Path) -> None:
     assert len(text.splitlines()) <= 24
     for needle in ("4 records", "unique", "duplicates", "skipped", "alignment-gap", "uppercased", "J-to-X", "shards", "residues"):
         assert needle in text
-    assert summary.to_dict()["records"] == 4
+    assert dataclasses.asdict(summary)["records"] == 4
 
 
 # ------------------------------------------------------------------- property-based check
@@ -387,9 +388,9 @@ def test_cr_line_endings_keep_every_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_size: int | None, on_invalid: str
 ) -> None:
     if block_size is not None:
-        import embedpipe.shard
+        import embedpipe.shard_index
 
-        monkeypatch.setattr(embedpipe.shard, "iter_fasta", functools.partial(iter_fasta, block_size=block_size))
+        monkeypatch.setattr(embedpipe.shard_index, "iter_fasta", functools.partial(iter_fasta, block_size=block_size))
     good = write(tmp_path / "good.fa", ">g1\nMKVLLA\n")
     cr3 = tmp_path / "cr3.fa"
     cr3.write_bytes(CR_ONLY)
@@ -548,14 +549,14 @@ def test_sigterm_removes_the_spool_and_restores_the_handler(tmp_path: Path, monk
 
 
 def test_stale_spools_of_dead_processes_are_removed(tmp_path: Path) -> None:
-    import embedpipe.shard
+    import embedpipe.shard_output
 
     dead = subprocess.run(["true"], check=True)  # noqa: S603, S607
     proc = subprocess.Popen(["true"])  # noqa: S603, S607
     proc.wait()
     dead_pid, live_pid = proc.pid, os.getppid()
     del dead
-    host = embedpipe.shard._host_tag()
+    host = embedpipe.shard_output.host_tag()
     stale = [f".out.tmp-{dead_pid}-{host}-0a1b2c3d", f".out.tmp-{dead_pid}-deadbeef"]  # new and old names
     kept = [
         f".out.tmp-{live_pid}-{host}-0a1b2c3d",  # a live run

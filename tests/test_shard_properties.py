@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import embedpipe
-from embedpipe.embed import EmbedOptions, embed_fasta
+from embedpipe.embed import embed_fasta
+from embedpipe.options import EmbedOptions
 from embedpipe.store import merge_stores
 from embedpipe.shard import shard_fasta
 from shard_helpers import manifest

@@ -18,7 +18,6 @@ from embedpipe.precision import Policy
 
 #: Forward implementations a family may offer: ``sdpa`` (fused attention), ``math``
 #: (explicit scores, fp32 softmax) and ``fair-esm`` (the reference library's own forward).
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
 
 
 @dataclass

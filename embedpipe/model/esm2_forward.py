@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embedpipe.model.base import ATTENTION_IMPLEMENTATIONS, ForwardOutput, masked_max_abs
+from embedpipe.model.base import ForwardOutput, masked_max_abs
+from embedpipe.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.model.packed_linear import PackedLinear, pack_linear
 from embedpipe.precision import Policy
 

@@ -1,0 +1,115 @@
+"""What a protein sequence may hold, and how it is normalised.
+
+The normalisation kinds and invalid reasons below are what ``manifest.tsv`` records
+(docs/store-format.md, "Shard manifest"):
+
+* blank lines, spaces and tabs inside a record are ignored;
+* lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (the
+  normalisation kinds); ``U O B Z X`` are kept (ESM has tokens for them);
+* a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty
+  sequence make the record *invalid* (the invalid reasons).
+
+Byte-level work only (``translate``, ``find``), so that it stays fast on proteome-scale input.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ALIGNMENT_GAP",
+    "EMPTY_SEQUENCE",
+    "INTERNAL_STOP",
+    "INVALID_CHARACTER",
+    "INVALID_REASONS",
+    "J_TO_X",
+    "NORMALISATION_KINDS",
+    "STOP_STRIPPED",
+    "UPPERCASED",
+    "WHITESPACE",
+    "check_sequence",
+    "describe_invalid",
+]
+
+# Normalisation kinds (FastaRecord.normalised, manifest column, summary).
+UPPERCASED = "uppercased"
+STOP_STRIPPED = "stop-stripped"
+J_TO_X = "J-to-X"
+NORMALISATION_KINDS = (UPPERCASED, STOP_STRIPPED, J_TO_X)
+
+# Invalid-record reasons (FastaRecord.invalid; the manifest says ``skipped:<reason>``).
+EMPTY_SEQUENCE = "empty-sequence"
+INTERNAL_STOP = "internal-stop"
+ALIGNMENT_GAP = "alignment-gap"
+INVALID_CHARACTER = "invalid-character"
+INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER)
+
+WHITESPACE = b" \t\r\n\v\f"
+_WHITESPACE_SET = frozenset(WHITESPACE)
+_LOWER = b"abcdefghijklmnopqrstuvwxyz"
+_UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Everything that may appear in a sequence before normalisation: letters and '*'.
+_ALLOWED = _LOWER + _UPPER + b"*"
+# One pass: lowercase -> uppercase, J/j -> X.
+_NORMALISE = bytes.maketrans(_LOWER + b"J", _UPPER.replace(b"J", b"X") + b"X")
+
+
+def _locate(raw: bytes, residue: int) -> tuple[int, int]:
+    """(line offset within the record's sequence lines, 1-based column) of the n-th residue."""
+    seen = 0
+    for offset, text in enumerate(raw.split(b"\n")):
+        for col, byte in enumerate(text, start=1):
+            if byte in _WHITESPACE_SET:
+                continue
+            if seen == residue:
+                return offset, col
+            seen += 1
+    return 0, 0  # pragma: no cover - the residue always exists
+
+
+def check_sequence(raw: bytes) -> tuple[bytes, tuple[str, ...], str | None, int]:
+    """Normalise one record's raw sequence text (the bytes after the header line).
+
+    Returns ``(data, normalised, invalid_reason, bad_residue_index)``.
+    """
+    seq = raw.translate(None, WHITESPACE)
+    if not seq:
+        return seq, (), EMPTY_SEQUENCE, -1
+    bad = seq.translate(None, _ALLOWED)
+    if bad:
+        char = bad[:1]
+        reason = ALIGNMENT_GAP if char in b"-." else INVALID_CHARACTER
+        return seq, (), reason, seq.index(char)
+    kinds: tuple[str, ...] = ()
+    if seq[-1] == 42:  # b"*"
+        seq = seq[:-1]
+        kinds = (STOP_STRIPPED,)
+        if not seq:
+            return seq, kinds, EMPTY_SEQUENCE, -1
+    star = seq.find(b"*")
+    if star >= 0:
+        return seq, kinds, INTERNAL_STOP, star
+    norm = seq.translate(_NORMALISE)
+    if norm != seq:
+        extra = []
+        if len(seq.translate(None, _LOWER)) != len(seq):
+            extra.append(UPPERCASED)
+        if b"J" in seq or b"j" in seq:
+            extra.append(J_TO_X)
+        kinds = (*extra, *kinds)
+        seq = norm
+    return seq, kinds, None, -1
+
+
+def describe_invalid(reason: str, raw: bytes, data: bytes, bad_index: int, header_line: int) -> tuple[int, str]:
+    """(line, message) for an invalid record; the line is that of the offending character."""
+    if reason == EMPTY_SEQUENCE:
+        return header_line, "empty sequence"
+    offset, col = _locate(raw, bad_index)
+    line = header_line + 1 + offset
+    char = data[bad_index : bad_index + 1].decode("ascii", errors="backslashreplace")
+    where = f"at column {col} (residue {bad_index + 1})"
+    if reason == INTERNAL_STOP:
+        return line, f"stop codon '*' inside the sequence {where}"
+    if reason == ALIGNMENT_GAP:
+        return line, f"gap character '{char}' {where}: this looks like an alignment, not raw sequences"
+    quoted = f"'{char}'" if char.isprintable() and char.strip() else repr(char)
+    return line, f"invalid character {quoted} {where}"

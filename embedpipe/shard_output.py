@@ -1,0 +1,197 @@
+"""Where shard writes: a spool directory next to ``out``, files fsynced in the background.
+
+Everything a run writes goes into ``.NAME.tmp-PID-HOST-RANDOM`` beside ``out`` and is moved
+into ``out`` only when complete (``shard._install``). The directory is removed on error, on
+SIGTERM, and (by the next run) after SIGKILL or power loss. A write error, such as a full
+disk, becomes one line naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+from embedpipe.errors import EmbedpipeError
+from embedpipe.fasta import display_path
+
+__all__ = ["Syncer", "host_tag", "open_for_writing", "spool_directory", "write_error", "write_errors"]
+
+
+def host_tag() -> str:
+    """8 hex digits naming this host, so a run never judges another host's PIDs."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+@contextlib.contextmanager
+def spool_directory(out: Path) -> Iterator[Path]:
+    """A fresh spool directory beside ``out``, removed when the block ends, however it ends.
+
+    Stale spools of killed runs go first. Not mkdtemp: its 0700 mode would stick to ``out``
+    after the rename; mkdir honours the umask.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_spools(out)
+    with _sigterm_exits():
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{host_tag()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _remove_stale_spools(out: Path) -> None:
+    """Remove ``.NAME.tmp-PID-*`` spool directories left by killed runs (SIGKILL, power loss).
+
+    Only those of this host (or of older versions, which did not name the host) whose
+    process no longer exists; a live run's spool is left alone.
+    """
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-(?:([0-9a-f]{{8}})-)?[0-9a-f]+")
+    host = host_tag()
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = int(match[1])
+        if match[2] not in (None, host) or pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While shard runs, SIGTERM raises ``SystemExit(143)`` so ``finally`` blocks clean up.
+
+    The previous handler comes back afterwards. Signal handlers belong to the main thread;
+    elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
+
+
+def write_error(path: Path, exc: OSError) -> EmbedpipeError:
+    """One line naming the output being written (a full disk says only ``No space left on
+    device``): files in the hidden work directory are named by the ``--out`` they become."""
+    reason = exc.strerror or exc
+    work = _WORK_DIR.match(path.parent.name)
+    if work is None:
+        return EmbedpipeError(f"{display_path(path)}: cannot write: {reason}")
+    out = path.parent.parent / work["out"]
+    return EmbedpipeError(
+        f"{display_path(out)}: cannot write {path.name} (in the work directory {display_path(path.parent)}): {reason}"
+    )
+
+
+def open_for_writing(path: Path, mode: str, **kwargs: Any) -> IO[Any]:
+    """``open(path, mode, **kwargs)``; failure is one line naming ``path``. The caller closes it."""
+    try:
+        return open(path, mode, **kwargs)  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
+@contextlib.contextmanager
+def write_errors(fh: IO[Any], path: Path) -> Iterator[IO[Any]]:
+    """Close ``fh`` at the end of the block; a write failure (full disk) becomes one line naming it."""
+    try:
+        with fh:
+            yield fh
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
+class Syncer:
+    """Write files and fsync them on a background thread.
+
+    ``fsync`` releases the GIL, so the disk writeback of one shard overlaps the CPU work of the
+    next. Leaving the ``with`` block waits for every fsync (and re-raises its error); only then
+    are the files moved into place.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedpipe-fsync")
+        self._pending: list[Future[None]] = []
+
+    def __enter__(self) -> Syncer:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        try:
+            for future in self._pending:
+                if exc_type is None:
+                    future.result()
+                else:
+                    future.exception()  # wait, but let the first error propagate
+        finally:
+            self._pool.shutdown(wait=True)
+
+    @staticmethod
+    def _finish(fh: IO[Any], path: Path) -> None:
+        try:
+            fh.flush()
+            os.fsync(fh.fileno())
+        except OSError as exc:
+            raise write_error(path, exc) from None
+        finally:
+            with contextlib.suppress(OSError):
+                fh.close()
+
+    @contextlib.contextmanager
+    def syncing(self, fh: IO[Any], path: Path) -> Iterator[IO[Any]]:
+        """Use an open file; on success it is flushed, fsynced and closed in the background.
+
+        A write error (a full disk) becomes one line naming ``path``.
+        """
+        try:
+            yield fh
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                fh.close()
+            raise write_error(path, exc) from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                fh.close()
+            raise
+        self._pending.append(self._pool.submit(self._finish, fh, path))
+
+    def write(self, path: Path, data: bytes) -> None:
+        with self.syncing(open_for_writing(path, "wb"), path) as fh:
+            fh.write(data)
