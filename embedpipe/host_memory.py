@@ -1,10 +1,9 @@
 """Keep freed host memory for reuse, so CPU batches do not page-fault fresh pages.
 
 Why: glibc returns large blocks (above its mmap threshold) to the kernel when they are
-freed, so every batch's activations (megabytes each) come back as new, zero-filled pages:
-on the benchmark machine a bf16 embed of the bundled example took ~450,000 page faults,
-~160,000 with the settings below, and ran ~5% faster. The settings only change where
-glibc takes memory from; they never change a result. Other C libraries are left alone.
+freed, so every batch's activations (megabytes each) come back as new, zero-filled pages
+(page-fault counts with and without: docs/benchmarks.md, "What the speed comes from").
+The settings only change where glibc takes memory from; they never change a result. Other C libraries are left alone.
 """
 
 from __future__ import annotations

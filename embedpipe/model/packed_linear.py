@@ -2,9 +2,9 @@
 
 Why: on CPU, ``F.linear`` runs fp32 through the generic BLAS path and re-lays out a bf16
 weight on every call. A weight reordered once into oneDNN's blocked layout runs the same
-matmuls 15-50% faster on this project's benchmark machine (benchmarks/cpu_ceiling.py), and
-the GELU after ``fc1`` runs in the matmul's epilogue, on the fp32 accumulator (one rounding
-to bf16 instead of two). This is the same prepacking PyTorch's own compiler applies to
+matmuls faster (measured in docs/benchmarks.md, "What the speed comes from"), and the
+GELU after ``fc1`` runs in the matmul's epilogue, on the fp32 accumulator (one rounding to
+bf16 instead of two). This is the same prepacking PyTorch's own compiler applies to
 frozen CPU models; here it is done without compiling anything.
 
 The oneDNN ops are private PyTorch API, so every pack is probed against ``F.linear`` when

@@ -27,11 +27,11 @@ import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
+from embedpipe.options import STORAGE_DTYPES
 
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 1
 
-STORAGE_DTYPES = ("float32", "float16")
 LONG_HANDLING = ("none", "chunked", "truncated", "full")
 
 #: root attribute: random uuid4 hex written when a store is created; a rewrite gets a new one
