@@ -130,6 +130,10 @@ def embed(
     ),
     layers: list[int] = typer.Option([-1], "--layers", help="Layer indices to store (0 = token embedding, -1 = last); repeatable."),
     per_residue: bool = typer.Option(False, "--per-residue/--no-per-residue", help="Also store per-residue vectors."),
+    pooling: list[str] = typer.Option(
+        ["mean"], "--pooling",
+        help="Pooled vectors to store: mean or bos (the BOS token's state); repeatable. The mean is always stored.",
+    ),
     tokens_per_batch: int = typer.Option(4096, "--tokens-per-batch", min=1, help="Token budget per batch, BOS/EOS included."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     storage_dtype: str = typer.Option("float32", "--storage-dtype", help="float32 or float16."),
@@ -160,6 +164,7 @@ def embed(
         precision=precision,
         layers=tuple(layers),
         per_residue=per_residue,
+        pooling=tuple(pooling),
         tokens_per_batch=tokens_per_batch,
         device=device,
         storage_dtype=storage_dtype,
@@ -316,12 +321,14 @@ def export(
     out: Path = typer.Option(..., "--out", help="Output file (npy: OUT.npy plus OUT.ids.txt, OUT.provenance.json)."),
     layer: int = typer.Option(-1, "--layer", help="Stored layer to export (-1 = the highest stored)."),
     per_residue: bool = typer.Option(False, "--per-residue", help="Per-residue vectors instead of pooled ones."),
+    pooling: str = typer.Option("mean", "--pooling", help="Pooled vectors to export: mean or bos (if stored)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Write a store in the layout downstream tools read (docs/exports.md)."""
     from embedpipe.export import export_store
 
-    summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, quiet=quiet)
+    summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, pooling=pooling,
+                           quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

@@ -190,8 +190,8 @@ def stored_poolings(requested: Sequence[str] = ()) -> list[str]:
 
 def poolings_of(f: h5py.File) -> list[str]:
     """The poolings stored in ``f`` (root attribute ``pooling``; stores without it hold ``mean``)."""
-    value = f.attrs.get("pooling")
-    return ["mean"] if value is None else [str(v) for v in attr_to_python(value)]
+    value = attr_to_python(f.attrs.get("pooling", ["mean"]))
+    return [str(v) for v in (value if isinstance(value, list) else [value])]
 
 
 def create_per_residue_group(f: h5py.File, offsets: np.ndarray) -> h5py.Group:
