@@ -26,6 +26,8 @@ from embedpipe.errors import EmbedpipeError
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    # plain help: option names never cut, on/off flags as --x/--no-x, wrapped to the terminal
+    rich_markup_mode=None,
     help="Batch protein embeddings with ESM-2: shard, embed, merge, cross-check.",
 )
 
@@ -135,6 +137,15 @@ def shard(
         print(summary.render(), file=sys.stderr)
 
 
+def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
+    """``--layers 0,-1`` and ``--layers 0 --layers -1`` alike: integers, in the order given."""
+    try:
+        return tuple(int(part) for value in values for part in value.split(",") if part.strip())
+    except ValueError:
+        raise EmbedpipeError(f"{flag} takes integers, one per flag or a comma list (e.g. {flag} 0,-1), "
+                             f"not {' '.join(values)!r}") from None
+
+
 @app.command()
 @_user_errors
 def embed(
@@ -142,61 +153,43 @@ def embed(
     model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
     out: Path = typer.Option(..., "--out", help="Output store (.h5), written atomically."),
     precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
-    layers: list[int] = typer.Option(
-        list(EMBED.layers), "--layers", help="Layer indices to store (0 = token embedding, -1 = last); repeatable."
+    layers: list[str] = typer.Option(
+        [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
+        help="Layers to store (0 = token embedding, -1 = last): a comma list, or the flag repeated.",
     ),
-    per_residue: bool = typer.Option(
-        EMBED.per_residue, "--per-residue/--no-per-residue", help="Also store per-residue vectors."
+    per_residue: bool = typer.Option(EMBED.per_residue, "--per-residue/--no-per-residue",
+                                     help="Also store per-residue vectors."),
+    pooling: list[str] = typer.Option(
+        list(EMBED.pooling), "--pooling", metavar="NAME",
+        help=f"Pooled vectors to store: {_one_of(options.POOLINGS, {'bos': 'the BOS token'})}; repeatable. "
+             "The mean is always stored.",
     ),
-    tokens_per_batch: int = typer.Option(
-        EMBED.tokens_per_batch, "--tokens-per-batch", min=1, help="Token budget per batch, BOS/EOS included."
-    ),
+    tokens_per_batch: int = typer.Option(EMBED.tokens_per_batch, "--tokens-per-batch", min=1,
+                                         help="Token budget per batch, BOS/EOS included."),
     device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
-    storage_dtype: str = typer.Option(
-        EMBED.storage_dtype, "--storage-dtype", help=_one_of(options.STORAGE_DTYPES) + "."
-    ),
-    long_sequences: str = typer.Option(
-        EMBED.long_sequences, "--long-sequences",
-        help=f"Sequences over 1022 residues: {_one_of(options.LONG_SEQUENCE_MODES)}.",
-    ),
-    attention: str = typer.Option(
-        EMBED.attention, "--attention",
-        help=_one_of(options.ATTENTION_IMPLEMENTATIONS, {
-            "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward",
-        }) + ".",
-    ),
+    storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
+                                      help=_one_of(options.STORAGE_DTYPES) + "."),
+    long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences",
+                                       help=f"Over 1022 residues: {_one_of(options.LONG_SEQUENCE_MODES)}."),
+    attention: str = typer.Option(EMBED.attention, "--attention", help=_one_of(options.ATTENTION_IMPLEMENTATIONS, {
+        "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward"}) + "."),
     overflow_margin: Optional[float] = typer.Option(
-        EMBED.overflow_margin,
-        "--overflow-margin",
-        help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum.",
-    ),
-    threads: Optional[int] = typer.Option(
-        EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."
-    ),
+        EMBED.overflow_margin, "--overflow-margin",
+        help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
+    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fallback_device: str = typer.Option(
         EMBED.fallback_device, "--fallback-device",
-        help="Where records that fall back are re-run in fp32: "
-             + _one_of(options.FALLBACK_DEVICES,
-                       {"auto": "the same device; the CPU when the fp32 model does not fit there"})
-             + ". See docs/precision.md.",
-    ),
+        help="Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
+            "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store."""
     from embedpipe.embed import embed_fasta
 
     chosen = options.EmbedOptions(
-        precision=precision,
-        layers=tuple(layers),
-        per_residue=per_residue,
-        tokens_per_batch=tokens_per_batch,
-        device=device,
-        storage_dtype=storage_dtype,
-        long_sequences=long_sequences,
-        attention=attention,
-        overflow_margin=overflow_margin,
-        threads=threads,
-        fallback_device=fallback_device,
+        precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
+        tokens_per_batch=tokens_per_batch, device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
+        attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
     )
     summary = embed_fasta(fasta, model=model, out=out, options=chosen, quiet=quiet)
     if not quiet:
@@ -349,12 +342,14 @@ def export(
     out: Path = typer.Option(..., "--out", help="Output file (npy: OUT.npy plus OUT.ids.txt, OUT.provenance.json)."),
     layer: int = typer.Option(-1, "--layer", help="Stored layer to export (-1 = the highest stored)."),
     per_residue: bool = typer.Option(False, "--per-residue", help="Per-residue vectors instead of pooled ones."),
+    pooling: str = typer.Option("mean", "--pooling", help=f"Pooled vectors to export: {_one_of(options.POOLINGS)} (if stored)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Write a store in the layout downstream tools read (docs/exports.md)."""
     from embedpipe.export import export_store
 
-    summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, quiet=quiet)
+    summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, pooling=pooling,
+                           quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

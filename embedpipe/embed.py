@@ -104,6 +104,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
             dim=loaded.embed_dim,
             storage_dtype=options.storage_dtype,
             attrs=attrs,
+            pooling=embedder.pooling,
         ) as writer:
             for index, record in embedder.embed(records, plan, quiet=quiet):
                 writer.write(index, record)

@@ -32,6 +32,9 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
 #: fp32 model does not fit there beside the low-precision one; same = the main device or fail;
 #: cpu = always the CPU. Memory each needs: docs/precision.md.
 FALLBACK_DEVICES = ("auto", "same", "cpu")
+#: pooled vectors a store can hold besides per-residue ones; the mean is always stored
+#: (docs/store-format.md, "Pooling")
+POOLINGS = ("mean", "bos")
 #: what ``shard`` does with an invalid FASTA record: stop, or list it as skipped in the manifest
 ON_INVALID = ("error", "skip")
 
@@ -54,9 +57,9 @@ DEFAULT_DEVICE = "auto"
 class EmbedOptions:
     """How the worker embeds; every field is stored in the store's ``config``.
 
-    What is computed: ``precision``, ``layers``, ``per_residue``, ``storage_dtype``,
-    ``long_sequences``, ``attention``, ``overflow_margin`` (which records fall back),
-    ``device`` and ``tokens_per_batch`` (rounding differs with the hardware and with the
+    What is computed: ``precision``, ``layers``, ``per_residue``, ``pooling`` (what is
+    stored besides the mean, which always is), ``storage_dtype``, ``long_sequences``,
+    ``attention``, ``overflow_margin`` (which records fall back), ``device`` and ``tokens_per_batch`` (rounding differs with the hardware and with the
     padding of low-precision batches). How it runs, not what: ``threads`` and
     ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
     """
@@ -64,6 +67,7 @@ class EmbedOptions:
     precision: str = "fp32"
     layers: tuple[int, ...] = (-1,)
     per_residue: bool = False
+    pooling: tuple[str, ...] = ("mean",)
     tokens_per_batch: int = 4096
     device: str = DEFAULT_DEVICE
     storage_dtype: str = "float32"
@@ -80,6 +84,8 @@ class EmbedOptions:
                 f"unknown precision policy {self.precision!r}; choose one of: {', '.join(POLICY_NAMES)}"
             )
         check_choice("--fallback-device", self.fallback_device, FALLBACK_DEVICES)
+        for pooling in self.pooling:
+            check_choice("--pooling", pooling, POOLINGS)
         check_choice("--storage-dtype", self.storage_dtype, STORAGE_DTYPES)
         check_choice("--long-sequences", self.long_sequences, LONG_SEQUENCE_MODES)
         check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)

@@ -25,6 +25,7 @@ from embedpipe.precision import (FP32, Policy, check_policy_on_device, exact_fp3
 from embedpipe.options import EmbedOptions
 from embedpipe.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
+from embedpipe.store.format import stored_poolings
 
 
 def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:
@@ -62,6 +63,7 @@ class _PieceResult:
     residues: dict[int, np.ndarray] | None  # layer -> (keep_len, D) float32, when needed
     max_abs: float
     stored_max: float  # largest |value| over the stored outputs (NaN/inf propagate)
+    bos: dict[int, np.ndarray] | None = None  # layer -> (D,) float32 at BOS, for a first window with bos pooling
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Embedder:
         self.device = device
         self.policy = get_policy(options.precision)
         self.layers = resolve_layers(options.layers, loaded.num_layers)
+        self.pooling = stored_poolings(options.pooling)
         self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
         self.notes = check_policy_on_device(self.policy, device)
         self._runners: dict[str, Runner] = {}
@@ -228,11 +231,7 @@ class Embedder:
             out = runner(tokens.to(device, non_blocking=True), self.layers)
             with exact_fp32(device):
                 packed, dense = self._pool(out, batch, tokens.shape[1], int(lengths.max()), device)
-        dim = out.hidden[self.layers[0]].shape[-1]
-        n_layers = len(self.layers)
-        sums = {layer: packed[:, i * dim : (i + 1) * dim] for i, layer in enumerate(self.layers)}
-        stored = packed[:, n_layers * dim : n_layers * dim + n_layers].max(axis=1)  # NaN propagates
-        max_abs = packed[:, -1]
+        sums, bos, stored, max_abs = self._unpack(packed, out.hidden[self.layers[0]].shape[-1])
         results = []
         for row, piece in enumerate(batch):
             residues = None
@@ -244,6 +243,7 @@ class Embedder:
                 residues=residues,
                 max_abs=float(max_abs[row]),
                 stored_max=float(stored[row]),
+                bos={layer: bos[layer][row] for layer in self.layers} if bos and piece.start == 0 else None,
             )))
         self.stats["batches"] += 1
         self.stats["computed_tokens"] += tokens.numel()
@@ -252,32 +252,50 @@ class Embedder:
 
     def _pool(self, out: ForwardOutput, batch: list[Piece], width: int, longest: int,
               device: torch.device) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """Pooled sums, largest stored |value| and max activation per piece, plus per-residue rows.
+        """Pooled sums (and BOS vectors with bos pooling), largest stored |value| and max
+        activation per piece, plus per-residue rows.
 
         Runs under ``exact_fp32``: autocast is off there and the hidden states are cast to
         fp32 first, so the sums accumulate in fp32 whatever the policy.
         """
-        # residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device copy
-        bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1] for p in batch])
+        # Residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device
+        # copy. The stored-max check starts at 0 where BOS is stored (first windows, docs/precision.md).
+        bos = "bos" in self.pooling
+        bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1,
+                                0 if bos and p.start == 0 else 1] for p in batch])
         bounds = bounds.to(device, non_blocking=True)
         positions = torch.arange(width, device=device)[None, :]
-        in_record = (positions >= 1) & (positions <= bounds[:, :1])
+        in_record = (positions >= bounds[:, 3:4]) & (positions <= bounds[:, :1])
         kept = ((positions >= bounds[:, 1:2]) & (positions < bounds[:, 2:3])).float()
-        sums, stored_max, dense = [], [], {}
+        sums, firsts, stored_max, dense = [], [], [], {}
         for layer in self.layers:
             h = out.hidden[layer]
             stored_max.append(masked_max_abs(h, in_record))
             hf = h.float()  # the one fp32 copy
             sums.append(torch.einsum("bt,btd->bd", kept, hf))
+            if bos:
+                firsts.append(hf[:, 0])
             if self.options.per_residue:
                 dense[layer] = hf[:, 1 : longest + 1]
-        # one device->host transfer for the pooled sums and the checks, one per stored layer for residues
-        packed = torch.cat([torch.stack(sums, 1).flatten(1), torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1)
+        # one device->host transfer for the pooled outputs and the checks, one per stored layer for residues
+        pooled = [torch.stack(v, 1).flatten(1) for v in (sums, firsts) if v]
+        packed = torch.cat([*pooled, torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1)
         return packed.cpu().numpy(), {layer: value.cpu().numpy() for layer, value in dense.items()}
+
+    def _unpack(self, packed: np.ndarray, dim: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray],
+                                                              np.ndarray, np.ndarray]:
+        """``_pool``'s transfer -> (sums by layer, BOS vectors by layer ({} without bos pooling),
+        largest stored |value| per piece, max activation per piece)."""
+        n, pooled = len(self.layers), (2 if "bos" in self.pooling else 1)
+        blocks = [{layer: packed[:, (j * n + i) * dim : (j * n + i + 1) * dim] for i, layer in enumerate(self.layers)}
+                  for j in range(pooled)]
+        stored = packed[:, pooled * n * dim : pooled * n * dim + n].max(axis=1)  # NaN propagates
+        return blocks[0], (blocks[1] if pooled == 2 else {}), stored, packed[:, -1]
 
     # -- records ----------------------------------------------------------------------------------
     def _reason(self, policy: Policy, result: _PieceResult) -> str:
         """Why a piece's outputs cannot be stored as computed ('' when they can)."""
+        # stored_max covers every stored output, BOS included (a NaN/inf there propagates)
         if not math.isfinite(result.stored_max) or not math.isfinite(result.max_abs):
             return "nonfinite"
         if not all(np.isfinite(total).all() for total in result.sums.values()):
@@ -347,12 +365,15 @@ class Embedder:
                 layer: np.concatenate([res.residues[layer] for _, res in results], axis=0)
                 for layer in self.layers
             }
+        # BOS: the hidden state at token 0 of the window that starts at residue 0 (docs/store-format.md)
+        first = results[0][1]
         return EmbeddedRecord(
             id=rid,
             sequence=seq,
             precision_used=self.policy.name,
             mean=mean,
             per_residue=per_residue,
+            bos=first.bos if "bos" in self.pooling else None,
             long_handling=how,
             embedded_length=embedded,
             windows=len(results),

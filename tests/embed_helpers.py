@@ -55,13 +55,23 @@ def embed_and_read(tmp: Path, model: Path, records: Sequence[tuple[str, str]], n
     return read_store(embed_store(tmp, model, records, name, **options))
 
 
-def fair_esm_forward(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, np.ndarray]:
-    """fair-esm's own forward on one record alone: per-residue vectors (BOS/EOS dropped), fp32."""
+def fair_esm_tokens(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """fair-esm's own forward on one record alone: every token's vector (BOS at 0, EOS last), fp32."""
     converter = alphabet.get_batch_converter()
     _, _, tokens = converter([("x", seq)])
     with torch.no_grad():
         reps = model(tokens, repr_layers=list(layers))["representations"]
-    return {k: reps[k][0, 1 : len(seq) + 1].float().numpy() for k in layers}
+    return {k: reps[k][0].float().numpy() for k in layers}
+
+
+def fair_esm_forward(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """fair-esm's own forward on one record alone: per-residue vectors (BOS/EOS dropped), fp32."""
+    return {k: v[1 : len(seq) + 1] for k, v in fair_esm_tokens(model, alphabet, seq, layers).items()}
+
+
+def fair_esm_bos(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """fair-esm's own forward on one record alone: the BOS token's vector (position 0), fp32."""
+    return {k: v[0] for k, v in fair_esm_tokens(model, alphabet, seq, layers).items()}
 
 
 def read_store(path: Path) -> dict:

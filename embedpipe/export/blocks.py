@@ -28,7 +28,7 @@ class ExportBlock:
 
     ``ids[j]`` is an input ID; ``alias_of[j]`` is ``""`` for a stored record, else the ID of
     the record whose sequence it duplicates; ``source[j]`` is that record's position in this
-    block. ``vectors`` (records x D) holds the pooled vectors, or ``residues`` the
+    block. ``vectors`` (records x D) holds the pooled (mean or BOS) vectors, or ``residues`` the
     per-residue ``(rows, offsets)`` of the block's records (record i is
     ``rows[offsets[i]:offsets[i+1]]``). ``table`` holds :data:`RECORD_COLUMNS` and
     ``sequence_sha256`` per record.
@@ -95,7 +95,7 @@ def block_bounds(store: Store, per_residue: bool, block_bytes: int = BLOCK_BYTES
         lo = hi
 
 
-def iter_blocks(store: Store, *, layer: int, per_residue: bool,
+def iter_blocks(store: Store, *, layer: int, per_residue: bool, pooling: str = "mean",
                 block_bytes: int = BLOCK_BYTES) -> Iterator[ExportBlock]:
     """The store's input IDs as :class:`ExportBlock` s, in row order, aliases after their record."""
     aliases = AliasIndex(store)
@@ -120,5 +120,5 @@ def iter_blocks(store: Store, *, layer: int, per_residue: bool,
         if per_residue:
             block.residues = store.per_residue_rows(slice(lo, hi), layer)
         else:
-            block.vectors = store.mean_rows(slice(lo, hi), layer)
+            block.vectors = store.mean_rows(slice(lo, hi), layer, pooling=pooling)
         yield block

@@ -36,9 +36,10 @@ STR = "str"
 class EmbeddedRecord:
     """Everything the store keeps about one embedded record.
 
-    ``mean`` and ``per_residue`` are keyed by absolute layer index (0 = token embedding,
-    L = last layer, after the final layer norm as in fair-esm). Arrays are float32 on the
-    host; the writer casts to the storage dtype.
+    ``mean``, ``bos`` and ``per_residue`` are keyed by absolute layer index (0 = token
+    embedding, L = last layer, after the final layer norm as in fair-esm). ``bos`` is the
+    hidden state at the BOS token of the record's first window, present when the store keeps
+    it (``--pooling bos``). Arrays are float32 on the host; the writer casts to the storage dtype.
     """
 
     id: str
@@ -47,6 +48,7 @@ class EmbeddedRecord:
     fallback_reason: str = ""
     mean: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (D,)
     per_residue: dict[int, np.ndarray] | None = None  # layer -> (length, D), or None
+    bos: dict[int, np.ndarray] | None = None  # layer -> (D,), or None
     max_abs_activation: float = float("nan")  # largest |x| of the residual stream, every layer, requested-policy pass
     long_handling: str = "none"  # none | chunked | truncated | full
     embedded_length: int = -1  # residues actually embedded (== length unless truncated)

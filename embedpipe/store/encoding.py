@@ -25,6 +25,7 @@ from embedpipe.store.format import (
     FORMAT_VERSION,
     OFFSETS,
     POOLED,
+    POOLINGS,
     RAGGED,
     SKIPPED,
     STRINGS,
@@ -40,7 +41,7 @@ def expected_encodings(f: h5py.File) -> Iterator[tuple[str, tuple[str, ...]]]:
     yield "/", (FORMAT,)
     for column in COLUMNS.values():
         yield column.name, (column.encoding,)
-    groups = {"mean": (POOLED, (ARRAY,)), "per_residue": (RAGGED, (ARRAY, VIRTUAL))}
+    groups = {**{p: (POOLED, (ARRAY,)) for p in POOLINGS}, "per_residue": (RAGGED, (ARRAY, VIRTUAL))}
     for group, (group_type, layer_types) in groups.items():
         if group in f:
             yield group, (group_type,)

@@ -27,12 +27,14 @@ import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
-from embedpipe.options import STORAGE_DTYPES
+from embedpipe.options import POOLINGS, STORAGE_DTYPES
 
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 1
 
 LONG_HANDLING = ("none", "chunked", "truncated", "full")
+#: pooled outputs a store can hold, each a group ``{pooling}/layer_{k}`` (N, D); ``mean`` is
+#: always stored, ``bos`` (the BOS token's hidden state) on request (docs/store-format.md)
 
 #: root attribute: random uuid4 hex written when a store is created; a rewrite gets a new one
 STORE_UUID_ATTR = "store_uuid"
@@ -169,10 +171,26 @@ def create_array_dataset(
     return ds
 
 
-def create_mean_group(f: h5py.File) -> h5py.Group:
-    g = f.create_group("mean")
-    tag(g, POOLED, pooling="mean")
+def create_pooled_group(f: h5py.File, pooling: str) -> h5py.Group:
+    """``{pooling}/`` (one of :data:`POOLINGS`); the caller adds ``layer_{k}``."""
+    g = f.create_group(pooling)
+    tag(g, POOLED, pooling=pooling)
     return g
+
+
+def stored_poolings(requested: Sequence[str] = ()) -> list[str]:
+    """The poolings a store holds for ``requested``: always ``mean``, then the rest in
+    :data:`POOLINGS` order."""
+    unknown = sorted(set(requested) - set(POOLINGS))
+    if unknown:
+        raise StoreError(f"pooling must be one of {', '.join(POOLINGS)}, not {', '.join(map(repr, unknown))}")
+    return [p for p in POOLINGS if p == "mean" or p in requested]
+
+
+def poolings_of(f: h5py.File) -> list[str]:
+    """The poolings stored in ``f`` (root attribute ``pooling``; stores without it hold ``mean``)."""
+    value = attr_to_python(f.attrs.get("pooling", ["mean"]))
+    return [str(v) for v in (value if isinstance(value, list) else [value])]
 
 
 def create_per_residue_group(f: h5py.File, offsets: np.ndarray) -> h5py.Group:

@@ -13,7 +13,7 @@ import numpy as np
 
 from embedpipe.errors import StoreError
 from embedpipe.metrics import aggregate
-from embedpipe.store.format import check_format, open_h5, read_root_attrs, read_strings, stored_layers
+from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
 
 #: root attributes shown as the format line, not as provenance
 _FORMAT_ATTRS = ("format", "format_version", "complete", "encoding-type", "encoding-version")
@@ -96,6 +96,7 @@ def _info(f: h5py.File, path: Path, version: int) -> dict[str, Any]:
         "storage_dtype": attrs.get("storage_dtype"),
         "counts": _counts(f, n),
         "per_residue": "per_residue" in f,
+        "pooling": poolings_of(f),
     }
     info.update(_record_stats(f, n))
     info["datasets"] = _datasets(f)
@@ -137,8 +138,8 @@ def _header_lines(info: Mapping[str, Any]) -> list[str]:
         f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}",
         f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}, "
         f"fair-esm {prov.get('fair_esm_version', '?')}; created {prov.get('created_utc', '?')}",
-        f"  layers      {info.get('layers')}  dim {info.get('dim')}  per-residue "
-        + ("on" if info.get("per_residue") else "off"),
+        f"  layers      {info.get('layers')}  dim {info.get('dim')}  pooled {', '.join(info.get('pooling', ['mean']))}"
+        + "  per-residue " + ("on" if info.get("per_residue") else "off"),
         f"  records     {counts.get('records', 0)}  residues {counts.get('residues', 0)}"
         + (f"  embedded {counts['embedded_residues']}" if "embedded_residues" in counts else "")
         + (f"  per-residue rows {counts['per_residue_rows']}" if "per_residue_rows" in counts else ""),

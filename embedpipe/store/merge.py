@@ -1,6 +1,6 @@
 """Merge shard stores into one store in which every input ID resolves.
 
-* Per-record columns and the mean vectors are copied (small: N rows), so pooled reads from
+* Per-record columns and the pooled vectors (``mean``, and ``bos`` when stored) are copied (small: N rows), so pooled reads from
   the merged store need nothing else. A column some shards lack (added to the format after
   they were written) is filled with its default for their rows.
 * ``per_residue/layer_{k}`` becomes an HDF5 *virtual dataset* over the shard stores'
@@ -42,13 +42,14 @@ from embedpipe.store.format import (
     VIRTUAL,
     check_format,
     create_array_dataset,
-    create_mean_group,
     create_per_residue_group,
+    create_pooled_group,
     create_string_dataset,
     decode_strings,
     encode_strings,
     is_complete,
     open_h5,
+    poolings_of,
     read_blocks,
     read_root_attrs,
     stored_layers,
@@ -63,7 +64,7 @@ from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
 
 #: shard attributes that must be identical for stores to be merged
-MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue")
+MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue", "pooling")
 #: attributes describing one file, never carried over as merged provenance
 _PER_FILE = {"created_utc", "complete", "merged_from", "merged_rows", "shard_provenance", "varying_attrs",
              "config_varying", "alias_count", "skipped_count", MERGED_SOURCES_ATTR} | set(RESERVED_ATTRS)
@@ -138,6 +139,7 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             attrs["layers"] = layers
             per_residue = "per_residue" in f
             attrs["per_residue"] = per_residue
+            attrs["pooling"] = poolings_of(f)  # a store older than the attribute holds mean only
             ids = decode_strings(f["ids"][:])
             offsets = f["per_residue/offsets"][:].astype(np.int64) if per_residue else None
             widths = {name: f[name].dtype.itemsize for name in COLUMNS if name in f}
@@ -237,6 +239,7 @@ class _Merge:
     def __post_init__(self) -> None:
         first = self.shards[0]
         self.layers, self.dim, self.per_residue = first.layers, first.dim, first.per_residue
+        self.pooling = first.attrs["pooling"]
         self.storage = np.dtype(first.attrs["storage_dtype"])
         self.record_rows = _starts([len(s.ids) for s in self.shards])
         self.residue_rows = _starts([s.rows for s in self.shards])
@@ -251,6 +254,7 @@ class _Merge:
             "dim": self.dim,
             "storage_dtype": str(self.storage),
             "per_residue": self.per_residue,
+            "pooling": self.pooling,
             "merged_from": [s.rel for s in self.shards],
             "merged_rows": self.record_rows,
             # pins each source: a rewritten shard no longer matches (docs/store-format.md)
@@ -267,12 +271,13 @@ class _Merge:
         for column in COLUMNS.values():
             if any(column.name in s.widths for s in self.shards):
                 self.write_column(f, column)
-        g = create_mean_group(f)
-        for k in self.layers:
-            dst = create_array_dataset(g, f"layer_{k}", shape=(self.n, self.dim), dtype=self.storage)
-            for shard, start in zip(self.shards, self.record_rows[:-1]):
-                _copy_rows(shard.path, f"mean/layer_{k}", dst, int(start), self.storage, check_finite=True)
-            dst.flush()
+        for pooling in self.pooling:
+            g = create_pooled_group(f, pooling)
+            for k in self.layers:
+                dst = create_array_dataset(g, f"layer_{k}", shape=(self.n, self.dim), dtype=self.storage)
+                for shard, start in zip(self.shards, self.record_rows[:-1]):
+                    _copy_rows(shard.path, f"{pooling}/layer_{k}", dst, int(start), self.storage, check_finite=True)
+                dst.flush()
         if self.per_residue:
             self.write_per_residue(f)
         if self.with_manifest:

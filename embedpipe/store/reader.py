@@ -6,6 +6,7 @@
 
     with embedpipe.open_store("results/embeddings.h5") as store:
         X = store.mean()                  # dask array (N, D), last stored layer, lazy
+        B = store.pooled(pooling="bos")   # the same for BOS vectors, when embedded with --pooling bos
         X.mean(axis=0).compute()
         v = store["P12345"]["mean"][store.layers[-1]]     # one record, aliases resolve
         R = store.per_residue("P12345")   # numpy (embedded_length, D)
@@ -36,6 +37,7 @@ from embedpipe.store.format import (
     decode_strings,
     is_complete,
     open_h5,
+    poolings_of,
     read_root_attrs,
     stored_layers,
 )
@@ -151,6 +153,7 @@ class Store:
             self._provenance = read_root_attrs(f)
             self._check_sources(f)
             self._layers = stored_layers(f)
+            self._pooling = poolings_of(f)
             self._n = int(dataset(f, self.path, "ids").shape[0])
             self._ids = decode_strings(read_dataset(f, self.path, "ids"))
             self._row = {rid: i for i, rid in enumerate(self._ids)}
@@ -242,6 +245,11 @@ class Store:
         return self._dtype
 
     @property
+    def pooling(self) -> list[str]:
+        """Pooled outputs stored: ``mean`` always, ``bos`` when embedded with ``--pooling bos``."""
+        return list(self._pooling)
+
+    @property
     def has_per_residue(self) -> bool:
         return self._offsets is not None
 
@@ -305,15 +313,26 @@ class Store:
         )
         return arr if dtype is None else arr.astype(dtype)
 
+    def _pooled_name(self, pooling: str, layer: int) -> str:
+        """The dataset of ``pooling`` at ``layer``, or one StoreError when it is not stored."""
+        if pooling not in self._pooling:
+            raise StoreError(f"{self.path.name} has no {pooling} vectors (stored: {', '.join(self._pooling)}; "
+                             "BOS vectors need embedpipe embed --pooling bos)")
+        return f"{pooling}/layer_{self.layer(layer)}"
+
     def mean(self, layer: int = -1, *, dtype: Any = None) -> Any:
         """Mean-pooled vectors of ``layer`` as a lazy dask array (N, D), row order = ``ids``."""
-        k = self.layer(layer)
-        return self._dask(f"mean/layer_{k}", f"mean-{k}", dtype)
+        return self.pooled(layer, "mean", dtype=dtype)
 
-    def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
-        """One record's mean vector (D,) as numpy."""
+    def pooled(self, layer: int = -1, pooling: str = "mean", *, dtype: Any = None) -> Any:
+        """Pooled vectors (``mean`` or ``bos``, see ``pooling``) of ``layer`` as a lazy dask array (N, D)."""
+        name = self._pooled_name(pooling, layer)
+        return self._dask(name, name.replace("/layer_", "-"), dtype)
+
+    def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None, pooling: str = "mean") -> np.ndarray:
+        """One record's mean vector (D,) as numpy (its BOS vector with ``pooling="bos"``)."""
         row = self.index(record_id)
-        vec = read_dataset(self._h5, self.path, f"mean/layer_{self.layer(layer)}", row)
+        vec = read_dataset(self._h5, self.path, self._pooled_name(pooling, layer), row)
         return vec if dtype is None else vec.astype(dtype)
 
     def per_residue(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
@@ -340,7 +359,8 @@ class Store:
         return None if self._offsets is None else self._offsets.copy()
 
     def __getitem__(self, record_id: str) -> dict[str, Any]:
-        """One record: its per-record fields and mean vectors (``mean``: layer -> (D,))."""
+        """One record: its per-record fields and pooled vectors (``mean``, and ``bos`` when
+        stored: layer -> (D,))."""
         canonical = self.resolve(record_id)
         row = self._row[canonical]
         f = self._h5
@@ -357,7 +377,8 @@ class Store:
                 out[name] = column.to_python(read_dataset(f, self.path, name, row))
             elif not column.required_in(self._version):
                 out[name] = column.default
-        out["mean"] = {k: read_dataset(f, self.path, f"mean/layer_{k}", row) for k in self._layers}
+        for pooling in self._pooling:
+            out[pooling] = {k: read_dataset(f, self.path, f"{pooling}/layer_{k}", row) for k in self._layers}
         return out
 
     def records(self, *, sequence: bool = False, rows: slice | None = None) -> dict[str, np.ndarray]:
@@ -379,10 +400,11 @@ class Store:
                 table[name] = column.default_table(hi - lo)
         return table
 
-    def mean_rows(self, rows: slice, layer: int = -1) -> np.ndarray:
-        """Mean vectors of the records in ``rows`` (a step-1 slice), as numpy in the storage dtype."""
+    def mean_rows(self, rows: slice, layer: int = -1, *, pooling: str = "mean") -> np.ndarray:
+        """Mean (or ``pooling``) vectors of the records in ``rows`` (a step-1 slice), as numpy
+        in the storage dtype."""
         lo, hi = _row_range(rows, self._n)
-        return read_dataset(self._h5, self.path, f"mean/layer_{self.layer(layer)}", slice(lo, hi))
+        return read_dataset(self._h5, self.path, self._pooled_name(pooling, layer), slice(lo, hi))
 
     def per_residue_rows(self, rows: slice, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
         """(vectors, offsets) of the records in ``rows``: record ``rows.start + i`` is

@@ -15,12 +15,14 @@ from embedpipe.store.columns import COLUMNS, required_columns
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
     LONG_HANDLING,
+    POOLINGS,
     STORAGE_DTYPES,
     attr_to_python,
     check_format,
     is_complete,
     layer_names,
     open_h5,
+    poolings_of,
     read_blocks,
     read_root_attrs,
     read_strings,
@@ -99,6 +101,7 @@ class _Validation:
         self.columns()
         self.read_ids()
         self.means()
+        self.pooling()
         self.lengths()
         self.per_residue()
         self.aliases_and_skipped()
@@ -133,12 +136,33 @@ class _Validation:
             self.problems.append("root attribute 'layers' is missing")
         elif mean_layers != self.layers:
             self.problems.append(f"layers attribute {self.layers} != mean datasets {mean_layers}")
-        for k in mean_layers:
-            ds = self.f[f"mean/layer_{k}"]
+        self.pooled_layers("mean", mean_layers)
+
+    def pooling(self) -> None:
+        """The ``pooling`` attribute names known poolings, among them ``mean``, and exactly the
+        pooled groups present; each holds the stored layers (docs/store-format.md, "Datasets")."""
+        listed = poolings_of(self.f)
+        if "mean" not in listed or set(listed) - set(POOLINGS):
+            self.problems.append(f"pooling attribute is {listed!r}: must list mean and only {', '.join(POOLINGS)}")
+        for pooling in POOLINGS[1:]:
+            if (pooling in listed) != (pooling in self.f):
+                self.problems.append(f"pooling attribute {listed} disagrees with the {pooling} group "
+                                     + ("(present)" if pooling in self.f else "(missing)"))
+            if pooling in self.f:
+                layers = layer_names(self.f[pooling])
+                if layers != self.layers:
+                    self.problems.append(f"{pooling} datasets {layers} != layers attribute {self.layers}")
+                self.pooled_layers(pooling, layers)
+
+    def pooled_layers(self, pooling: str, layers: list[int]) -> None:
+        """Each ``{pooling}/layer_{k}`` is (N, D) in the storage dtype."""
+        for k in layers:
+            name = f"{pooling}/layer_{k}"
+            ds = self.f[name]
             if ds.ndim != 2 or ds.shape[0] != self.n or (self.dim is not None and ds.shape[1] != self.dim):
-                self.problems.append(f"dataset mean/layer_{k} has shape {ds.shape}, expected ({self.n}, {self.dim})")
+                self.problems.append(f"dataset {name} has shape {ds.shape}, expected ({self.n}, {self.dim})")
             if self.storage in STORAGE_DTYPES and ds.dtype != np.dtype(self.storage):
-                self.problems.append(f"dataset mean/layer_{k} has dtype {ds.dtype}, storage_dtype says {self.storage}")
+                self.problems.append(f"dataset {name} has dtype {ds.dtype}, storage_dtype says {self.storage}")
 
     def _column(self, name: str, read: Any) -> Any:
         """``read(dataset)`` of a column with N rows; None when absent, misshapen or unreadable."""
@@ -245,7 +269,7 @@ class _Validation:
                 self.problems.append(f"dataset {name} has no fletcher32 checksum")
             if ds.is_virtual and not sources_ok:
                 continue
-            vectors = ds.dtype.kind == "f" and (name.startswith("mean/") or name.startswith("per_residue/"))
+            vectors = ds.dtype.kind == "f" and name.split("/", 1)[0] in {*POOLINGS, "per_residue"}
             _read_all(ds, name, self.problems, check_finite=vectors, check=checks.get(name))
 
 

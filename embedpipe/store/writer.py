@@ -30,9 +30,10 @@ from embedpipe.store.format import (
     STORAGE_DTYPES,
     STORE_UUID_ATTR,
     create_array_dataset,
-    create_mean_group,
     create_per_residue_group,
+    create_pooled_group,
     new_store_uuid,
+    stored_poolings,
     tag,
     utc_now,
     write_root_attrs,
@@ -40,7 +41,7 @@ from embedpipe.store.format import (
 from embedpipe.store.h5write import abandon, check_free_space, reraise
 
 #: root attributes the writer derives from its arguments; callers may repeat them only unchanged
-DERIVED_ATTRS = frozenset({"storage_dtype", "layers", "dim", "per_residue"})
+DERIVED_ATTRS = frozenset({"storage_dtype", "layers", "dim", "per_residue", "pooling"})
 
 #: ``h5py.File`` options of every store being written. Chunk cache per dataset: w0=1 evicts
 #: fully written chunks first, so rows arriving out of order within a few chunks are
@@ -106,7 +107,7 @@ class StoreWriter:
     ::
 
         with StoreWriter(out, ids=ids, sequences=seqs, residue_rows=rows, layers=[6], dim=320,
-                         storage_dtype="float16", attrs=provenance) as writer:
+                         storage_dtype="float16", attrs=provenance, pooling=["mean", "bos"]) as writer:
             for index, record in results:
                 writer.write(index, record)
             writer.set_attrs(fallback_count=3)
@@ -124,6 +125,7 @@ class StoreWriter:
         dim: int,
         storage_dtype: str,
         attrs: Mapping[str, Any],
+        pooling: Sequence[str] = ("mean",),
     ) -> None:
         self.path = Path(path)
         self.ids = [str(i) for i in ids]
@@ -132,6 +134,7 @@ class StoreWriter:
         self.layers, self.dim = _check_layout(storage_dtype, layers, dim)
         self.storage_dtype = storage_dtype
         self._np_dtype = np.dtype(storage_dtype)
+        self.pooling = stored_poolings(pooling)  # mean always; docs/store-format.md, "Datasets"
         self.offsets = _offsets(self.path, self.ids, residue_rows)
         self.residue_rows = None if self.offsets is None else np.diff(self.offsets)
         attrs = dict(attrs)
@@ -145,7 +148,7 @@ class StoreWriter:
         self._closed = False
 
         total_rows = int(self.offsets[-1]) if self.offsets is not None else 0
-        check_free_space(self.path, (n + total_rows) * self.dim * len(self.layers) * self._np_dtype.itemsize)
+        check_free_space(self.path, (n * len(self.pooling) + total_rows) * self.dim * len(self.layers) * self._np_dtype.itemsize)
         self._tmp = temp_path_for(self.path)
         self._file: h5py.File | None = None
         try:
@@ -166,11 +169,14 @@ class StoreWriter:
             "layers": sorted(self.layers),
             "dim": self.dim,
             "per_residue": self.residue_rows is not None,
+            "pooling": self.pooling,
         }
         for key in DERIVED_ATTRS.intersection(attrs):
             given = attrs[key]
             if key == "layers":
                 given = sorted(int(v) for v in given)
+            if key == "pooling":
+                given = list(given)
             if given != derived[key]:
                 raise StoreError(f"store attribute {key}={attrs[key]!r} disagrees with the writer's {derived[key]!r}")
 
@@ -185,6 +191,7 @@ class StoreWriter:
             layers=np.array(sorted(self.layers), dtype=np.int64),
             dim=self.dim,
             per_residue=self.residue_rows is not None,
+            pooling=self.pooling,
         )
         write_header(f, root)
         announced = [EmbeddedRecord(id=i, sequence=s, precision_used="") for i, s in zip(self.ids, self.sequences)]
@@ -192,10 +199,12 @@ class StoreWriter:
             if column.announced:
                 write_column(f, column, [column.value(r) for r in announced])
 
-        mean = create_mean_group(f)
-        self._mean = {
-            k: create_array_dataset(mean, f"layer_{k}", shape=(n, d), dtype=self._np_dtype) for k in self.layers
-        }
+        self._pooled: dict[str, dict[int, h5py.Dataset]] = {}
+        for pooling in self.pooling:
+            group = create_pooled_group(f, pooling)
+            self._pooled[pooling] = {
+                k: create_array_dataset(group, f"layer_{k}", shape=(n, d), dtype=self._np_dtype) for k in self.layers
+            }
         self._per_residue: dict[int, h5py.Dataset] = {}
         if self.offsets is not None:
             pr = create_per_residue_group(f, self.offsets)
@@ -241,10 +250,12 @@ class StoreWriter:
             raise StoreError(f"{self.path}: index {index} is record {self.ids[index]!r}, got record {record.id!r}")
         if record.sequence != self.sequences[index]:
             raise StoreError(f"{self.path}: record {record.id!r} has a different sequence than announced")
-        if set(record.mean) != set(self.layers):
-            raise StoreError(
-                f"record {record.id!r}: mean layers {sorted(record.mean)} != store layers {sorted(self.layers)}"
-            )
+        for pooling in self.pooling:
+            given = getattr(record, pooling) or {}
+            if set(given) != set(self.layers):
+                raise StoreError(
+                    f"record {record.id!r}: {pooling} layers {sorted(given)} != store layers {sorted(self.layers)}"
+                )
         if record.long_handling not in LONG_HANDLING:
             raise StoreError(
                 f"record {record.id!r}: long_handling {record.long_handling!r} not one of {', '.join(LONG_HANDLING)}"
@@ -266,14 +277,20 @@ class StoreWriter:
             raise StoreError(f"record {record.id!r}: embedded_length {embedded} > sequence length {length}")
         return embedded
 
-    def _vectors(self, index: int, record: EmbeddedRecord, embedded: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-        """(mean, per-residue) vectors by layer, cast to the storage dtype and checked."""
-        means = {
-            k: self._cast(record.mean[k], record=record, index=index, layer=k, what="mean", shape=(self.dim,))
-            for k in self.layers
+    def _vectors(self, index: int, record: EmbeddedRecord,
+                 embedded: int) -> tuple[dict[str, dict[int, np.ndarray]], dict[int, np.ndarray]]:
+        """(pooled vectors by pooling and layer, per-residue rows by layer), cast to the
+        storage dtype and checked."""
+        pooled = {
+            pooling: {
+                k: self._cast(getattr(record, pooling)[k], record=record, index=index, layer=k, what=pooling,
+                              shape=(self.dim,))
+                for k in self.layers
+            }
+            for pooling in self.pooling
         }
         if self.residue_rows is None:
-            return means, {}
+            return pooled, {}
         pr = record.per_residue or {}
         if set(pr) != set(self.layers):
             raise StoreError(
@@ -283,17 +300,18 @@ class StoreWriter:
             k: self._cast(pr[k], record=record, index=index, layer=k, what="per-residue", shape=(embedded, self.dim))
             for k in self.layers
         }
-        return means, residues
+        return pooled, residues
 
     def write(self, index: int, record: EmbeddedRecord) -> None:
         """Store ``record`` as row ``index`` (its position in ``ids``)."""
         index = int(index)
         self._check_record(index, record)
         embedded = self._embedded_length(index, record)
-        means, residues = self._vectors(index, record, embedded)
+        pooled, residues = self._vectors(index, record, embedded)
         try:
-            for k, vec in means.items():
-                self._mean[k][index] = vec
+            for pooling, vectors in pooled.items():
+                for k, vec in vectors.items():
+                    self._pooled[pooling][k][index] = vec
             if residues:
                 start, stop = int(self.offsets[index]), int(self.offsets[index + 1])  # type: ignore[index]
                 if stop > start:

@@ -152,6 +152,9 @@ def embed_options():
     ]
     if config["fallback_device"] != "auto":  # not passed by default: existing runs stay up to date
         args += ["--fallback-device", config["fallback_device"]]
+    if sorted(config["pooling"]) != ["mean"]:  # likewise
+        for pooling in config["pooling"]:
+            args += ["--pooling", pooling]
     return _join(args)
 
 
