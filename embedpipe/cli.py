@@ -204,7 +204,7 @@ def merge(
     manifest: Optional[Path] = typer.Option(
         None, "--manifest", help="shards/manifest.tsv: adds aliases so every input ID resolves."
     ),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Merge shard stores into one store (virtual datasets over the shard files)."""
     from embedpipe.store import merge_stores
@@ -244,7 +244,7 @@ def crosscheck(
     k: int = typer.Option(options.CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Re-embed a sample in fp32 and report how far the store is from fp32."""
     from embedpipe.crosscheck import run_crosscheck
@@ -322,10 +322,10 @@ def fetch_model(
 @_user_errors
 def make_test_model(
     out: Path = typer.Argument(..., help="Checkpoint path to write (.pt)."),
-    layers: int = typer.Option(2, "--layers", min=1),
-    dim: int = typer.Option(32, "--dim", min=2),
-    heads: int = typer.Option(4, "--heads", min=1),
-    seed: int = typer.Option(0, "--seed"),
+    layers: int = typer.Option(2, "--layers", min=1, help="Transformer layers."),
+    dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads)."),
+    heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
 ) -> None:
     """Write a random-weight (untrained) ESM-2 checkpoint in fair-esm's format."""
     from embedpipe.model.random_checkpoint import make_test_model as _make
@@ -423,6 +423,9 @@ def run() -> None:
     except Exception as exc:
         if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
             raise
+        if type(exc).__name__ == "NoArgsIsHelpError":  # plain `embedpipe`: the help, not an error
+            print(exc.format_message())
+            _finish(0)
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)

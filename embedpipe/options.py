@@ -35,6 +35,8 @@ FALLBACK_DEVICES = ("auto", "same", "cpu")
 #: pooled vectors a store can hold besides per-residue ones; the mean is always stored
 #: (docs/store-format.md, "Pooling")
 POOLINGS = ("mean", "bos")
+#: formats of ``embedpipe export`` and the workflow key ``exports`` (docs/exports.md)
+EXPORT_FORMATS = ("h5-per-id", "parquet", "npy")
 #: what ``shard`` does with an invalid FASTA record: stop, or list it as skipped in the manifest
 ON_INVALID = ("error", "skip")
 

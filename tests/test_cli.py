@@ -15,7 +15,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--layers", "abc"), "Invalid value for '--layers'"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--layers", "abc"),
+         "--layers takes integers, one per flag or a comma list (e.g. --layers 0,-1), not 'abc'"),
         (("info",), "Missing argument"),
         (("frobnicate",), "No such command 'frobnicate'"),
         (("shard", "/nonexistent/input.fasta", "--out", "shards"), "/nonexistent/input.fasta"),
@@ -51,3 +52,40 @@ def test_overflow_margin_outside_0_1_is_refused(margin):
     with pytest.raises(EmbedpipeError, match=r"must be a number in \(0, 1\]"):
         EmbedOptions(overflow_margin=margin).validate()
     EmbedOptions(overflow_margin=1.0).validate()
+
+
+def test_no_arguments_prints_the_help_and_exits_zero():
+    result = _run()
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("Usage:") and "embed" in result.stdout and "export" in result.stdout
+
+
+def test_layers_take_a_comma_list_or_repeats():
+    from embedpipe.cli import _int_list
+
+    assert _int_list(["0,-1"], "--layers") == (0, -1)
+    assert _int_list(["0", "-1"], "--layers") == (0, -1)
+    assert _int_list(["2, 3,", "-1"], "--layers") == (2, 3, -1)
+
+
+def test_help_at_80_columns_keeps_every_option_whole_and_explained():
+    """Every option of every command has help text, and the help shows each name uncut."""
+    import os
+
+    from typer.main import get_command
+
+    from embedpipe.cli import app
+
+    group = get_command(app)
+    env = dict(os.environ, COLUMNS="80")
+    for name, command in group.commands.items():
+        for param in command.params:
+            if param.param_type_name == "option":
+                assert param.help, f"{name} {param.opts[0]} has no help text"
+        out = subprocess.run([sys.executable, "-m", "embedpipe.cli", name, "--help"], capture_output=True,
+                             text=True, env=env).stdout
+        assert "<bool>" not in out and "…" not in out, out
+        for param in command.params:
+            for opt in param.opts:
+                if opt.startswith("--"):
+                    assert opt in out, f"{name}: {opt} cut or missing in --help"

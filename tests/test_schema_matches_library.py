@@ -73,6 +73,15 @@ def test_schema_minimums_and_device_pattern_match_the_library() -> None:
         assert pattern.fullmatch(device), device
 
 
+@pytest.mark.parametrize("key, allowed, default", [
+    ("pooling", options.POOLINGS, list(EMBED.pooling)),
+    ("exports", options.EXPORT_FORMATS, []),
+])
+def test_schema_list_keys_allow_the_library_choices(key: str, allowed: tuple[str, ...], default: list[str]) -> None:
+    assert PROPERTIES[key]["items"]["enum"] == list(allowed)
+    assert PROPERTIES[key]["default"] == default
+
+
 def test_schema_crosscheck_defaults_equal_the_library() -> None:
     crosscheck = PROPERTIES["crosscheck"]
     expected = {"sample": options.CROSSCHECK_SAMPLE, "seed": options.CROSSCHECK_SEED}
@@ -82,7 +91,10 @@ def test_schema_crosscheck_defaults_equal_the_library() -> None:
 
 
 def test_every_embed_option_has_the_library_default_on_the_command_line() -> None:
+    from embedpipe.cli import _int_list
+
     cli = _cli_defaults("embed")
+    cli["layers"] = list(_int_list(cli["layers"], "--layers"))  # a comma list on the command line
     for field in dataclasses.fields(EmbedOptions):
         default = getattr(EMBED, field.name)
         assert cli[field.name] == (list(default) if isinstance(default, tuple) else default), field.name

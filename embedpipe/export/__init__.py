@@ -23,12 +23,11 @@ from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.export.h5_per_id import write_h5_per_id
 from embedpipe.export.npy import companions, write_npy
 from embedpipe.export.parquet import write_parquet
+from embedpipe.options import EXPORT_FORMATS
 from embedpipe.progress import progress_bar
 from embedpipe.store import Store, open_store
 
-FORMATS = ("h5-per-id", "parquet", "npy")
-#: the file name the workflow gives each format under {outdir}/exports/
-WORKFLOW_NAMES = {"h5-per-id": "embeddings.h5", "parquet": "embeddings.parquet", "npy": "embeddings.npy"}
+FORMATS = EXPORT_FORMATS
 
 
 @dataclass
@@ -127,4 +126,4 @@ def _npy_rows(store: Store) -> int:
     return int(offsets[-1] + lengths[alias_rows].sum())
 
 
-__all__ = ["FORMATS", "WORKFLOW_NAMES", "ExportSummary", "export_store"]
+__all__ = ["FORMATS", "ExportSummary", "export_store"]
