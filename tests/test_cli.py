@@ -89,3 +89,31 @@ def test_help_at_80_columns_keeps_every_option_whole_and_explained():
             for opt in param.opts:
                 if opt.startswith("--"):
                     assert opt in out, f"{name}: {opt} cut or missing in --help"
+
+
+def test_readme_synopsis_names_every_option():
+    """README.md's command-line section lists every command and every option (first name)."""
+    import re
+    from pathlib import Path
+
+    from typer.main import get_command
+
+    from embedpipe.cli import app
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text.split("## The command line", 1)[1].split("```")[1]
+    synopsis: dict[str, str] = {}
+    current = ""
+    for line in block.splitlines():
+        match = re.match(r"embedpipe (\S+)", line)
+        current = match[1] if match else current
+        synopsis[current] = synopsis.get(current, "") + " " + line
+    group = get_command(app)
+    visible = {name for name, command in group.commands.items() if not command.hidden}
+    assert set(synopsis) - {""} == visible
+    for name in visible:
+        for param in group.commands[name].params:
+            if param.param_type_name == "option" and param.opts[0] != "--help":
+                names = [o for o in param.opts if o.startswith("--")] or param.opts
+                assert any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", synopsis[name]) for o in [*names, *param.opts]), (
+                    f"README synopsis of {name} lacks {param.opts}")
