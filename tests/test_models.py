@@ -614,3 +614,22 @@ def test_checkpoint_sha256_is_cached_per_unchanged_file(tmp_path, monkeypatch):
     assert checksums.file_sha256(path) == first  # cache only when asked
     path.write_bytes(b"abcd" * 1000)  # changed size and mtime: the cache entry no longer applies
     assert checksums.file_sha256(path, cache=True) == hashlib.sha256(b"abcd" * 1000).hexdigest()
+
+
+def test_fetch_model_offline_does_not_tell_the_user_to_run_fetch_model(empty_torch_home: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sources, "_download", _no_network)
+    with pytest.raises(ModelError) as info:
+        fetch_model("esm2_t6_8M_UR50D")
+    message = str(info.value)
+    assert "embedpipe fetch-model" not in message and "run this same command where the internet is reachable" in message
+    assert "snakemake --cores 2 --configfile configs/offline-demo.yaml" in message
+
+
+def test_download_problem_is_none_for_a_cached_model_and_names_the_fix_offline(empty_torch_home: Path, monkeypatch):
+    monkeypatch.setenv(sources.OFFLINE_ENV, "1")
+    problem = sources.download_problem("esm2_t6_8M_UR50D")
+    assert problem and "embedpipe fetch-model esm2_t6_8M_UR50D" in problem and "\n" not in problem
+    target = sources.hub_checkpoint_path("esm2_t6_8M_UR50D")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"cached")
+    assert sources.download_problem("esm2_t6_8M_UR50D") is None

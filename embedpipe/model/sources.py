@@ -28,6 +28,7 @@ MODEL_URL = "https://dl.fbaipublicfiles.com/fair-esm/models/{name}.pt"
 REGRESSION_URL = "https://dl.fbaipublicfiles.com/fair-esm/regression/{name}-contact-regression.pt"
 
 #: Socket timeout (seconds) for downloads: a node without internet fails fast.
+PROBE_TIMEOUT_S = 5.0  # the workflow's start-up check that a download would answer
 DOWNLOAD_TIMEOUT_S = 30.0
 
 #: Set to 1/true/yes to never attempt a download while resolving a name (``fetch_model``
@@ -66,14 +67,41 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def _offline_message(name: str, target: Path, reason: str) -> str:
-    return (
-        f"model {name!r} is not in the local cache ({target}) and could not be downloaded "
-        f"from {MODEL_URL.format(name=name)} ({reason}). On a machine with internet run "
-        f"`embedpipe fetch-model {name}` (it fills the torch hub cache; point TORCH_HOME at a "
-        f"shared directory, or use --dest DIR and pass that file), or pass a local fair-esm "
-        f".pt checkpoint path as the model; configs/offline-demo.yaml runs without downloads"
+DEMO_COMMAND = "snakemake --cores 2 --configfile configs/offline-demo.yaml"
+
+
+def _offline_message(name: str, target: Path, reason: str, *, fetching: bool = False) -> str:
+    """How to get model ``name`` on a machine that cannot download it; ``fetching`` when the
+    user already ran fetch-model here (then telling them to run it is no help)."""
+    where = (
+        "run this same command where the internet is reachable (a login node), with TORCH_HOME "
+        "(or --dest) on a file system this machine shares"
+        if fetching else
+        f"on a machine with internet run `embedpipe fetch-model {name}` (it fills the torch hub "
+        "cache; point TORCH_HOME at a shared directory, or use --dest DIR and pass that file)"
     )
+    return (
+        f"model {name!r} is not in the local cache ({target}) and could not be downloaded from "
+        f"{MODEL_URL.format(name=name)} ({reason}). Fix: {where}; or pass a local fair-esm .pt "
+        f"checkpoint path as the model; or run the offline demo, which needs no download: {DEMO_COMMAND}"
+    )
+
+
+def download_problem(name: str, *, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why fair-esm model ``name`` cannot be had here (``None``: it is cached, or its download
+    answers). The workflow asks this when it starts, so an offline run stops before any job
+    with the fix, not after a failed job (docs/cluster.md, offline compute nodes)."""
+    target = hub_checkpoint_path(name)
+    if target.is_file():
+        return None
+    if _offline():
+        return _offline_message(name, target, f"{OFFLINE_ENV} is set")
+    request = urllib.request.Request(MODEL_URL.format(name=name), method="HEAD", headers={"User-Agent": "embedpipe"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return _offline_message(name, target, _network_reason(exc))
 
 
 def resolve_checkpoint(spec: str) -> Path:
@@ -160,7 +188,7 @@ def fetch_model(name: str, dest: Path | None = None) -> Path:
         target = dest / f"{name}.pt"
     if not target.is_file():
         if _offline():
-            raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set"))
+            raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set", fetching=True))
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -168,7 +196,7 @@ def fetch_model(name: str, dest: Path | None = None) -> Path:
         try:
             _fetch_one(MODEL_URL.format(name=name), target)
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ModelError(_offline_message(name, target, _network_reason(exc))) from None
+            raise ModelError(_offline_message(name, target, _network_reason(exc), fetching=True)) from None
     companion = companion_path(target)
     if not companion.is_file():
         try:

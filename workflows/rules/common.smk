@@ -16,6 +16,7 @@ if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
 from embedpipe import model as embedpipe_model
 from embedpipe import workflow_config
+from embedpipe.model import sources as model_sources
 
 
 # `--config layers=[0,-1]` arrives as strings inside the list: coerce to the schema's types,
@@ -48,6 +49,13 @@ elif MODEL_FACTS.kind == "name" and not Path(MODEL).exists():
     MODEL_KIND = "name"  # fetched by rule fetch_model
 else:
     MODEL_KIND = "path"  # a checkpoint the user provides
+
+# A fair-esm name that is neither cached nor downloadable stops the run here, before any job,
+# with the fix as the one message (cluster jobs' inner Snakemake does not ask again).
+if MODEL_KIND == "name" and not workflow.remote_exec:
+    _problem = model_sources.download_problem(MODEL)
+    if _problem:
+        raise WorkflowError(_problem)
 
 USES_GPU = config["device"].startswith("cuda")
 
