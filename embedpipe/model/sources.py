@@ -118,7 +118,7 @@ def resolve_checkpoint(spec: str) -> Path:
             return target
         if _offline():
             raise ModelError(_offline_message(spec, target, f"{OFFLINE_ENV} is set"))
-        return fetch_model(spec)
+        return fetch_model(spec, fetching=False)
     path = Path(spec).expanduser()
     if path.is_file():
         return path.resolve()
@@ -170,12 +170,14 @@ def _network_reason(exc: BaseException) -> str:
     return one_line(exc) or type(exc).__name__
 
 
-def fetch_model(name: str, dest: Path | None = None) -> Path:
+def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -> Path:
     """Download fair-esm model ``name`` (and its small contact-regression companion) into
     ``dest`` (a directory) or the torch hub cache; return the checkpoint path.
 
     Files are written under a temporary name and renamed, so an interrupted download never
     leaves a partial checkpoint. An already present checkpoint is not downloaded again.
+    ``fetching``: called by ``embedpipe fetch-model`` (an offline error then does not
+    suggest running it), not on behalf of another command.
     """
     if not is_model_name(name):
         raise ModelError(f"unknown model {name!r}: fetch-model takes one of {valid_names()}")
@@ -188,7 +190,7 @@ def fetch_model(name: str, dest: Path | None = None) -> Path:
         target = dest / f"{name}.pt"
     if not target.is_file():
         if _offline():
-            raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set", fetching=True))
+            raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set", fetching=fetching))
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -196,7 +198,7 @@ def fetch_model(name: str, dest: Path | None = None) -> Path:
         try:
             _fetch_one(MODEL_URL.format(name=name), target)
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ModelError(_offline_message(name, target, _network_reason(exc), fetching=True)) from None
+            raise ModelError(_offline_message(name, target, _network_reason(exc), fetching=fetching)) from None
     companion = companion_path(target)
     if not companion.is_file():
         try:
