@@ -51,6 +51,14 @@ def format_percent(x: Any) -> str:
     return f"{100 * x:.1f}%"
 
 
+def format_count(x: Any) -> str:
+    """A count or a length in residues: whole, with thousands separators (``3,148``, never
+    ``3.15e+03``); ``n/a`` when missing."""
+    if x is None or isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return "n/a"
+    return f"{round(x):,}" if float(x).is_integer() else f"{x:,.1f}"
+
+
 def format_short(x: Any) -> str:
     """Three significant digits; ``n/a`` for a missing or non-finite value."""
     if x is None or not isinstance(x, (int, float)) or not math.isfinite(x):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from embedpipe.formatting import escape as _e
 from embedpipe.formatting import format_cosine as _cos
+from embedpipe.formatting import format_count
 from embedpipe.formatting import format_number as _num
 from embedpipe.formatting import format_percent as _pct
 from embedpipe.report_figures import activation_histogram, cosine_histogram, error_scatter, overlap_bars
@@ -27,7 +28,7 @@ _CSS = """
 * { box-sizing: border-box; }
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Liberation Sans", sans-serif;
        color: #1f2328; background: #ffffff; margin: 0; }
-main { max-width: 1200px; margin: 0 auto; padding: 24px 28px 48px; }
+main { max-width: 1360px; margin: 0 auto; padding: 24px 28px 48px; }
 h1 { font-size: 20px; margin: 0 0 4px; }
 h2 { font-size: 17px; margin: 32px 0 8px; padding-bottom: 4px; border-bottom: 1px solid #d0d7de; }
 h3 { font-size: 15px; margin: 18px 0 6px; }
@@ -46,8 +47,10 @@ th, td { border: 1px solid #d0d7de; padding: 3px 6px; text-align: right; vertica
 th { background: #f6f8fa; font-weight: 600; }
 td { white-space: nowrap; }
 td.t, th.t { text-align: left; }
+td.t { white-space: normal; min-width: 6em; }  /* prose wraps: no table wider than the page */
 td.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; text-align: left;
-          word-break: break-all; }
+          word-break: break-all; white-space: normal; }
+table.kv { table-layout: fixed; width: 100%; } table.kv th { width: 16em; }
 .pass { color: #1b7f3b; } .warn { color: #9a6700; } .fail { color: #b3261e; font-weight: 600; }
 figure { margin: 8px 0 16px; }
 figcaption { color: #57606a; font-size: 12px; max-width: 760px; }
@@ -147,7 +150,7 @@ def _length_bin_table(data: dict) -> str:
         for b in data["summary"]["layers"][str(layer)]["by_length_bin"]:
             info = data["length_bins"][b["bin"]]
             close = "]" if info["closed_right"] else ")"
-            rows.append([str(layer), f"[{b['min_length']:g}, {b['max_length']:g}{close}", f"{info['records']:,}",
+            rows.append([str(layer), f"[{format_count(b['min_length'])}, {format_count(b['max_length'])}{close}", f"{info['records']:,}",
                          str(b["n"]), _cos(b["pooled_cosine"]["min"]), _cos(b["pooled_cosine"]["median"]),
                          _num(b["pooled_rel_l2"]["median"]), _num(b["pooled_rel_l2"]["max"]),
                          _num(b["pooled_max_abs_diff"]["max"])])
@@ -215,8 +218,8 @@ def _store_section(data: dict) -> str:
         parts.append("<h3>Long-sequence handling</h3>")
         parts.append(_table(["handling", "records"], [[k, f"{v:,}"] for k, v in fig["long_handling"].items()]))
     lengths = fig["length"]
-    parts.append(f"<p>{n:,} records; lengths {_num(lengths['min'])} to {_num(lengths['max'])} "
-                 f"(median {_num(lengths['median'])}).</p>")
+    parts.append(f"<p>{n:,} records; lengths {format_count(lengths['min'])} to {format_count(lengths['max'])} "
+                 f"(median {format_count(lengths['median'])}).</p>")
     return "".join(parts)
 
 
@@ -273,7 +276,8 @@ def _provenance_section(data: dict) -> str:
     table = "".join(f'<tr><th class="t">{_e(a)}</th><td class="mono">{_e(b)}</td></tr>' for a, b in rows)
     prov = "".join(f'<tr><th class="t">{_e(a)}</th><td class="mono">{_e(b)}</td></tr>'
                    for a, b in _kv_rows(data["provenance"]))
-    return (f"<table>{table}</table><details><summary>All store attributes</summary><table>{prov}</table></details>")
+    return (f'<table class="kv">{table}</table><details><summary>All store attributes</summary>'
+            f'<table class="kv">{prov}</table></details>')
 
 
 def render_html(data: dict) -> str:

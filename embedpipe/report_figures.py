@@ -213,7 +213,8 @@ def cosine_histogram(data: dict) -> str:
     return (
         f"<figure>{plot.svg('cosine-histogram')}{_legend(layers)}<figcaption>Pooled (mean over residues) cosine "
         f"similarity of each sampled record's stored vector to its fp32 recomputation, drawn as 1 - cosine on a log "
-        f"axis; values below {LOG_FLOOR:g} (including exact agreement) sit in the leftmost bin. Green: pass, "
+        f"axis; values below {edges[0]:.0e} (where the axis starts; exact agreement too) sit in the leftmost bin. "
+        f"Green: pass, "
         f"amber: warn, red: fail.{_e(extra)}</figcaption></figure>"
     )
 

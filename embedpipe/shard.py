@@ -39,7 +39,7 @@ from embedpipe.fasta import display_path, path_text
 from embedpipe.manifest import MANIFEST
 from embedpipe.options import ON_INVALID, ON_INVALID_DEFAULT, check_choice
 from embedpipe.progress import progress_bar
-from embedpipe.residues import NORMALISATION_KINDS
+from embedpipe.residues import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.shard_index import (DUPLICATE, NORM_BIT, OK, REASON_CODE, SKIP_BASE, RecordIndex, Unique, dedupe,
                                    read_inputs, write_manifest)
 from embedpipe.shard_output import Syncer, spool_directory
@@ -120,26 +120,27 @@ class ShardSummary:
         def n(value: int) -> str:
             return f"{value:,}"
 
+        # every count ends in the same column, whatever the longest label (invalid-character)
+        width = 4 + max(len(x) for x in ("unique sequences", *INVALID_REASONS, *NORMALISATION_KINDS)) + 2
+
+        def row(label: str, value: int, note: str = "", indent: int = 2) -> str:
+            return f"{' ' * indent}{label:<{width - indent}}{n(value):>14}" + (f"  {note}" if note else "")
+
         files = "1 file" if len(self.inputs) == 1 else f"{len(self.inputs)} files"
         lines = [
             f"embedpipe shard: {n(self.records)} records read from {files} "
             f"({self.input_bytes / 1e6:,.1f} MB) in {self.elapsed_s:.1f} s",
-            f"  unique sequences  {n(self.unique):>14}",
-            f"  duplicates        {n(self.duplicates):>14}  (same sequence as an earlier record)",
-            f"  skipped           {n(self.n_skipped):>14}"
-            + ("" if self.n_skipped else f"  (--on-invalid {self.on_invalid})"),
+            row("unique sequences", self.unique),
+            row("duplicates", self.duplicates, "(same sequence as an earlier record)"),
+            row("skipped", self.n_skipped, "" if self.n_skipped else f"(--on-invalid {self.on_invalid})"),
         ]
-        for reason, count in sorted(self.skipped.items()):
-            lines.append(f"    {reason:<16}{n(count):>14}")
-        lines.append(f"  normalised        {n(self.normalised_records):>14}  (records; by kind:)")
-        for kind in NORMALISATION_KINDS:
-            lines.append(f"    {kind:<16}{n(self.normalised.get(kind, 0)):>14}")
-        lines.append(
-            f"  shards            {n(self.n_shards):>14}  (<= {n(self.tokens_per_shard)} tokens each) in {display_path(self.out)}"
-        )
-        lines.append(f"  residues          {n(self.residues):>14}  ({n(self.tokens)} tokens)")
+        lines += [row(reason, count, indent=4) for reason, count in sorted(self.skipped.items())]
+        lines.append(row("normalised", self.normalised_records, "(records; by kind:)"))
+        lines += [row(kind, self.normalised.get(kind, 0), indent=4) for kind in NORMALISATION_KINDS]
+        lines.append(row("shards", self.n_shards, f"(<= {n(self.tokens_per_shard)} tokens each) in {display_path(self.out)}"))
+        lines.append(row("residues", self.residues, f"({n(self.tokens)} tokens)"))
         if self.unique:
-            lines.append(f"  lengths           {n(self.min_length):>14} .. {n(self.max_length)}")
+            lines.append(row("lengths", self.min_length, f".. {n(self.max_length)}"))
         return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ The screenshot PNG is decoded with zlib and numpy (no Pillow).
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 import struct
@@ -41,10 +43,10 @@ WINDOW = (1200, 2000)
 # =============================================================================== browser helpers
 
 
-def _chromium(page: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+def _chromium(page: Path, tmp: Path, *args: str, window: tuple[int, int] = WINDOW) -> subprocess.CompletedProcess:
     profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
     cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-           f"--window-size={WINDOW[0]},{WINDOW[1]}", *args, page.resolve().as_uri()]
+           f"--window-size={window[0]},{window[1]}", *args, page.resolve().as_uri()]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -209,3 +211,26 @@ def test_report_loads_without_console_errors_and_its_plots_render(tmp_path, repo
         assert re.search(r"<(rect|circle)\b", match.group(1)), f"plot {name} has no marks"
     assert dom.index("verdict") < dom.index("<svg")
     assert "fp32 fallback" in dom and "nonfinite" in dom
+
+
+# The page itself runs no script; a copy with this probe measures its layout in the browser.
+_WIDTH_PROBE = """<script>
+const tables = [...document.querySelectorAll('table')].map(t => Math.ceil(t.getBoundingClientRect().right));
+document.title = JSON.stringify({page: document.documentElement.scrollWidth, tables: tables});
+</script></body>"""
+
+
+@needs_chromium
+@pytest.mark.parametrize("width", [1400, 1200])
+def test_no_table_is_wider_than_the_window(tmp_path, report, width):
+    """At 1400 px every table (the per-layer summary, the verdict rules, the provenance) fits
+    the window, long text and attribute values wrapping; narrower, a wide table scrolls in its
+    own box, and the page itself never scrolls sideways."""
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.html_path.read_text(encoding="utf-8").replace("</body>", _WIDTH_PROBE), encoding="utf-8")
+    result = _chromium(probe, tmp_path, "--dump-dom", window=(width, 2000))
+    measured = json.loads(html.unescape(re.search(r"<title>(.*?)</title>", result.stdout, flags=re.S).group(1)))
+    assert len(measured["tables"]) >= 4
+    if width >= 1400:
+        assert max(measured["tables"]) <= width, measured
+    assert measured["page"] <= width, measured

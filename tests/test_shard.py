@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -598,3 +599,13 @@ def test_full_disk_names_the_path_and_leaves_nothing(tmp_path: Path, size: str) 
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=False)  # noqa: S603, S607
+
+
+def test_summary_counts_end_in_one_column(tmp_path: Path) -> None:
+    src = tmp_path / "in.fa"
+    src.write_text(">a\nMKV\n>b\nMK-V\n>c\nMK1V\n>d\nmkv\n>e\nMKV*A\n")
+    text = shard_fasta([src], out=tmp_path / "out", tokens_per_shard=100, on_invalid="skip", quiet=True).render()
+    rows = [line for line in text.splitlines()[1:] if line.startswith("  ")]
+    ends = {re.match(r"\s+\S+(?: \S+)?\s+[\d,]+", line).end() for line in rows}
+    assert len(ends) == 1, text
+    assert "invalid-character" in text and "internal-stop" in text
