@@ -105,6 +105,7 @@ def test_h5_per_id_round_trips_through_a_protspace_style_reader(merged, tmp_path
             assert ds.attrs["original_id"] == rid
             assert ds.attrs["precision_used"] == "fp32" and ds.attrs["fallback_reason"] == ""
         assert f[encode_key("dup/of/first")].attrs["alias_of"] == "sp|P1|A/B"
+        assert "alias_of" not in f[encode_key("sp|P1|A/B")].attrs
         assert f.attrs["precision_policy"] == "fp32" and f.attrs["export_format"] == "h5-per-id"
 
 
