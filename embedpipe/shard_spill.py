@@ -84,9 +84,10 @@ class Spill:
     def path(self, name: str) -> Path:
         return self.root / name
 
-    def chunks(self, name: str, n: int, chunk: int = CHUNK) -> Iterator[np.ndarray]:
-        """Column ``name`` of records ``0..n`` in order, ``chunk`` records at a time."""
+    def chunks(self, name: str, n: int, chunk: int = 0) -> Iterator[np.ndarray]:
+        """Column ``name`` of records ``0..n`` in order, ``chunk`` (default :data:`CHUNK`) at a time."""
         _, dtype, width = COLUMNS[name]
+        chunk = chunk or CHUNK
         with open(self.path(name), "rb") as fh:
             for start in range(0, n, chunk):
                 count = min(chunk, n - start)
@@ -123,7 +124,7 @@ class Spill:
                         break
         return found
 
-    def id_chunks(self, n: int, chunk: int = CHUNK) -> Iterator[list[str]]:
+    def id_chunks(self, n: int, chunk: int) -> Iterator[list[str]]:
         """The IDs of records ``0..n`` in order, ``chunk`` at a time."""
         with open(self.path(IDS), "rb") as fh:
             for start in range(0, n, chunk):
