@@ -4,6 +4,7 @@ paths give the same output as the plain path, the first problem in input order i
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -121,3 +122,20 @@ def test_first_problem_in_input_order_is_reported(tmp_path: Path, body: str, mes
         shard_fasta([src], out=tmp_path / "out", tokens_per_shard=100, quiet=True)
     assert message.format(src=src) in str(err.value)
     assert "duplicate ID" not in message or str(err.value).count("duplicate ID") == 1
+
+
+def test_shard_rule_asks_memory_by_input_size(tmp_path: Path) -> None:
+    """The shard job's mem_mb grows with its input (a sparse 4 GB FASTA: ~20M records estimated)."""
+    from test_workflow import demo_config, run_workflow
+
+    big = tmp_path / "in.fasta"
+    with open(big, "wb") as fh:
+        fh.write(b">a\nMKV\n")
+        fh.truncate(4 * 10**9)
+    config = demo_config(tmp_path, input="in.fasta")
+    out = run_workflow(tmp_path, config, "--dry-run", "--verbose")
+    text = out.stdout + out.stderr
+    match = re.search(r"(?:rule|checkpoint) shard:.*?mem_mb=(\d+)", text, re.S)
+    assert match, text
+    mem_mb = int(match[1])
+    assert 1200 < mem_mb < 4096  # a fixed part + 20M records x a few dozen bytes, not a flat 4 GB
