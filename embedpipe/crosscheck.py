@@ -226,7 +226,7 @@ def _store_table(st: Store) -> tuple[dict[str, np.ndarray], np.ndarray]:
 
     Per record only numbers are kept: lengths, max |activation| and, for the text columns,
     a shared reference to one string per distinct value; never IDs or sequences, so memory
-    stays a few bytes per record (docs/benchmarks.md, "Merging at scale").
+    stays a few bytes per record (docs/benchmarks.md, "Sharding at scale", "Merging with the manifest").
     """
     n = len(st)
     lengths = np.empty(n, dtype=np.int64)

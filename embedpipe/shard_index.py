@@ -157,10 +157,10 @@ def check_duplicate_ids(spill: Spill, paths: list[Path], n: int) -> None:
     for row in rows.tolist():
         rid = ids[row]
         if rid in first:
-            where = spill.gather("file", np.array([first[rid], row]), n), spill.gather("line", np.array([first[rid], row]), n)
-            (f0, f1), (l0, l1) = where[0].tolist(), where[1].tolist()
-            again = f"{display_path(paths[f1])}:{l1}"
-            raise InputError(f"{again}: duplicate ID '{rid}': first seen at {display_path(paths[f0])}:{l0}, again at {again}")
+            both = np.array([first[rid], row])
+            (f0, f1), (l0, l1) = spill.gather("file", both, n).tolist(), spill.gather("line", both, n).tolist()
+            seen, again = f"{display_path(paths[f0])}:{l0}", f"{display_path(paths[f1])}:{l1}"
+            raise InputError(f"{again}: duplicate ID '{rid}': first seen at {seen}, again at {again}")
         first[rid] = row
 
 

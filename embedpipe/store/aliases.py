@@ -6,12 +6,14 @@ alias IDs to other sequences). docs/store-format.md, "Merged stores" and "Shard 
 Memory is compact arrays per stored record (a 64-bit ID hash, its row, the 32-byte sequence
 digest: 48 bytes), never a Python object per record: the manifest is streamed and looked up
 in batches by sorted search, and a hash match is confirmed against the stored ID text
-(docs/benchmarks.md, "Merging at scale").
+(docs/benchmarks.md, "Sharding at scale", "Merging with the manifest").
 """
 
 from __future__ import annotations
 
 import hashlib
+from array import array
+from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -24,7 +26,7 @@ from embedpipe.errors import StoreError
 from embedpipe.manifest import iter_manifest
 from embedpipe.store.format import read_blocks
 
-BATCH = 1 << 15  # manifest rows looked up at once
+BATCH = 4096  # manifest rows looked up at once (a dict of cells each: a few MB)
 
 
 class StoredIds(Protocol):
@@ -48,17 +50,14 @@ def _sequence_digests(shards: Sequence[StoredIds], n: int) -> np.ndarray:
     The digest ``shard`` writes as ``sequence_sha256`` (of the normalised ASCII sequence), so
     a manifest row can be checked against the record it names. Read block by block.
     """
-    digests = np.empty((n, 32), dtype=np.uint8)
+    digests = bytearray()
     sha256 = hashlib.sha256
-    row = 0
     for shard in shards:
         with h5py.File(shard.path, "r") as f:
             for _, block in read_blocks(f["sequence"], "sequence", shard.path):
                 for seq in block.tolist():
-                    digests[row] = np.frombuffer(sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8"))
-                                                 .digest(), dtype=np.uint8)
-                    row += 1
-    return digests
+                    digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
+    return np.frombuffer(digests, dtype=np.uint8).reshape(n, 32)
 
 
 class _Stored:
@@ -66,8 +65,8 @@ class _Stored:
 
     def __init__(self, shards: Sequence[StoredIds]) -> None:
         self.shards = shards
-        self.starts = np.cumsum([0] + [len(s.ids) for s in shards])
-        self.n = int(self.starts[-1])
+        self.starts = np.cumsum([0] + [len(s.ids) for s in shards]).tolist()
+        self.n = self.starts[-1]
         keys = np.fromiter((hash(rid) for shard in shards for rid in shard.ids), dtype=np.int64, count=self.n)
         self.id_order = np.argsort(keys, kind="stable")
         self.id_keys = keys[self.id_order]
@@ -75,8 +74,8 @@ class _Stored:
         self._by_digest: tuple[np.ndarray, np.ndarray] | None = None
 
     def id_at(self, row: int) -> str:
-        k = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return self.shards[k].ids[row - int(self.starts[k])]
+        k = bisect_right(self.starts, row) - 1
+        return self.shards[k].ids[row - self.starts[k]]
 
     def rows(self, ids: list[str]) -> np.ndarray:
         """The stored row of each of ``ids`` (-1: not stored)."""
@@ -161,7 +160,8 @@ def _check_ok_rows(manifest: Path, stored: _Stored) -> None:
         missing = int(np.argmin(seen))
         raise StoreError(
             f"manifest {manifest}: store {store_of(stored.shards, missing).path} holds id {stored.id_at(missing)!r}, "
-            f"which the manifest does not list as ok ({int((~seen).sum())} such id(s)); wrong manifest for these stores?"
+            f"which the manifest does not list as ok ({int((~seen).sum())} such id(s)); "
+            "wrong manifest for these stores?"
         )
 
 
@@ -174,7 +174,7 @@ def plan_manifest(manifest: Path, shards: Sequence[StoredIds]) -> tuple[list[tup
     stored = _Stored(shards)
     _check_ok_rows(manifest, stored)
     aliases: list[tuple[str, str]] = []
-    lines: list[int] = []
+    lines = array("q")  # the line of each alias, for an error naming it
     skipped: list[tuple[str, str]] = []
     for batch in _batches(manifest):
         dups = []
@@ -220,7 +220,7 @@ def _duplicate_targets(manifest: Path, stored: _Stored,
         yield line, rid, of
 
 
-def _unique_aliases(manifest: Path, aliases: list[tuple[str, str]], lines: list[int]) -> list[tuple[str, str]]:
+def _unique_aliases(manifest: Path, aliases: list[tuple[str, str]], lines: array) -> list[tuple[str, str]]:
     """``aliases`` with repeats of the same pair left out; an ID aliased to two records is refused.
 
     Sorted 64-bit ID hashes find the repeats (none in a manifest ``shard`` wrote).

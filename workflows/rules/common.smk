@@ -131,14 +131,14 @@ def shard_stores(wildcards):
 
 # ---------------------------------------------------------------- memory of shard and merge
 # Peak RSS grows with the records a job handles (docs/benchmarks.md, "Sharding at scale" and
-# "Merging at scale"): a fixed part plus a measured cost per record, with the records
+# "Merging with the manifest"): a fixed part plus a measured cost per record, with the records
 # estimated from the input's size in bytes. x attempt on a retry.
 
-SHARD_MEM_BASE_MB = 256
-SHARD_MEM_BYTES_PER_RECORD = 64  # measured: ~30 B/record above the fixed part, x2 headroom
+SHARD_MEM_BASE_MB = 256  # measured: 66 MiB at 0 records (fit over 1M, 3M, 10M)
+SHARD_MEM_BYTES_PER_RECORD = 64  # measured: 55.5 B/record (596 MiB at 10M records)
 MERGE_MEM_BASE_MB = 512
-MERGE_MEM_BYTES_PER_RECORD = 1024  # measured: see docs/benchmarks.md, x2 headroom
-MERGE_MEM_MB_PER_STORE = 1
+MERGE_MEM_BYTES_PER_RECORD = 384  # measured: ~250 B/record (305 MiB at 1M records, 100 stores)
+MERGE_MEM_MB_PER_STORE = 1  # an allowance for each store's open file and metadata
 FASTA_BYTES_PER_RECORD = 200  # shorter than UniProt's average (~350 B): over-counts records
 GZIP_RATIO = 4  # a gzipped FASTA holds up to ~4x its size
 MANIFEST_BYTES_PER_ROW = 100  # a manifest row is ~100-200 bytes (a 64-hex digest, the source)
