@@ -8,9 +8,11 @@ and prints a table and the wall-time ratio.
 
     python benchmarks/shard_scale.py                 # 1,000,000 records under benchmarks/out/
     python benchmarks/shard_scale.py --records 100000 --repeat 1
+    python benchmarks/shard_scale.py --records 1000000 3000000 10000000 --repeat 1 --no-seqkit
 
-Needs `seqkit` and GNU `time` (Debian: `apt-get install seqkit time`). Data and outputs go under
-``benchmarks/out/`` (git-ignored).
+Several ``--records`` sizes also fit peak RSS = a + b * records and extrapolate it to UniRef50
+(60M records). Needs GNU `time` and, unless ``--no-seqkit``, `seqkit` (Debian: `apt-get
+install seqkit time`). Data and outputs go under ``benchmarks/out/`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -89,58 +91,80 @@ def run(cmd: list[str]) -> tuple[float, float]:
     return float(stats[1]) or wall, int(stats[2]) / 1024  # %M is KiB
 
 
+def measure(fasta: Path, out: Path, budget: int, repeat: int, seqkit: str | None) -> dict[str, list[tuple[float, float]]]:
+    """Wall time and peak RSS of each tool on ``fasta``, ``repeat`` runs each."""
+    embedpipe_cmd = [sys.executable, "-m", "embedpipe.cli", "shard", str(fasta), "--out", str(out / "shards"),
+                     "--tokens-per-shard", str(budget), "--quiet"]
+    results: dict[str, list[tuple[float, float]]] = {"embedpipe shard": []}
+    # seqkit --two-pass writes a .seqkit.fai index next to the input; removed before each
+    # run so that both tools read the input from scratch.
+    fai = Path(str(fasta) + ".seqkit.fai")
+    for _ in range(repeat):
+        results["embedpipe shard"].append(run(embedpipe_cmd))
+        if seqkit:
+            fai.unlink(missing_ok=True)
+            seqkit_cmd = [seqkit, "sort", "--by-length", "--two-pass", str(fasta), "-o", str(out / "seqkit-sorted.fasta")]
+            results.setdefault("seqkit sort --two-pass", []).append(run(seqkit_cmd))
+            fai.unlink(missing_ok=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--records", type=int, nargs="+", default=[1_000_000])
     parser.add_argument("--out", type=Path, default=HERE / "out")
     parser.add_argument("--tokens-per-shard", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each tool; the best wall time counts")
+    parser.add_argument("--no-seqkit", action="store_true", help="measure embedpipe shard only")
     args = parser.parse_args()
 
-    seqkit = shutil.which("seqkit")
-    if seqkit is None:
-        sys.exit("seqkit not found on PATH (Debian/Ubuntu: apt-get install seqkit)")
+    seqkit = None if args.no_seqkit else shutil.which("seqkit")
+    if seqkit is None and not args.no_seqkit:
+        sys.exit("seqkit not found on PATH (Debian/Ubuntu: apt-get install seqkit), or pass --no-seqkit")
     args.out.mkdir(parents=True, exist_ok=True)
-    fasta = args.out / f"synthetic-{args.records}.fasta"
-    if not fasta.exists():
-        t = time.perf_counter()
-        print(f"generating {fasta} ...", file=sys.stderr)
-        generate(fasta, args.records)
-        print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    size_mb = fasta.stat().st_size / 1e6
-    seqkit_version = subprocess.run([seqkit, "version"], capture_output=True, text=True).stdout.strip()
-
-    embedpipe_cmd = [sys.executable, "-m", "embedpipe.cli", "shard", str(fasta), "--out", str(args.out / "shards"),
-                     "--tokens-per-shard", str(args.tokens_per_shard), "--quiet"]
-    seqkit_cmd = [seqkit, "sort", "--by-length", "--two-pass", str(fasta), "-o", str(args.out / "seqkit-sorted.fasta")]
-    # seqkit --two-pass writes a .seqkit.fai index next to the input; remove it before each
-    # run so that both tools read the input from scratch.
-    fai = Path(str(fasta) + ".seqkit.fai")
-
-    results: dict[str, list[tuple[float, float]]] = {"embedpipe shard": [], "seqkit sort --two-pass": []}
-    for _ in range(args.repeat):
-        wall, rss = run(embedpipe_cmd)
-        results["embedpipe shard"].append((wall, rss))
-        fai.unlink(missing_ok=True)
-        wall, rss = run(seqkit_cmd)
-        results["seqkit sort --two-pass"].append((wall, rss))
-        fai.unlink(missing_ok=True)
-
-    best = {name: min(runs) for name, runs in results.items()}
-    peak = {name: max(r for _, r in runs) for name, runs in results.items()}
-    print(f"input: {fasta.name}, {args.records:,} records, {size_mb:,.0f} MB; "
-          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); "
-          f"Python {platform.python_version()}; {seqkit_version}; best of {args.repeat}")
+    seqkit_version = subprocess.run([seqkit, "version"], capture_output=True, text=True).stdout.strip() if seqkit else ""
+    print(f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); Python {platform.python_version()}; "
+          f"{seqkit_version or 'no seqkit'}; best of {args.repeat}; peak RSS by GNU time")
     print()
-    print("| tool | wall time (s), best | all runs (s) | peak RSS (MiB) |")
-    print("| --- | ---: | --- | ---: |")
-    for name, runs in results.items():
-        all_runs = ", ".join(f"{w:.1f}" for w, _ in runs)
-        print(f"| {name} | {best[name][0]:.1f} | {all_runs} | {peak[name]:,.0f} |")
-    ratio = best["embedpipe shard"][0] / best["seqkit sort --two-pass"][0]
+    print("| records | input (MB) | tool | wall time (s), best | all runs (s) | peak RSS (MiB) | RSS per record |")
+    print("| ---: | ---: | --- | ---: | --- | ---: | ---: |")
+    points = []
+    for records in args.records:
+        fasta = args.out / f"synthetic-{records}.fasta"
+        if not fasta.exists():
+            t = time.perf_counter()
+            print(f"generating {fasta} ...", file=sys.stderr)
+            generate(fasta, records)
+            print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        size_mb = fasta.stat().st_size / 1e6
+        results = measure(fasta, args.out, args.tokens_per_shard, args.repeat, seqkit)
+        for name, runs in results.items():
+            wall, peak = min(w for w, _ in runs), max(r for _, r in runs)
+            all_runs = ", ".join(f"{w:.1f}" for w, _ in runs)
+            print(f"| {records:,} | {size_mb:,.0f} | {name} | {wall:.1f} | {all_runs} | {peak:,.0f} | "
+                  f"{peak * 2**20 / records:,.0f} B |")
+        points.append((records, max(r for _, r in results["embedpipe shard"]),
+                       min(w for w, _ in results["embedpipe shard"])))
+        if seqkit:
+            ratio = points[-1][2] / min(w for w, _ in results["seqkit sort --two-pass"])
+            print(f"|  |  | wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0) |  |  |  |  |")
+    _extrapolate(points)
+
+
+def _extrapolate(points: list[tuple[int, float, float]]) -> None:
+    """Least-squares line RSS = a + b * records (and time) over the sizes run, at UniRef50's 60M."""
     print()
-    print(f"wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0); "
-          f"embedpipe peak RSS {peak['embedpipe shard']:,.0f} MiB (target <= 1024)")
+    if len(points) < 2:
+        records, rss, wall = points[0]
+        print(f"at 60M records (linear from one size): ~{rss * 6e7 / records / 1024:,.1f} GiB, "
+              f"~{wall * 6e7 / records / 60:,.0f} min")
+        return
+    n = np.array([p[0] for p in points], dtype=np.float64)
+    slope, base = np.polyfit(n, [p[1] for p in points], 1)
+    t_slope, t_base = np.polyfit(n, [p[2] for p in points], 1)
+    print(f"peak RSS ~ {base:,.0f} MiB + {slope * 2**20:,.1f} B/record; at 60M records (UniRef50): "
+          f"~{(base + slope * 6e7) / 1024:,.2f} GiB, ~{(t_base + t_slope * 6e7) / 60:,.0f} min "
+          f"(target: under 1 GiB at 10M: {(base + slope * 1e7):,.0f} MiB)")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ __all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "Thresholds", "VERDI
 CROSSCHECK_FORMAT_VERSION = 1
 #: length bins for stratified sampling and per-bin figures
 DEFAULT_LENGTH_BINS = 4
+TABLE_BLOCK = 1 << 16  # rows of the per-record table read at once
+# the per-record text columns the store figures count (crosscheck_verdict.store_figures)
+COUNTED_COLUMNS = ("precision_used", "fallback_reason", "long_handling")
 OUTPUT_NAMES = ("crosscheck.json", "crosscheck.html")
 
 
@@ -144,8 +147,8 @@ def run_crosscheck(
     started = time.perf_counter()
     notes: list[str] = []
     with open_store(store_path) as st:
-        provenance, table, layers = st.provenance, st.records(), st.layers
-        lengths = np.asarray(table["length"], dtype=np.int64)
+        provenance, layers = st.provenance, st.layers
+        table, lengths = _store_table(st)
         drawn = _draw_sample(st, store_path, lengths, sample, seed)
         reference = _fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
                                     notes, quiet)
@@ -199,13 +202,13 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
         raise EmbedpipeError(f"{store_path}: the store holds no records; nothing to cross-check")
     rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
     edges, bin_of = length_bins(lengths, n_bins=min(DEFAULT_LENGTH_BINS, rows.size))
-    ids = st.ids
     records = []
     for row in rows.tolist():
-        rec = st[ids[row]]
+        rid = str(st.records(rows=slice(row, row + 1))["id"][0])
+        rec = st[rid]
         records.append({
             "row": int(row),
-            "id": ids[row],
+            "id": rid,
             "sequence": rec["sequence"],
             "length": int(rec["length"]),
             "bin": int(bin_of[row]),
@@ -216,6 +219,34 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
             "mean": {layer: np.asarray(rec["mean"][layer]) for layer in st.layers},
         })
     return _Sample(rows=rows, edges=edges, bin_of=bin_of, records=records)
+
+
+def _store_table(st: Store) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The columns the store figures count, and every record's length, read block by block.
+
+    Per record only numbers are kept: lengths, max |activation| and, for the text columns,
+    a shared reference to one string per distinct value; never IDs or sequences, so memory
+    stays a few bytes per record (docs/benchmarks.md, "Sharding at scale", "Merging with the manifest").
+    """
+    n = len(st)
+    lengths = np.empty(n, dtype=np.int64)
+    max_abs = np.empty(n, dtype=np.float64)
+    categories: dict[str, dict[str, int]] = {name: {} for name in COUNTED_COLUMNS}
+    codes = {name: np.empty(n, dtype=np.int32) for name in COUNTED_COLUMNS}
+    for lo in range(0, n, TABLE_BLOCK):
+        hi = min(n, lo + TABLE_BLOCK)
+        block = st.records(rows=slice(lo, hi))
+        lengths[lo:hi] = block["length"]
+        max_abs[lo:hi] = block["max_abs_activation"]
+        for name in COUNTED_COLUMNS:
+            seen = categories[name]
+            codes[name][lo:hi] = [seen.setdefault(str(value), len(seen)) for value in block[name].tolist()]
+    table = {"length": lengths, "max_abs_activation": max_abs}
+    for name in COUNTED_COLUMNS:
+        values = np.empty(len(categories[name]), dtype=object)
+        values[:] = list(categories[name])
+        table[name] = values[codes[name]]
+    return table, lengths
 
 
 def _fp32_reference(st: Store, provenance: dict[str, Any], layers: list[int], sampled: list[dict], device: str,

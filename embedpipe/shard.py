@@ -1,23 +1,26 @@
 """Dedupe by sequence content, sort by length, cut into token-budget shards, write a manifest.
 
-Two passes, so that memory holds a compact index per record and never the sequences:
+Two passes, so that memory holds a few fixed-width integers per record and never the
+sequences or IDs (docs/benchmarks.md, "Sharding at scale"):
 
 1. Stream every input (:func:`embedpipe.fasta.iter_fasta`), validate and normalise each
-   record, hash its normalised sequence (sha256), and append each *new* sequence to a spool
-   file in a temporary directory next to ``out``. In memory: per record its ID, file, line,
-   length, status and digest; per unique sequence its spool offset and length.
-2. Sort the unique sequences by length, plan shards greedily under the token budget
-   (residues + 2 per record: BOS and EOS), read each sequence back from the spool and write
-   the shard files, then ``manifest.tsv`` (one row per input record, in input order) and
-   ``shards.json``.
+   record, hash its normalised sequence (sha256), and append each valid record to a spool
+   file in a temporary directory next to ``out``, as the entry it will have in its shard.
+   In memory: per record its length, spool offset, header size, status and normalisations;
+   its ID, file, line and digest go to column files beside the spool.
+2. Find duplicate IDs and sequences by sorting 64-bit keys, sort the unique sequences by
+   length, plan shards greedily under the token budget (residues + 2 per record: BOS and
+   EOS), copy each entry from the spool into its shard file, then stream ``manifest.tsv``
+   (one row per input record, in input order) and write ``shards.json``.
 
 Everything is written into the temporary directory and moved into ``out`` only once all of
 it is complete, so a failed run leaves no manifest or shard files behind (and never a mix of
 an old and a new run).
 
-Pass 1, the per-record index and the manifest rows are :mod:`embedpipe.shard_index`; the
-spool directory and background fsync :mod:`embedpipe.shard_output`. This module plans the
-shards, writes them and moves the finished run into ``out``.
+Pass 1, the per-record index and the manifest rows are :mod:`embedpipe.shard_index` (its
+column files :mod:`embedpipe.shard_spill`); the spool directory and background fsync
+:mod:`embedpipe.shard_output`. This module plans the shards, writes them and moves the
+finished run into ``out``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import stat
 import time
 from collections.abc import Sequence
@@ -152,27 +156,22 @@ class _Plan:
     sorted_rec: np.ndarray
     sorted_len: np.ndarray
     bounds: list[int]
-    shard_of_unique: np.ndarray
 
 
-def plan_shards(lengths: Sequence[int], tokens_per_shard: int) -> list[int]:
+def plan_shards(lengths: Sequence[int] | np.ndarray, tokens_per_shard: int) -> list[int]:
     """Boundaries of greedy shards over lengths already sorted ascending.
 
     Returns ``bounds`` with ``bounds[0] == 0`` and ``bounds[-1] == len(lengths)``; shard k is
     ``lengths[bounds[k]:bounds[k+1]]``. A shard holds at most ``tokens_per_shard`` tokens
     (residues + 2 per record), except that a record longer than the budget gets a shard of
-    its own.
+    its own. One search over the running token total per shard, not a loop per record.
     """
+    total = np.cumsum(np.asarray(lengths, dtype=np.int64) + TOKENS_PER_RECORD)
     bounds = [0]
-    used = 0
-    for k, length in enumerate(lengths):
-        tokens = length + TOKENS_PER_RECORD
-        if used and used + tokens > tokens_per_shard:
-            bounds.append(k)
-            used = 0
-        used += tokens
-    if len(lengths):
-        bounds.append(len(lengths))
+    while bounds[-1] < len(total):
+        start = bounds[-1]
+        used = int(total[start - 1]) if start else 0
+        bounds.append(max(start + 1, int(np.searchsorted(total, used + tokens_per_shard, side="right"))))
     return bounds
 
 
@@ -251,73 +250,85 @@ def shard_fasta(
 
 
 def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool) -> None:
-    """Both passes into ``tmp``: read and index, dedupe, count, plan, write shards, manifest, shards.json."""
+    """Both passes into ``tmp``: read and index, dedupe, count, plan, write shards, manifest, shards.json.
+
+    The spool and column files live in ``tmp/.work``, removed before ``tmp`` is installed.
+    """
     summary.input_bytes = sum(p.stat().st_size for p in paths)
-    spool_path = tmp / ".spool"
+    work = tmp / ".work"
+    work.mkdir()
     with Syncer() as syncer:
-        index = read_inputs(paths, spool_path, summary.input_bytes, on_invalid == "skip", quiet)
-        if not index.ids:
+        index = read_inputs(paths, work, summary.input_bytes, on_invalid == "skip", quiet)
+        if not index.n:
             raise InputError(f"no FASTA records found in {', '.join(summary.inputs)}")
         unique = dedupe(index)
         _count(summary, index, unique)
         plan = _plan(summary, index, unique, budget)
-        _write_shards(tmp, spool_path, syncer, summary, index, plan, quiet)
-        spool_path.unlink()
+        _write_shards(tmp, syncer, summary, index, plan, quiet)
         write_manifest(tmp / MANIFEST, syncer, [path_text(p) for p in paths], index, unique,
-                       plan.shard_of_unique.tolist())
+                       _shard_of_record(index, unique, plan))
         _write_shards_json(tmp / SHARDS_JSON, syncer, summary, budget, on_invalid)
+    shutil.rmtree(work)
 
 
 def _count(summary: ShardSummary, index: RecordIndex, unique: Unique) -> None:
     """The summary's record counts: unique, duplicates, skipped and normalised by kind."""
     code_counts = np.bincount(unique.status, minlength=SKIP_BASE + len(REASON_CODE))
-    norm = np.frombuffer(index.norm, dtype=np.uint8)
-    summary.records = len(index.ids)
+    norm_counts = np.bincount(index.norm, minlength=1 << len(NORM_BIT))
+    summary.records = index.n
     summary.unique = int(code_counts[OK])
     summary.duplicates = int(code_counts[DUPLICATE])
     summary.skipped = {reason: int(code_counts[code]) for reason, code in REASON_CODE.items() if code_counts[code]}
-    summary.normalised = {kind: int(np.count_nonzero(norm & bit)) for kind, bit in NORM_BIT.items()}
-    summary.normalised_records = int(np.count_nonzero(norm))
-    summary.input_residues = int(np.frombuffer(index.length, dtype=np.int64)[unique.status < SKIP_BASE].sum())
+    flags = np.arange(len(norm_counts))
+    summary.normalised = {kind: int(norm_counts[(flags & bit) != 0].sum()) for kind, bit in NORM_BIT.items()}
+    summary.normalised_records = int(norm_counts[1:].sum())
+    summary.input_residues = int(index.length.sum(where=unique.status < SKIP_BASE, dtype=np.int64))
 
 
 def _plan(summary: ShardSummary, index: RecordIndex, unique: Unique, budget: int) -> _Plan:
     """Sort the unique sequences by length (stable: ties in input order) and cut by budget."""
-    u_len = np.frombuffer(index.length, dtype=np.int64)[unique.unique_rec]
-    order = np.argsort(u_len, kind="stable")
-    sorted_len = u_len[order]
-    bounds = plan_shards(sorted_len.tolist(), budget)
-    shard_of_unique = np.empty(len(unique.unique_rec), dtype=np.int64)
-    for k in range(len(bounds) - 1):
-        shard_of_unique[order[bounds[k] : bounds[k + 1]]] = k
-    summary.residues = int(sorted_len.sum())
-    summary.tokens = summary.residues + TOKENS_PER_RECORD * len(unique.unique_rec)
-    if len(unique.unique_rec):
+    order = np.argsort(index.length[unique.unique_rec], kind="stable")
+    sorted_rec = unique.unique_rec[order]
+    del order
+    sorted_len = index.length[sorted_rec]
+    bounds = plan_shards(sorted_len, budget)
+    summary.residues = int(sorted_len.sum(dtype=np.int64))
+    summary.tokens = summary.residues + TOKENS_PER_RECORD * len(sorted_rec)
+    if len(sorted_rec):
         summary.min_length = int(sorted_len[0])
         summary.max_length = int(sorted_len[-1])
-    return _Plan(sorted_rec=unique.unique_rec[order], sorted_len=sorted_len, bounds=bounds,
-                 shard_of_unique=shard_of_unique)
+    return _Plan(sorted_rec=sorted_rec, sorted_len=sorted_len, bounds=bounds)
 
 
-def _write_shards(tmp: Path, spool_path: Path, syncer: Syncer, summary: ShardSummary, index: RecordIndex,
-                  plan: _Plan, quiet: bool) -> None:
-    """Pass 2: write the shards, reading each sequence back from the spool."""
-    ids, length, offset, sorted_len, bounds = index.ids, index.length, index.offset, plan.sorted_len, plan.bounds
-    sorted_rec = plan.sorted_rec.tolist()
+def _shard_of_record(index: RecordIndex, unique: Unique, plan: _Plan) -> np.ndarray:
+    """Per input record its shard (that of the record it repeats for a duplicate; -1 when invalid)."""
+    shard = np.full(index.n, -1, dtype=np.int32)
+    sizes = np.diff(plan.bounds)
+    shard[plan.sorted_rec] = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    shard[unique.dup_rec] = shard[unique.dup_first]
+    return shard
+
+
+def _write_shards(tmp: Path, syncer: Syncer, summary: ShardSummary, index: RecordIndex, plan: _Plan,
+                  quiet: bool) -> None:
+    """Pass 2: write the shards, reading each record's entry back from the spool."""
+    sorted_len, bounds = plan.sorted_len, plan.bounds
     # pread, not mmap: faulting in random spool pages maps whole 64 KiB neighbourhoods and
     # would make the page cache look like this process's memory.
-    with open(spool_path, "rb") as fh, progress_bar(
-        quiet=quiet, total=len(sorted_rec), unit="seq", unit_scale=True, desc="writing shards"
+    with open(index.spool, "rb") as fh, progress_bar(
+        quiet=quiet, total=len(plan.sorted_rec), unit="seq", unit_scale=True, desc="writing shards"
     ) as bar:
         fd = fh.fileno()
         pread = os.pread
         for k in range(len(bounds) - 1):
             lo, hi = bounds[k], bounds[k + 1]
-            parts = [b">%s\n%s\n" % (ids[i].encode(), pread(fd, length[i], offset[i])) for i in sorted_rec[lo:hi]]
+            rows = plan.sorted_rec[lo:hi]
+            parts = [pread(fd, size, at) for size, at in zip(index.entry_sizes(rows).tolist(),
+                                                             index.offset[rows].tolist())]
             name = shard_name(k)
             syncer.write(tmp / name, b"".join(parts))
             del parts
-            residues = int(sorted_len[lo:hi].sum())
+            residues = int(sorted_len[lo:hi].sum(dtype=np.int64))
             summary.shards.append(
                 ShardInfo(index=k, path=name, records=hi - lo, residues=residues,
                           tokens=residues + TOKENS_PER_RECORD * (hi - lo),

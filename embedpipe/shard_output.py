@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import threading
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,10 @@ from typing import IO, Any
 from embedpipe.errors import EmbedpipeError
 from embedpipe.fasta import display_path
 
-__all__ = ["Syncer", "host_tag", "open_for_writing", "spool_directory", "write_error", "write_errors"]
+#: files waiting for their background fsync (each open until then): far below any ``ulimit -n``
+MAX_PENDING = 32
+
+__all__ = ["MAX_PENDING", "Syncer", "host_tag", "open_for_writing", "spool_directory", "write_error", "write_errors"]
 
 
 def host_tag() -> str:
@@ -111,13 +115,15 @@ def write_error(path: Path, exc: OSError) -> EmbedpipeError:
     """One line naming the output being written (a full disk says only ``No space left on
     device``): files in the hidden work directory are named by the ``--out`` they become."""
     reason = exc.strerror or exc
-    work = _WORK_DIR.match(path.parent.name)
-    if work is None:
-        return EmbedpipeError(f"{display_path(path)}: cannot write: {reason}")
-    out = path.parent.parent / work["out"]
-    return EmbedpipeError(
-        f"{display_path(out)}: cannot write {path.name} (in the work directory {display_path(path.parent)}): {reason}"
-    )
+    for work_dir in path.parents:
+        work = _WORK_DIR.match(work_dir.name)
+        if work is not None:
+            out = work_dir.parent / work["out"]
+            return EmbedpipeError(
+                f"{display_path(out)}: cannot write {path.relative_to(work_dir)} "
+                f"(in the work directory {display_path(work_dir)}): {reason}"
+            )
+    return EmbedpipeError(f"{display_path(path)}: cannot write: {reason}")
 
 
 def open_for_writing(path: Path, mode: str, **kwargs: Any) -> IO[Any]:
@@ -142,13 +148,16 @@ class Syncer:
     """Write files and fsync them on a background thread.
 
     ``fsync`` releases the GIL, so the disk writeback of one shard overlaps the CPU work of the
-    next. Leaving the ``with`` block waits for every fsync (and re-raises its error); only then
-    are the files moved into place.
+    next. A file stays open until its fsync is done, so at most ``max_pending`` files wait:
+    handing over one more first waits for the oldest, and a run with any number of shards
+    keeps a bounded number of files open. Leaving the ``with`` block waits for every fsync
+    (and re-raises its error); only then are the files moved into place.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedpipe-fsync")
-        self._pending: list[Future[None]] = []
+        self._pending: deque[Future[None]] = deque()
+        self._max_pending = max_pending
 
     def __enter__(self) -> Syncer:
         return self
@@ -190,6 +199,8 @@ class Syncer:
             with contextlib.suppress(OSError):
                 fh.close()
             raise
+        while len(self._pending) >= self._max_pending:
+            self._pending.popleft().result()
         self._pending.append(self._pool.submit(self._finish, fh, path))
 
     def write(self, path: Path, data: bytes) -> None:

@@ -579,3 +579,18 @@ def test_html_is_self_contained_and_escapes_text(tmp_path, low_store):
     data["notes"] = [evil]
     page = render_html(data)
     assert "<script>" not in page and "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&amp;" in page
+
+
+def test_store_table_read_in_blocks_gives_the_whole_table_figures(low_store, monkeypatch):
+    """The figures from the block-by-block table (no IDs or sequences kept) equal those from
+    the whole per-record table."""
+    import embedpipe.crosscheck as crosscheck
+    from embedpipe import open_store
+    from embedpipe.crosscheck_verdict import store_figures
+
+    monkeypatch.setattr(crosscheck, "TABLE_BLOCK", 7)
+    with open_store(low_store) as st:
+        table, lengths = crosscheck._store_table(st)
+        whole = st.records()
+    np.testing.assert_array_equal(lengths, whole["length"])
+    assert store_figures(table, lengths) == store_figures(whole, np.asarray(whole["length"], dtype=np.int64))

@@ -480,3 +480,36 @@ def test_manifest_with_quoted_tab_and_newline_paths_merges(results):
     odd.write_text("".join(rows))
     summary = merge_stores(paths, out=root / "m.h5", manifest=odd)
     assert summary.records == 15 and summary.aliases == 2 and summary.skipped == 2
+
+
+def test_many_duplicates_all_resolve_streamed_in_small_batches(results, monkeypatch):
+    """Hundreds of duplicate rows (by duplicate_of, by content only, repeated, and a stored ID
+    naming itself), looked up in batches of 7: every alias points at the record with its sequence."""
+    import embedpipe.store.aliases
+
+    monkeypatch.setattr(embedpipe.store.aliases, "BATCH", 7)
+    root, paths, records, manifest = results
+    rng = random.Random(5)
+    rows, want = [], {"dupB2": "b2", "dupA0": "a0"}
+    for j in range(400):
+        target = rng.choice(records)
+        rid = f"many{j}"
+        by = target.id if j % 2 else ""  # every other row: found by sequence_sha256 alone
+        rows.append(f"{rid}\tin.fa:{j}\t{len(target.sequence)}\t{sha(target.sequence)}\t0\tduplicate\t{by}\t\n")
+        if j % 50 == 0:  # the same row twice is one alias
+            rows.append(rows[-1])
+        want[rid] = target.id
+    rows.append(f"a1\tin.fa:1\t0\t{sha(records[1].sequence)}\t0\tduplicate\ta1\t\n")  # itself: no alias
+    many = root / "many.tsv"
+    many.write_text(manifest.read_text() + "".join(rows))
+    summary = merge_stores(paths, out=root / "m.h5", manifest=many)
+    assert summary.aliases == len(want)
+    with h5py.File(root / "m.h5", "r") as f:
+        got = dict(zip(f["aliases/id"].asstr()[()], f["aliases/of"].asstr()[()]))
+    assert got == want
+
+    other = next(r for r in records if r.id != want["many3"])
+    conflicting = root / "conflict.tsv"
+    conflicting.write_text(many.read_text() + f"many3\tin.fa:9\t0\t{sha(other.sequence)}\t0\tduplicate\t{other.id}\t\n")
+    with pytest.raises(StoreError, match=rf"id 'many3' is a duplicate of both '{want['many3']}' and '{other.id}'"):
+        merge_stores(paths, out=root / "m2.h5", manifest=conflicting)

@@ -344,7 +344,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     aliases: list[tuple[str, str]] = []
     skipped: list[tuple[str, str]] = []
     if manifest is not None:
-        aliases, skipped = plan_manifest(Path(manifest), shards, index)
+        aliases, skipped = plan_manifest(Path(manifest), shards)
     merge = _Merge(shards, aliases, skipped, with_manifest=manifest is not None)
     with atomic_h5(out) as target, target.create(**WRITE_OPTIONS) as f:
         merge.write(f)

@@ -137,6 +137,44 @@ def shard_stores(wildcards):
     return [f"{OUTDIR}/stores/{Path(s['path']).stem}.h5" for s in shards]
 
 
+# ---------------------------------------------------------------- memory of shard and merge
+# Peak RSS grows with the records a job handles (docs/benchmarks.md, "Sharding at scale" and
+# "Merging with the manifest"): a fixed part plus a measured cost per record, with the records
+# estimated from the input's size in bytes. x attempt on a retry.
+
+SHARD_MEM_BASE_MB = 256  # measured: 66 MiB at 0 records (fit over 1M, 3M, 10M)
+SHARD_MEM_BYTES_PER_RECORD = 64  # measured: 55.5 B/record (596 MiB at 10M records)
+MERGE_MEM_BASE_MB = 512
+MERGE_MEM_BYTES_PER_RECORD = 384  # measured: ~250 B/record (305 MiB at 1M records, 100 stores)
+MERGE_MEM_MB_PER_STORE = 1  # an allowance for each store's open file and metadata
+FASTA_BYTES_PER_RECORD = 200  # shorter than UniProt's average (~350 B): over-counts records
+GZIP_RATIO = 4  # a gzipped FASTA holds up to ~4x its size
+MANIFEST_BYTES_PER_ROW = 100  # a manifest row is ~100-200 bytes (a 64-hex digest, the source)
+
+
+def _records_in(paths, bytes_per_record):
+    """An upper estimate of the records in ``paths`` from their size in bytes."""
+    total = 0
+    for path in paths:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        total += size * (GZIP_RATIO if str(path).endswith(".gz") else 1)
+    return total // bytes_per_record
+
+
+def shard_mem_mb(wildcards, input, attempt):
+    """`embedpipe shard`: a fixed part + a few fixed-width integers per input record."""
+    records = _records_in(input.fasta, FASTA_BYTES_PER_RECORD)
+    return (SHARD_MEM_BASE_MB + records * SHARD_MEM_BYTES_PER_RECORD // 2**20) * attempt
+
+
+def merge_mem_mb(wildcards, input, attempt):
+    """`embedpipe merge --manifest`: a fixed part + a cost per stored record and per store."""
+    records = _records_in([input.manifest], MANIFEST_BYTES_PER_ROW)
+    stores = len(input.stores)
+    return (MERGE_MEM_BASE_MB + records * MERGE_MEM_BYTES_PER_RECORD // 2**20
+            + stores * MERGE_MEM_MB_PER_STORE) * attempt
+
+
 # ---------------------------------------------------------------- command-line options
 
 

@@ -14,7 +14,7 @@ rule merge:
     conda:
         "../envs/embedpipe.yaml"
     resources:
-        mem_mb=4096,
+        mem_mb=merge_mem_mb,
         runtime=60,
     shell:
         "embedpipe merge {input.stores:q} --out {output:q} --manifest {input.manifest:q}"

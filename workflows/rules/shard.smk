@@ -18,7 +18,7 @@ checkpoint shard:
         tokens_per_shard=config["tokens_per_shard"],
         on_invalid=config["on_invalid"],
     resources:
-        mem_mb=4096,
+        mem_mb=shard_mem_mb,
         runtime=60,
     shell:
         "embedpipe shard {input.fasta:q} --out {params.outdir:q}"
