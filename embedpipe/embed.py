@@ -195,8 +195,8 @@ class GroupSummary:
 
     def render(self) -> str:
         lines = [s.render() for s in self.embedded]
-        lines.append(f"group: {len(self.embedded) + len(self.kept)} shard stores in {self.out_dir}: "
-                     f"{len(self.embedded)} embedded, {len(self.kept)} kept (complete for this shard, "
+        lines.append(f"group of {len(self.embedded) + len(self.kept)} shard(s) -> {self.out_dir}: "
+                     f"{len(self.embedded)} embedded, {len(self.kept)} kept (complete for the same shard, "
                      f"model and options) in {self.seconds:.1f}s")
         return "\n".join(lines)
 
