@@ -206,11 +206,15 @@ def fit_exponent(points: list[tuple[float, float]]) -> tuple[float, float]:
 def stub_main(args: argparse.Namespace) -> None:
     rows = [("baseline: 1 shard (start-up, fixed stages)", stub_run(1, 1, args.cores, args.scheduler))]
     base = rows[0][1]["wall_s"]
+    grouped = f"groups, max_jobs {args.max_jobs}"
     for n in args.shards:
         if n <= args.per_shard_cap:
             rows.append(("one job per shard", stub_run(n, n, args.cores, args.scheduler)))
-        rows.append((f"groups, max_jobs {args.max_jobs}", stub_run(n, args.max_jobs, args.cores, args.scheduler)))
-        print(f"# {n} shards done", file=sys.stderr, flush=True)
+        if n >= args.max_jobs:  # below it the grouped plan is one job per shard too
+            same = n == args.max_jobs and rows[-1][0] == "one job per shard"
+            rows.append((grouped, rows[-1][1] if same else stub_run(n, args.max_jobs, args.cores, args.scheduler)))
+        print(f"# {n} shards: " + "; ".join(f"{p} {r['embed_jobs']} jobs {r['wall_s']:.1f} s"
+                                             for p, r in rows if r["shards"] == n), file=sys.stderr, flush=True)
     # Embedding time of UniRef50 at the stated throughput, spread over `gpus` concurrent jobs.
     gpu_s = args.residues / args.residues_per_gpu_s
     wall_embed = gpu_s / args.gpus

@@ -10,9 +10,10 @@
 
 rule embed:
     input:
-        fasta=group_shards,
-        # A new shard run reruns every group (the shard FASTAs are not outputs Snakemake tracks);
-        # stores whose shard content did not change are kept.
+        # The shard FASTAs are a param, not inputs: Snakemake sizes every input of every
+        # waiting job in each scheduling round, which grew with jobs x shards (docs/benchmarks.md,
+        # "Workflow overhead"). A new shard run (a new shards.json) reruns every group; stores
+        # whose shard content did not change are kept.
         listing=f"{OUTDIR}/shards/shards.json",
         model=model_input(),
     output:
@@ -24,6 +25,7 @@ rule embed:
     benchmark:
         f"{OUTDIR}/benchmarks/embed/group-{{group}}.tsv"
     params:
+        shards=group_shards,
         model=model_arg,
         options=embed_options(),
         stores=lambda wildcards, output: os.path.dirname(output[0]),
@@ -35,6 +37,6 @@ rule embed:
         runtime=lambda wildcards, attempt: 120 * attempt,
         tokens_per_batch=tokens_per_batch,
     shell:
-        "embedpipe embed {input.fasta:q} --model {params.model:q} --out-dir {params.stores:q}"
+        "embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} --tokens-per-batch {resources.tokens_per_batch}"
         " --threads {threads} > {log:q} 2>&1"
