@@ -20,7 +20,7 @@ report: "workflows/report/workflow.rst"
 
 
 wildcard_constraints:
-    shard=r"\d+",
+    group=r"\d+",
 
 
 include: "workflows/rules/common.smk"

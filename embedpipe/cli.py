@@ -125,14 +125,16 @@ def shard(
         help=_one_of(options.ON_INVALID, {"error": "stop at the first invalid record",
                                           "skip": "record it as skipped"}) + ".",
     ),
+    max_jobs: int = typer.Option(
+        options.MAX_JOBS, "--max-jobs", min=1, help="Most embed jobs: shards.json groups the shards into at most this many."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
     from embedpipe.shard import shard_fasta
 
-    summary = shard_fasta(
-        inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid, quiet=quiet
-    )
+    summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
+                          max_jobs=max_jobs, quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -149,9 +151,13 @@ def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
 @app.command()
 @_user_errors
 def embed(
-    fasta: Path = typer.Argument(..., help="A shard (or any protein FASTA)."),
+    fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
     model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
-    out: Path = typer.Option(..., "--out", help="Output store (.h5), written atomically."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "
+                                "shard, model and options are kept."),
+    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores, written last."),
     precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
     layers: list[str] = typer.Option(
         [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
@@ -183,15 +189,15 @@ def embed(
             "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
-    """Embed every record of a FASTA file into one HDF5 store."""
-    from embedpipe.embed import embed_fasta
+    """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
+    from embedpipe.embed import embed_command
 
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=tokens_per_batch, device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
         attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
     )
-    summary = embed_fasta(fasta, model=model, out=out, options=chosen, quiet=quiet)
+    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

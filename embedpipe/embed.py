@@ -1,19 +1,27 @@
-"""``embedpipe embed``: one FASTA (a shard) into one store, with the worker and provenance.
+"""``embedpipe embed``: one FASTA (a shard) into one store, or a group of shards into one
+store each, with the worker and provenance.
 
-The worker itself is :mod:`embedpipe.worker`; the model comes from :mod:`embedpipe.model`.
+A group is one embed job of the workflow (docs/cluster.md, "A UniRef50-sized run"): the model
+is loaded once, and a shard whose store is already complete for the same shard content,
+model and options is kept, so a retried or rerun job resumes at shard granularity. The
+worker itself is :mod:`embedpipe.worker`; the model comes from :mod:`embedpipe.model`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import h5py
 import torch
 
 from embedpipe import __version__
-from embedpipe.atomic import check_output_path
+from embedpipe.atomic import check_output_path, write_text_atomic
+from embedpipe.checksums import file_sha256
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
 from embedpipe.fasta import read_sequences
@@ -23,7 +31,13 @@ from embedpipe.model.base import EmbeddingModel
 from embedpipe.precision import Policy, dtype_name
 from embedpipe.progress import say
 from embedpipe.store import StoreWriter, utc_now
+from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.worker import EmbedOptions, Embedder
+
+#: options that change how a job runs, not its numbers' identity for resuming: a retry's smaller
+#: batches, threads, where fallback records run (docs/cluster.md, "Resuming, rerunning")
+_HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device")
+GROUP_FORMAT = "embedpipe.embed-group"
 
 @dataclass
 class EmbedSummary:
@@ -76,48 +90,68 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
     }
 
 
+@contextlib.contextmanager
+def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
+    """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    with claim_device(options.device) as device:
+        if device.type == "cpu":
+            keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
+        yield load_model(model), device
+
+
+def _read_records(fasta: Path) -> list[tuple[str, str]]:
+    records = list(read_sequences(Path(fasta)))
+    if not records:
+        raise EmbedpipeError(f"{fasta}: no records to embed")
+    return records
+
+
 def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False) -> EmbedSummary:
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
     options.validate()
     started = time.perf_counter()
-    records = list(read_sequences(Path(fasta)))
-    if not records:
-        raise EmbedpipeError(f"{fasta}: no records to embed")
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    records = _read_records(fasta)
     check_output_path(Path(out))
-    with claim_device(options.device) as device:
-        if device.type == "cpu":
-            keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
-        loaded = load_model(model)  # after the GPU is ours: a waiting job holds no model in memory
-        embedder = Embedder(loaded, options, device)
-        for note in embedder.notes:
-            say(f"warning: {note}", quiet=quiet)
-        plan = embedder.plan(records)
-        attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, Path(fasta))
-        with StoreWriter(
-            Path(out),
-            ids=[r for r, _ in records],
-            sequences=[s for _, s in records],
-            residue_rows=plan.rows if options.per_residue else None,
-            layers=embedder.layers,
-            dim=loaded.embed_dim,
-            storage_dtype=options.storage_dtype,
-            attrs=attrs,
-            pooling=embedder.pooling,
-        ) as writer:
-            for index, record in embedder.embed(records, plan, quiet=quiet):
-                writer.write(index, record)
-            fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
-            writer.set_attrs(
-                fallback_count=int(embedder.stats["fallback"]),
-                fallback_reasons=json.dumps(fallback, sort_keys=True),
-                padding_efficiency=plan.padding_efficiency,
-                fallback_device=embedder.fallback_device or "none",
-                finished_utc=utc_now(),
-            )
+    with _model_on(model, options) as (loaded, device):
+        return _embed_records(loaded, device, records, Path(fasta), Path(out), options, started,
+                              {"input_sha256": file_sha256(Path(fasta))}, quiet)
+
+
+def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[tuple[str, str]], fasta: Path,
+                   out: Path, options: EmbedOptions, started: float, extra: dict[str, str],
+                   quiet: bool) -> EmbedSummary:
+    """``records`` (read from ``fasta``) into the store ``out`` with a loaded model."""
+    embedder = Embedder(loaded, options, device)
+    for note in embedder.notes:
+        say(f"warning: {note}", quiet=quiet)
+    plan = embedder.plan(records)
+    attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
+    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256)}
+    with StoreWriter(
+        out,
+        ids=[r for r, _ in records],
+        sequences=[s for _, s in records],
+        residue_rows=plan.rows if options.per_residue else None,
+        layers=embedder.layers,
+        dim=loaded.embed_dim,
+        storage_dtype=options.storage_dtype,
+        attrs=attrs,
+        pooling=embedder.pooling,
+    ) as writer:
+        for index, record in embedder.embed(records, plan, quiet=quiet):
+            writer.write(index, record)
+        fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
+        writer.set_attrs(
+            fallback_count=int(embedder.stats["fallback"]),
+            fallback_reasons=json.dumps(fallback, sort_keys=True),
+            padding_efficiency=plan.padding_efficiency,
+            fallback_device=embedder.fallback_device or "none",
+            finished_utc=utc_now(),
+        )
     return EmbedSummary(
-        out=Path(out),
+        out=out,
         records=len(records),
         residues=sum(len(s) for _, s in records),
         seconds=time.perf_counter() - started,
@@ -126,3 +160,98 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         fallback=fallback,
         padding_efficiency=plan.padding_efficiency,
     )
+
+
+# ------------------------------------------------------------------------------ groups of shards
+
+
+def embed_identity(options: EmbedOptions, model_sha256: str) -> str:
+    """What makes a shard store's numbers: the model's bytes and every option except how the
+    job ran (:data:`_HOW_IT_RUNS`). A store with another identity is embedded again."""
+    chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
+    return json.dumps(chosen | {"model_sha256": model_sha256}, sort_keys=True)
+
+
+def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
+    """True for a complete store of the same shard content, model and options; False for a
+    missing, unreadable, incomplete or different one."""
+    try:
+        with h5py.File(store, "r") as f:
+            if not is_complete(f):
+                return False
+            attrs = read_root_attrs(f)
+    except (OSError, ValueError):
+        return False
+    return attrs.get("embed_identity") == identity and attrs.get("input_sha256") == input_sha256
+
+
+@dataclass
+class GroupSummary:
+    """What one group job did: a store per shard, embedded now or kept from an earlier run."""
+
+    out_dir: Path
+    embedded: list[EmbedSummary] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def render(self) -> str:
+        lines = [s.render() for s in self.embedded]
+        lines.append(f"group of {len(self.embedded) + len(self.kept)} shard(s) -> {self.out_dir}: "
+                     f"{len(self.embedded)} embedded, {len(self.kept)} kept (complete for the same shard, "
+                     f"model and options) in {self.seconds:.1f}s")
+        return "\n".join(lines)
+
+
+def _group_outputs(fastas: Sequence[Path], out_dir: Path) -> list[Path]:
+    """``out_dir/STEM.h5`` per shard: the workflow's ``stores/shard-NNNNN.h5``."""
+    stores = [out_dir / f"{Path(f).stem}.h5" for f in fastas]
+    if len(set(stores)) != len(stores):
+        raise EmbedpipeError("two shards of the group have the same file name; each shard needs a store of its own")
+    for store in stores:
+        check_output_path(store)
+    return stores
+
+
+def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: EmbedOptions,
+                 done: Path | None = None, quiet: bool = False) -> GroupSummary:
+    """Embed each shard into ``out_dir/STEM.h5`` with one model load; keep current stores.
+
+    ``done`` (the workflow's output of the job) is written last, listing every store, so it
+    exists only once every shard of the group has its store.
+    """
+    options.validate()
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stores = _group_outputs(fastas, out_dir)
+    digests = [file_sha256(Path(f)) for f in fastas]
+    summary = GroupSummary(out_dir=out_dir)
+    with _model_on(model, options) as (loaded, device):
+        identity = embed_identity(options, loaded.sha256)
+        for fasta, store, digest in zip(fastas, stores, digests):
+            if store_is_current(store, identity, digest):
+                summary.kept.append(store)
+                say(f"{store}: complete for this shard, model and options; kept", quiet=quiet)
+                continue
+            summary.embedded.append(_embed_records(
+                loaded, device, _read_records(Path(fasta)), Path(fasta), store, options,
+                time.perf_counter(), {"input_sha256": digest}, quiet))
+    if done is not None:
+        listing = {"format": GROUP_FORMAT, "version": 1, "identity": json.loads(identity),
+                   "stores": [{"fasta": str(f), "store": str(s), "input_sha256": d}
+                              for f, s, d in zip(fastas, stores, digests)]}
+        write_text_atomic(Path(done), json.dumps(listing, indent=1) + "\n")
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_dir: Path | None,
+                  done: Path | None, options: EmbedOptions, quiet: bool = False) -> EmbedSummary | GroupSummary:
+    """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number."""
+    if out_dir is None:
+        if out is None or len(fastas) != 1 or done is not None:
+            raise EmbedpipeError("give one FASTA with --out STORE.h5, or any number with --out-dir DIR [--done FILE]")
+        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet)
+    if out is not None:
+        raise EmbedpipeError("--out and --out-dir exclude each other: --out names the store of one FASTA")
+    return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet)

@@ -42,10 +42,15 @@ ON_INVALID = ("error", "skip")
 
 # ------------------------------------------------------------------------------ shard
 
-#: token budget per shard (residues + 2 per record), i.e. per embed job
+#: token budget per shard (residues + 2 per record): the unit of length sorting and of resume;
+#: an embed job embeds a group of shards (:data:`MAX_JOBS`)
 TOKENS_PER_SHARD = 1_000_000
 #: the default of ``--on-invalid``
 ON_INVALID_DEFAULT = "error"
+#: most embed jobs a run has: ``shard`` groups consecutive shards into at most this many
+#: groups, one embed job each, so the job graph stays this size whatever the input
+#: (docs/cluster.md, "A UniRef50-sized run"; docs/benchmarks.md, "Workflow overhead")
+MAX_JOBS = 1000
 
 # ------------------------------------------------------------------------------ embed
 
@@ -176,6 +181,7 @@ __all__ = [
     "FALLBACK_DEVICES",
     "FP32_ISLAND_POLICIES",
     "LONG_SEQUENCE_MODES",
+    "MAX_JOBS",
     "MIN_TOKENS_PER_BATCH",
     "ON_INVALID",
     "ON_INVALID_DEFAULT",

@@ -41,7 +41,7 @@ from embedpipe.atomic import check_output_entries, fsync_dir
 from embedpipe.errors import InputError
 from embedpipe.fasta import display_path, path_text
 from embedpipe.manifest import MANIFEST
-from embedpipe.options import ON_INVALID, ON_INVALID_DEFAULT, check_choice
+from embedpipe.options import MAX_JOBS, ON_INVALID, ON_INVALID_DEFAULT, check_choice
 from embedpipe.progress import progress_bar
 from embedpipe.residues import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.shard_index import (DUPLICATE, NORM_BIT, OK, REASON_CODE, SKIP_BASE, RecordIndex, Unique, dedupe,
@@ -80,6 +80,7 @@ class ShardSummary:
     out: str
     tokens_per_shard: int
     on_invalid: str
+    max_jobs: int = MAX_JOBS
     records: int = 0
     unique: int = 0
     duplicates: int = 0
@@ -142,6 +143,8 @@ class ShardSummary:
         lines.append(row("normalised", self.normalised_records, "(records; by kind:)"))
         lines += [row(kind, self.normalised.get(kind, 0), indent=4) for kind in NORMALISATION_KINDS]
         lines.append(row("shards", self.n_shards, f"(<= {n(self.tokens_per_shard)} tokens each) in {display_path(self.out)}"))
+        lines.append(row("embed jobs", min(self.n_shards, self.max_jobs),
+                         f"(groups of shards, --max-jobs {n(self.max_jobs)})"))
         lines.append(row("residues", self.residues, f"({n(self.tokens)} tokens)"))
         if self.unique:
             lines.append(row("lengths", self.min_length, f".. {n(self.max_length)}"))
@@ -173,6 +176,22 @@ def plan_shards(lengths: Sequence[int] | np.ndarray, tokens_per_shard: int) -> l
         used = int(total[start - 1]) if start else 0
         bounds.append(max(start + 1, int(np.searchsorted(total, used + tokens_per_shard, side="right"))))
     return bounds
+
+
+def plan_groups(n_shards: int, max_jobs: int) -> list[list[int]]:
+    """Shard indices cut into at most ``max_jobs`` runs of consecutive shards, one embed job each.
+
+    Consecutive shards have similar lengths (shards are length-sorted) and nearly equal tokens,
+    so groups of equal shard counts (differing by at most one) take about equally long. Every
+    shard is in exactly one group, in order. A constant number of jobs keeps Snakemake's
+    scheduling, which grows faster than linearly in the number of jobs, bounded
+    (docs/benchmarks.md, "Workflow overhead").
+    """
+    if not isinstance(max_jobs, int) or max_jobs < 1:
+        raise InputError(f"--max-jobs must be a positive integer, not {max_jobs!r}")
+    n_groups = min(n_shards, max_jobs)
+    cuts = [k * n_shards // n_groups for k in range(n_groups + 1)] if n_groups else [0]
+    return [list(range(lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
 
 
 def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, on_invalid: str) -> list[Path]:
@@ -226,21 +245,24 @@ def shard_fasta(
     out: Path,
     tokens_per_shard: int,
     on_invalid: str = ON_INVALID_DEFAULT,
+    max_jobs: int = MAX_JOBS,
     quiet: bool = False,
 ) -> ShardSummary:
     """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
 
     Writes ``out/shard-00000.fasta`` ..., ``out/manifest.tsv`` and ``out/shards.json``
-    (docs/store-format.md, "Shard manifest"). ``on_invalid="error"`` stops at the first invalid record with an
+    (docs/store-format.md, "Shard manifest"); ``shards.json`` also lists the shards' groups
+    (:func:`plan_groups`, at most ``max_jobs``). ``on_invalid="error"`` stops at the first invalid record with an
     :class:`InputError`; ``"skip"`` records it in the manifest as ``skipped:<reason>``.
     """
     started = time.perf_counter()
     out = Path(out)
     paths = _check_arguments(inputs, out, tokens_per_shard, on_invalid)
+    plan_groups(0, max_jobs)  # refuse a bad --max-jobs before any work
     check_output_entries(out, [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))])
     summary = ShardSummary(
         inputs=[path_text(p) for p in paths], out=path_text(out), tokens_per_shard=tokens_per_shard,
-        on_invalid=on_invalid,
+        on_invalid=on_invalid, max_jobs=max_jobs,
     )
     with spool_directory(out) as tmp:
         _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
@@ -347,6 +369,8 @@ def _write_shards_json(path: Path, syncer: Syncer, summary: ShardSummary, budget
         "on_invalid": on_invalid,
         "manifest": MANIFEST,
         "shards": [asdict(s) for s in summary.shards],
+        "max_jobs": summary.max_jobs,
+        "groups": plan_groups(summary.n_shards, summary.max_jobs),
         "counts": summary.counts(),
     }
     syncer.write(path, (json.dumps(meta, indent=1) + "\n").encode("utf-8"))
@@ -389,6 +413,7 @@ __all__ = [
     "ShardInfo",
     "ShardSummary",
     "shard_fasta",
+    "plan_groups",
     "plan_shards",
     "shard_name",
     "SHARDS_JSON",

@@ -41,6 +41,7 @@ DEFAULTS = {
     "per_residue": EMBED.per_residue,
     "tokens_per_batch": EMBED.tokens_per_batch,
     "tokens_per_shard": options.TOKENS_PER_SHARD,
+    "max_jobs": options.MAX_JOBS,
     "device": EMBED.device,
 }
 
@@ -68,6 +69,7 @@ def test_schema_defaults_equal_the_library_defaults(key: str) -> None:
 def test_schema_minimums_and_device_pattern_match_the_library() -> None:
     assert PROPERTIES["tokens_per_batch"]["minimum"] == options.MIN_TOKENS_PER_BATCH
     assert PROPERTIES["tokens_per_shard"]["minimum"] == 1
+    assert PROPERTIES["max_jobs"]["minimum"] == 1
     pattern = re.compile(PROPERTIES["device"]["pattern"])
     for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12", EMBED.device):
         assert pattern.fullmatch(device), device
@@ -102,7 +104,8 @@ def test_every_embed_option_has_the_library_default_on_the_command_line() -> Non
 
 def test_shard_and_crosscheck_defaults_on_the_command_line_are_the_library_ones() -> None:
     shard = _cli_defaults("shard")
-    assert (shard["tokens_per_shard"], shard["on_invalid"]) == (options.TOKENS_PER_SHARD, options.ON_INVALID_DEFAULT)
+    assert (shard["tokens_per_shard"], shard["on_invalid"], shard["max_jobs"]) == (
+        options.TOKENS_PER_SHARD, options.ON_INVALID_DEFAULT, options.MAX_JOBS)
     crosscheck = _cli_defaults("crosscheck")
     for field in dataclasses.fields(Thresholds):
         assert crosscheck[field.name] == getattr(Thresholds(), field.name), field.name
@@ -120,6 +123,7 @@ def test_library_functions_default_to_the_same_values() -> None:
                 if p.default is not inspect.Parameter.empty}
 
     assert defaults(shard_fasta)["on_invalid"] == options.ON_INVALID_DEFAULT
+    assert defaults(shard_fasta)["max_jobs"] == options.MAX_JOBS
     crosscheck = defaults(run_crosscheck)
     assert (crosscheck["sample"], crosscheck["seed"], crosscheck["k"], crosscheck["device"]) == (
         options.CROSSCHECK_SAMPLE, options.CROSSCHECK_SEED, options.CROSSCHECK_K, options.DEFAULT_DEVICE)

@@ -7,8 +7,9 @@ the checkout stays clean. The model is written by the workflow's own make_test_m
 Covered: `--lint` is clean; dry-runs list the expected jobs and validate the config; an
 offline run of the default config fails at once with the fix; a full run leaves the four
 contract outputs, a valid merged store in which every input ID resolves, per-shard logs and
-benchmarks, a report with the cross-check page, and nothing to do on rerun; a run killed
-during embedding resumes (`--rerun-incomplete`) to the same store; one failing shard under
+benchmarks, a report with the cross-check page, and nothing to do on rerun; one embed job per
+group of shards (`max_jobs`); a run killed during embedding resumes (`--rerun-incomplete`) to
+the same store, keeping the group's finished shard stores; one failing shard under
 `--keep-going` leaves the other shard stores valid.
 """
 
@@ -384,10 +385,11 @@ def test_every_rule_logs_and_embed_jobs_are_benchmarked(demo_run: Path) -> None:
     logs = demo_run / "out" / "logs"
     for name in ("make_test_model.log", "shard.log", "merge.log", "crosscheck.log"):
         assert (logs / name).is_file(), name
-    shards = sorted(p.stem for p in (demo_run / "out" / "shards").glob("shard-*.fasta"))
-    for shard in shards:
-        assert (logs / "embed" / f"{shard}.log").is_file()
-        bench = (demo_run / "out" / "benchmarks" / "embed" / f"{shard}.tsv").read_text().splitlines()
+    groups = json.loads((demo_run / "out" / "shards" / "shards.json").read_text())["groups"]
+    assert groups == [[0], [1], [2]]  # fewer shards than max_jobs: one job per shard
+    for k in range(len(groups)):
+        assert (logs / "embed" / f"group-{k:05d}.log").is_file()
+        bench = (demo_run / "out" / "benchmarks" / "embed" / f"group-{k:05d}.tsv").read_text().splitlines()
         assert bench[0].split("\t")[0] == "s" and float(bench[1].split("\t")[0]) > 0
 
 
@@ -417,6 +419,18 @@ def test_cuda_device_requests_one_gpu_per_job(demo_run: Path, profile: str | Non
     assert gpu["embed"] == [True] * 3 and gpu["crosscheck"] == [True] and gpu["merge"] == [False], jobs
 
 
+def test_one_embed_job_per_group_of_shards(tmp_path: Path) -> None:
+    """max_jobs: 2 over 3 shards: two embed jobs, one of them embedding two shards."""
+    config = demo_config(tmp_path, max_jobs=2)
+    run_workflow(tmp_path, config, "out/shards/shards.json")  # the checkpoint only
+    proc = run_workflow(tmp_path, config, "--dry-run", "--printshellcmds")
+    out = proc.stdout + proc.stderr
+    assert job_counts(out)["embed"] == 2, out[-3000:]
+    assert "embedpipe embed out/shards/shard-00001.fasta out/shards/shard-00002.fasta " in out
+    assert "--out-dir out/stores --done out/stores/group-00001.json" in out
+    assert "embedpipe merge out/stores/shard-00000.h5 out/stores/shard-00001.h5 out/stores/shard-00002.h5 " in out
+
+
 def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
     report = demo_run / "report.html"
     run_workflow(demo_run, demo_run / "config.yaml", "--report", str(report))
@@ -428,8 +442,17 @@ def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
 # --------------------------------------------------------------------------- faults
 
 
+def _uuid(store: Path) -> str:
+    import h5py
+
+    with h5py.File(store, "r") as f:
+        return str(f.attrs["store_uuid"])
+
+
 def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) -> None:
-    config = demo_config(tmp_path)
+    """One embed job for all three shards (max_jobs: 1), killed after its first shard store:
+    the rerun keeps that store (same uuid) and embeds the other two."""
+    config = demo_config(tmp_path, max_jobs=1)
     stores = tmp_path / "out" / "stores"
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(tmp_path),
            "--configfile", str(config), "--cores", "1"]
@@ -451,10 +474,13 @@ def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) ->
             proc.wait()
         log.close()
     assert not (tmp_path / "out" / "embeddings.h5").exists(), "the run finished before it was killed"
-    assert len(list(stores.glob("shard-*.h5"))) < 3
+    finished = {p: _uuid(p) for p in stores.glob("shard-*.h5")}
+    assert 0 < len(finished) < 3
 
     snakemake(tmp_path, "--unlock", configfile=config)
     run_workflow(tmp_path, config, "--rerun-incomplete")
+    assert {p: _uuid(p) for p in finished} == finished
+    assert f"{3 - len(finished)} embedded, {len(finished)} kept" in (tmp_path / "out" / "logs" / "embed" / "group-00000.log").read_text()
     assert validate(tmp_path / "out" / "embeddings.h5").returncode == 0
     assert_same_store(tmp_path / "out" / "embeddings.h5", demo_run / "out" / "embeddings.h5")
     assert nothing_to_do(tmp_path, config)
@@ -480,5 +506,5 @@ def test_one_failing_shard_leaves_the_others_valid(tmp_path: Path) -> None:
     for shard in failing:
         stem = Path(shard["path"]).stem
         assert not list((tmp_path / "out" / "stores").glob(f"{stem}*")), stem  # no partial file
-        assert "1022" in (tmp_path / "out" / "logs" / "embed" / f"{stem}.log").read_text()
+        assert "1022" in (tmp_path / "out" / "logs" / "embed" / f"group-{shard['index']:05d}.log").read_text()
     assert not (tmp_path / "out" / "embeddings.h5").exists()

@@ -2,6 +2,7 @@
 # command-line options every rule passes to `embedpipe`. Rules stay declarative; all the
 # Python lives here.
 
+import functools
 import glob
 import json
 import os
@@ -126,15 +127,36 @@ def model_mem_mb(attempt=1):
     return MODEL_FACTS.host_mem_mb(attempt)
 
 
-# ---------------------------------------------------------------- shards
+# ---------------------------------------------------------------- shards and groups
+
+
+@functools.lru_cache(maxsize=2)
+def _read_listing(path, mtime_ns):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def shard_listing():
+    """shards.json of the shard checkpoint, parsed once (not once per embed job)."""
+    path = checkpoints.shard.get().output.listing
+    return _read_listing(path, os.stat(path).st_mtime_ns)
+
+
+def group_shards(wildcards):
+    """The shard FASTAs of embed group {group} (shards.json `groups`, at most `max_jobs`)."""
+    listing = shard_listing()
+    shards = listing["shards"]
+    return [f"{OUTDIR}/shards/{shards[k]['path']}" for k in listing["groups"][int(wildcards.group)]]
+
+
+def group_markers(wildcards):
+    """One marker per embed group, written when every shard store of the group is complete."""
+    return [f"{OUTDIR}/stores/group-{k:05d}.json" for k in range(len(shard_listing()["groups"]))]
 
 
 def shard_stores(wildcards):
     """One store per shard that the shard checkpoint wrote (listed in shards.json)."""
-    listing = checkpoints.shard.get().output.listing
-    with open(listing, encoding="utf-8") as fh:
-        shards = json.load(fh)["shards"]
-    return [f"{OUTDIR}/stores/{Path(s['path']).stem}.h5" for s in shards]
+    return [f"{OUTDIR}/stores/{Path(s['path']).stem}.h5" for s in shard_listing()["shards"]]
 
 
 # ---------------------------------------------------------------- memory of shard and merge

@@ -1,24 +1,34 @@
-# One embed job per shard: load the model once, embed every record, write one store
-# (atomically). Retried with a smaller token budget per batch (tokens_per_batch // attempt).
-# With a CUDA device the job requests one GPU; `embedpipe embed` locks a GPU of its own when
-# several jobs share a multi-GPU machine (`snakemake --resources gpu=N`).
+# One embed job per group of shards (shards.json `groups`; at most `max_jobs` jobs whatever the
+# input, docs/cluster.md): load the model once, write one store per shard (atomically), keep a
+# shard store that is already complete for the same shard, model and options, so a retried or
+# rerun job resumes at shard granularity. The job's output is the group marker, written last;
+# the shard stores are not outputs, so Snakemake never deletes finished ones before a rerun.
+# Retried with a smaller token budget per batch (tokens_per_batch // attempt). With a CUDA
+# device the job requests one GPU; `embedpipe embed` locks a GPU of its own when several jobs
+# share a multi-GPU machine (`snakemake --resources gpu=N`).
 
 
 rule embed:
     input:
-        fasta=f"{OUTDIR}/shards/shard-{{shard}}.fasta",
+        # The shard FASTAs are a param, not inputs: Snakemake sizes every input of every
+        # waiting job in each scheduling round, which grew with jobs x shards (docs/benchmarks.md,
+        # "Workflow overhead"). A new shard run (a new shards.json) reruns every group; stores
+        # whose shard content did not change are kept.
+        listing=f"{OUTDIR}/shards/shards.json",
         model=model_input(),
     output:
-        f"{OUTDIR}/stores/shard-{{shard}}.h5",
+        f"{OUTDIR}/stores/group-{{group}}.json",
     log:
-        f"{OUTDIR}/logs/embed/shard-{{shard}}.log",
+        f"{OUTDIR}/logs/embed/group-{{group}}.log",
     conda:
         "../envs/embedpipe.yaml"
     benchmark:
-        f"{OUTDIR}/benchmarks/embed/shard-{{shard}}.tsv"
+        f"{OUTDIR}/benchmarks/embed/group-{{group}}.tsv"
     params:
+        shards=group_shards,
         model=model_arg,
         options=embed_options(),
+        stores=lambda wildcards, output: os.path.dirname(output[0]),
     threads: 4
     retries: EMBED_RETRIES
     resources:
@@ -27,6 +37,6 @@ rule embed:
         runtime=lambda wildcards, attempt: 120 * attempt,
         tokens_per_batch=tokens_per_batch,
     shell:
-        "embedpipe embed {input.fasta:q} --model {params.model:q} --out {output:q}"
-        " {params.options} --tokens-per-batch {resources.tokens_per_batch}"
+        "embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
+        " --done {output:q} {params.options} --tokens-per-batch {resources.tokens_per_batch}"
         " --threads {threads} > {log:q} 2>&1"

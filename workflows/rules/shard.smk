@@ -1,5 +1,6 @@
 # Validate, normalise, dedupe and length-sort the input into token-budget shards. A
-# checkpoint: the data decides how many shards (and so embed jobs) there are.
+# checkpoint: the data decides how many shards there are; shards.json also groups them into at
+# most `max_jobs` embed jobs.
 
 
 checkpoint shard:
@@ -17,10 +18,12 @@ checkpoint shard:
         outdir=lambda wildcards, output: os.path.dirname(output.manifest),
         tokens_per_shard=config["tokens_per_shard"],
         on_invalid=config["on_invalid"],
+        max_jobs=config["max_jobs"],
     resources:
         mem_mb=shard_mem_mb,
         runtime=60,
     shell:
         "embedpipe shard {input.fasta:q} --out {params.outdir:q}"
         " --tokens-per-shard {params.tokens_per_shard} --on-invalid {params.on_invalid}"
+        " --max-jobs {params.max_jobs}"
         " > {log:q} 2>&1"
