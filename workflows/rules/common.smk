@@ -167,8 +167,7 @@ def shard_stores(wildcards):
 SHARD_MEM_BASE_MB = 256  # measured: 66 MiB at 0 records (fit over 1M, 3M, 10M)
 SHARD_MEM_BYTES_PER_RECORD = 64  # measured: 55.5 B/record (596 MiB at 10M records)
 MERGE_MEM_BASE_MB = 512
-MERGE_MEM_BYTES_PER_RECORD = 384  # measured: ~250 B/record (305 MiB at 1M records, 100 stores)
-MERGE_MEM_MB_PER_STORE = 1  # an allowance for each store's open file and metadata
+MERGE_MEM_BYTES_PER_RECORD = 1024  # measured: 894 MiB at 1M records (format 2); 176 MiB at 5,000 stores
 FASTA_BYTES_PER_RECORD = 200  # shorter than UniProt's average (~350 B): over-counts records
 GZIP_RATIO = 4  # a gzipped FASTA holds up to ~4x its size
 MANIFEST_BYTES_PER_ROW = 100  # a manifest row is ~100-200 bytes (a 64-hex digest, the source)
@@ -190,11 +189,10 @@ def shard_mem_mb(wildcards, input, attempt):
 
 
 def merge_mem_mb(wildcards, input, attempt):
-    """`embedpipe merge --manifest`: a fixed part + a cost per stored record and per store."""
+    """`embedpipe merge --manifest`: a fixed part + a cost per record (the stores' count adds
+    little: docs/benchmarks.md, "Store at scale")."""
     records = _records_in([input.manifest], MANIFEST_BYTES_PER_ROW)
-    stores = len(input.stores)
-    return (MERGE_MEM_BASE_MB + records * MERGE_MEM_BYTES_PER_RECORD // 2**20
-            + stores * MERGE_MEM_MB_PER_STORE) * attempt
+    return (MERGE_MEM_BASE_MB + records * MERGE_MEM_BYTES_PER_RECORD // 2**20) * attempt
 
 
 # ---------------------------------------------------------------- command-line options
