@@ -15,7 +15,7 @@ import h5py
 
 from embedpipe.errors import StoreError
 from embedpipe.manifest import iter_manifest
-from embedpipe.store.format import read_blocks
+from embedpipe.store.sequences import iter_sequence_blocks
 
 
 class StoredIds(Protocol):
@@ -43,8 +43,8 @@ def _sequence_digests(shards: Sequence[StoredIds]) -> bytearray:
     sha256 = hashlib.sha256
     for shard in shards:
         with h5py.File(shard.path, "r") as f:
-            for _, block in read_blocks(f["sequence"], "sequence", shard.path):
-                for seq in block.tolist():
+            for _, block in iter_sequence_blocks(f, shard.path):  # either layout (format 1 or 2)
+                for seq in block:
                     digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
     return digests
 

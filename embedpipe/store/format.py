@@ -30,7 +30,7 @@ from embedpipe.errors import StoreError
 from embedpipe.options import POOLINGS, STORAGE_DTYPES
 
 FORMAT = "embedpipe.store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 LONG_HANDLING = ("none", "chunked", "truncated", "full")
 #: pooled outputs a store can hold, each a group ``{pooling}/layer_{k}`` (N, D); ``mean`` is
@@ -52,6 +52,8 @@ OFFSETS = "offsets"
 VIRTUAL = "virtual-array"
 ALIASES = "aliases"
 SKIPPED = "skipped"
+RAGGED_STRINGS = "ragged-utf8"  # v2 ``sequence/``: UTF-8 bytes + offsets
+ID_INDEX = "id-index"  # v2 ``id_index/``: sorted IDs -> rows
 
 # Chunking: ~4 MiB per chunk of a 2-D float dataset, ~1 MiB per chunk of a string dataset or
 # of a per-record column.
@@ -318,15 +320,16 @@ def check_format(f: h5py.File, path: Path | str) -> int:
     return version
 
 
-def open_h5(path: Path | str) -> h5py.File:
-    """Open read-only, turning 'missing', 'not HDF5' and 'truncated' into one-line StoreErrors."""
+def open_h5(path: Path | str, *, cache_bytes: int | None = None) -> h5py.File:
+    """Open read-only, turning 'missing', 'not HDF5' and 'truncated' into one-line StoreErrors;
+    ``cache_bytes``: HDF5's chunk cache per dataset (default 1 MiB)."""
     path = Path(path)
     if not path.exists():
         raise StoreError(f"{path}: no such file")
     if path.is_dir():
         raise StoreError(f"{path}: is a directory, not a store file")
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path, "r") if cache_bytes is None else h5py.File(path, "r", rdcc_nbytes=cache_bytes)
     except OSError as exc:
         if "already open for write" in str(exc):
             raise StoreError(
