@@ -16,6 +16,7 @@ and info all build on this module, so each rule below exists once:
 from __future__ import annotations
 
 import contextlib
+import errno
 import datetime as _dt
 import json
 import uuid
@@ -335,6 +336,9 @@ def open_h5(path: Path | str, *, cache_bytes: int | None = None) -> h5py.File:
             raise StoreError(
                 f"{path}: incomplete store: the file was never closed (its writer was killed or is still running)"
             ) from None
+        if "Too many open files" in str(exc) or getattr(exc, "errno", None) == errno.EMFILE:
+            raise StoreError(f"{path}: cannot open: too many open files (a resource limit of this process, "
+                             "ulimit -n, not a problem of the store); raise the limit and retry") from None
         reason = str(exc).split("(", 1)[-1].rstrip(")") if "(" in str(exc) else str(exc)
         raise StoreError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {reason}") from None
 
