@@ -126,6 +126,7 @@ def step_open(args: argparse.Namespace) -> dict:
     import psutil
 
     import embedpipe
+    import embedpipe.store.reader  # noqa: F401 - dask's import is not part of opening a store
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
