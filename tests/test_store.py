@@ -145,8 +145,9 @@ def test_round_trip_float32_any_order(good_store):
         assert ids == [r.id for r in records]
         offsets = f["per_residue/offsets"][:]
         assert offsets[0] == 0 and offsets.dtype == np.int64
+        seq_offsets, seq_data = f["sequence/offsets"][:], f["sequence/data"]  # ragged since format 2
         for i, r in enumerate(records):
-            assert f["sequence"][i].decode() == r.sequence
+            assert seq_data[seq_offsets[i] : seq_offsets[i + 1]].tobytes().decode() == r.sequence
             assert f["length"][i] == len(r.sequence)
             assert f["embedded_length"][i] == r.embedded_length
             assert f["precision_used"][i].decode() == r.precision_used
@@ -174,7 +175,7 @@ def test_every_dataset_chunked_checksummed_and_tagged(good_store):
     with h5py.File(path, "r") as f:
         assert f.attrs["encoding-type"] == FORMAT
         f.visititems(visit)
-    assert {"ids", "sequence", "mean/layer_0", "per_residue/offsets", "per_residue/layer_2", "windows"} <= set(seen)
+    assert {"ids", "sequence/data", "sequence/offsets", "id_index/keys", "mean/layer_0", "per_residue/offsets", "per_residue/layer_2", "windows"} <= set(seen)
 
 
 def test_float16_storage_rounds_like_numpy(tmp_path):
@@ -406,9 +407,10 @@ def test_validate_not_hdf5_missing_and_directory(tmp_path):
 def test_newer_format_version_refused(good_store):
     path, _ = good_store
     with h5py.File(path, "r+") as f:
-        f.attrs["format_version"] = 2
-    assert validate_store(path) == ["written by a newer embedpipe (format 2); upgrade embedpipe to read it"]
-    with pytest.raises(StoreError, match=r"newer embedpipe \(format 2\)"):
+        f.attrs["format_version"] = FORMAT_VERSION + 1
+    newer = FORMAT_VERSION + 1
+    assert validate_store(path) == [f"written by a newer embedpipe (format {newer}); upgrade embedpipe to read it"]
+    with pytest.raises(StoreError, match=rf"newer embedpipe \(format {newer}\)"):
         store_info(path)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from embedpipe.errors import StoreError
 from embedpipe.manifest import iter_manifest
-from embedpipe.store.format import read_blocks
+from embedpipe.store.sequences import iter_sequence_blocks
 
 BATCH = 4096  # manifest rows looked up at once (a dict of cells each: a few MB)
 
@@ -54,8 +54,8 @@ def _sequence_digests(shards: Sequence[StoredIds], n: int) -> np.ndarray:
     sha256 = hashlib.sha256
     for shard in shards:
         with h5py.File(shard.path, "r") as f:
-            for _, block in read_blocks(f["sequence"], "sequence", shard.path):
-                for seq in block.tolist():
+            for _, block in iter_sequence_blocks(f, shard.path):  # either layout (format 1 or 2)
+                for seq in block:
                     digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
     return np.frombuffer(digests, dtype=np.uint8).reshape(n, 32)
 

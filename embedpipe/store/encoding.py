@@ -23,10 +23,12 @@ from embedpipe.store.format import (
     ARRAY,
     FORMAT,
     FORMAT_VERSION,
+    ID_INDEX,
     OFFSETS,
     POOLED,
     POOLINGS,
     RAGGED,
+    RAGGED_STRINGS,
     SKIPPED,
     STRINGS,
     VIRTUAL,
@@ -40,13 +42,20 @@ def expected_encodings(f: h5py.File) -> Iterator[tuple[str, tuple[str, ...]]]:
     """(object name, encoding types it may carry) for every object of ``f`` that readers read."""
     yield "/", (FORMAT,)
     for column in COLUMNS.values():
-        yield column.name, (column.encoding,)
+        if column.name == "sequence":  # fixed-width strings (format 1) or ragged (format 2)
+            yield "sequence", (column.encoding, RAGGED_STRINGS)
+            yield from (("sequence/data", (ARRAY,)), ("sequence/offsets", (OFFSETS,)))
+        else:
+            yield column.name, (column.encoding,)
     groups = {**{p: (POOLED, (ARRAY,)) for p in POOLINGS}, "per_residue": (RAGGED, (ARRAY, VIRTUAL))}
     for group, (group_type, layer_types) in groups.items():
         if group in f:
             yield group, (group_type,)
             yield from ((f"{group}/{k}", layer_types) for k in f[group] if k.startswith("layer_"))
     yield "per_residue/offsets", (OFFSETS,)
+    yield "id_index", (ID_INDEX,)
+    yield from ((f"id_index/{name}", (STRINGS,)) for name in ("keys", "fences"))
+    yield "id_index/rows", (ARRAY,)
     for group, group_type, names in (("aliases", ALIASES, ("id", "of")), ("skipped", SKIPPED, ("id", "reason"))):
         yield group, (group_type,)
         yield from ((f"{group}/{name}", (STRINGS,)) for name in names)

@@ -16,6 +16,7 @@ and info all build on this module, so each rule below exists once:
 from __future__ import annotations
 
 import contextlib
+import errno
 import datetime as _dt
 import json
 import uuid
@@ -30,7 +31,7 @@ from embedpipe.errors import StoreError
 from embedpipe.options import POOLINGS, STORAGE_DTYPES
 
 FORMAT = "embedpipe.store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 LONG_HANDLING = ("none", "chunked", "truncated", "full")
 #: pooled outputs a store can hold, each a group ``{pooling}/layer_{k}`` (N, D); ``mean`` is
@@ -52,6 +53,8 @@ OFFSETS = "offsets"
 VIRTUAL = "virtual-array"
 ALIASES = "aliases"
 SKIPPED = "skipped"
+RAGGED_STRINGS = "ragged-utf8"  # v2 ``sequence/``: UTF-8 bytes + offsets
+ID_INDEX = "id-index"  # v2 ``id_index/``: sorted IDs -> rows
 
 # Chunking: ~4 MiB per chunk of a 2-D float dataset, ~1 MiB per chunk of a string dataset or
 # of a per-record column.
@@ -318,20 +321,24 @@ def check_format(f: h5py.File, path: Path | str) -> int:
     return version
 
 
-def open_h5(path: Path | str) -> h5py.File:
-    """Open read-only, turning 'missing', 'not HDF5' and 'truncated' into one-line StoreErrors."""
+def open_h5(path: Path | str, *, cache_bytes: int | None = None) -> h5py.File:
+    """Open read-only, turning 'missing', 'not HDF5' and 'truncated' into one-line StoreErrors;
+    ``cache_bytes``: HDF5's chunk cache per dataset (default 1 MiB)."""
     path = Path(path)
     if not path.exists():
         raise StoreError(f"{path}: no such file")
     if path.is_dir():
         raise StoreError(f"{path}: is a directory, not a store file")
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path, "r") if cache_bytes is None else h5py.File(path, "r", rdcc_nbytes=cache_bytes)
     except OSError as exc:
         if "already open for write" in str(exc):
             raise StoreError(
                 f"{path}: incomplete store: the file was never closed (its writer was killed or is still running)"
             ) from None
+        if "Too many open files" in str(exc) or getattr(exc, "errno", None) == errno.EMFILE:
+            raise StoreError(f"{path}: cannot open: too many open files (a resource limit of this process, "
+                             "ulimit -n, not a problem of the store); raise the limit and retry") from None
         reason = str(exc).split("(", 1)[-1].rstrip(")") if "(" in str(exc) else str(exc)
         raise StoreError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {reason}") from None
 

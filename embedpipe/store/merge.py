@@ -57,6 +57,8 @@ from embedpipe.store.format import (
     tag,
 )
 from embedpipe.store.h5write import atomic_h5
+from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
 from embedpipe.store.info import human_bytes
 from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
 from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
@@ -142,7 +144,9 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             attrs["pooling"] = poolings_of(f)  # a store older than the attribute holds mean only
             ids = decode_strings(f["ids"][:])
             offsets = f["per_residue/offsets"][:].astype(np.int64) if per_residue else None
-            widths = {name: f[name].dtype.itemsize for name in COLUMNS if name in f}
+            # item size of each fixed-width column (0: the ragged sequence column of format 2)
+            widths = {name: getattr(f[name], "dtype", np.dtype("u1")).itemsize * isinstance(f[name], h5py.Dataset)
+                      for name in COLUMNS if name in f}
             missing = [c.name for c in required_columns(version) if c.name not in f]
         except (KeyError, OSError, IndexError) as exc:
             raise StoreError(f"{path}: cannot read store: {exc}") from None
@@ -269,8 +273,12 @@ class _Merge:
     def write(self, f: h5py.File) -> None:
         write_header(f, self.header())
         for column in COLUMNS.values():
-            if any(column.name in s.widths for s in self.shards):
+            if column.name == "sequence":
+                self.write_sequences(f)
+            elif any(column.name in s.widths for s in self.shards):
                 self.write_column(f, column)
+        write_id_index(f, *index_keys(np.concatenate([encode_ids(s.ids) for s in self.shards]) if self.shards else
+                                      encode_ids([]), self.aliases, self.skipped))
         for pooling in self.pooling:
             g = create_pooled_group(f, pooling)
             for k in self.layers:
@@ -301,6 +309,16 @@ class _Merge:
                 values = column.buffer(len(shard.ids))
                 dst[int(start) : int(start) + len(shard.ids)] = encode_strings(values) if column.dtype == STR else values
         dst.flush()  # a full disk surfaces here, not when ``dst`` is garbage collected
+
+    def write_sequences(self, f: h5py.File) -> None:
+        """Ragged (format 2), copied shard by shard in ~64 MiB blocks: no padding to the longest
+        protein (docs/store-format.md, "Datasets")."""
+        sink = SequenceSink(f, self.n)
+        for shard in self.shards:
+            with h5py.File(shard.path, "r") as g:
+                for _, block in iter_sequence_blocks(g, shard.path):
+                    sink.append(block)
+        sink.close()
 
     def write_per_residue(self, f: h5py.File) -> None:
         """Offsets recomputed over all shards; ``layer_{k}`` virtual over the shards' rows."""

@@ -41,12 +41,18 @@ from embedpipe.store.format import (
     read_root_attrs,
     stored_layers,
 )
+from embedpipe.store.idindex import IdIndex, LazyIds
+from embedpipe.store.readio import H5Rows, dataset, read_dataset, read_from
+from embedpipe.store.residues import ShardRows
+from embedpipe.store.sequences import read_sequences
 from embedpipe.store.sources import require_sources
 
 __all__ = ["open_store", "Store", "UnknownIdError"]
 
 # dask chunks: whole HDF5 chunks, about this many bytes per dask chunk
 _DASK_CHUNK_BYTES = 64 << 20
+# HDF5 chunk cache of the open store: per-ID reads of small datasets hit decoded chunks
+_CHUNK_CACHE_BYTES = 4 << 20
 
 
 class UnknownIdError(StoreError, KeyError):
@@ -54,78 +60,6 @@ class UnknownIdError(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
-
-
-def _rows_text(key: Any) -> str:
-    if isinstance(key, (int, np.integer)):
-        return f" row {int(key)}"
-    if isinstance(key, slice) and key.step in (None, 1) and key.start is not None and key.stop is not None:
-        return f" rows {key.start}:{key.stop}"
-    if isinstance(key, tuple) and key:
-        return _rows_text(key[0])
-    return ""
-
-
-def _sources_of(ds: h5py.Dataset, key: Any) -> str:
-    """For a virtual dataset: the shard store(s) holding the rows read (where a bad chunk lies)."""
-    if not ds.is_virtual:
-        return ""
-    key = key[0] if isinstance(key, tuple) and key else key
-    if isinstance(key, (int, np.integer)):
-        key = slice(int(key), int(key) + 1)
-    if not isinstance(key, slice) or key.start is None or key.stop is None:
-        return ""
-    names = []
-    for vmap in ds.virtual_sources():
-        (lo, *_), (hi, *_) = vmap.vspace.get_select_bounds()
-        if lo < key.stop and key.start <= hi and vmap.file_name not in names:
-            names.append(vmap.file_name)
-    return f", stored in {', '.join(names)}" if names else ""
-
-
-def dataset(f: h5py.File, path: Path | str, name: str) -> h5py.Dataset:
-    """``f[name]``, or one StoreError naming the store and the missing dataset."""
-    try:
-        return f[name]
-    except KeyError:
-        raise StoreError(f"{path}: dataset {name} is missing (run embedpipe validate {path})") from None
-
-
-def read_dataset(f: h5py.File, path: Path | str, name: str, key: Any = slice(None)) -> np.ndarray:
-    """``f[name][key]`` for every read of store data: a missing dataset or a failed read
-    (checksum mismatch, truncation, a merged store's unreadable source) becomes one StoreError
-    naming the store, the dataset and the rows, instead of h5py's bare message."""
-    ds = dataset(f, path, name)
-    try:
-        return np.asarray(ds[key])
-    except (OSError, KeyError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise StoreError(
-            f"{path}: cannot read dataset {name}{_rows_text(key)}{_sources_of(ds, key)}: checksum mismatch "
-            f"or read error ({reason}); run embedpipe validate {path}"
-        ) from None
-
-
-class _H5Rows:
-    """A picklable array-like over one dataset: every read opens the file, reads, closes.
-
-    Handed to ``dask.array.from_array``; holds only the path and the dataset name, so it is
-    safe after fork, pickling and in other processes (no shared HDF5 handle).
-    """
-
-    def __init__(self, path: str, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.path = path
-        self.name = name
-        self.shape = shape
-        self.dtype = np.dtype(dtype)
-        self.ndim = len(shape)
-
-    def __getitem__(self, key: Any) -> np.ndarray:
-        with open_h5(self.path) as f:
-            return read_dataset(f, self.path, self.name, key)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_H5Rows, (self.path, self.name, self.shape, self.dtype.str))
 
 
 def open_store(path: os.PathLike[str] | str) -> Store:
@@ -144,7 +78,7 @@ class Store:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _open(self) -> None:
-        f = open_h5(self.path)
+        f = open_h5(self.path, cache_bytes=_CHUNK_CACHE_BYTES)
         try:
             self._version = check_format(f, self.path)
             if not is_complete(f):
@@ -155,12 +89,13 @@ class Store:
             self._layers = stored_layers(f)
             self._pooling = poolings_of(f)
             self._n = int(dataset(f, self.path, "ids").shape[0])
-            self._ids = decode_strings(read_dataset(f, self.path, "ids"))
-            self._row = {rid: i for i, rid in enumerate(self._ids)}
-            self._aliases = self._pairs(f, "aliases", "of")
-            self._skipped = self._pairs(f, "skipped", "reason")
-            self._offsets = (read_dataset(f, self.path, "per_residue/offsets").astype(np.int64)
-                             if "per_residue/offsets" in f else None)
+            # constant memory at open: IDs, aliases and offsets are read on demand
+            self._index = IdIndex.open(f)
+            self._ids = LazyIds(f["ids"], self.__contains__)
+            self._pair_cache: dict[str, dict[str, str]] = {}
+            self._offsets_ds = f["per_residue/offsets"] if "per_residue/offsets" in f else None
+            self._shards = _shard_rows(f, self.path, self._layers)
+            self._dsets: dict[str, h5py.Dataset] = {}
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
             self._dim = int(first.shape[1])
             self._dtype = np.dtype(first.dtype)
@@ -172,12 +107,27 @@ class Store:
             raise StoreError(f"{self.path}: cannot read store: {exc}") from None
         self._file = f
 
-    def _pairs(self, f: h5py.File, group: str, second: str) -> dict[str, str]:
-        """``{group}/id`` -> ``{group}/{second}`` (aliases, skipped); empty without the group."""
-        if group not in f:
-            return {}
-        return dict(zip(decode_strings(read_dataset(f, self.path, f"{group}/id")),
-                        decode_strings(read_dataset(f, self.path, f"{group}/{second}"))))
+    def _pairs(self, group: str, second: str) -> dict[str, str]:
+        """``{group}/id`` -> ``{group}/{second}`` (aliases, skipped), read once when first asked."""
+        if group not in self._pair_cache:
+            f = self._h5
+            self._pair_cache[group] = {} if group not in f else dict(zip(
+                decode_strings(read_dataset(f, self.path, f"{group}/id")),
+                decode_strings(read_dataset(f, self.path, f"{group}/{second}"))))
+        return self._pair_cache[group]
+
+    def _read(self, name: str, key: Any) -> np.ndarray:
+        """A read through a kept dataset handle (per-ID reads do not re-open datasets)."""
+        ds = self._dsets.get(name)
+        if ds is None:
+            ds = self._dsets[name] = dataset(self._h5, self.path, name)
+        return read_from(ds, self.path, name, key)
+
+    def _residues(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Per-residue rows ``start:stop``: from the shard stores themselves for a merged store."""
+        if self._shards is not None:
+            return self._shards.read(name, start, stop, self._dim, self._dtype)
+        return self._read(name, slice(start, stop))
 
     def _check_sources(self, f: h5py.File) -> None:
         """A merged store reads per-residue data from its shard stores: they must exist (HDF5
@@ -193,6 +143,9 @@ class Store:
 
     def close(self) -> None:
         if self._file is not None:
+            if self._shards is not None:
+                self._shards.close()
+            self._dsets.clear()
             self._file.close()
             self._file = None
 
@@ -226,9 +179,11 @@ class Store:
         return dict(self._provenance)
 
     @property
-    def ids(self) -> list[str]:
-        """Record IDs in row order (aliases not included; see ``aliases``)."""
-        return list(self._ids)
+    def ids(self) -> LazyIds:
+        """Record IDs in row order (aliases not included; see ``aliases``): a sequence read
+        from the store block by block (``len``, indexing, iteration, ``in``; ``list(ids)``
+        copies them all)."""
+        return self._ids
 
     @property
     def layers(self) -> list[int]:
@@ -251,17 +206,17 @@ class Store:
 
     @property
     def has_per_residue(self) -> bool:
-        return self._offsets is not None
+        return self._offsets_ds is not None
 
     @property
     def aliases(self) -> dict[str, str]:
         """Merged stores: duplicate-sequence ID -> the ID of the stored record."""
-        return dict(self._aliases)
+        return dict(self._pairs("aliases", "of"))
 
     @property
     def skipped(self) -> dict[str, str]:
         """Merged stores with a manifest: skipped input ID -> reason."""
-        return dict(self._skipped)
+        return dict(self._pairs("skipped", "reason"))
 
     def __len__(self) -> int:
         return self._n
@@ -270,21 +225,30 @@ class Store:
         return iter(self._ids)
 
     def __contains__(self, record_id: object) -> bool:
-        return record_id in self._row or record_id in self._aliases
+        if not isinstance(record_id, str):
+            return False
+        row = self._index.lookup(record_id)
+        return row is not None and row >= 0
+
+    def _lookup(self, record_id: str) -> int:
+        """Row of a record ID or alias (the index, docs/store-format.md "ID index"); a skipped
+        or unknown ID raises UnknownIdError."""
+        self._h5  # noqa: B018 - a closed store raises StoreError, not an h5py error
+        row = self._index.lookup(str(record_id))
+        if row is None:
+            raise UnknownIdError(f"{record_id!r} is not in {self.path.name}")
+        if row < 0:
+            reason = decode_strings(self._read("skipped/reason", -1 - row))[0]
+            raise UnknownIdError(f"{record_id!r} was skipped when sharding: {reason}")
+        return row
 
     def resolve(self, record_id: str) -> str:
         """The stored record ID for ``record_id`` (itself, or the record an alias points to)."""
-        if record_id in self._row:
-            return record_id
-        if record_id in self._aliases:
-            return self._aliases[record_id]
-        if record_id in self._skipped:
-            raise UnknownIdError(f"{record_id!r} was skipped when sharding: {self._skipped[record_id]}")
-        raise UnknownIdError(f"{record_id!r} is not in {self.path.name}")
+        return self._ids[self._lookup(record_id)]
 
     def index(self, record_id: str) -> int:
         """Row of ``record_id``; aliases resolve to the row of the record they duplicate."""
-        return self._row[self.resolve(record_id)]
+        return self._lookup(record_id)
 
     def layer(self, layer: int = -1) -> int:
         """Absolute layer index for ``layer``: a stored absolute index, or a negative index
@@ -298,13 +262,13 @@ class Store:
 
     # -- data --------------------------------------------------------------------------------
 
-    def _dask(self, name: str, label: str, dtype: Any) -> Any:
+    def _dask(self, name: str, label: str, dtype: Any, shards: ShardRows | None = None) -> Any:
         """Dataset ``name`` as a lazy dask array in whole HDF5 chunks, named by the file's
         path, mtime and size (a rewritten store never reuses cached chunks)."""
         ds = dataset(self._h5, self.path, name)
         stat = self.path.stat()
         arr = da.from_array(
-            _H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype),
+            H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype, shards),
             chunks=(_dask_rows(ds), ds.shape[1]),
             lock=False,
             asarray=True,
@@ -332,37 +296,55 @@ class Store:
     def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None, pooling: str = "mean") -> np.ndarray:
         """One record's mean vector (D,) as numpy (its BOS vector with ``pooling="bos"``)."""
         row = self.index(record_id)
-        vec = read_dataset(self._h5, self.path, self._pooled_name(pooling, layer), row)
+        vec = self._read(self._pooled_name(pooling, layer), row)
         return vec if dtype is None else vec.astype(dtype)
+
+    def _require_per_residue(self) -> h5py.Dataset:
+        self._h5  # noqa: B018 - a closed store raises StoreError
+        if self._offsets_ds is None:
+            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        return self._offsets_ds
 
     def per_residue(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
         """Per-residue vectors (embedded_length, D) of one record (aliases resolve)."""
-        if self._offsets is None:
-            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        offsets = self._require_per_residue()
         row = self.index(record_id)
         k = self.layer(layer)
-        start, stop = int(self._offsets[row]), int(self._offsets[row + 1])
-        out = read_dataset(self._h5, self.path, f"per_residue/layer_{k}", slice(start, stop))
+        start, stop = (int(v) for v in read_from(offsets, self.path, "per_residue/offsets", slice(row, row + 2)))
+        out = self._residues(f"per_residue/layer_{k}", start, stop)
         return out if dtype is None else out.astype(dtype)
 
     def per_residue_array(self, layer: int = -1, *, dtype: Any = None) -> Any:
         """All per-residue vectors of ``layer`` as one lazy dask array (rows, D); record i is
         rows ``offsets[i]:offsets[i+1]`` (see ``offsets``)."""
-        if self._offsets is None:
-            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        self._require_per_residue()
         k = self.layer(layer)
-        return self._dask(f"per_residue/layer_{k}", f"pr-{k}", dtype)
+        return self._dask(f"per_residue/layer_{k}", f"pr-{k}", dtype, self._shards)
 
     @property
     def offsets(self) -> np.ndarray | None:
-        """per_residue/offsets (N+1,), or None without per-residue output."""
-        return None if self._offsets is None else self._offsets.copy()
+        """per_residue/offsets (N+1,), or None without per-residue output (read when asked)."""
+        if self._offsets_ds is None:
+            return None
+        return read_from(self._offsets_ds, self.path, "per_residue/offsets", slice(None)).astype(np.int64)
+
+    def _column(self, name: str, key: Any) -> np.ndarray | list[bytes]:
+        """Stored values of one per-record column (``sequence`` in either layout)."""
+        if name != "sequence":
+            return self._read(name, key)
+        lo, hi = (key, key + 1) if isinstance(key, (int, np.integer)) else _row_range(key, self._n)
+        try:
+            values = read_sequences(self._h5, int(lo), int(hi))
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot read dataset sequence rows {lo}:{hi}: checksum mismatch or "
+                             f"read error ({exc}); run embedpipe validate {self.path}") from None
+        return values[0] if isinstance(key, (int, np.integer)) else np.array(values, dtype=object)
 
     def __getitem__(self, record_id: str) -> dict[str, Any]:
         """One record: its per-record fields and pooled vectors (``mean``, and ``bos`` when
         stored: layer -> (D,))."""
-        canonical = self.resolve(record_id)
-        row = self._row[canonical]
+        row = self._lookup(record_id)
+        canonical = self._ids[row]
         f = self._h5
         out: dict[str, Any] = {
             "id": record_id,
@@ -374,11 +356,11 @@ class Store:
             if name == "ids":
                 continue
             if name in f:
-                out[name] = column.to_python(read_dataset(f, self.path, name, row))
+                out[name] = column.to_python(self._column(name, row))
             elif not column.required_in(self._version):
                 out[name] = column.default
         for pooling in self._pooling:
-            out[pooling] = {k: read_dataset(f, self.path, f"{pooling}/layer_{k}", row) for k in self._layers}
+            out[pooling] = {k: self._read(f"{pooling}/layer_{k}", row) for k in self._layers}
         return out
 
     def records(self, *, sequence: bool = False, rows: slice | None = None) -> dict[str, np.ndarray]:
@@ -395,7 +377,7 @@ class Store:
             if name == "ids" or (name == "sequence" and not sequence):
                 continue
             if name in f:
-                table[name] = column.to_table(read_dataset(f, self.path, name, key))
+                table[name] = column.to_table(self._column(name, key))
             elif not column.required_in(self._version):
                 table[name] = column.default_table(hi - lo)
         return table
@@ -404,18 +386,25 @@ class Store:
         """Mean (or ``pooling``) vectors of the records in ``rows`` (a step-1 slice), as numpy
         in the storage dtype."""
         lo, hi = _row_range(rows, self._n)
-        return read_dataset(self._h5, self.path, self._pooled_name(pooling, layer), slice(lo, hi))
+        return self._read(self._pooled_name(pooling, layer), slice(lo, hi))
 
     def per_residue_rows(self, rows: slice, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
         """(vectors, offsets) of the records in ``rows``: record ``rows.start + i`` is
         ``vectors[offsets[i]:offsets[i+1]]``. One read for the whole block."""
-        if self._offsets is None:
-            raise StoreError(f"{self.path.name} has no per-residue vectors (embedded without --per-residue)")
+        ds = self._require_per_residue()
         lo, hi = _row_range(rows, self._n)
-        offsets = self._offsets[lo : hi + 1]
-        name = f"per_residue/layer_{self.layer(layer)}"
-        vectors = read_dataset(self._h5, self.path, name, slice(int(offsets[0]), int(offsets[-1])))
+        offsets = read_from(ds, self.path, "per_residue/offsets", slice(lo, hi + 1)).astype(np.int64)
+        vectors = self._residues(f"per_residue/layer_{self.layer(layer)}", int(offsets[0]), int(offsets[-1]))
         return vectors, offsets - offsets[0]
+
+
+def _shard_rows(f: h5py.File, path: Path, layers: list[int]) -> ShardRows | None:
+    """Where a merged store's per-residue rows lie (None for stores whose per-residue rows
+    are their own): reads bypass the virtual datasets (embedpipe.store.residues)."""
+    name = f"per_residue/layer_{layers[-1]}"
+    if name not in f or not f[name].is_virtual:
+        return None
+    return ShardRows.of(f, path)
 
 
 def _row_range(rows: slice | None, n: int) -> tuple[int, int]:

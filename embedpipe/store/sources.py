@@ -22,6 +22,7 @@ import numpy as np
 
 from embedpipe.checksums import file_sha256
 from embedpipe.errors import StoreError
+from embedpipe.store.residues import is_resource_error, open_error
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, read_strings
 
 #: root attribute of merged stores: JSON list of {path, store_uuid, size[, sha256]}
@@ -74,6 +75,8 @@ def _identity_change(src: Path, entry: dict[str, Any], *, full: bool) -> str | N
         with h5py.File(src, "r") as g:
             have_uuid = attr_to_python(g.attrs.get(STORE_UUID_ATTR))
     except OSError as exc:
+        if is_resource_error(exc):
+            raise open_error(src, src.name, exc) from None  # a resource limit, not a changed source
         return f"is unreadable ({str(exc).splitlines()[0] if str(exc) else exc})"
     if have_uuid != want_uuid:
         return (f"was rewritten after the merge (store_uuid {have_uuid or 'none'}, "
@@ -174,7 +177,10 @@ def _open_and_check_source(f: h5py.File, src: Path, rel: str, datasets: set[str]
             return _check_source(f, g, rel, datasets, rows, ids, problems)
     except StoreError as exc:
         problems.append(f"source store {rel}: {exc}")
-    except (OSError, KeyError) as exc:
+    except OSError as exc:
+        problems.append(str(open_error(src, rel, exc)) if is_resource_error(exc)
+                        else f"source store {rel} is unreadable: {exc}")
+    except KeyError as exc:
         problems.append(f"source store {rel} is unreadable: {exc}")
     return False
 

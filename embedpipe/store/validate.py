@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import h5py
@@ -28,18 +29,21 @@ from embedpipe.store.format import (
     read_strings,
     stored_layers,
 )
+from embedpipe.store.idindex import check_id_index
+from embedpipe.store.residues import ShardRows
+from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
 from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.sources import validate_sources
 
 
-def _read_all(ds: h5py.Dataset, name: str, problems: list[str], *, check_finite: bool,
+def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: list[str], *, check_finite: bool,
               check: MeanCheck | None = None) -> None:
     """Read every block (verifying checksums at the source), optionally check finiteness and
     hand each block to ``check`` (so the mean check costs no second read)."""
     nonfinite = 0
     first_bad: int | None = None
     try:
-        for sl, block in read_blocks(ds, name):
+        for sl, block in blocks:
             if check_finite and (bad := _nonfinite_rows(block)).any():
                 nonfinite += int(np.count_nonzero(bad))
                 if first_bad is None:
@@ -105,6 +109,8 @@ class _Validation:
         self.lengths()
         self.per_residue()
         self.aliases_and_skipped()
+        if self.ids is not None:
+            problems.extend(check_id_index(f, self.ids))
         self.data()
 
     def columns(self) -> None:
@@ -114,6 +120,9 @@ class _Validation:
             if name not in self.f:
                 if name in required:
                     self.problems.append(f"dataset {name} is missing")
+            elif name == "sequence":
+                if (rows := sequence_count(self.f)) != self.n:
+                    self.problems.append(f"sequence column has {rows} rows (or is malformed), expected {self.n}")
             elif self.f[name].shape != (self.n,):
                 self.problems.append(f"dataset {name} has shape {self.f[name].shape}, expected ({self.n},)")
 
@@ -183,9 +192,8 @@ class _Validation:
             if (emb < 0).any() or (emb > lengths).any():
                 i = int(np.argmax((emb < 0) | (emb > lengths)))
                 self.problems.append(f"record {self.label(i)}: embedded_length {emb[i]} outside 0..length {lengths[i]}")
-        sequences = self._column("sequence", read_strings) if lengths is not None else None
-        if sequences is not None:
-            seq_lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=self.n)
+        seq_lengths = self.sequence_lengths() if lengths is not None else None
+        if seq_lengths is not None:
             if not np.array_equal(seq_lengths, lengths):
                 i = int(np.argmax(seq_lengths != lengths))
                 self.problems.append(f"record {self.label(i)}: length {lengths[i]} != len(sequence) {seq_lengths[i]}")
@@ -193,6 +201,19 @@ class _Validation:
         bad = sorted(set(handling or ()) - set(LONG_HANDLING))
         if bad:
             self.problems.append(f"long_handling has unknown value(s) {bad}")
+
+    def sequence_lengths(self) -> np.ndarray | None:
+        """Characters of each stored sequence (either layout), read block by block."""
+        if sequence_count(self.f) != self.n:
+            return None
+        out = np.zeros(self.n, dtype=np.int64)
+        try:
+            for lo, block in iter_sequence_blocks(self.f):
+                out[lo : lo + len(block)] = [len(b.decode("utf-8", "replace")) for b in block]
+        except StoreError as exc:
+            self.problems.append(str(exc))
+            return None
+        return out
 
     def per_residue(self) -> None:
         on = attr_to_python(self.attrs.get("per_residue", "per_residue" in self.f))
@@ -264,13 +285,17 @@ class _Validation:
         if "merged_from" in self.f.attrs or any(ds.is_virtual for _, ds in datasets):
             sources_ok = validate_sources(self.f, self.path, self.ids, self.problems)
         checks = mean_checks(self.f, self.ids) if sources_ok else {}
+        # a merged store's per-residue rows are read from each shard store in turn, not through
+        # the virtual datasets (bounded open files and memory; embedpipe.store.residues)
+        shards = ShardRows.of(self.f, self.path) if sources_ok else None
         for name, ds in datasets:
             if not ds.is_virtual and not ds.fletcher32:
                 self.problems.append(f"dataset {name} has no fletcher32 checksum")
             if ds.is_virtual and not sources_ok:
                 continue
             vectors = ds.dtype.kind == "f" and name.split("/", 1)[0] in {*POOLINGS, "per_residue"}
-            _read_all(ds, name, self.problems, check_finite=vectors, check=checks.get(name))
+            blocks = shards.blocks(name) if ds.is_virtual and shards is not None else read_blocks(ds, name)
+            _read_all(blocks, name, self.problems, check_finite=vectors, check=checks.get(name))
 
 
 def validate_store(path: Path) -> list[str]:

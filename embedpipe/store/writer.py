@@ -38,6 +38,8 @@ from embedpipe.store.format import (
     utc_now,
     write_root_attrs,
 )
+from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+from embedpipe.store.sequences import write_sequences
 from embedpipe.store.h5write import abandon, check_free_space, reraise
 
 #: root attributes the writer derives from its arguments; callers may repeat them only unchanged
@@ -196,8 +198,11 @@ class StoreWriter:
         write_header(f, root)
         announced = [EmbeddedRecord(id=i, sequence=s, precision_used="") for i, s in zip(self.ids, self.sequences)]
         for column in COLUMNS.values():
-            if column.announced:
+            if column.name == "sequence":  # ragged since format 2 (embedpipe.store.sequences)
+                write_sequences(f, self.sequences, n)
+            elif column.announced:
                 write_column(f, column, [column.value(r) for r in announced])
+        write_id_index(f, *index_keys(encode_ids(self.ids)))
 
         self._pooled: dict[str, dict[int, h5py.Dataset]] = {}
         for pooling in self.pooling:

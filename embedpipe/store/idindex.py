@@ -1,0 +1,217 @@
+"""ID lookup without reading every ID: the on-disk ``id_index/`` of format 2, and ``ids`` as a
+lazy sequence.
+
+``id_index/keys`` holds every record ID, alias ID and skipped ID, sorted bytewise, in blocks of
+``block_rows`` (one HDF5 chunk each); ``id_index/rows`` the row of each key (a record's own
+row; an alias's target row; ``-(j+1)`` for ``skipped`` entry j); ``id_index/fences`` the first
+key of each block. A lookup bisects the fences (kept in memory: N / block_rows keys), reads
+one block of keys and rows (a small LRU cache keeps recent blocks) and bisects it: O(log N)
+and one chunk read, in memory independent of N. Format-1 stores have no index: the reader
+builds the same arrays in memory. docs/store-format.md, "ID index".
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import h5py
+import numpy as np
+
+from embedpipe.errors import StoreError
+from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, decode_strings, string_dtype, tag
+
+GROUP = "id_index"
+#: keys per block (= per HDF5 chunk): ~100 KiB of UniRef-style IDs, decompressed per lookup
+BLOCK_ROWS = 4096
+_CACHE_BLOCKS = 32
+
+
+def encode_ids(values: Sequence[str] | np.ndarray) -> np.ndarray:
+    """IDs as a fixed-width bytes array (numpy ``S``: compares bytewise, as the index sorts)."""
+    if isinstance(values, np.ndarray) and values.dtype.kind == "S":
+        return values
+    encoded = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+    width = max((len(b) for b in encoded), default=1)
+    return np.array(encoded, dtype=f"S{max(1, width)}")
+
+
+def _dataset(g: h5py.Group, name: str, data: np.ndarray, encoding: str, compress: bool) -> None:
+    ds = g.create_dataset(name, data=data, chunks=(max(1, min(BLOCK_ROWS, len(data))),),
+                          maxshape=(None,) if not len(data) else None, compression="gzip" if compress else None,
+                          shuffle=compress, fletcher32=True)
+    tag(ds, encoding)
+
+
+def write_id_index(f: h5py.Group, keys: np.ndarray, rows: np.ndarray) -> None:
+    """``id_index/`` from unsorted ``keys`` (bytes) and their ``rows``; a duplicate key is refused."""
+    order = np.argsort(keys, kind="stable")
+    keys, rows = keys[order], np.asarray(rows, dtype=np.int64)[order]
+    if len(keys) > 1 and (dup := np.flatnonzero(keys[1:] == keys[:-1])).size:
+        raise StoreError(f"id {keys[int(dup[0])].decode('utf-8', 'replace')!r} occurs twice "
+                         "(record ids, aliases and skipped ids must be distinct)")
+    g = f.create_group(GROUP)
+    tag(g, ID_INDEX, block_rows=np.int64(BLOCK_ROWS))
+    keys = keys.astype(string_dtype(keys.dtype.itemsize)) if len(keys) else np.zeros(0, dtype=string_dtype(1))
+    _dataset(g, "keys", keys, STRINGS, True)
+    _dataset(g, "rows", rows, ARRAY, True)
+    _dataset(g, "fences", keys[::BLOCK_ROWS], STRINGS, True)
+
+
+def index_keys(ids: np.ndarray, aliases: Sequence[tuple[str, str]] = (),
+               skipped: Sequence[tuple[str, str]] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, rows) of a store's index: its ``ids`` (bytes, row order), aliases -> their
+    target's row, skipped -> ``-(j+1)``. An alias target that is not a record is refused."""
+    rows = np.arange(len(ids), dtype=np.int64)
+    parts, part_rows = [ids], [rows]
+    if aliases:
+        order = np.argsort(ids)
+        targets = encode_ids([of for _, of in aliases])
+        pos = np.clip(np.searchsorted(ids[order], targets), 0, max(0, len(ids) - 1))
+        found = ids[order][pos] == targets if len(ids) else np.zeros(len(targets), bool)
+        if not found.all():
+            raise StoreError(f"alias target {aliases[int(np.argmin(found))][1]!r} is not a stored record")
+        parts.append(encode_ids([a for a, _ in aliases]))
+        part_rows.append(order[pos])
+    if skipped:
+        parts.append(encode_ids([s for s, _ in skipped]))
+        part_rows.append(-1 - np.arange(len(skipped), dtype=np.int64))
+    width = max(p.dtype.itemsize for p in parts)
+    return np.concatenate([p.astype(f"S{width}") for p in parts]), np.concatenate(part_rows)
+
+
+class IdIndex:
+    """Key -> stored row value (see the module docstring), by bisection over blocks."""
+
+    def __init__(self, keys: h5py.Dataset | np.ndarray, rows: h5py.Dataset | np.ndarray,
+                 fences: np.ndarray, block_rows: int) -> None:
+        self._keys, self._rows, self._fences, self._block = keys, rows, fences, max(1, int(block_rows))
+        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    @classmethod
+    def open(cls, f: h5py.File) -> IdIndex:
+        """The store's ``id_index/``, or (format 1) one built in memory from ``ids`` and aliases."""
+        if GROUP in f:
+            g = f[GROUP]
+            return cls(g["keys"], g["rows"], np.asarray(g["fences"][:]), int(g.attrs.get("block_rows", BLOCK_ROWS)))
+        pairs = {group: list(zip(decode_strings(f[f"{group}/id"][:]), decode_strings(f[f"{group}/{second}"][:])))
+                 for group, second in (("aliases", "of"), ("skipped", "reason")) if group in f}
+        keys, rows = index_keys(encode_ids(np.asarray(f["ids"][:])), pairs.get("aliases", ()), pairs.get("skipped", ()))
+        order = np.argsort(keys, kind="stable")
+        keys, rows = keys[order], rows[order]
+        return cls(keys, rows, keys[:1], max(1, len(keys)))
+
+    def _load(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._cache.get(b)
+        if hit is not None:
+            self._cache.move_to_end(b)
+            return hit
+        sl = slice(b * self._block, (b + 1) * self._block)
+        block = (np.asarray(self._keys[sl]), np.asarray(self._rows[sl]))
+        self._cache[b] = block
+        if len(self._cache) > _CACHE_BLOCKS:
+            self._cache.popitem(last=False)
+        return block
+
+    def lookup(self, key: str) -> int | None:
+        """The stored row value of ``key``, or None when it is not in the index."""
+        if not len(self._fences):
+            return None
+        k = np.bytes_(key.encode("utf-8"))
+        b = int(np.searchsorted(self._fences, k, side="right")) - 1
+        if b < 0:
+            return None
+        keys, rows = self._load(b)
+        i = int(np.searchsorted(keys, k))
+        return int(rows[i]) if i < len(keys) and keys[i] == k else None
+
+
+class LazyIds(Sequence[str]):
+    """``Store.ids``: record IDs in row order, read block by block from ``ids`` on demand
+    (``len``, indexing, slicing, iteration, ``in``, ``==`` with a list; ``list(...)`` copies)."""
+
+    def __init__(self, ds: h5py.Dataset, contains: Any) -> None:
+        self._ds, self._contains, self._n = ds, contains, int(ds.shape[0])
+        self._rows = max(1, ds.chunks[0] if ds.chunks else 65536)
+        self._cache: tuple[int, list[str]] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _block(self, b: int) -> list[str]:
+        if self._cache is None or self._cache[0] != b:
+            self._cache = (b, decode_strings(self._ds[b * self._rows : (b + 1) * self._rows]))
+        return self._cache[1]
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self._n)
+            if step != 1:
+                return list(self)[i]
+            return decode_strings(self._ds[lo:hi]) if hi > lo else []
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._block(i // self._rows)[i % self._rows]
+
+    def __iter__(self) -> Iterator[str]:
+        for lo in range(0, self._n, self._rows):
+            yield from decode_strings(self._ds[lo : lo + self._rows])
+
+    def __contains__(self, value: object) -> bool:
+        return bool(self._contains(value))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (LazyIds, list, tuple)):
+            return len(other) == self._n and list(self) == list(other)
+        return NotImplemented
+
+    def __add__(self, other: Sequence[str]) -> list[str]:  # ``store.ids + [...]``, as with the former list
+        return list(self) + list(other)
+
+    def __radd__(self, other: Sequence[str]) -> list[str]:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return f"<ids: {self._n} record IDs>"
+
+
+def check_id_index(f: h5py.File, ids: list[str]) -> list[str]:
+    """``embedpipe validate``: the stored index is exactly the one the records, aliases and
+    skipped IDs give (sorted, every key's row right, fences the first key of each block).
+    Format-1 stores have none: nothing to check."""
+    if GROUP not in f:
+        if int(f.attrs.get("format_version", 1)) >= 2:
+            return [f"group {GROUP} is missing"]
+        return []
+    g = f[GROUP]
+    if any(name not in g for name in ("keys", "rows", "fences")):
+        return [f"group {GROUP} needs datasets keys, rows and fences"]
+    pairs = {group: list(zip(decode_strings(f[f"{group}/id"][:]), decode_strings(f[f"{group}/{second}"][:])))
+             for group, second in (("aliases", "of"), ("skipped", "reason"))
+             if group in f and "id" in f[group] and second in f[group] and f[group]["id"].shape == f[group][second].shape}
+    try:
+        keys, rows = index_keys(encode_ids(ids), pairs.get("aliases", ()), pairs.get("skipped", ()))
+    except StoreError as exc:
+        return [f"{GROUP}: {exc}"]  # an alias to an unknown id is reported by the alias check too
+    order = np.argsort(keys, kind="stable")
+    keys, rows = keys[order], rows[order]
+    try:
+        stored_keys, stored_rows = np.asarray(g["keys"][:]), np.asarray(g["rows"][:])
+        fences = np.asarray(g["fences"][:])
+    except OSError as exc:
+        return [f"{GROUP}: checksum mismatch or read error ({exc})"]
+    block = int(g.attrs.get("block_rows", BLOCK_ROWS))
+    if stored_keys.shape != keys.shape or not (np.array_equal(stored_keys, keys) and np.array_equal(stored_rows, rows)):
+        return [f"{GROUP} does not match the store's ids, aliases and skipped ids ({len(stored_keys)} keys, "
+                f"expected {len(keys)}): ID lookups would give wrong rows"]
+    if not np.array_equal(fences, keys[::block]):
+        return [f"{GROUP}/fences is not the first key of every {block}-key block"]
+    return []
