@@ -74,6 +74,14 @@ def fair_esm_bos(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, 
     return {k: v[0] for k, v in fair_esm_tokens(model, alphabet, seq, layers).items()}
 
 
+def plain_sequences(f: h5py.File) -> list[str]:
+    """A store's sequences by plain h5py: format 2's bytes + offsets, or format 1's padded strings."""
+    if isinstance(f["sequence"], h5py.Group):
+        data, offsets = f["sequence/data"][()], f["sequence/offsets"][()]
+        return [bytes(data[offsets[i] : offsets[i + 1]]).decode("ascii") for i in range(len(offsets) - 1)]
+    return [s.decode() if isinstance(s, bytes) else str(s) for s in f["sequence"][()]]
+
+
 def read_store(path: Path) -> dict:
     """Plain h5py read of a store into dicts keyed by ID (independent of embedpipe.io)."""
     out: dict = {"attrs": {}, "mean": {}, "per_residue": {}, "fields": {}}

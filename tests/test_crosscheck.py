@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embed_helpers import embed_store, fair_esm_forward, random_sequences, read_store
+from embed_helpers import embed_store, fair_esm_forward, plain_sequences, random_sequences, read_store
 from embedpipe import metrics
 from embedpipe.crosscheck import Thresholds, run_crosscheck
 from embedpipe.errors import EmbedpipeError
@@ -289,7 +289,7 @@ def test_report_pooled_cosines_equal_an_independent_fair_esm_fp32_computation(tm
     stored = read_store(low_store)  # plain h5py
     model, alphabet = fair_esm_reference(tiny_model_path)
     with h5py.File(low_store, "r") as f:
-        sequences = {rid: (s.decode() if isinstance(s, bytes) else str(s)) for rid, s in zip(stored["ids"], f["sequence"][()])}
+        sequences = dict(zip(stored["ids"], plain_sequences(f)))
     checked = 0
     for rec in data["records"]:
         assert CONTRACT_RECORD_KEYS <= set(rec)
