@@ -18,6 +18,9 @@ from embedpipe.store import Store
 
 #: vector bytes read per block
 BLOCK_BYTES = 64 << 20
+#: records per block at most: each carries Python strings (ID, digest), so narrow vectors must
+#: not make a block hold millions of them
+BLOCK_ROWS = 65_536
 #: per-record columns every export carries
 RECORD_COLUMNS = ("length", "precision_used", "fallback_reason")
 
@@ -83,14 +86,14 @@ def block_bounds(store: Store, per_residue: bool, block_bytes: int = BLOCK_BYTES
     """Row ranges ``(lo, hi)`` of about ``block_bytes`` of vectors each (at least one record)."""
     n, row_bytes = len(store), max(1, store.dim * store.dtype.itemsize)
     if not per_residue:
-        step = max(1, block_bytes // row_bytes)
+        step = max(1, min(BLOCK_ROWS, block_bytes // row_bytes))
         yield from ((lo, min(n, lo + step)) for lo in range(0, n, step))
         return
     offsets, budget = store.offsets, max(1, block_bytes // row_bytes)
     lo = 0
     while lo < n:
         hi = int(np.searchsorted(offsets, offsets[lo] + budget, side="right")) - 1
-        hi = min(n, max(lo + 1, hi))
+        hi = min(n, lo + BLOCK_ROWS, max(lo + 1, hi))
         yield lo, hi
         lo = hi
 
