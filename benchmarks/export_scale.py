@@ -4,7 +4,7 @@
 
 Writes a synthetic merged-shape store (N records, D-wide float32 means, 5% of input IDs as
 aliases) once per size, then runs `embedpipe export` for each format in its own process and
-reports wall time and peak RSS (``ru_maxrss`` of the child), next to the size of the vector
+reports wall time and peak RSS (the child's VmHWM), next to the size of the vector
 matrix itself. Bounded memory means peak RSS grows far slower than the matrix (what is left
 grows with the store's ID index, which issue 15 moves to disk).
 """
@@ -48,15 +48,20 @@ def write_store(path: Path, n: int, dim: int, seed: int = 0) -> None:
             ds.attrs["encoding-type"], ds.attrs["encoding-version"] = "fixed-utf8-array", "1"
 
 
+_PEAK = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
+
+
 def run_export(store: Path, fmt: str, out: Path) -> dict[str, float]:
+    """Time and peak RSS of one export in a fresh process. Peak RSS is VmHWM, which exec
+    resets (``ru_maxrss`` would carry over the parent's peak through fork)."""
     code = (
-        "import resource, sys, time\n"
+        "import time\n"
         "from embedpipe.export import export_store\n"
         "t = time.perf_counter()\n"
         f"export_store({str(store)!r}, fmt={fmt!r}, out={str(out)!r}, quiet=True)\n"
-        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        f"print(time.perf_counter() - t, {_PEAK})\n"
     )
-    base = "import resource, embedpipe.export; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    base = f"import embedpipe.export; print({_PEAK})"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     idle = int(subprocess.run([sys.executable, "-c", base], capture_output=True, text=True, check=True, env=env).stdout)
     seconds, peak = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

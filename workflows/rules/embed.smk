@@ -15,6 +15,9 @@ rule embed:
         # "Workflow overhead"). A new shard run (a new shards.json) reruns every group; stores
         # whose shard content did not change are kept.
         listing=f"{OUTDIR}/shards/shards.json",
+        # the checkpoint's outputs as inputs: a cluster job's inner Snakemake refuses params
+        # that read a checkpoint whose outputs the rule does not take
+        manifest=f"{OUTDIR}/shards/manifest.tsv",
         model=model_input(),
     output:
         f"{OUTDIR}/stores/group-{{group}}.json",
