@@ -15,26 +15,27 @@ import pytest
 
 @pytest.mark.slurm
 @pytest.mark.skip(reason="no SLURM cluster here")
-def test_needs_slurm():
+def TEST_needs_slurm():
     pass
 
 @pytest.mark.browser
-def test_needs_browser():
+def TEST_needs_browser():
     pytest.skip("no chromium")
 
 @pytest.mark.slow
 @pytest.mark.skip(reason="an ordinary skip")
-def test_ordinary_skip():
+def TEST_ordinary_skip():
     pass
 
-def test_passes():
+def TEST_passes():
     assert True
 '''
 
 
 def _run(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    # the sample's test names are spelled TEST_ here so that only the inner run collects them
+    (tmp_path / "test_sample.py").write_text(SAMPLE.replace("def TEST_", "def test_"))
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
