@@ -74,6 +74,17 @@ def fair_esm_bos(model, alphabet, seq: str, layers: Sequence[int]) -> dict[int, 
     return {k: v[0] for k, v in fair_esm_tokens(model, alphabet, seq, layers).items()}
 
 
+def flip_byte_in_chunk(path: Path, dataset: str, chunk: int = 0, at: int = 3) -> None:
+    """Corrupt one byte of a stored chunk in place (its fletcher32 checksum then fails)."""
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(chunk)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + at)
+        byte = fh.read(1)
+        fh.seek(info.byte_offset + at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
 def plain_sequences(f: h5py.File) -> list[str]:
     """A store's sequences by plain h5py: format 2's bytes + offsets, or format 1's padded strings."""
     if isinstance(f["sequence"], h5py.Group):

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embed_helpers import embed_store, fair_esm_forward, plain_sequences, random_sequences, read_store
+from embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
 from embedpipe import metrics
 from embedpipe.crosscheck import Thresholds, run_crosscheck
 from embedpipe.errors import EmbedpipeError
@@ -520,16 +520,6 @@ def test_cli_exit_codes_and_fail_on_threshold(tmp_path, fp32_store):
     assert result.exit_code == 1 and "embedpipe: error:" in result.stderr
 
 
-def _flip_chunk_byte(path: Path, dataset: str) -> None:
-    with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(0)
-    with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + 5)
-        byte = fh.read(1)
-        fh.seek(info.byte_offset + 5)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("damage, expected", [
     ("missing", "dataset per_residue/layer_0 is missing (run embedpipe validate "),
     ("flip-mean", "cannot read dataset mean/layer_1 row "),
@@ -547,7 +537,7 @@ def test_damaged_store_is_one_line_naming_store_and_dataset(tmp_path, fp32_store
         with h5py.File(bad, "r+") as f:
             del f["per_residue/layer_0"]
     else:
-        _flip_chunk_byte(bad, "mean/layer_1" if damage == "flip-mean" else "per_residue/layer_2")
+        flip_byte_in_chunk(bad, "mean/layer_1" if damage == "flip-mean" else "per_residue/layer_2")
     with pytest.raises(EmbedpipeError) as exc:
         run_crosscheck(bad, out=tmp_path / "cc", sample=100, device="cpu", quiet=True)
     assert str(exc.value).startswith(f"{bad}: {expected}"), str(exc.value)

@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from embed_helpers import flip_byte_in_chunk
 import embedpipe
 from embedpipe.errors import StoreError
 from embedpipe.store import EmbeddedRecord, Store, StoreWriter, UnknownIdError
@@ -193,16 +194,6 @@ def test_refuses_incomplete_newer_and_missing(store_path, tmp_path):
         embedpipe.open_store(tmp_path / "absent.h5")
 
 
-def _flip_first_chunk(path: Path, dataset: str) -> None:
-    with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(0)
-    with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + 3)
-        byte = fh.read(1)
-        fh.seek(info.byte_offset + 3)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_missing_dataset_is_one_line_naming_store_and_dataset(store_path):
     path, records = store_path
     with h5py.File(path, "r+") as f:
@@ -219,7 +210,7 @@ def test_missing_dataset_is_one_line_naming_store_and_dataset(store_path):
 def test_corrupt_chunk_names_store_dataset_and_rows(store_path, read):
     path, records = store_path
     dataset = "precision_used" if read == "records" else "mean/layer_3"
-    _flip_first_chunk(path, dataset)
+    flip_byte_in_chunk(path, dataset)
     with embedpipe.open_store(path) as store:
         with pytest.raises(StoreError) as exc:
             if read == "getitem":

@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from embed_helpers import flip_byte_in_chunk
 import embedpipe
 from embedpipe.errors import StoreError
 from embedpipe.store import EmbeddedRecord, StoreWriter, merge_stores, store_info, validate_store
@@ -165,13 +166,7 @@ def test_checksums_verified_through_virtual_datasets(results):
     root, paths, _, _ = results
     out = root / "m.h5"
     merge_stores(paths, out=out)
-    with h5py.File(paths[2], "r") as f:
-        chunk = f["per_residue/layer_2"].id.get_chunk_info(0)
-    with open(paths[2], "r+b") as fh:
-        fh.seek(chunk.byte_offset + 10)
-        b = fh.read(1)
-        fh.seek(chunk.byte_offset + 10)
-        fh.write(bytes([b[0] ^ 0x55]))
+    flip_byte_in_chunk(paths[2], "per_residue/layer_2", at=10)
     problems = validate_store(out)
     assert any("per_residue/layer_2" in p and "checksum" in p for p in problems), problems
 
@@ -374,13 +369,7 @@ def test_corrupt_shard_chunk_read_through_merged_store_names_dataset_rows_and_sh
     root, paths, records, _ = results
     out = root / "m.h5"
     merge_stores(paths, out=out)
-    with h5py.File(paths[1], "r") as f:
-        chunk = f["per_residue/layer_2"].id.get_chunk_info(0)
-    with open(paths[1], "r+b") as fh:
-        fh.seek(chunk.byte_offset + 10)
-        b = fh.read(1)
-        fh.seek(chunk.byte_offset + 10)
-        fh.write(bytes([b[0] ^ 0x55]))
+    flip_byte_in_chunk(paths[1], "per_residue/layer_2", at=10)
     with embedpipe.open_store(out) as store:  # same uuid and size: corruption is the checksums' job
         start, stop = int(store.offsets[6]), int(store.offsets[7])
         with pytest.raises(StoreError) as exc:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from embed_helpers import flip_byte_in_chunk
 from embedpipe.errors import StoreError
 from embedpipe.store import (
     FORMAT,
@@ -116,16 +117,6 @@ def good_store(tmp_path: Path) -> tuple[Path, list[EmbeddedRecord]]:
 
 def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
-
-
-def flip_byte_in_chunk(path: Path, dataset: str, chunk: int = 0, at: int = 3) -> None:
-    with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(chunk)
-    with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + at)
-        byte = fh.read(1)
-        fh.seek(info.byte_offset + at)
-        fh.write(bytes([byte[0] ^ 0xFF]))
 
 
 # --------------------------------------------------------------------------- writing / round trip
