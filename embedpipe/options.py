@@ -28,6 +28,16 @@ STORAGE_DTYPES = ("float32", "float16")
 LONG_SEQUENCE_MODES = ("chunk", "truncate", "error", "full")
 #: attention implementations of the forward pass
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
+#: how a batch's tokens are laid out (docs/precision.md, "Batch layout"): packed = the
+#: sequences' tokens concatenated, no padding (varlen flash attention on CUDA, a per-sequence
+#: SDPA stand-in elsewhere); padded = a (B, T) batch with a mask; auto = packed where the
+#: varlen kernel runs (CUDA, compute capability 8.0+, 16-bit attention inputs), else padded
+BATCH_LAYOUTS = ("auto", "packed", "padded")
+#: dtype of q, k and v at the attention kernel under the fp32-island policies (rotary tables
+#: and the rotation are fp32 either way): fp32; compute = cast to the policy's compute dtype
+#: after the rotation (tensor-core kernels, which accumulate scores and softmax in fp32);
+#: auto = compute on CUDA, fp32 elsewhere (docs/precision.md, "Attention inputs")
+ATTENTION_INPUTS = ("auto", "fp32", "compute")
 #: where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
 #: fp32 model does not fit there beside the low-precision one; same = the main device or fail;
 #: cpu = always the CPU. Memory each needs: docs/precision.md.
@@ -56,6 +66,10 @@ MAX_JOBS = 1000
 
 #: the smallest batch: BOS, one residue, EOS
 MIN_TOKENS_PER_BATCH = 3
+#: ``--tokens-per-batch auto``: sized from free device memory on CUDA, :data:`CPU_TOKENS_PER_BATCH`
+#: on the CPU (docs/precision.md, "Batch size")
+AUTO = "auto"
+CPU_TOKENS_PER_BATCH = 4096
 #: ``auto`` = CUDA when available, else the CPU
 DEFAULT_DEVICE = "auto"
 
@@ -75,7 +89,7 @@ class EmbedOptions:
     layers: tuple[int, ...] = (-1,)
     per_residue: bool = False
     pooling: tuple[str, ...] = ("mean",)
-    tokens_per_batch: int = 4096
+    tokens_per_batch: int | str = AUTO
     device: str = DEFAULT_DEVICE
     storage_dtype: str = "float32"
     long_sequences: str = "chunk"
@@ -83,6 +97,8 @@ class EmbedOptions:
     overflow_margin: float | None = None
     threads: int | None = None
     fallback_device: str = "auto"
+    batch_layout: str = "auto"
+    attention_inputs: str = "auto"
 
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""
@@ -96,12 +112,20 @@ class EmbedOptions:
         check_choice("--storage-dtype", self.storage_dtype, STORAGE_DTYPES)
         check_choice("--long-sequences", self.long_sequences, LONG_SEQUENCE_MODES)
         check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        check_choice("--batch-layout", self.batch_layout, BATCH_LAYOUTS)
+        check_choice("--attention-inputs", self.attention_inputs, ATTENTION_INPUTS)
+        if self.attention == "fair-esm" and self.batch_layout == "packed":
+            raise EmbedpipeError("--batch-layout packed runs embedpipe's own forward; fair-esm's takes padded batches")
         if self.attention == "fair-esm" and self.precision in FP32_ISLAND_POLICIES:
             raise EmbedpipeError(
                 f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "
                 "forward cannot do; use --attention sdpa or math"
             )
-        if self.tokens_per_batch < MIN_TOKENS_PER_BATCH:
+        if self.tokens_per_batch == AUTO:
+            pass
+        elif isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int):
+            raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {self.tokens_per_batch!r}")
+        elif self.tokens_per_batch < MIN_TOKENS_PER_BATCH:
             raise EmbedpipeError(f"--tokens-per-batch must be at least {MIN_TOKENS_PER_BATCH} (BOS, one residue, EOS)")
         margin = self.overflow_margin
         if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
@@ -173,6 +197,10 @@ def check_same_names(what: str, names: Sequence[str], expected: Sequence[str]) -
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "ATTENTION_INPUTS",
+    "AUTO",
+    "BATCH_LAYOUTS",
+    "CPU_TOKENS_PER_BATCH",
     "CROSSCHECK_K",
     "CROSSCHECK_SAMPLE",
     "CROSSCHECK_SEED",

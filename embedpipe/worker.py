@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from embedpipe.batch_budget import resolve_tokens_per_batch
 from embedpipe.errors import EmbedpipeError
 from embedpipe.model.base import EmbeddingModel, ForwardOutput, Runner, masked_max_abs
 from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_record
@@ -92,6 +93,8 @@ class Embedder:
         self.pooling = stored_poolings(options.pooling)
         self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
         self.notes = check_policy_on_device(self.policy, device)
+        #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
+        self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device)
         self._runners: dict[str, Runner] = {}
         self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
         self.quiet = True
@@ -156,6 +159,21 @@ class Embedder:
             return ""
         return str(self._devices.get(FP32.name, ""))
 
+    @property
+    def batch_layout(self) -> str:
+        """``packed`` or ``padded``: how the main policy's batches are laid out."""
+        return "padded"
+
+    @property
+    def attention_path(self) -> str:
+        """The attention kernel of the main policy's batches, as recorded in the store."""
+        return f"{self.batch_layout}-{self.options.attention}"
+
+    @property
+    def attention_inputs(self) -> str:
+        """dtype of q/k/v at the attention kernel under the main policy."""
+        return "float32"
+
     # -- public ---------------------------------------------------------------------------------
     def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
         """Windows and batches for ``records``; raises for long records under --long-sequences error."""
@@ -168,7 +186,7 @@ class Embedder:
             pieces.extend(record_pieces)
             handling.append(how)
             rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
-        return Plan(plan_batches(pieces, self.options.tokens_per_batch), handling, rows)
+        return Plan(plan_batches(pieces, self.tokens_per_batch), handling, rows)
 
     def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
               quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
