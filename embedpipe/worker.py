@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from embedpipe.batch_budget import resolve_tokens_per_batch
+from embedpipe.cuda import BusyTimer
 from embedpipe.errors import EmbedpipeError
 from embedpipe.model.base import EmbeddingModel, ForwardOutput, Runner, masked_max_abs
 from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_record
@@ -99,6 +100,7 @@ class Embedder:
         self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
         self.quiet = True
         self.stats = Counter()
+        self._busy = BusyTimer()
 
     # -- model preparation (once per policy) --------------------------------------------------
     def runner(self, policy: Policy) -> Runner:
@@ -158,6 +160,12 @@ class Embedder:
         if not self.stats["fallback"] or self.policy.is_reference:
             return ""
         return str(self._devices.get(FP32.name, ""))
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the device spent in forward passes so far (CUDA events on a GPU); with the
+        run's wall time this gives the device's idle fraction (benchmarks/gpu_acceptance.py)."""
+        return self._busy.seconds
 
     @property
     def batch_layout(self) -> str:
@@ -246,7 +254,9 @@ class Embedder:
         tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
         lengths = torch.tensor([p.residues for p in batch])
         with forward_context(policy, device):
+            self._busy.start(device)
             out = runner(tokens.to(device, non_blocking=True), self.layers)
+            self._busy.stop(device)
             with exact_fp32(device):
                 packed, dense = self._pool(out, batch, tokens.shape[1], int(lengths.max()), device)
         sums, bos, stored, max_abs = self._unpack(packed, out.hidden[self.layers[0]].shape[-1])
