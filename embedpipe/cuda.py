@@ -2,8 +2,9 @@
 
 The varlen flash-attention call, the free-memory query, pinned host buffers and the events
 that time device work. Everything else (the packed layout, segment pooling, batch sizing,
-the choice of attention path) is device-agnostic and tested on the CPU, where each function
-here has a plain stand-in: attention per sequence with SDPA, no pinning, wall-clock timing.
+the choice of attention path) is device-agnostic and tested on the CPU: the varlen kernel's
+stand-in is :func:`embedpipe.packed.per_sequence_attention`, and the functions below act as
+plain copies and wall-clock timing on the CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 #: flash attention (and so the varlen kernel) starts with Ampere
 VARLEN_CAPABILITY = (8, 0)
@@ -39,32 +39,32 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=1.0, num_splits=1)
 
 
-def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int]) -> torch.Tensor:
-    """The CPU stand-in for :func:`varlen_attention`: SDPA over each sequence's rows alone."""
-    out = torch.empty_like(q if q.dtype == v.dtype else v)
-    for lo, hi in zip(offsets[:-1], offsets[1:]):
-        # (T, H, d) -> (H, T, d) views; SDPA writes a fresh tensor, copied into the packed rows
-        out[lo:hi] = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1), scale=1.0
-        ).transpose(0, 1)
-    return out
-
-
 def free_memory(device: torch.device) -> int:
     """Bytes free on ``device`` now (CUDA only)."""
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU; from CUDA through a pinned buffer with an asynchronous copy, so
-    the device is not stalled behind a pageable copy. Synchronises before returning."""
-    if tensor.device.type != "cuda":
-        return tensor.cpu()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    torch.cuda.current_stream(tensor.device).synchronize()
-    return host
+class HostCopy:
+    """A tensor on its way to the host. From CUDA: an asynchronous copy into pinned memory
+    (the caching host allocator reuses the buffers), so the next batch can be launched before
+    this one's results are read; :meth:`wait` blocks until the copy is done. On the CPU: the
+    tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda":
+            self._host = tensor.detach()
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

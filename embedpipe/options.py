@@ -114,8 +114,9 @@ class EmbedOptions:
         check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)
         check_choice("--batch-layout", self.batch_layout, BATCH_LAYOUTS)
         check_choice("--attention-inputs", self.attention_inputs, ATTENTION_INPUTS)
-        if self.attention == "fair-esm" and self.batch_layout == "packed":
-            raise EmbedpipeError("--batch-layout packed runs embedpipe's own forward; fair-esm's takes padded batches")
+        if self.batch_layout == "packed" and self.attention != "sdpa":
+            raise EmbedpipeError(
+                f"--batch-layout packed attends with sdpa; --attention {self.attention} runs padded batches only")
         if self.attention == "fair-esm" and self.precision in FP32_ISLAND_POLICIES:
             raise EmbedpipeError(
                 f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "

@@ -56,6 +56,24 @@ check_same_names("fp32-island policies", [n for n, p in POLICIES.items() if p.fp
 FP32 = POLICIES["fp32"]
 
 
+def resolve_attention_inputs(option: str, device: torch.device) -> str:
+    """``--attention-inputs auto`` -> ``compute`` on CUDA (tensor-core attention), else ``fp32``."""
+    if option == "auto":
+        return "compute" if device.type == "cuda" else "fp32"
+    return option
+
+
+def attention_dtype(policy: Policy, attention_inputs: str) -> torch.dtype:
+    """dtype of q, k and v at the attention kernel (under autocast: the dtype autocast casts to).
+
+    Only the fp32-island policies have a choice (``attention_inputs``, resolved: ``fp32`` or
+    ``compute``); the plain casts attend in their weights' dtype (docs/precision.md).
+    """
+    if policy.autocast or (policy.fp32_islands and attention_inputs == "compute"):
+        return policy.compute_dtype
+    return torch.float32 if policy.fp32_islands else policy.weight_dtype
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -18,12 +18,15 @@ import numpy as np
 import torch
 
 from embedpipe.batch_budget import resolve_tokens_per_batch
-from embedpipe.cuda import BusyTimer
+from embedpipe import cuda
+from embedpipe.cuda import BusyTimer, HostCopy
 from embedpipe.errors import EmbedpipeError
-from embedpipe.model.base import EmbeddingModel, ForwardOutput, Runner, masked_max_abs
+from embedpipe.model.base import EmbeddingModel, Runner
+from embedpipe.packed import PackedTokens
 from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_record
-from embedpipe.precision import (FP32, Policy, check_policy_on_device, exact_fp32, forward_context, get_policy,
-                                 true_fp32_matmuls)
+from embedpipe.pooling import HostPooled, pool_packed, pool_padded
+from embedpipe.precision import (FP32, Policy, attention_dtype, check_policy_on_device, dtype_name, exact_fp32,
+                                 forward_context, get_policy, resolve_attention_inputs, true_fp32_matmuls)
 from embedpipe.options import EmbedOptions
 from embedpipe.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
@@ -66,6 +69,16 @@ class _PieceResult:
     max_abs: float
     stored_max: float  # largest |value| over the stored outputs (NaN/inf propagate)
     bos: dict[int, np.ndarray] | None = None  # layer -> (D,) float32 at BOS, for a first window with bos pooling
+
+
+@dataclass
+class _Launched:
+    """A batch whose forward has been launched and whose outputs are on their way to the host."""
+
+    batch: list[Piece]
+    summary: HostCopy
+    residues: dict[int, HostCopy]
+    residue_starts: list[int] | None
 
 
 @dataclass
@@ -138,7 +151,9 @@ class Embedder:
         return self.device
 
     def _prepare(self, policy: Policy, device: torch.device) -> Runner:
-        self._runners[policy.name] = self.loaded.prepare(policy, device, self.options.attention)
+        self._runners[policy.name] = self.loaded.prepare(
+            policy, device, self.options.attention,
+            attention_inputs=resolve_attention_inputs(self.options.attention_inputs, device))
         self._devices[policy.name] = device
         return self._runners[policy.name]
 
@@ -170,17 +185,37 @@ class Embedder:
     @property
     def batch_layout(self) -> str:
         """``packed`` or ``padded``: how the main policy's batches are laid out."""
-        return "padded"
+        return self._layout(self.policy)
 
     @property
     def attention_path(self) -> str:
-        """The attention kernel of the main policy's batches, as recorded in the store."""
-        return f"{self.batch_layout}-{self.options.attention}"
+        """The main policy's attention kernel as recorded in the store: ``packed-varlen-flash``,
+        ``packed-sdpa-per-sequence``, or ``padded-`` plus ``--attention`` (docs/precision.md)."""
+        if self.batch_layout == "packed":
+            return "packed-" + self._packed_kernel(self.policy, self.device)
+        return f"padded-{self.options.attention}"
 
     @property
     def attention_inputs(self) -> str:
-        """dtype of q/k/v at the attention kernel under the main policy."""
-        return "float32"
+        """dtype name of q/k/v at the main policy's attention kernel."""
+        return dtype_name(self._attention_dtype(self.policy, self.device))
+
+    def _attention_dtype(self, policy: Policy, device: torch.device) -> torch.dtype:
+        return attention_dtype(policy, resolve_attention_inputs(self.options.attention_inputs, device))
+
+    def _packed_kernel(self, policy: Policy, device: torch.device) -> str:
+        """The kernel a packed batch attends with on ``device`` (see :mod:`embedpipe.packed`)."""
+        return "varlen-flash" if cuda.varlen_available(device, self._attention_dtype(policy, device)) else "sdpa-per-sequence"
+
+    def _layout(self, policy: Policy) -> str:
+        """``--batch-layout`` for ``policy`` where its runner lives: ``auto`` packs where the
+        varlen kernel runs (embedpipe's own sdpa forward only) and pads elsewhere."""
+        device = self._devices.get(policy.name) or self._planned_device(policy)
+        if self.options.batch_layout != "auto":
+            return self.options.batch_layout
+        if self.options.attention == "sdpa" and self._packed_kernel(policy, device) == "varlen-flash":
+            return "packed"
+        return "padded"
 
     # -- public ---------------------------------------------------------------------------------
     def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
@@ -209,33 +244,62 @@ class Embedder:
         # No TF32 for fp32 work: process-wide flags, so set once per run (not per batch), then restored.
         with progress_bar(quiet=quiet, total=total_residues, unit="res", unit_scale=True, desc="embed") as bar, \
                 true_fp32_matmuls():
-            for batch in batches:
-                for piece, result in self._run_batch(self.policy, batch, records):
-                    assembly = pending[piece.record]
-                    assembly.results.append((piece, result))
-                    assembly.pieces_left -= 1
-                    if assembly.pieces_left == 0:
-                        del pending[piece.record]
-                        record = self._finish(piece.record, records, handling, assembly.results)
-                        bar.update(len(records[piece.record][1]))
-                        bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
-                        yield piece.record, record
+            for piece, result in self._stream(batches, records):
+                assembly = pending[piece.record]
+                assembly.results.append((piece, result))
+                assembly.pieces_left -= 1
+                if assembly.pieces_left == 0:
+                    del pending[piece.record]
+                    record = self._finish(piece.record, records, handling, assembly.results)
+                    bar.update(len(records[piece.record][1]))
+                    bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
+                    yield piece.record, record
 
     # -- batches --------------------------------------------------------------------------------
+    def _stream(self, batches: list[list[Piece]], records: Sequence[tuple[str, str]]) -> Iterator[tuple[Piece, _PieceResult]]:
+        """Every piece's result, one batch behind: batch i + 1 is tokenized and launched
+        before batch i's results are read back, so on a GPU the host work (tokens, checks,
+        fallback, the writer's queue) overlaps device work. A batch that runs out of memory
+        at launch is run through :meth:`_run_batch`, which splits it."""
+        pending: _Launched | None = None
+        for batch in batches:
+            launched = self._try_launch(self.policy, batch, records)
+            if pending is not None:
+                yield from self._collect(pending)
+                pending = None
+            if launched is None:
+                yield from self._split_run(self.policy, batch, records)
+            else:
+                pending = launched
+        if pending is not None:
+            yield from self._collect(pending)
+
+    def _try_launch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> _Launched | None:
+        """``_launch``, or None when the device ran out of memory (the caller splits)."""
+        self.runner(policy)  # out of memory while preparing is handled there, not as a batch
+        try:
+            return self._launch(policy, batch, records)
+        except torch.cuda.OutOfMemoryError:
+            pass
+        if self._devices[policy.name].type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+
     def _run_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
-        """Forward one batch; on CUDA out-of-memory split it in halves and retry.
+        """Forward one batch now; on CUDA out-of-memory split it in halves and retry.
 
         The retry happens after leaving the ``except`` block: the exception's traceback holds
         the failed attempt's tensors, which must be freed before the halves run.
         """
-        self.runner(policy)  # out of memory while preparing is handled there, not as a batch
+        launched = self._try_launch(policy, batch, records)
+        if launched is not None:
+            return self._collect(launched)
+        return self._split_run(policy, batch, records)
+
+    def _split_run(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
+        """A batch that ran out of memory: its halves, each through :meth:`_run_batch`; a
+        single piece that does not fit is an error naming the record."""
         device = self._devices[policy.name]
-        try:
-            return self._forward_batch(policy, batch, records)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         if len(batch) == 1:
             piece = batch[0]
             rid, seq = records[piece.record]
@@ -248,77 +312,53 @@ class Embedder:
         middle = len(batch) // 2
         return self._run_batch(policy, batch[:middle], records) + self._run_batch(policy, batch[middle:], records)
 
-    def _forward_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
+    def _launch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> _Launched:
+        """Tokenize, forward and pool one batch, and start copying its outputs to the host."""
         runner = self.runner(policy)
         device = self._devices[policy.name]
         tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
-        lengths = torch.tensor([p.residues for p in batch])
+        bos, per_residue = "bos" in self.pooling, self.options.per_residue
+        packed = self._layout(policy) == "packed"
         with forward_context(policy, device):
             self._busy.start(device)
-            out = runner(tokens.to(device, non_blocking=True), self.layers)
+            if packed:
+                if not hasattr(runner, "packed"):
+                    raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
+                host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch])
+                out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)
+                with exact_fp32(device):
+                    pooled = pool_packed(out, batch, host_batch, self.layers, bos=bos, per_residue=per_residue)
+            else:
+                out = runner(cuda.to_device(tokens, device), self.layers)
+                with exact_fp32(device):
+                    pooled = pool_padded(out, batch, self.layers, bos=bos, per_residue=per_residue)
             self._busy.stop(device)
-            with exact_fp32(device):
-                packed, dense = self._pool(out, batch, tokens.shape[1], int(lengths.max()), device)
-        sums, bos, stored, max_abs = self._unpack(packed, out.hidden[self.layers[0]].shape[-1])
+        del out
+        self.stats["batches"] += 1
+        self.stats["computed_tokens"] += sum(p.tokens for p in batch) if packed else tokens.numel()
+        self.stats["real_tokens"] += sum(p.tokens for p in batch)
+        return _Launched(batch, HostCopy(pooled.summary), {k: HostCopy(v) for k, v in pooled.residues.items()},
+                         pooled.residue_starts)
+
+    def _collect(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
+        """Wait for a launched batch's outputs and split them per piece."""
+        dim = self.loaded.embed_dim
+        host = HostPooled.unpack(launched.summary.wait().numpy(),
+                                 {k: v.wait().numpy() for k, v in launched.residues.items()},
+                                 launched.residue_starts, self.layers, dim, "bos" in self.pooling)
         results = []
-        for row, piece in enumerate(batch):
+        for row, piece in enumerate(launched.batch):
             residues = None
             if self.options.per_residue:
-                lo, hi = piece.keep_start - piece.start, piece.keep_end - piece.start
-                residues = {layer: dense[layer][row, lo:hi] for layer in self.layers}
+                residues = host.residue_rows(row, piece.keep_start - piece.start, piece.keep_end - piece.start)
             results.append((piece, _PieceResult(
-                sums={layer: sums[layer][row] for layer in self.layers},
+                sums={layer: host.sums[layer][row] for layer in self.layers},
                 residues=residues,
-                max_abs=float(max_abs[row]),
-                stored_max=float(stored[row]),
-                bos={layer: bos[layer][row] for layer in self.layers} if bos and piece.start == 0 else None,
+                max_abs=float(host.max_abs[row]),
+                stored_max=float(host.stored_max[row]),
+                bos={layer: host.bos[layer][row] for layer in self.layers} if host.bos and piece.start == 0 else None,
             )))
-        self.stats["batches"] += 1
-        self.stats["computed_tokens"] += tokens.numel()
-        self.stats["real_tokens"] += int(lengths.sum()) + 2 * len(batch)
         return results
-
-    def _pool(self, out: ForwardOutput, batch: list[Piece], width: int, longest: int,
-              device: torch.device) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """Pooled sums (and BOS vectors with bos pooling), largest stored |value| and max
-        activation per piece, plus per-residue rows.
-
-        Runs under ``exact_fp32``: autocast is off there and the hidden states are cast to
-        fp32 first, so the sums accumulate in fp32 whatever the policy.
-        """
-        # Residue positions 1..n (BOS at 0, EOS at n+1, then padding); one small host->device
-        # copy. The stored-max check starts at 0 where BOS is stored (first windows, docs/precision.md).
-        bos = "bos" in self.pooling
-        bounds = torch.tensor([[p.residues, p.keep_start - p.start + 1, p.keep_end - p.start + 1,
-                                0 if bos and p.start == 0 else 1] for p in batch])
-        bounds = bounds.to(device, non_blocking=True)
-        positions = torch.arange(width, device=device)[None, :]
-        in_record = (positions >= bounds[:, 3:4]) & (positions <= bounds[:, :1])
-        kept = ((positions >= bounds[:, 1:2]) & (positions < bounds[:, 2:3])).float()
-        sums, firsts, stored_max, dense = [], [], [], {}
-        for layer in self.layers:
-            h = out.hidden[layer]
-            stored_max.append(masked_max_abs(h, in_record))
-            hf = h.float()  # the one fp32 copy
-            sums.append(torch.einsum("bt,btd->bd", kept, hf))
-            if bos:
-                firsts.append(hf[:, 0])
-            if self.options.per_residue:
-                dense[layer] = hf[:, 1 : longest + 1]
-        # one device->host transfer for the pooled outputs and the checks, one per stored layer for residues
-        pooled = [torch.stack(v, 1).flatten(1) for v in (sums, firsts) if v]
-        packed = torch.cat([*pooled, torch.stack(stored_max, 1), out.max_abs.float()[:, None]], 1)
-        return packed.cpu().numpy(), {layer: value.cpu().numpy() for layer, value in dense.items()}
-
-    def _unpack(self, packed: np.ndarray, dim: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray],
-                                                              np.ndarray, np.ndarray]:
-        """``_pool``'s transfer -> (sums by layer, BOS vectors by layer ({} without bos pooling),
-        largest stored |value| per piece, max activation per piece)."""
-        n, pooled = len(self.layers), (2 if "bos" in self.pooling else 1)
-        blocks = [{layer: packed[:, (j * n + i) * dim : (j * n + i + 1) * dim] for i, layer in enumerate(self.layers)}
-                  for j in range(pooled)]
-        stored = packed[:, pooled * n * dim : pooled * n * dim + n].max(axis=1)  # NaN propagates
-        return blocks[0], (blocks[1] if pooled == 2 else {}), stored, packed[:, -1]
 
     # -- records ----------------------------------------------------------------------------------
     def _reason(self, policy: Policy, result: _PieceResult) -> str:

@@ -26,7 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from embed_helpers import random_sequences
 
 # --------------------------------------------------------------------------- markers
 
@@ -117,3 +119,17 @@ def fair_esm_reference() -> Callable[[Path], tuple[Any, Any]]:
         return model, alphabet
 
     return load
+
+
+@pytest.fixture(scope="session")
+def overflow_model(model_factory):
+    """The embedding row of 'C' is 7e4: inf once cast to fp16 (max 65504), finite in fp32."""
+    return model_factory(layers=2, dim=32, heads=4, seed=21, token_row_overrides={"C": 7e4})
+
+
+@pytest.fixture(scope="session")
+def overflow_records():
+    no_c = np.array(list("ADEFGHIKLMNPQRSTVWY"))
+    plain = random_sequences(6, (20, 80), seed=8, alphabet=no_c)
+    with_c = [(f"cys{i}", seq[:10] + "C" + seq[10:]) for i, (_, seq) in enumerate(random_sequences(4, (20, 80), seed=9, alphabet=no_c))]
+    return plain[:3] + with_c[:2] + plain[3:] + with_c[2:]

@@ -117,7 +117,7 @@ def test_cuda_oom_splits_batch_and_names_unfittable_record(tmp_path, tiny_model_
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(8, (10, 40), seed=5)
     embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
-    real = Embedder._forward_batch
+    real = Embedder._launch
     calls = []
 
     def flaky(self, policy, batch, recs):
@@ -126,7 +126,7 @@ def test_cuda_oom_splits_batch_and_names_unfittable_record(tmp_path, tiny_model_
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self, policy, batch, recs)
 
-    monkeypatch.setattr(Embedder, "_forward_batch", flaky)
+    monkeypatch.setattr(Embedder, "_launch", flaky)
     results = dict(embedder.embed(records))
     assert sorted(results) == list(range(8))
     assert calls == [8, 4, 2, 2, 4, 2, 2]  # 8 fails, halves fail, quarters succeed
@@ -140,7 +140,7 @@ def test_cuda_oom_splits_batch_and_names_unfittable_record(tmp_path, tiny_model_
     def always(self, policy, batch, recs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(Embedder, "_forward_batch", always)
+    monkeypatch.setattr(Embedder, "_launch", always)
     with pytest.raises(EmbedpipeError, match=r"record 'rec00\d'.*does not fit"):
         list(Embedder(loaded, EmbedOptions(), torch.device("cpu")).embed(records))
 
@@ -157,8 +157,8 @@ def test_failed_run_leaves_no_store(tmp_path, tiny_model_path, monkeypatch):
             raise RuntimeError("simulated crash mid-run")
         return real(self, policy, batch, recs)
 
-    real = Embedder._forward_batch
-    monkeypatch.setattr(Embedder, "_forward_batch", boom)
+    real = Embedder._launch
+    monkeypatch.setattr(Embedder, "_launch", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         embed_fasta(fasta, model=str(tiny_model_path), out=out,
                     options=EmbedOptions(tokens_per_batch=60), quiet=True)
@@ -193,7 +193,7 @@ def test_oom_retry_runs_after_the_failed_attempt_is_freed(tiny_model_path, monke
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(4, (10, 20), seed=14)
     embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
-    real = Embedder._forward_batch
+    real = Embedder._launch
     failed: list = []
     alive_during_retry: list[bool] = []
 
@@ -206,7 +206,7 @@ def test_oom_retry_runs_after_the_failed_attempt_is_freed(tiny_model_path, monke
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self, policy, batch, recs)
 
-    monkeypatch.setattr(Embedder, "_forward_batch", flaky)
+    monkeypatch.setattr(Embedder, "_launch", flaky)
     gc.disable()  # prove it is freed by leaving the except block, not by a later collection
     try:
         assert len(dict(embedder.embed(records))) == 4
@@ -219,7 +219,7 @@ def test_unwritable_output_fails_in_one_line_before_any_work(tmp_path, tiny_mode
     records = random_sequences(3, (10, 20), seed=15)
     fasta = write_fasta(tmp_path / "in.fasta", records)
     (tmp_path / "adir.h5").mkdir()
-    monkeypatch.setattr(Embedder, "_forward_batch", lambda *a: pytest.fail("computed before checking the output"))
+    monkeypatch.setattr(Embedder, "_launch", lambda *a: pytest.fail("computed before checking the output"))
     result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(tmp_path / "adir.h5")])
     assert result.exit_code == 1
     assert "is a directory" in result.output and "Traceback" not in result.output

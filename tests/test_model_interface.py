@@ -89,7 +89,8 @@ class FakeModel:
             tokens[row, : len(seq) + 2] = torch.tensor([BOS] + [3 + LETTERS.index(c) for c in seq] + [EOS])
         return tokens
 
-    def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa") -> FakeRunner:
+    def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa", *,
+                attention_inputs: str = "fp32") -> FakeRunner:
         return FakeRunner(policy, device)
 
     def estimate_memory(self, policy: Policy) -> MemoryEstimate:

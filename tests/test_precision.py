@@ -27,20 +27,6 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-@pytest.fixture(scope="module")
-def overflow_model(model_factory):
-    """The embedding row of 'C' is 7e4: inf once cast to fp16 (max 65504), finite in fp32."""
-    return model_factory(layers=2, dim=32, heads=4, seed=21, token_row_overrides={"C": 7e4})
-
-
-@pytest.fixture(scope="module")
-def overflow_records():
-    no_c = np.array(list("ADEFGHIKLMNPQRSTVWY"))
-    plain = random_sequences(6, (20, 80), seed=8, alphabet=no_c)
-    with_c = [(f"cys{i}", seq[:10] + "C" + seq[10:]) for i, (_, seq) in enumerate(random_sequences(4, (20, 80), seed=9, alphabet=no_c))]
-    return plain[:3] + with_c[:2] + plain[3:] + with_c[2:]
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "fair-esm"])
 def test_fp16_overflow_falls_back_exactly_for_records_with_the_token(tmp_path, overflow_model, overflow_records,
                                                                      fair_esm_reference, attention):
@@ -213,7 +199,7 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_pat
             assert torch.get_float32_matmul_precision() == "medium"
 
         seen: list[str] = []
-        real_forward = Embedder._forward_batch
+        real_forward = Embedder._launch
 
         def forward(self, *args):
             seen.append(torch.get_float32_matmul_precision())
@@ -221,7 +207,7 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_pat
 
         settings: list[str] = []
         real_set = torch.set_float32_matmul_precision
-        monkeypatch.setattr(Embedder, "_forward_batch", forward)
+        monkeypatch.setattr(Embedder, "_launch", forward)
         monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (settings.append(p), real_set(p))[1])
         records = random_sequences(6, (20, 60), seed=1)
         dict(Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu")).embed(records))
@@ -424,14 +410,14 @@ def test_fp32_fallback_that_does_not_fit_says_so_under_same(overflow_model, over
 
 def test_a_fallback_forward_out_of_memory_still_names_the_record(overflow_model, overflow_records, monkeypatch):
     loaded = load_model(str(overflow_model))
-    real = Embedder._forward_batch
+    real = Embedder._launch
 
     def fp32_oom(self, policy, batch, recs):
         if policy.name == "fp32":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected in the forward)")
         return real(self, policy, batch, recs)
 
-    monkeypatch.setattr(Embedder, "_forward_batch", fp32_oom)
+    monkeypatch.setattr(Embedder, "_launch", fp32_oom)
     embedder = Embedder(loaded, EmbedOptions(precision="fp16", fallback_device="cpu"), torch.device("cpu"))
     with pytest.raises(EmbedpipeError, match=r"record 'cys\d'.*does not fit in memory on cpu even alone"):
         list(embedder.embed(overflow_records))

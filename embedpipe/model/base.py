@@ -29,7 +29,12 @@ class ForwardOutput:
 
 
 class Runner(Protocol):
-    """A model prepared for one policy on one device."""
+    """A model prepared for one policy on one device.
+
+    A runner may also offer ``packed(batch: PackedTokens, layers) -> ForwardOutput`` for the
+    packed layout (:mod:`embedpipe.packed`; hidden states (N, D)); the worker uses padded
+    batches with runners that do not.
+    """
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """Hidden states of ``layers`` (0 = token embedding) for a batch from ``tokenize``."""
@@ -56,8 +61,9 @@ class EmbeddingModel(Protocol):
         """Token ids of ``sequences`` (validated protein letters), laid out as above."""
         ...
 
-    def prepare(self, policy: Policy, device: torch.device, attention: str) -> Runner:
-        """A runner for ``policy`` on ``device``; the fp32 model stays usable as the fallback."""
+    def prepare(self, policy: Policy, device: torch.device, attention: str, *, attention_inputs: str = "fp32") -> Runner:
+        """A runner for ``policy`` on ``device``; the fp32 model stays usable as the fallback.
+        ``attention_inputs`` (``fp32`` or ``compute``): see :func:`embedpipe.precision.attention_dtype`."""
         ...
 
     def estimate_memory(self, policy: Policy) -> MemoryEstimate:

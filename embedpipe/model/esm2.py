@@ -71,15 +71,18 @@ class Esm2Model:
             tokens[row, len(seq) + 1] = self.alphabet.eos_idx
         return torch.from_numpy(tokens)
 
-    def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa") -> EsmForward:
-        """A runner for ``policy`` on ``device`` (see :func:`prepare_model`).
+    def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa", *,
+                attention_inputs: str = "fp32") -> EsmForward:
+        """A runner for ``policy`` on ``device`` (see :func:`prepare_model`); ``attention_inputs``
+        (``fp32`` or ``compute``): the mixed policies' q/k/v dtype at the attention kernel.
 
         The fp32 model itself is moved to ``device``, unless it already serves a runner on
         another accelerator (an amp policy ran it there): then the runner gets a copy.
         """
         home = next(self.model.parameters()).device
         private = home.type != "cpu" and home != device
-        return EsmForward(prepare_model(self.model, policy, device, private=private), policy, attention)
+        return EsmForward(prepare_model(self.model, policy, device, private=private), policy, attention,
+                          attention_inputs=attention_inputs)
 
     def estimate_memory(self, policy: Policy) -> MemoryEstimate:
         return esm2_spec.estimate_memory(self.num_layers, self.embed_dim, self.attention_heads,

@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from embedpipe import cuda
 from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.model.packed_linear import PackedLinear, pack_linear
-from embedpipe.precision import Policy
+from embedpipe.options import ATTENTION_IMPLEMENTATIONS
+from embedpipe.packed import PackedTokens, per_sequence_attention
+from embedpipe.precision import Policy, attention_dtype
 
 
 class RotaryTables:
@@ -134,14 +136,21 @@ def _still_views(cached: tuple[torch.Tensor, torch.Tensor], projections: tuple) 
 class EsmForward:
     """Runs one prepared ESM-2 model (see :func:`embedpipe.model.esm2.prepare_model`) under one policy."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True,
+                 attention_inputs: str = "fp32") -> None:
         """``prepack``: on CPU, run the projections and FFN with oneDNN-prepacked weights
-        (see :mod:`embedpipe.model.packed_linear`); ignored elsewhere and under autocast."""
+        (see :mod:`embedpipe.model.packed_linear`); ignored elsewhere and under autocast.
+        ``attention_inputs``: under the fp32-island policies, ``fp32`` attends with fp32 q/k/v,
+        ``compute`` casts them (after the fp32 rotation) to the policy's compute dtype."""
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, not {attention!r}")
+        if attention_inputs not in ("fp32", "compute"):
+            raise ValueError(f"attention_inputs must be fp32 or compute, not {attention_inputs!r}")
         self.model = model
         self.policy = policy
         self.attention = attention
+        self.attention_inputs = attention_inputs
+        self.device = model.embed_tokens.weight.device
         self.rotary = RotaryTables()
         self.padding_idx = model.padding_idx
         self.num_layers = model.num_layers
@@ -183,10 +192,28 @@ class EsmForward:
         """Whether the projections run with oneDNN-prepacked weights."""
         return bool(self._packed)
 
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """dtype of q, k and v at the attention kernel (under autocast: the dtype it casts to)."""
+        return attention_dtype(self.policy, self.attention_inputs)
+
+    @property
+    def packed_attention(self) -> str:
+        """The kernel packed batches attend with: ``varlen-flash`` where it runs, else the
+        per-sequence SDPA stand-in (docs/precision.md, "Batch layout")."""
+        return "varlen-flash" if cuda.varlen_available(self.device, self.attention_dtype) else "sdpa-per-sequence"
+
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
+        """A padded (B, T) batch: hidden states (B, T, D)."""
         if self.attention == "fair-esm":
             return self._fair_esm_forward(tokens, layers)
-        return self._own_forward(tokens, layers)
+        return self._own_forward(_PaddedBatch(tokens, self.padding_idx), layers)
+
+    def packed(self, batch: PackedTokens, layers: list[int]) -> ForwardOutput:
+        """A packed batch (on this runner's device): hidden states (N, D), one row per token."""
+        if self.attention != "sdpa":
+            raise ValueError(f"packed batches run with attention 'sdpa', not {self.attention!r}")
+        return self._own_forward(batch, layers)
 
     # -- fair-esm's own forward (reference path) -------------------------------------------
     def _fair_esm_forward(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
@@ -197,41 +224,32 @@ class EsmForward:
         return ForwardOutput(hidden=hidden, max_abs=max_abs)
 
     # -- embedpipe's forward ----------------------------------------------------------------
-    def _own_forward(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
+    def _own_forward(self, batch: _PaddedBatch | PackedTokens, layers: list[int]) -> ForwardOutput:
         model = self.model
-        policy = self.policy
-        islands = policy.fp32_islands
+        tokens = batch.tokens
         # Residual stream dtype: fp32 for the mixed policies, otherwise the weights' dtype
         # (under autocast the weights are fp32 and PyTorch decides per op).
-        stream_dtype = torch.float32 if islands else model.embed_tokens.weight.dtype
+        stream_dtype = torch.float32 if self.policy.fp32_islands else model.embed_tokens.weight.dtype
         wanted = set(layers)
-        padding = tokens.eq(self.padding_idx)
-        keep = ~padding
         hidden: dict[int, torch.Tensor] = {}
 
         x = model.embed_scale * model.embed_tokens(tokens)
         x = x.to(stream_dtype)
         if model.token_dropout:
-            x = x.masked_fill((tokens == model.mask_idx).unsqueeze(-1), 0.0)
+            masked = tokens == model.mask_idx
+            x = x.masked_fill(masked.unsqueeze(-1), 0.0)
             mask_ratio_train = 0.15 * 0.8
-            src_lengths = keep.sum(-1)
-            observed = (tokens == model.mask_idx).sum(-1).to(x.dtype) / src_lengths
-            x = x * (1 - mask_ratio_train) / (1 - observed)[:, None, None]
-        x = x * (1 - padding.unsqueeze(-1).type_as(x))
+            x = x * (1 - mask_ratio_train) / (1 - batch.mask_ratio(masked, x.dtype)).unsqueeze(-1)
+        x = batch.zero_padding(x)
 
-        max_abs = masked_max_abs(x, keep)
+        max_abs = batch.row_max_abs(x)
         if 0 in wanted:
             hidden[0] = x
-
-        attn_mask = None
-        if padding.any():
-            attn_mask = keep[:, None, None, :]  # (B, 1, 1, T): True = attend
-
         for index, layer in enumerate(model.layers, start=1):
-            x = self._layer(layer, x, attn_mask)
+            x = self._layer(layer, x, batch)
             if index == self.num_layers:
                 x = self._layer_norm(model.emb_layer_norm_after, x)
-            max_abs = torch.maximum(max_abs, masked_max_abs(x, keep))
+            max_abs = torch.maximum(max_abs, batch.row_max_abs(x))
             if index in wanted:
                 hidden[index] = x
         return ForwardOutput(hidden=hidden, max_abs=max_abs)
@@ -257,10 +275,10 @@ class EsmForward:
         h = F.linear(x, weight, bias)
         return F.gelu(h) if gelu else h
 
-    def _layer(self, layer: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def _layer(self, layer: torch.nn.Module, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
         residual = x
         h = self._layer_norm(layer.self_attn_layer_norm, x)
-        h = self._attention(layer.self_attn, h, attn_mask)
+        h = self._attention(layer.self_attn, h, batch)
         x = residual + h  # a bf16/fp16 h is promoted inside the add (no separate cast)
 
         residual = x
@@ -279,36 +297,79 @@ class EsmForward:
         promote q and k, and SDPA casts as autocast decides."""
         return torch.promote_types(projection_dtype, self._table_dtype(attn))
 
-    def _attention(self, attn: torch.nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, length, _ = x.shape
+    def _attention(self, attn: torch.nn.Module, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
         heads, head_dim = attn.num_heads, attn.head_dim
-        qkv = self._linear(attn, x, *attn._embedpipe_qkv).view(batch, length, 3, heads, head_dim)
+        lead = x.shape[:-1]  # (B, T) padded, (N,) packed
+        qkv = self._linear(attn, x, *attn._embedpipe_qkv).view(*lead, 3, heads, head_dim)
         table_dtype = self._table_dtype(attn)
         work_dtype = self._rotation_dtype(attn, qkv.dtype)
         # q and k rotated together, in one cast (mixed-dtype kernels would each cast again);
         # SDPA takes the (B, H, T, head_dim) views as they are: making them contiguous first
         # costs more than SDPA's CPU kernel gains from it.
-        rotated = qkv[:, :, :2]
+        rotated = qkv[..., :2, :, :]
         if rotated.dtype != work_dtype:
             rotated = rotated.to(work_dtype)
         if id(attn) in self._interleaved:  # pair order, fp32: one complex multiply, in place
-            rotate_pairs_(rotated, self.rotary.complex(attn.rot_emb.inv_freq, length, attn.scaling))
+            rotate_pairs_(rotated, batch.rows(self.rotary.complex(attn.rot_emb.inv_freq, batch.max_len, attn.scaling)))
             qk = rotated
         else:
-            cos, sin = self.rotary.get(attn.rot_emb.inv_freq, length, table_dtype, attn.scaling)
-            qk = torch.empty((batch, length, 2, heads, head_dim), dtype=work_dtype, device=x.device)
-            rotate_into(rotated, cos, sin, out=qk)
-        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
-        v = qkv[:, :, 2].to(work_dtype).transpose(1, 2)
+            cos, sin = self.rotary.get(attn.rot_emb.inv_freq, batch.max_len, table_dtype, attn.scaling)
+            qk = torch.empty((*lead, 2, heads, head_dim), dtype=work_dtype, device=x.device)
+            rotate_into(rotated, batch.rows(cos), batch.rows(sin), out=qk)
+        q, k, v = qk[..., 0, :, :], qk[..., 1, :, :], qkv[..., 2, :, :].to(work_dtype)
+        if self.policy.fp32_islands and self.attention_inputs == "compute":
+            # rotated in fp32, attended in the compute dtype: tensor-core kernels, which
+            # accumulate scores and softmax in fp32 (docs/precision.md, "Attention inputs")
+            q, k, v = (t.to(self.policy.compute_dtype) for t in (q, k, v))
+        if isinstance(batch, PackedTokens):
+            out = self._attend_packed(q, k, v, batch)
+        else:
+            out = self._attend_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch.attn_mask)
+            out = out.transpose(1, 2)  # SDPA's CPU output is laid out (B, T, H, d) here: a view, no copy
+        return self._linear(attn.out_proj, out.reshape(*lead, heads * head_dim))
 
+    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, H, T, d) attention with q pre-scaled; ``attn_mask`` True = attend."""
         if self.attention == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
-        else:  # "math": explicit scores, fp32 softmax, as fair-esm computes it
-            scores = torch.matmul(q, k.transpose(-1, -2))
-            if attn_mask is not None:
-                scores = scores.masked_fill(~attn_mask, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
-            out = torch.matmul(probs, v.to(probs.dtype))
-        # SDPA's CPU output is laid out (B, T, H, head_dim) for these inputs: a view, no copy
-        merged = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
-        return self._linear(attn.out_proj, merged)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
+        # "math": explicit scores, fp32 softmax, as fair-esm computes it
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
+        return torch.matmul(probs, v.to(probs.dtype))
+
+    def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedTokens) -> torch.Tensor:
+        """(N, H, d) attention within each sequence of ``batch``, q pre-scaled."""
+        if self.policy.autocast:  # SDPA would cast under autocast; the varlen kernel does not
+            q, k, v = (t.to(self.policy.compute_dtype) for t in (q, k, v))
+        if self.packed_attention == "varlen-flash":
+            return cuda.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), batch.offsets, batch.max_len)
+        return per_sequence_attention(q, k, v, batch.host_offsets)
+
+
+class _PaddedBatch:
+    """A padded (B, T) batch as the forward sees it: the twin of :class:`PackedTokens`."""
+
+    def __init__(self, tokens: torch.Tensor, padding_idx: int) -> None:
+        self.tokens = tokens
+        self.padding = tokens.eq(padding_idx)
+        self.keep = ~self.padding
+        self.max_len = tokens.shape[1]
+        # (B, 1, 1, T), True = attend; none without padding (a host sync, see docs/precision.md)
+        self.attn_mask = self.keep[:, None, None, :] if self.padding.any() else None
+
+    def rows(self, table: torch.Tensor) -> torch.Tensor:
+        """A (T, ...) per-position table as it broadcasts over (B, T, ...)."""
+        return table
+
+    def mask_ratio(self, masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1) share of each record's tokens that are <mask> (fair-esm's token dropout)."""
+        return (masked.sum(-1).to(dtype) / self.keep.sum(-1))[:, None]
+
+    def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 - self.padding.unsqueeze(-1).type_as(x))
+
+    def row_max_abs(self, x: torch.Tensor) -> torch.Tensor:
+        return masked_max_abs(x, self.keep)
