@@ -7,13 +7,17 @@ Random-weight checkpoint, random sequences of 700-1022 residues (rotary position
 policy: mean per-residue relative L2 error of the last layer against embedpipe's fp32
 output, and min pooled cosine. The mixed policies keep rotary tables, attention and layer
 norms in fp32 and should sit clearly below the plain casts of the same dtype
-(tests/test_precision.py asserts it on a smaller sample).
+(tests/test_precision.py asserts it on a smaller sample). The mixed policies run twice: with
+fp32 attention inputs (the CPU default) and with ``--attention-inputs compute`` (rotated in
+fp32, then q/k/v cast to the compute dtype: the CUDA default, for tensor-core kernels), with
+residues/s of each run on this machine (docs/precision.md, "Attention inputs").
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,7 @@ from embed_helpers import random_sequences  # noqa: E402
 
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
+from embedpipe.options import FP32_ISLAND_POLICIES  # noqa: E402
 from embedpipe.precision import POLICIES  # noqa: E402
 from embedpipe.worker import EmbedOptions, Embedder  # noqa: E402
 
@@ -47,22 +52,31 @@ def main() -> None:
     records = random_sequences(args.records, (700, 1022), seed=args.seed)
     last = loaded.num_layers
 
-    def run(policy: str) -> dict:
-        embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
-        return dict(embedder.embed(records))
+    residues = sum(len(seq) for _, seq in records)
 
-    ref = run("fp32")
+    def run(policy: str, inputs: str = "auto") -> tuple[dict, float]:
+        options = EmbedOptions(precision=policy, per_residue=True, attention_inputs=inputs)
+        embedder = Embedder(loaded, options, torch.device("cpu"))
+        started = time.perf_counter()
+        got = dict(embedder.embed(records))
+        return got, residues / (time.perf_counter() - started)
+
+    ref, _ = run("fp32")
     print(f"model {args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); "
           f"{args.records} random sequences of 700-1022 residues\n")
-    print("| policy | mean per-residue rel. L2 error | max per-residue rel. L2 error | min pooled cosine |")
-    print("|---|---|---|---|")
-    for policy in POLICIES:
-        got = run(policy)
+    print("| policy | attention inputs | mean per-residue rel. L2 error | max per-residue rel. L2 error "
+          "| min pooled cosine | residues/s |")
+    print("|---|---|---|---|---|---|")
+    runs = [(policy, "auto") for policy in POLICIES] + [(policy, "compute") for policy in FP32_ISLAND_POLICIES]
+    for policy, inputs in runs:
+        got, rate = run(policy, inputs)
         errors = [np.linalg.norm(got[i].per_residue[last] - ref[i].per_residue[last]) / np.linalg.norm(ref[i].per_residue[last])
                   for i in ref]
         cosines = [float(got[i].mean[last] @ ref[i].mean[last] / np.linalg.norm(got[i].mean[last]) / np.linalg.norm(ref[i].mean[last]))
                    for i in ref]
-        print(f"| {policy} | {np.mean(errors):.2e} | {np.max(errors):.2e} | {min(cosines):.7f} |", flush=True)
+        shown = ("compute" if inputs == "compute" else "fp32") if policy in FP32_ISLAND_POLICIES else "policy dtype"
+        print(f"| {policy} | {shown} | {np.mean(errors):.2e} | {np.max(errors):.2e} | {min(cosines):.7f} "
+              f"| {rate:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
