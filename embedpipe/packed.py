@@ -8,7 +8,9 @@ varlen flash kernel on CUDA (:mod:`embedpipe.cuda`), and elsewhere
 Per-record reductions (pooled sums, largest activation) are segment reductions over rows,
 each segment summed in order, so a record's result does not depend on its neighbours.
 Device-agnostic: every function here runs, and is tested, on the CPU (docs/precision.md,
-"Batch layout").
+"Batch layout"). Nothing here reads a device tensor back: the offsets are kept on the host,
+and segment reductions run with ``unsafe=True`` (their own check of the lengths would sync
+the host with the device; the lengths are checked here, on the host, instead).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class PackedTokens:
 
     def mask_ratio(self, masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(N,) share of <mask> tokens in each token's sequence (fair-esm's token dropout)."""
-        counts = torch.segment_reduce(masked.to(dtype), "sum", lengths=self.lengths, axis=0)
+        counts = torch.segment_reduce(masked.to(dtype), "sum", lengths=self.lengths, axis=0, unsafe=True)
         return (counts / self.lengths).repeat_interleave(self.lengths, output_size=masked.shape[0])
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +83,7 @@ class PackedTokens:
 
     def segment_max(self, per_token: torch.Tensor) -> torch.Tensor:
         """(B,) max of ``per_token`` (N,) over each sequence's rows; NaN propagates."""
-        return torch.segment_reduce(per_token, "max", lengths=self.lengths, axis=0, initial=0.0)
+        return torch.segment_reduce(per_token, "max", lengths=self.lengths, axis=0, initial=0.0, unsafe=True)
 
     def row_max_abs(self, x: torch.Tensor) -> torch.Tensor:
         """Per-record max |x| over all its tokens, fp32: the packed twin of ``masked_max_abs``."""
@@ -101,13 +103,14 @@ def range_segments(host_offsets: Sequence[int], ranges: Sequence[tuple[int, int]
 
 
 def range_sums(x: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-    """(B, ...) sums of each sequence's chosen rows of ``x`` (N, ...), from :func:`range_segments`."""
-    return torch.segment_reduce(x, "sum", lengths=segments.to(x.device), axis=0)[1::3]
+    """(B, ...) sums of each sequence's chosen rows of ``x`` (N, ...), from :func:`range_segments`
+    (on ``x``'s device)."""
+    return torch.segment_reduce(x, "sum", lengths=segments, axis=0, unsafe=True)[1::3]
 
 
 def range_max(per_token: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """(B,) max of ``per_token`` over each sequence's chosen rows (0 for an empty range); NaN propagates."""
-    return torch.segment_reduce(per_token, "max", lengths=segments.to(per_token.device), axis=0, initial=0.0)[1::3]
+    return torch.segment_reduce(per_token, "max", lengths=segments, axis=0, initial=0.0, unsafe=True)[1::3]
 
 
 def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

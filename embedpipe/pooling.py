@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embedpipe.cuda import to_device
 from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.packed import PackedTokens, range_max, range_segments, range_sums
 from embedpipe.planning import Piece
@@ -47,7 +48,7 @@ def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int
     hidden0 = out.hidden[layers[0]]
     device, width = hidden0.device, hidden0.shape[1]
     longest = max(p.residues for p in batch)
-    bounds = torch.tensor([[*_stored(p, bos), *_kept(p)] for p in batch]).to(device, non_blocking=True)
+    bounds = to_device(torch.tensor([[*_stored(p, bos), *_kept(p)] for p in batch]), device)
     positions = torch.arange(width, device=device)[None, :]
     stored = (positions >= bounds[:, 0:1]) & (positions < bounds[:, 1:2])
     kept = ((positions >= bounds[:, 2:3]) & (positions < bounds[:, 3:4])).float()
@@ -67,8 +68,9 @@ def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int
 def pool_packed(out: ForwardOutput, batch: Sequence[Piece], packed: PackedTokens, layers: Sequence[int], *,
                 bos: bool, per_residue: bool) -> DevicePooled:
     """Pool a packed batch: segment reductions over each piece's rows, summed in order."""
-    kept = range_segments(packed.host_offsets, [_kept(p) for p in batch])
-    stored = range_segments(packed.host_offsets, [_stored(p, bos) for p in batch])
+    device = out.max_abs.device
+    kept = to_device(range_segments(packed.host_offsets, [_kept(p) for p in batch]), device)
+    stored = to_device(range_segments(packed.host_offsets, [_stored(p, bos) for p in batch]), device)
     starts = list(packed.host_offsets[:-1])
     sums, firsts, stored_max, residues = [], [], [], {}
     for layer in layers:

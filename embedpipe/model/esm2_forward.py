@@ -357,8 +357,10 @@ class _PaddedBatch:
         self.padding = tokens.eq(padding_idx)
         self.keep = ~self.padding
         self.max_len = tokens.shape[1]
-        # (B, 1, 1, T), True = attend; none without padding (a host sync, see docs/precision.md)
-        self.attn_mask = self.keep[:, None, None, :] if self.padding.any() else None
+        # (B, 1, 1, T), True = attend. Off the CPU always a mask: the same kernel for every
+        # batch, and no host sync to ask whether there is padding (docs/precision.md).
+        mask = self.keep[:, None, None, :]
+        self.attn_mask = mask if tokens.device.type != "cpu" or self.padding.any() else None
 
     def rows(self, table: torch.Tensor) -> torch.Tensor:
         """A (T, ...) per-position table as it broadcasts over (B, T, ...)."""
