@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "export_scale.json")
     args = parser.parse_args(argv)
     results = []
-    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+    scratch = ROOT / "benchmarks" / "out"  # git-ignored: a killed run leaves nothing in the tree
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         for n in args.records:
             store = Path(tmp) / f"store-{n}.h5"
             started = time.perf_counter()
