@@ -21,6 +21,7 @@ import torch
 
 from embedpipe import __version__
 from embedpipe.atomic import check_output_path, write_text_atomic
+from embedpipe.background_writer import BackgroundWriter
 from embedpipe.checksums import file_sha256
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
@@ -140,8 +141,12 @@ def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[t
         attrs=attrs,
         pooling=embedder.pooling,
     ) as writer:
-        for index, record in embedder.embed(records, plan, quiet=quiet):
-            writer.write(index, record)
+        # HDF5 writes on a thread of their own; it is joined before the writer finalizes or
+        # aborts (any failure leaves no store), and the generator is closed either way
+        with BackgroundWriter(writer.write) as background, \
+                contextlib.closing(embedder.embed(records, plan, quiet=quiet)) as results:
+            for index, record in results:
+                background.put(index, record)
         fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
         writer.set_attrs(
             fallback_count=int(embedder.stats["fallback"]),
