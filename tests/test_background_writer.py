@@ -158,18 +158,19 @@ def test_a_failing_forward_during_embed_joins_the_writer_and_leaves_no_store(tmp
     records = random_sequences(12, (10, 40), seed=33)
     fasta = write_fasta(tmp_path / "in.fasta", records)
     out = tmp_path / "store.h5"
-    real = Embedder._forward_batch
-    batches = []
+    real = Embedder.embed
+    yielded = []
 
-    def interrupted(self, policy, batch, recs):
-        batches.append(len(batch))
-        if len(batches) == 3:
-            raise KeyboardInterrupt
-        return real(self, policy, batch, recs)
+    def interrupted(self, records, plan=None, *, quiet=True):  # Ctrl-C after 5 records were handed over
+        for item in real(self, records, plan, quiet=quiet):
+            if len(yielded) == 5:
+                raise KeyboardInterrupt
+            yielded.append(item[0])
+            yield item
 
-    monkeypatch.setattr(Embedder, "_forward_batch", interrupted)
+    monkeypatch.setattr(Embedder, "embed", interrupted)
     with pytest.raises(KeyboardInterrupt):
         embed_fasta(fasta, model=str(tiny_model_path), out=out, options=EmbedOptions(tokens_per_batch=60), quiet=True)
-    assert len(batches) == 3
+    assert len(yielded) == 5
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]
     assert not _writer_threads()
