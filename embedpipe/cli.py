@@ -170,8 +170,10 @@ def embed(
         help=f"Pooled vectors to store: {_one_of(options.POOLINGS, {'bos': 'the BOS token'})}; repeatable. "
              "The mean is always stored.",
     ),
-    tokens_per_batch: int = typer.Option(EMBED.tokens_per_batch, "--tokens-per-batch", min=1,
-                                         help="Token budget per batch, BOS/EOS included."),
+    tokens_per_batch: str = typer.Option(
+        str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
+        help=f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
+             f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}."),
     device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
@@ -187,6 +189,15 @@ def embed(
         EMBED.fallback_device, "--fallback-device",
         help="Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
             "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."),
+    batch_layout: str = typer.Option(
+        EMBED.batch_layout, "--batch-layout",
+        help="How a batch's tokens are laid out: " + _one_of(options.BATCH_LAYOUTS, {
+            "auto": "packed where the varlen kernel runs, else padded", "packed": "no padding",
+            "padded": "with a mask"}) + ". See docs/precision.md."),
+    attention_inputs: str = typer.Option(
+        EMBED.attention_inputs, "--attention-inputs",
+        help="dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(options.ATTENTION_INPUTS, {
+            "auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
@@ -194,8 +205,9 @@ def embed(
 
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
-        tokens_per_batch=tokens_per_batch, device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
+        tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
         attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
+        batch_layout=batch_layout, attention_inputs=attention_inputs,
     )
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet)
     if not quiet:

@@ -46,7 +46,8 @@ from embedpipe.errors import EmbedpipeError
 from embedpipe.formatting import format_cosine, format_short
 from embedpipe.metrics import describe_length_bins, length_bins, stratified_sample
 from embedpipe.model import is_model_name, load_model
-from embedpipe.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, EmbedOptions, Thresholds
+from embedpipe.options import (CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, EmbedOptions, Thresholds,
+                               parse_tokens_per_batch)
 from embedpipe.progress import say
 from embedpipe.report import render_html
 from embedpipe.store import utc_now
@@ -395,7 +396,7 @@ def _reference_options(provenance: dict[str, Any], layers: list[int], per_residu
         precision="fp32",
         layers=tuple(int(k) for k in layers),
         per_residue=bool(per_residue),
-        tokens_per_batch=int(pick("tokens_per_batch")),
+        tokens_per_batch=parse_tokens_per_batch(str(pick("tokens_per_batch"))),  # auto: sized for this device
         device="auto",
         storage_dtype="float32",
         long_sequences=str(pick("long_sequences")),

@@ -40,9 +40,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on ``device`` now (CUDA only)."""
+    """Bytes this process can still allocate on ``device`` (CUDA only): free at the driver plus
+    what PyTorch's caching allocator holds unused (an earlier shard's batches, a model copy
+    freed since), which the driver counts as taken."""
     free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(int(cached), 0)
 
 
 class HostCopy:

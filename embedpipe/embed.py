@@ -15,12 +15,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import torch
 
 from embedpipe import __version__
 from embedpipe.atomic import check_output_path, write_text_atomic
+from embedpipe.background_writer import BackgroundWriter
 from embedpipe.checksums import file_sha256
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError
@@ -28,6 +30,7 @@ from embedpipe.fasta import read_sequences
 from embedpipe.host_memory import keep_freed_memory
 from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
+from embedpipe.options import AUTO
 from embedpipe.precision import Policy, dtype_name
 from embedpipe.progress import say
 from embedpipe.store import StoreWriter, utc_now
@@ -49,15 +52,19 @@ class EmbedSummary:
     device: str
     fallback: dict[str, int]
     padding_efficiency: float
+    tokens_per_batch: int  # the budget the batches were planned with
+    tokens_per_batch_auto: bool  # sized by --tokens-per-batch auto, not given
 
     def render(self) -> str:
         rate = self.residues / self.seconds if self.seconds > 0 else float("nan")
         fell = sum(self.fallback.values())
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"
+        budget = f"tokens per batch {self.tokens_per_batch}" + (f" ({AUTO})" if self.tokens_per_batch_auto else "")
         lines = [
             f"embedded {self.records} records ({self.residues} residues) in {self.seconds:.1f}s "
             f"({rate:,.0f} residues/s) with {self.precision} on {self.device} -> {self.out}",
-            f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}",
+            f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}; "
+            f"{budget}",
         ]
         return "\n".join(lines)
 
@@ -87,6 +94,18 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
         **loaded.provenance,
         "embedpipe_version": __version__,
         "config": json.dumps(config, sort_keys=True),
+    }
+
+
+def batching_attrs(embedder: Embedder) -> dict[str, Any]:
+    """Root attributes of how the batches ran (docs/store-format.md): the resolved token budget
+    (``config`` keeps ``auto`` as given), the layout, attention path and q/k/v dtype. Read once
+    the forward has run, when the embedder's choices are final."""
+    return {
+        "tokens_per_batch": int(embedder.tokens_per_batch),
+        "batch_layout": embedder.batch_layout,
+        "attention_path": embedder.attention_path,
+        "attention_inputs": embedder.attention_inputs,
     }
 
 
@@ -140,14 +159,19 @@ def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[t
         attrs=attrs,
         pooling=embedder.pooling,
     ) as writer:
-        for index, record in embedder.embed(records, plan, quiet=quiet):
-            writer.write(index, record)
+        # HDF5 writes on a thread of their own; it is joined before the writer finalizes or
+        # aborts (any failure leaves no store), and the generator is closed either way
+        with BackgroundWriter(writer.write) as background, \
+                contextlib.closing(embedder.embed(records, plan, quiet=quiet)) as results:
+            for index, record in results:
+                background.put(index, record)
         fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
         writer.set_attrs(
             fallback_count=int(embedder.stats["fallback"]),
             fallback_reasons=json.dumps(fallback, sort_keys=True),
             padding_efficiency=plan.padding_efficiency,
             fallback_device=embedder.fallback_device or "none",
+            **batching_attrs(embedder),
             finished_utc=utc_now(),
         )
     return EmbedSummary(
@@ -159,6 +183,8 @@ def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[t
         device=str(device),
         fallback=fallback,
         padding_efficiency=plan.padding_efficiency,
+        tokens_per_batch=embedder.tokens_per_batch,
+        tokens_per_batch_auto=options.tokens_per_batch == AUTO,
     )
 
 

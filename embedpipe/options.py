@@ -189,6 +189,18 @@ def check_choice(option: str, value: object, allowed: Sequence[str],
         raise error(f"{option} must be one of {', '.join(allowed)}, not {value!r}")
 
 
+def parse_tokens_per_batch(text: str) -> int | str:
+    """``--tokens-per-batch`` as typed: :data:`AUTO` or a whole number (its minimum is checked by
+    :meth:`EmbedOptions.validate`, with the reason)."""
+    word = text.strip()
+    if word == AUTO:
+        return AUTO
+    try:
+        return int(word, 10)
+    except ValueError:
+        raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {text!r}") from None
+
+
 def check_same_names(what: str, names: Sequence[str], expected: Sequence[str]) -> None:
     """At import: a module that keeps its own table of named things (``precision.POLICIES``)
     must list exactly the names defined here, in the same order."""
@@ -220,4 +232,5 @@ __all__ = [
     "Thresholds",
     "check_choice",
     "check_same_names",
+    "parse_tokens_per_batch",
 ]

@@ -28,6 +28,14 @@ def _run(*args: str) -> subprocess.CompletedProcess:
             ("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--overflow-margin", "0"),
             "--overflow-margin must be a number in (0, 1], not 0.0",
         ),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--tokens-per-batch", "lots"),
+         "--tokens-per-batch must be auto or a whole number, not 'lots'"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--tokens-per-batch", "2"),
+         "--tokens-per-batch must be at least 3 (BOS, one residue, EOS)"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--batch-layout", "ragged"),
+         "--batch-layout must be one of auto, packed, padded, not 'ragged'"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--attention-inputs", "fp16"),
+         "--attention-inputs must be one of auto, fp32, compute, not 'fp16'"),
     ],
 )
 def test_usage_and_input_errors_are_one_line(args, message, tmp_path):
@@ -58,6 +66,17 @@ def test_no_arguments_prints_the_help_and_exits_zero():
     result = _run()
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith("Usage:") and "embed" in result.stdout and "export" in result.stdout
+
+
+def test_tokens_per_batch_is_auto_or_a_whole_number():
+    from embedpipe.errors import EmbedpipeError
+    from embedpipe.options import AUTO, parse_tokens_per_batch
+
+    assert parse_tokens_per_batch("auto") == AUTO
+    assert parse_tokens_per_batch("8192") == 8192 and parse_tokens_per_batch(" 3 ") == 3
+    for bad in ("", "1.5", "AUTO", "4k"):
+        with pytest.raises(EmbedpipeError, match="--tokens-per-batch must be auto or a whole number"):
+            parse_tokens_per_batch(bad)
 
 
 def test_layers_take_a_comma_list_or_repeats():

@@ -175,11 +175,19 @@ def test_cli_embed_info_validate(tmp_path, tiny_model_path):
                                  "--layers", "0", "--layers", "-1", "--per-residue"])
     assert result.exit_code == 0, result.output
     assert "embedded 5 records" in result.output
+    assert "tokens per batch 4096 (auto)" in result.output  # the default, auto, on the CPU
     result = runner.invoke(app, ["validate", str(out)])
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["info", str(out), "--json"])
     assert result.exit_code == 0, result.output
     assert '"precision_policy": "fp32"' in result.output
+    assert '"tokens_per_batch": 4096,' in result.output and '"batch_layout": "padded"' in result.output
+    result = runner.invoke(app, ["info", str(out)])
+    assert "batches     4096 tokens (auto), padded;" in result.output
+    given = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(tmp_path / "g.h5"),
+                                "--tokens-per-batch", "300", "--batch-layout", "padded", "--attention-inputs", "fp32"])
+    assert given.exit_code == 0, given.output
+    assert "tokens per batch 300\n" in given.output + "\n" and "(auto)" not in given.output
     bad = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out),
                               "--precision", "fp8"])
     assert bad.exit_code != 0 and "unknown precision policy 'fp8'" in bad.output
@@ -237,3 +245,22 @@ def test_long_sequences_full_embeds_whole_sequences_like_fair_esm(tmp_path, tiny
     ref = fair_esm_forward(model, alphabet, seq, [layer])[layer]
     np.testing.assert_allclose(store["per_residue"][layer][rid], ref, atol=ATOL, rtol=0)
     np.testing.assert_allclose(store["mean"][layer][rid], ref.mean(0), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tokens_per_batch, resolved", [("auto", 4096), (300, 300)])
+def test_the_store_records_the_batches_it_was_made_with(tmp_path, tiny_model_path, tokens_per_batch, resolved):
+    """``config`` keeps the option as given; root attributes hold the resolved budget, layout,
+    attention path and q/k/v dtype (docs/store-format.md, "Root attributes")."""
+    import json
+
+    records = random_sequences(6, (10, 60), seed=17)
+    store = embed_and_read(tmp_path, tiny_model_path, records, tokens_per_batch=tokens_per_batch)
+    attrs = store["attrs"]
+    assert json.loads(attrs["config"])["tokens_per_batch"] == tokens_per_batch
+    assert int(attrs["tokens_per_batch"]) == resolved
+    embedder = Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=tokens_per_batch),
+                        torch.device("cpu"))
+    assert embedder.tokens_per_batch == resolved
+    assert attrs["batch_layout"] == embedder.batch_layout == "padded"  # auto: padded off CUDA
+    assert attrs["attention_path"] == embedder.attention_path
+    assert attrs["attention_inputs"] == embedder.attention_inputs == "float32"  # fp32, and auto off CUDA

@@ -33,6 +33,8 @@ CHOICES = {
     "storage_dtype": (options.STORAGE_DTYPES, EMBED.storage_dtype),
     "long_sequences": (options.LONG_SEQUENCE_MODES, EMBED.long_sequences),
     "fallback_device": (options.FALLBACK_DEVICES, EMBED.fallback_device),
+    "batch_layout": (options.BATCH_LAYOUTS, EMBED.batch_layout),
+    "attention_inputs": (options.ATTENTION_INPUTS, EMBED.attention_inputs),
     "on_invalid": (options.ON_INVALID, options.ON_INVALID_DEFAULT),
 }
 #: schema key -> the library's default
@@ -67,7 +69,9 @@ def test_schema_defaults_equal_the_library_defaults(key: str) -> None:
 
 
 def test_schema_minimums_and_device_pattern_match_the_library() -> None:
-    assert PROPERTIES["tokens_per_batch"]["minimum"] == options.MIN_TOKENS_PER_BATCH
+    number, word = PROPERTIES["tokens_per_batch"]["oneOf"]  # the number first: coercion tries it first
+    assert number == {"type": "integer", "minimum": options.MIN_TOKENS_PER_BATCH}
+    assert word == {"type": "string", "enum": [options.AUTO]}
     assert PROPERTIES["tokens_per_shard"]["minimum"] == 1
     assert PROPERTIES["max_jobs"]["minimum"] == 1
     pattern = re.compile(PROPERTIES["device"]["pattern"])
@@ -148,6 +152,8 @@ def test_the_precision_module_defines_exactly_the_named_policies() -> None:
         ("embed", "long_sequences", options.LONG_SEQUENCE_MODES),
         ("embed", "attention", options.ATTENTION_IMPLEMENTATIONS),
         ("embed", "fallback_device", options.FALLBACK_DEVICES),
+        ("embed", "batch_layout", options.BATCH_LAYOUTS),
+        ("embed", "attention_inputs", options.ATTENTION_INPUTS),
         ("shard", "on_invalid", options.ON_INVALID),
     ],
 )
@@ -155,3 +161,18 @@ def test_help_lists_every_allowed_value(command: str, option: str, allowed: tupl
     (param,) = [p for p in _command(command).params if p.name == option]
     words = re.findall(r"[\w-]+", param.help)
     assert all(value in words for value in allowed), (option, param.help)
+
+
+def test_tokens_per_batch_help_names_auto_its_cpu_budget_and_the_minimum() -> None:
+    (param,) = [p for p in _command("embed").params if p.name == "tokens_per_batch"]
+    words = re.findall(r"[\w-]+", param.help)
+    assert options.AUTO in words and str(options.CPU_TOKENS_PER_BATCH) in words
+    assert str(options.MIN_TOKENS_PER_BATCH) in words
+
+
+def test_every_embed_option_is_a_workflow_key_or_set_by_the_rule() -> None:
+    """A new EmbedOptions field must reach the workflow: a schema key, or one the embed rule sets."""
+    set_by_the_rule = {"threads"}  # the rule's threads
+    not_in_the_workflow = {"attention", "overflow_margin"}  # command-line only, for now
+    fields = {field.name for field in dataclasses.fields(EmbedOptions)}
+    assert fields - set(PROPERTIES) - set_by_the_rule == not_in_the_workflow

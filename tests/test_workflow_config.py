@@ -74,3 +74,23 @@ def test_outdir_that_is_a_file(tmp_path):
         check_outdir(str(tmp_path / "f"))
     check_outdir(str(tmp_path))
     check_outdir(str(tmp_path / "new"))
+
+
+def test_tokens_per_batch_is_auto_or_a_number_of_at_least_3(schema):
+    for text, expected in [("auto", "auto"), ("8192", 8192), (" 3", 3)]:
+        config = _base() | {"tokens_per_batch": text}  # a string, as `--config tokens_per_batch=...` may give
+        normalise(config, schema)
+        assert config["tokens_per_batch"] == expected, text
+    for bad in ("2", "Auto", "lots", 4096.5):
+        with pytest.raises(ConfigError) as info:
+            normalise(_base() | {"tokens_per_batch": bad}, schema)
+        assert "'tokens_per_batch'" in str(info.value) and "\n" not in str(info.value), bad
+    check({"input": "x.fa"}, schema)  # the default, auto, passes
+
+
+def test_batch_layout_and_attention_inputs_are_checked(schema):
+    check(_base() | {"batch_layout": "packed", "attention_inputs": "compute"}, schema)
+    with pytest.raises(ConfigError, match=r"'batch_layout'.*'ragged'"):
+        check(_base() | {"batch_layout": "ragged"}, schema)
+    with pytest.raises(ConfigError, match=r"'attention_inputs'"):
+        check(_base() | {"attention_inputs": "fp16"}, schema)

@@ -123,6 +123,17 @@ def _fmt_counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k or '(empty)'} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
 
+def _batches_line(prov: Mapping[str, Any]) -> list[str]:
+    """How the batches ran, for stores that record it (older stores do not; a merged store
+    whose shards differ keeps it per shard only, in ``shard_provenance``)."""
+    if "tokens_per_batch" not in prov:
+        return []
+    config = prov.get("config") if isinstance(prov.get("config"), Mapping) else {}
+    given = " (auto)" if config.get("tokens_per_batch") == "auto" else ""
+    return [f"  batches     {prov['tokens_per_batch']} tokens{given}, {prov.get('batch_layout', '?')}; attention path "
+            f"{prov.get('attention_path', '?')}, q/k/v {prov.get('attention_inputs', '?')}"]
+
+
 def _header_lines(info: Mapping[str, Any]) -> list[str]:
     """Format, model, precision, storage, software, layers and counts."""
     prov = info.get("provenance", {})
@@ -135,6 +146,7 @@ def _header_lines(info: Mapping[str, Any]) -> list[str]:
         f"  precision   policy {prov.get('precision_policy', '?')}: weights {prov.get('weight_dtype', '?')}, "
         f"matmuls {prov.get('compute_dtype', '?')}, islands {prov.get('island_dtype', '?')}, "
         f"fallback {prov.get('fallback_dtype', '?')}; attention {prov.get('attention', '?')}",
+        *_batches_line(prov),
         f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}",
         f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}, "
         f"fair-esm {prov.get('fair_esm_version', '?')}; created {prov.get('created_utc', '?')}",

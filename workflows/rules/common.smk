@@ -221,11 +221,18 @@ def embed_options():
     if sorted(config["pooling"]) != ["mean"]:  # likewise
         for pooling in config["pooling"]:
             args += ["--pooling", pooling]
+    for key in ("batch_layout", "attention_inputs"):  # likewise
+        if config[key] != "auto":
+            args += ["--" + key.replace("_", "-"), config[key]]
     return _join(args)
 
 
 def tokens_per_batch(wildcards, attempt):
-    """A retried embed job gets a smaller batch: tokens_per_batch // attempt."""
+    """A retried embed job gets a smaller batch: tokens_per_batch // attempt. `auto` stays
+    `auto`: each attempt sizes its batches from the device's free memory again, and a batch
+    that runs out of GPU memory is split in halves inside the job (docs/precision.md)."""
+    if config["tokens_per_batch"] == "auto":
+        return "auto"
     return max(3, config["tokens_per_batch"] // attempt)
 
 

@@ -3,7 +3,8 @@
 # shard store that is already complete for the same shard, model and options, so a retried or
 # rerun job resumes at shard granularity. The job's output is the group marker, written last;
 # the shard stores are not outputs, so Snakemake never deletes finished ones before a rerun.
-# Retried with a smaller token budget per batch (tokens_per_batch // attempt). With a CUDA
+# Retried with a smaller token budget per batch (tokens_per_batch // attempt; `auto` is sized
+# again from the device's free memory on each attempt). With a CUDA
 # device the job requests one GPU; `embedpipe embed` locks a GPU of its own when several jobs
 # share a multi-GPU machine (`snakemake --resources gpu=N`).
 
