@@ -120,8 +120,29 @@ def plan_batches(pieces: Sequence[Piece], tokens_per_batch: int,
     return batches
 
 
-def padding_efficiency(batches: Sequence[Sequence[Piece]]) -> float:
-    """Real tokens / computed tokens (padded batch area)."""
+def plan_packed_batches(pieces: Sequence[Piece], tokens_per_batch: int) -> list[list[Piece]]:
+    """Group pieces, longest first, into packed batches whose real tokens sum to at most the
+    budget (a packed batch computes no padding, so only the sum counts: a greedy fill is
+    optimal, and linear). A piece longer than the budget runs alone."""
+    ordered = sorted(pieces, key=lambda p: (-p.tokens, p.record, p.start))
+    batches: list[list[Piece]] = []
+    current: list[Piece] = []
+    used = 0
+    for piece in ordered:
+        if current and used + piece.tokens > tokens_per_batch:
+            batches.append(current)
+            current, used = [], 0
+        current.append(piece)
+        used += piece.tokens
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padding_efficiency(batches: Sequence[Sequence[Piece]], packed: bool = False) -> float:
+    """Real tokens / computed tokens (the padded batch area; packed batches compute no padding)."""
+    if packed:
+        return 1.0
     real = sum(p.tokens for b in batches for p in b)
     computed = sum(len(b) * max(p.tokens for p in b) for b in batches)
     return real / computed if computed else 1.0

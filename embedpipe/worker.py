@@ -23,7 +23,7 @@ from embedpipe.cuda import BusyTimer, HostCopy
 from embedpipe.errors import EmbedpipeError
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.packed import PackedTokens
-from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_record
+from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.pooling import HostPooled, pool_packed, pool_padded
 from embedpipe.precision import (FP32, Policy, attention_dtype, check_policy_on_device, dtype_name, exact_fp32,
                                  forward_context, get_policy, resolve_attention_inputs, true_fp32_matmuls)
@@ -56,10 +56,11 @@ class Plan:
     batches: list[list[Piece]]
     handling: list[str]  # none | chunked | truncated | full
     rows: list[int]  # residues embedded per record (the per-residue rows the store will hold)
+    packed: bool = False  # batches cut for the packed layout (real tokens, no padding)
 
     @property
     def padding_efficiency(self) -> float:
-        return padding_efficiency(self.batches)
+        return padding_efficiency(self.batches, self.packed)
 
 
 @dataclass
@@ -229,6 +230,8 @@ class Embedder:
             pieces.extend(record_pieces)
             handling.append(how)
             rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
+        if self.batch_layout == "packed":
+            return Plan(plan_packed_batches(pieces, self.tokens_per_batch), handling, rows, packed=True)
         return Plan(plan_batches(pieces, self.tokens_per_batch), handling, rows)
 
     def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedpipe.planning import Piece, padding_efficiency, plan_batches
+from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches
 
 
 def _pieces(lengths):
@@ -62,3 +62,22 @@ def test_padding_efficiency_on_the_bundled_example_lengths():
     planned = padding_efficiency(plan_batches(pieces, 4096))
     greedy = padding_efficiency(_greedy(pieces, 4096))
     assert planned >= 0.95 and planned > greedy, (planned, greedy)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=120), st.integers(3, 20000))
+def test_packed_batches_partition_pieces_by_real_tokens(lengths, budget):
+    """Packed batches count real tokens only: each fills the budget as far as the next piece
+    allows (fewest batches for the longest-first order), and none is over budget unless alone."""
+    pieces = _pieces(lengths)
+    batches = plan_packed_batches(pieces, budget)
+    assert sorted(p.record for b in batches for p in b) == list(range(len(lengths)))
+    order = [p.tokens for b in batches for p in b]
+    assert order == sorted(order, reverse=True)
+    for index, batch in enumerate(batches):
+        total = sum(p.tokens for p in batch)
+        assert len(batch) == 1 or total <= budget
+        if index + 1 < len(batches):
+            assert total + batches[index + 1][0].tokens > budget  # the next piece did not fit
+    assert padding_efficiency(batches, packed=True) == 1.0
+    assert len(batches) <= len(plan_batches(pieces, budget))
