@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[t
         say(f"warning: {note}", quiet=quiet)
     plan = embedder.plan(records)
     attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
-    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256)}
+    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as)}
     with StoreWriter(
         out,
         ids=[r for r, _ in records],
@@ -191,11 +191,13 @@ def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[t
 # ------------------------------------------------------------------------------ groups of shards
 
 
-def embed_identity(options: EmbedOptions, model_sha256: str) -> str:
-    """What makes a shard store's numbers: the model's bytes and every option except how the
-    job ran (:data:`_HOW_IT_RUNS`). A store with another identity is embedded again."""
+def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
+    """What makes a shard store's numbers: the model's bytes, every option except how the
+    job ran (:data:`_HOW_IT_RUNS`), and what the ``auto`` options resolved to on this job's
+    device (``Embedder.computed_as``: a store computed packed on a GPU is not the one a CPU
+    job would compute). A store with another identity is embedded again."""
     chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
-    return json.dumps(chosen | {"model_sha256": model_sha256}, sort_keys=True)
+    return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
 
 
 def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
@@ -253,7 +255,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     with _model_on(model, options) as (loaded, device):
-        identity = embed_identity(options, loaded.sha256)
+        identity = embed_identity(options, loaded.sha256, Embedder(loaded, options, device).computed_as)
         for fasta, store, digest in zip(fastas, stores, digests):
             if store_is_current(store, identity, digest):
                 summary.kept.append(store)

@@ -201,6 +201,13 @@ class Embedder:
         """dtype name of q/k/v at the main policy's attention kernel."""
         return dtype_name(self._attention_dtype(self.policy, self.device))
 
+    @property
+    def computed_as(self) -> dict[str, str]:
+        """What the run's ``auto`` options resolved to on its device: part of a store's
+        identity for resuming (:func:`embedpipe.embed.embed_identity`)."""
+        return {"device_type": self.device.type, "batch_layout": self.batch_layout,
+                "attention_inputs": self.attention_inputs}
+
     def _attention_dtype(self, policy: Policy, device: torch.device) -> torch.dtype:
         return attention_dtype(policy, resolve_attention_inputs(self.options.attention_inputs, device))
 

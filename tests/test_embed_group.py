@@ -87,7 +87,8 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert [s.out for s in summary.embedded] == stores[1:]
     assert (_uuid(stores[0]), stores[0].stat().st_mtime_ns) == before[0]
     assert _uuid(stores[2]) != before[2][0]
-    assert all(embed_module.store_is_current(p, embed_module.embed_identity(OPTIONS, _sha(p)), _input(p))
+    on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
+    assert all(embed_module.store_is_current(p, embed_module.embed_identity(OPTIONS, _sha(p), on_cpu), _input(p))
                for p in stores)
 
 
@@ -119,6 +120,27 @@ def test_a_store_of_other_options_model_or_shard_content_is_embedded_again(
     summary = embed_shards(shards, model=str(model), out_dir=out, options=options, quiet=True)
     assert _uuid(out / "shard-00000.h5") != before
     assert len(summary.embedded) == (1 if change == "shard" else 2)
+
+
+def test_a_store_computed_padded_is_not_kept_where_auto_means_packed(tmp_path, tiny_model_path, monkeypatch):
+    """The same options (``auto``) on another device are other numbers: the identity holds what
+    ``auto`` resolved to. The second job pretends the varlen kernel runs (a CPU stand-in)."""
+    from embedpipe import cuda
+    from embedpipe.packed import per_sequence_attention
+
+    shards = _shards(tmp_path, 1)
+    out = tmp_path / "stores"
+    options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed", "attention_inputs": "compute"})
+    embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
+    before = _uuid(out / "shard-00000.h5")
+    assert embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True).kept
+    monkeypatch.setattr(cuda, "varlen_available", lambda device, dtype: dtype in cuda.VARLEN_DTYPES)
+    monkeypatch.setattr(cuda, "varlen_attention",
+                        lambda q, k, v, offsets, max_len: per_sequence_attention(q, k, v, offsets.tolist()))
+    summary = embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
+    assert len(summary.embedded) == 1 and _uuid(out / "shard-00000.h5") != before
+    with h5py.File(out / "shard-00000.h5", "r") as f:
+        assert f.attrs["attention_path"] == "packed-varlen-flash" and f.attrs["batch_layout"] == "packed"
 
 
 def test_cli_group_and_the_single_store_contract(tmp_path, tiny_model_path):
