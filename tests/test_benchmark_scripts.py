@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: scripts; modules named _*.py are helpers the scripts import (benchmarks/_gpu_acceptance_*.py)
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def test_the_gpu_acceptance_script_is_among_the_scripts_checked():
+    assert BENCHMARKS / "gpu_acceptance.py" in SCRIPTS
+    assert not [p for p in SCRIPTS if p.name.startswith("_")]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
