@@ -24,6 +24,7 @@ from _gpu_acceptance_setup import (WINDOW, MemoryWindow, Stopwatch, forward_flop
                                    proxy_lengths, random_records, release, write_fasta)
 
 from embedpipe.cuda import BusyTimer
+from embedpipe.model.esm2 import reset_rotary_caches
 from embedpipe.options import EmbedOptions
 from embedpipe.worker import Embedder
 
@@ -168,6 +169,9 @@ def run_recipe(fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]]
     model.to(device)
     if dtype == torch.float16:
         model.half()
+    # fair-esm rebuilds its rotary cos/sin cache on a new length or device, not a new dtype: start
+    # clean, as a freshly loaded model does (an fp32 cache would make q, k fp32 in the fp16 run)
+    reset_rotary_caches(model)
     result = timed_loop(recipe_loop(model, alphabet, device), records, device)
     model.to("cpu")
     return result | {"tokens_per_batch": RECIPE_TOKENS_PER_BATCH, "batch_layout": "padded",
