@@ -172,6 +172,19 @@ def fair_esm_model(path: Path) -> tuple[torch.nn.Module, Any]:
     return model.eval(), alphabet
 
 
+def park_on_host(loaded: Any) -> None:
+    """The shared fp32 model back on the host, without the device tensors that embedpipe's
+    runner (fused q/k/v) and fair-esm (rotary tables) cache on its modules: so each system's
+    memory window starts with no other system's weights on the device. Between systems only
+    (no Embedder alive); a later runner fuses again."""
+    from embedpipe.model.esm2 import reset_rotary_caches
+
+    loaded.model.to("cpu")
+    reset_rotary_caches(loaded.model)
+    for module in loaded.model.modules():
+        module.__dict__.pop("_embedpipe_qkv", None)
+
+
 def release(device: torch.device) -> None:
     """Free what the last system left on a GPU (Python garbage, then CUDA's cache); on the CPU
     reference counting already freed it (a full collection costs ~0.2 s with transformers loaded)."""

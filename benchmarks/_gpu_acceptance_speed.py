@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _gpu_acceptance_setup import (WINDOW, MemoryWindow, Stopwatch, forward_flops, length_scale,
+from _gpu_acceptance_setup import (WINDOW, MemoryWindow, Stopwatch, forward_flops, length_scale, park_on_host,
                                    proxy_lengths, random_records, release, write_fasta)
 
 from embedpipe.cuda import BusyTimer
@@ -57,8 +57,8 @@ PROXY_KEYS = ("records", "residues", "median_length", "max_length", "records_ove
               "padding_efficiency", "command")
 
 #: the proxy's child process: what ``embedpipe embed FASTA --model M --out STORE --precision
-#: bf16-mixed --device D --threads N --quiet`` runs. Not the CLI itself: its --tokens-per-batch option does
-#: not take the new default ``auto`` yet (embedpipe/cli.py), so the plain command fails.
+#: bf16-mixed --device D --threads N --quiet`` runs (embed_fasta), without the CLI's parsing: the
+#: CLI of this branch's base refuses its own default ``--tokens-per-batch auto`` (fixed on main).
 PROXY_CHILD = """import sys
 from pathlib import Path
 from embedpipe.embed import embed_fasta
@@ -211,6 +211,7 @@ def run_system(name: str, loaded: Any, fair: tuple[torch.nn.Module, Any], record
                device: torch.device, peer_tokens: int) -> dict[str, Any]:
     """One system's measurement inside its own memory window."""
     kind, setting = SYSTEMS[name]
+    park_on_host(loaded)
     release(device)
     memory = MemoryWindow(device)
     if kind == "embedpipe":

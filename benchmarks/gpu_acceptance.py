@@ -39,7 +39,8 @@ import torch
 
 from _gpu_acceptance_correctness import overflow_section, shape_correctness
 from _gpu_acceptance_setup import (SHAPES, WINDOW, checkpoint, default_device, device_info, fair_esm_model, human_lengths,
-                                   length_scale, random_records, release, shape_dims, shape_skip_reason)
+                                   length_scale, park_on_host, random_records, release, shape_dims,
+                                   shape_skip_reason)
 from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_section, shape_speed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +166,7 @@ def run_shape(key: str, args: argparse.Namespace, device: torch.device, results:
     records = random_records(human_lengths(n, seed=1, cap=WINDOW, scale=scale), seed=2, prefix="c")
     log(f"  {key}: correctness on {n} records")
     results["correctness"][key] = shape_correctness(loaded, fair, records, device)
+    park_on_host(loaded)
     n = args.speed_records or (SHAPES[key].speed_records if cuda else COUNTS["speed_cpu"]) // (4 if args.quick else 1)
     records = random_records(human_lengths(n, seed=3, cap=WINDOW, scale=scale), seed=4, prefix="s")
     log(f"  {key}: speed on {n} records")
