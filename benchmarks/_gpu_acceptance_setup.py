@@ -236,7 +236,7 @@ class MemoryWindow:
             return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
         if self.why:
             return None
-        return (_status_kib("VmHWM") * 1024 - self.base) / 2**20
+        return max(0, _status_kib("VmHWM") * 1024 - self.base) / 2**20  # the base is read just after the reset
 
 
 def forward_flops(lengths: list[int], layers: int, dim: int) -> float:
