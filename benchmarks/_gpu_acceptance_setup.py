@@ -35,7 +35,7 @@ class Shape:
     real: tuple[int, int, int]  # layers, dim, heads
     tiny: tuple[int, int, int]
     speed_records: int  # records of the GPU speed section (fewer for bigger models)
-    fp16_file: bool = False  # weights stored in fp16, as fair-esm's 3B release is (half the write and load)
+    fp16_file: bool = False  # weights stored in fp16: half the file to write, hash and read
 
 
 SHAPES: dict[str, Shape] = {s.key: s for s in (
