@@ -178,6 +178,7 @@ def run_shape(key: str, args: argparse.Namespace, device: torch.device, results:
 
 
 def run_proxy(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The proteome proxy on the 650M shape (its checkpoint reused when the shape ran)."""
     count = args.proxy_records
     if count <= 0:
         return dict.fromkeys(PROXY_KEYS) | {"skipped": "--proxy-records 0", "shape": PROXY_SHAPE}
@@ -190,7 +191,9 @@ def target_value(results: dict[str, Any], place: str) -> tuple[Any, str | None]:
     """A target's measured value (650M bf16-mixed row, or the proxy), or (None, why)."""
     if place == "proxy":
         proxy = results.get("proxy", {})
-        return (None, proxy.get("skipped") or "proxy not run") if proxy.get("seconds") is None else (proxy["seconds"], None)
+        if proxy.get("seconds") is None:
+            return None, proxy.get("skipped") or "proxy not run"
+        return proxy["seconds"], None
     row = results["speed"].get("650M", {}).get("systems", {}).get("embedpipe-bf16-mixed")
     if row is None:
         return None, "650M shape not run"
@@ -223,43 +226,62 @@ def _f(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def markdown(results: dict[str, Any]) -> str:
-    """The tables for docs/benchmarks.md: speed, correctness, overflow, proxy, targets."""
-    smoke = " (CPU smoke: tiny stand-in shapes, not performance)" if results["device"]["type"] != "cuda" else ""
-    lines = [f"Device: {results['device']['name']}{smoke}; torch {results['torch_version']}; {results['date']}", "",
-             "| shape | system | layout | residues/s | x fair-esm fp32 | x HF SDPA bf16 | MFU | idle | peak MiB | min cos to fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def speed_table(results: dict[str, Any]) -> list[str]:
+    """One row per shape and system: speed, ratios, MFU, idle fraction, memory, cosine."""
+    lines = ["| shape | system | layout | residues/s | x fair-esm fp32 | x HF SDPA bf16 | MFU | idle | peak MiB "
+             "| min cos to fp32 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for key, section in results["speed"].items():
         for name, r in section["systems"].items():
             if r["skipped"]:
                 lines.append(f"| {key} | {name} | - | skipped: {r['skipped']} | | | | | | |")
                 continue
-            lines.append(f"| {key} | {name} | {r['batch_layout']} | {r['residues_per_s']:,.0f} | "
-                         f"{_f(r['x_fair_esm_fp32'], '.2f')} | {_f(r['x_hf_sdpa_bf16'], '.2f')} | {_f(r['mfu'], '.1%')} | "
-                         f"{r['idle_fraction']:.1%} | {_f(r['peak_memory_mib'], ',.0f')} | {_f(r['min_cosine_to_fp32'], '.6f')} |")
-    lines += ["", "| shape | packed vs fair-esm | padded vs fair-esm | packed vs padded | layout asked packed -> ran | policies finite | batch-invariant (max diff) |",
-              "|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {key} | {name} | {r['batch_layout']} | {r['residues_per_s']:,.0f} | "
+                f"{_f(r['x_fair_esm_fp32'], '.2f')} | {_f(r['x_hf_sdpa_bf16'], '.2f')} | {_f(r['mfu'], '.1%')} | "
+                f"{r['idle_fraction']:.1%} | {_f(r['peak_memory_mib'], ',.0f')} | {_f(r['min_cosine_to_fp32'], '.6f')} |")
+    return lines
+
+
+def correctness_table(results: dict[str, Any]) -> list[str]:
+    """One row per shape: the layouts against fair-esm, what packed ran as, policies, invariance."""
+    lines = ["| shape | packed vs fair-esm | padded vs fair-esm | packed vs padded | layout asked packed -> ran "
+             "| policies finite | batch-invariant (max diff) |", "|---|---|---|---|---|---|---|"]
     for key, c in results["correctness"].items():
-        pol = c["policies"]
-        invariant = ", ".join(f"{p} {'yes' if v['batch_invariance']['equal'] else _f(v['batch_invariance']['max_abs_diff'], '.1e')}"
-                              for p, v in pol.items())
-        lines.append(f"| {key} | {c['packed']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | "
-                     f"{c['padded']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | {c['max_abs_diff_packed_vs_padded']:.1e} | "
-                     f"{c['packed']['batch_layout']} | {sum(v['finite'] for v in pol.values())}/{len(pol)} | {invariant} |")
-    overflow = results.get("overflow_fallback", {}).get("policies", {})
-    lines += ["", "fp16 overflow fallback: " + "; ".join(
-        f"{p} {v['fallback']} of {results['overflow_fallback']['records_with_c']} 'C' records fell back, "
-        f"{'exact' if v['exact'] else 'NOT exact'}" for p, v in overflow.items())]
-    proxy = results.get("proxy", {})
-    if proxy.get("seconds") is not None:
-        lines += ["", f"Proteome proxy: {proxy['records']:,} records ({proxy['residues']:,} residues, "
-                      f"{proxy['chunked_records']} chunked), {proxy['shape']} bf16-mixed, end to end "
-                      f"{proxy['seconds']:.1f} s ({proxy['residues_per_s']:,.0f} residues/s)"]
-    lines += ["", "| target | threshold | value | met |", "|---|---|---|---|"]
+        policies = c["policies"]
+        invariant = ", ".join(
+            f"{p} {'yes' if v['batch_invariance']['equal'] else _f(v['batch_invariance']['max_abs_diff'], '.1e')}"
+            for p, v in policies.items())
+        lines.append(
+            f"| {key} | {c['packed']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | "
+            f"{c['padded']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | {c['max_abs_diff_packed_vs_padded']:.1e} | "
+            f"{c['packed']['batch_layout']} | {sum(v['finite'] for v in policies.values())}/{len(policies)} | "
+            f"{invariant} |")
+    return lines
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """The overflow fallback and proxy in a sentence each, then the targets table."""
+    overflow = results["overflow_fallback"]
+    lines = ["fp16 overflow fallback: " + "; ".join(
+        f"{p} {v['fallback']} of {overflow['records_with_c']} 'C' records fell back, "
+        f"{'exact' if v['exact'] else 'NOT exact'}" for p, v in overflow["policies"].items()), ""]
+    proxy = results["proxy"]
+    if proxy["seconds"] is not None:
+        lines += [f"Proteome proxy: {proxy['records']:,} records ({proxy['residues']:,} residues, "
+                  f"{proxy['chunked_records']} chunked), {proxy['shape']} bf16-mixed, end to end "
+                  f"{proxy['seconds']:.1f} s ({proxy['residues_per_s']:,.0f} residues/s)", ""]
+    lines += ["| target | threshold | value | met |", "|---|---|---|---|"]
     for t in results["targets"].values():
         met = {True: "yes", False: "**no**", None: f"- ({t['why']})"}[t["met"]]
         lines.append(f"| {t['what']} | {t['comparison']} {t['threshold']:g} | {_f(t['value'], '.6g')} | {met} |")
-    return "\n".join(lines)
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The tables for docs/benchmarks.md, labelled as a CPU smoke run where they are one."""
+    smoke = " (CPU smoke: tiny stand-in shapes, not performance)" if results["device"]["type"] != "cuda" else ""
+    head = f"Device: {results['device']['name']}{smoke}; torch {results['torch_version']}; {results['date']}"
+    return "\n".join([head, "", *speed_table(results), "", *correctness_table(results), "", *summary_lines(results)])
 
 
 # -- main -----------------------------------------------------------------------------------------------

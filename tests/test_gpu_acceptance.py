@@ -9,6 +9,7 @@ fails this test even if the script's list loses it too.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -187,8 +188,7 @@ def test_markdown_tables_are_printed(run):
 
 
 def test_the_scripts_own_field_check_notices_a_missing_field(results):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_acceptance
+    gpu_acceptance = _module("gpu_acceptance")
 
     assert gpu_acceptance.missing_fields(results) == []
     broken = json.loads(json.dumps(results))
@@ -196,6 +196,41 @@ def test_the_scripts_own_field_check_notices_a_missing_field(results):
     del broken["correctness"]["650M"]["packed"]["batch_layout"]
     assert set(gpu_acceptance.missing_fields(broken)) == {
         "speed.650M.systems.hf-sdpa-bf16.idle_fraction", "correctness.650M.packed.batch_layout"}
+
+
+def _module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def test_targets_on_a_gpu_are_judged_and_the_mfu_one_needs_the_packed_layout():
+    """The GPU branch of the target logic, on made-up numbers (no GPU here)."""
+    import torch
+
+    gpu_acceptance = _module("gpu_acceptance")
+    row = {"mfu": 0.45, "x_hf_sdpa_bf16": 2.5, "x_fair_esm_fp32": 9.0, "min_cosine_to_fp32": 0.99995,
+           "batch_layout": "packed"}
+    results = {"speed": {"650M": {"systems": {"embedpipe-bf16-mixed": row}}},
+               "proxy": {"skipped": None, "records": 20_000, "seconds": 75.0}}
+    got = gpu_acceptance.targets(results, torch.device("cuda"))
+    assert {name: t["met"] for name, t in got.items()} == {
+        "mfu_650m_bf16_mixed_packed": True, "proxy_seconds": False, "x_hf_sdpa_bf16_650m": False,
+        "x_fair_esm_fp32_650m": True, "bf16_mixed_cosine_650m": True}
+    row["batch_layout"] = "padded"
+    results["proxy"]["records"] = 2000
+    got = gpu_acceptance.targets(results, torch.device("cuda"))
+    assert got["mfu_650m_bf16_mixed_packed"]["met"] is False and "padded" in got["mfu_650m_bf16_mixed_packed"]["why"]
+    assert got["proxy_seconds"]["met"] is None and got["proxy_seconds"]["why"]
+
+
+def test_bf16_peaks_by_gpu_name():
+    setup = _module("_gpu_acceptance_setup")
+    assert setup.bf16_peak("NVIDIA H200")[0] == 989e12
+    assert setup.bf16_peak("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert setup.bf16_peak("NVIDIA H100 PCIe")[0] == 756e12
+    assert setup.bf16_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    peak, why = setup.bf16_peak("NVIDIA L4")
+    assert peak is None and "L4" in why
 
 
 # Last in the file, so that under -x every other check has run before it.
