@@ -194,10 +194,15 @@ def target_value(results: dict[str, Any], place: str) -> tuple[Any, str | None]:
         if proxy.get("seconds") is None:
             return None, proxy.get("skipped") or "proxy not run"
         return proxy["seconds"], None
-    row = results["speed"].get("650M", {}).get("systems", {}).get("embedpipe-bf16-mixed")
+    systems = results["speed"].get("650M", {}).get("systems", {})
+    row = systems.get("embedpipe-bf16-mixed")
     if row is None:
         return None, "650M shape not run"
-    return row.get(place), (None if row.get(place) is not None else row.get(f"{place}_why") or "no value")
+    if row.get(place) is not None:
+        return row[place], None
+    peer = {"x_hf_sdpa_bf16": "hf-sdpa-bf16", "x_fair_esm_fp32": "fair-esm-fp32"}.get(place)
+    skipped = systems.get(peer, {}).get("skipped") if peer else None
+    return None, row.get(f"{place}_why") or (f"{peer} skipped: {skipped}" if skipped else "no value")
 
 
 def targets(results: dict[str, Any], device: torch.device) -> dict[str, Any]:
