@@ -27,6 +27,9 @@ TOLERANCE = 1e-4
 INVARIANCE_RECORDS = 3
 #: policies whose fp16 weights turn the overflow model's 7e4 'C' row into inf
 OVERFLOW_POLICIES = ("fp16", "fp16-mixed")
+#: the overflow model's shape on every device: small, so that only the 'C' row can overflow
+#: (a deep random-weight model's own activations might, and blur which records should fall back)
+OVERFLOW_DIMS = (2, 64, 4)
 
 
 def reported(embedder: Embedder) -> dict[str, Any]:
@@ -145,7 +148,7 @@ def overflow_model(directory: Path, dims: tuple[int, int, int]) -> Path:
     return edit_test_checkpoint(checkpoint(directory, dims, seed=21), token_row_overrides={"C": 7e4})
 
 
-def overflow_section(dims: tuple[int, int, int], device: torch.device, count: int) -> dict:
+def overflow_section(device: torch.device, count: int, dims: tuple[int, int, int] = OVERFLOW_DIMS) -> dict:
     """Records with 'C' fall back to fp32 under the fp16-weight policies, and their stored
     vectors equal an fp32 run of the record alone bit for bit (mean and per-residue)."""
     from embedpipe.model import load_model

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_shape(key, args, device, results)
         save(results, args.out)
     log("  fp16 overflow fallback")
-    results["overflow_fallback"] = overflow_section(shape_dims(SHAPES["35M"], device), device, COUNTS["overflow"])
+    results["overflow_fallback"] = overflow_section(device, COUNTS["overflow"])
     results["proxy"] = run_proxy(args, device)
     results["targets"] = targets(results, device)
     results["markdown"] = markdown(results)
