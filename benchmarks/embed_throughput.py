@@ -9,8 +9,11 @@ peak, peak RSS, and the pooled cosine of every store to embedpipe's fp32 store.
     python benchmarks/embed_throughput.py                       # all policies, bundled example
     python benchmarks/embed_throughput.py --systems fair-esm fp32 bf16-mixed amp-bf16
 
-Optional peer: Hugging Face transformers' EsmModel with SDPA attention on the same weights
-(benchmarks/hf_esm_peer.py), when `transformers` is installed (`pip install transformers`).
+Optional peers: Hugging Face transformers' EsmModel with SDPA attention on the same weights
+(benchmarks/hf_esm_peer.py), in fp32 (hf-transformers) and cast to bf16 (hf-transformers-bf16,
+the peer a CPU user after speed would pick), when `transformers` is installed
+(`pip install transformers`). With the bf16 peer in the run, the table has a column of
+ratios to it.
 
 The fair-esm recipe reproduces the logic of scripts/extract.py from the fair-esm repository:
 FastaBatchedDataset, length-sorted batches of at most 4096 tokens, truncation at 1022
@@ -32,12 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
-from embedpipe.options import POLICY_NAMES
+from embedpipe.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "throughput"
-DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers")  # one .pt file per sequence, fair-esm's extract format
+DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers", "hf-transformers-bf16")  # one .pt per sequence (extract.py's format)
+HF_SYSTEMS = {"hf-transformers": "float32", "hf-transformers-bf16": "bfloat16"}  # system -> the peer's --dtype
 POLICIES = list(POLICY_NAMES)
+#: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
+#: given as a number because the CLI of this branch's base refuses ``auto`` (fixed on main)
+EMBEDPIPE_TOKENS_PER_BATCH = CPU_TOKENS_PER_BATCH
 
 
 # -- fair-esm's recipe (runs in a child process) -----------------------------------------------
@@ -101,12 +108,12 @@ def system_command(system: str, model: Path, fasta: Path, target: Path, threads:
     """The whole-process command line of one compared system writing to ``target``."""
     if system == "fair-esm":
         return [sys.executable, __file__, "--threads", str(threads), "--run-recipe", str(model), str(fasta), str(target)]
-    if system == "hf-transformers":
+    if system in HF_SYSTEMS:
         return [sys.executable, str(ROOT / "benchmarks" / "hf_esm_peer.py"), str(model), str(fasta), str(target),
-                "--threads", str(threads)]
+                "--threads", str(threads), "--dtype", HF_SYSTEMS[system]]
     return [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
             "--precision", system, "--long-sequences", "truncate", "--attention", attention,
-            "--threads", str(threads), "--quiet"]
+            "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet"]
 
 
 def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
@@ -179,7 +186,7 @@ def main() -> None:
     add_input_arguments(parser)
     parser.add_argument("--max-records", type=int, default=None,
                         help="use the first N records only (fp16 is emulated on most CPUs: keep its runs short)")
-    parser.add_argument("--systems", nargs="+", default=["fair-esm", "hf-transformers", *POLICIES])
+    parser.add_argument("--systems", nargs="+", default=["fair-esm", *HF_SYSTEMS, *POLICIES])
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system N times, interleaved (system order per round), and report the "
@@ -208,8 +215,8 @@ def main() -> None:
 
     commands = {}
     for system in args.systems:
-        if system == "hf-transformers" and importlib.util.find_spec("transformers") is None:
-            print("  hf-transformers skipped: transformers not installed", file=sys.stderr)
+        if system in HF_SYSTEMS and importlib.util.find_spec("transformers") is None:
+            print(f"  {system} skipped: transformers not installed", file=sys.stderr)
             continue
         target = OUT / system if system in DIRECTORY_SYSTEMS else OUT / f"{system}.h5"
         cmd = system_command(system, model, args.fasta, target, args.threads, args.attention)
@@ -238,7 +245,7 @@ def main() -> None:
 
             with h5py.File(target, "r") as f:
                 padding = float(f.attrs.get("padding_efficiency", float("nan")))
-        peak_dtype = {"fp32": "float32", "fair-esm": "float32", "hf-transformers": "float32"}.get(system, "float16" if "fp16" in system else "bfloat16")
+        peak_dtype = {"fp32": "float32", "fair-esm": "float32", **HF_SYSTEMS}.get(system, "float16" if "fp16" in system else "bfloat16")
         rows.append({"system": system, "seconds": wall, "all_seconds": walls[system], "residues_per_s": residues / wall,
                      "padding_efficiency": padding, "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype,
                      "peak_rss_mib": rss[system], "path": target})
@@ -247,19 +254,24 @@ def main() -> None:
     reference_system = "fp32" if "fp32" in args.systems else None
     ref = read_means(reference_system, OUT / "fp32.h5", layer) if reference_system else {}
     recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
+    hf_bf16 = next((r for r in rows if r["system"] == "hf-transformers-bf16"), None)
     print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
           f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}; "
           f"median of {args.rounds} interleaved round(s)")
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
-    print("\n| system | seconds | residues/s | x fair-esm recipe | padding eff. | MFU | peak RSS MiB | min cos to fp32 | median cos |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    hf_column = ("| x HF bf16 ", "|---") if hf_bf16 else ("", "")
+    print(f"\n| system | seconds | residues/s | x fair-esm recipe {hf_column[0]}| padding eff. | MFU | peak RSS MiB | "
+          "min cos to fp32 | median cos |")
+    print(f"|---|---|---|---{hf_column[1]}|---|---|---|---|---|")
     for row in rows:
         means = read_means(row["system"], row["path"], layer)
         cos = [float(means[k] @ v / (np.linalg.norm(means[k]) * np.linalg.norm(v))) for k, v in ref.items() if k in means]
         ratio = row["residues_per_s"] / recipe["residues_per_s"] if recipe else float("nan")
+        row["ratio_hf_bf16"] = row["residues_per_s"] / hf_bf16["residues_per_s"] if hf_bf16 else None
+        hf_cell = f"| {row['ratio_hf_bf16']:.2f} " if hf_bf16 else ""
         cos_min = f"{min(cos):.6f}" if cos else "-"
         cos_med = f"{float(np.median(cos)):.6f}" if cos else "-"
-        print(f"| {row['system']} | {row['seconds']:.1f} | {row['residues_per_s']:,.0f} | {ratio:.2f} | "
+        print(f"| {row['system']} | {row['seconds']:.1f} | {row['residues_per_s']:,.0f} | {ratio:.2f} {hf_cell}| "
               f"{row['padding_efficiency']:.3f} | {row['mfu']:.1%} ({row['peak_dtype']}) | {row['peak_rss_mib']:.0f} | {cos_min} | {cos_med} |")
         row["ratio"] = ratio
         row["min_cosine"] = min(cos) if cos else None

@@ -4,11 +4,13 @@ Converts a fair-esm ESM-2 checkpoint (as loaded by ``embedpipe.model.load_model`
 ``transformers.EsmModel`` (no pooling layer, ``attn_implementation="sdpa"``) and runs the
 same whole-process recipe as fair-esm's scripts/extract.py in ``embed_throughput.py``:
 length-sorted batches of at most 4096 tokens (BOS/EOS included), truncation at 1022
-residues, fp32, mean over residues of the last layer, one ``.pt`` file per sequence with
-``{"label": id, "mean_representations": {num_layers: tensor}}`` and ``_stats.json`` with
-``padding_efficiency`` (real tokens / computed tokens).
+residues, fp32 (or the whole model in bf16 with ``--dtype bfloat16``, what a CPU user after
+speed would pick), mean over residues of the last layer (in fp32), one ``.pt`` file per
+sequence with ``{"label": id, "mean_representations": {num_layers: fp32 tensor}}`` and
+``_stats.json`` with ``padding_efficiency`` (real tokens / computed tokens), the attention
+implementation and the dtype.
 
-    python benchmarks/hf_esm_peer.py MODEL FASTA OUT --threads N
+    python benchmarks/hf_esm_peer.py MODEL FASTA OUT --threads N [--dtype bfloat16]
 
 transformers is not a dependency of embedpipe: this peer runs only where it is installed.
 Tokens come from fair-esm's alphabet (same ids as HF's EsmTokenizer vocabulary), and an
@@ -31,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: fair-esm's extract.py defaults used by the benchmark recipe.
 TOKS_PER_BATCH = 4096
 TRUNCATION = 1022
+#: dtypes the peer runs in (the whole model cast, as ``model.to(dtype)`` / ``torch_dtype=`` does)
+DTYPES = ("float32", "bfloat16")
 
 
 def _hf_state_dict(fair: dict[str, "torch.Tensor"], num_layers: int) -> dict[str, "torch.Tensor"]:
@@ -112,16 +116,19 @@ def attention_implementation(model: "transformers.EsmModel") -> str:
     return str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
-def run_hf(model_path: Path, fasta: Path, out_dir: Path, threads: int) -> None:
-    """Whole-process HF recipe mirroring ``embed_throughput.run_fair_esm_recipe``'s outputs."""
+def run_hf(model_path: Path, fasta: Path, out_dir: Path, threads: int, dtype: str = "float32") -> None:
+    """Whole-process HF recipe mirroring ``embed_throughput.run_fair_esm_recipe``'s outputs;
+    ``dtype`` casts the whole model (bf16: every op in bf16, means taken in fp32)."""
     import torch
     from esm.data import FastaBatchedDataset
 
     from embedpipe.model import load_model
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     torch.set_num_threads(threads)
     loaded = load_model(str(model_path))
-    model = convert_to_hf(loaded)
+    model = convert_to_hf(loaded).to(getattr(torch, dtype))
     alphabet, layer = loaded.alphabet, loaded.num_layers
     del loaded  # keep only the HF model in memory
     dataset = FastaBatchedDataset.from_file(str(fasta))
@@ -139,9 +146,10 @@ def run_hf(model_path: Path, fasta: Path, out_dir: Path, threads: int) -> None:
             for i, label in enumerate(labels):
                 n = min(TRUNCATION, len(strs[i]))
                 real += n + 2
-                result = {"label": label, "mean_representations": {layer: reps[i, 1 : n + 1].mean(0).clone()}}
+                mean = reps[i, 1 : n + 1].float().mean(0).clone()
+                result = {"label": label, "mean_representations": {layer: mean}}
                 torch.save(result, out_dir / f"{label.split()[0].replace('|', '_')}.pt")
-    stats = {"padding_efficiency": real / computed, "attention": attention_implementation(model)}
+    stats = {"padding_efficiency": real / computed, "attention": attention_implementation(model), "dtype": dtype}
     (out_dir / "_stats.json").write_text(json.dumps(stats))
 
 
@@ -151,12 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("fasta", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     args = parser.parse_args(argv)
     try:
         import transformers  # noqa: F401
     except ImportError:
         sys.exit("hf_esm_peer: transformers is not installed (pip install transformers)")
-    run_hf(args.model, args.fasta, args.out, args.threads)
+    run_hf(args.model, args.fasta, args.out, args.threads, args.dtype)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Correctness section of benchmarks/gpu_acceptance.py: before any speed is worth quoting, the
+packed and padded layouts must equal fair-esm's own forward, every policy must give finite
+numbers, a record's vector must not depend on its batch, and the fp16 overflow fallback must
+stay exact. A module, not a script."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from _gpu_acceptance_setup import checkpoint, random_records, release
+
+from embedpipe.options import POLICY_NAMES, EmbedOptions
+from embedpipe.precision import true_fp32_matmuls
+from embedpipe.worker import Embedder
+
+ROOT = Path(__file__).resolve().parent.parent
+#: max |difference| allowed between fp32 outputs of two exact computations (TF32 off)
+TOLERANCE = 1e-4
+#: records embedded alone for the batch-invariance check (shortest, middle, longest)
+INVARIANCE_RECORDS = 3
+#: policies whose fp16 weights turn the overflow model's 7e4 'C' row into inf
+OVERFLOW_POLICIES = ("fp16", "fp16-mixed")
+#: the overflow model's shape on every device: small, so that only the 'C' row can overflow
+#: (a deep random-weight model's own activations might, and blur which records should fall back)
+OVERFLOW_DIMS = (2, 64, 4)
+
+
+def reported(embedder: Embedder) -> dict[str, Any]:
+    """What the Embedder says it ran: the JSON records it so a test can check packed was packed."""
+    return {"batch_layout": embedder.batch_layout, "attention_path": embedder.attention_path,
+            "attention_inputs": embedder.attention_inputs, "tokens_per_batch": embedder.tokens_per_batch}
+
+
+def fair_esm_residues(fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],
+                      device: torch.device) -> dict[int, np.ndarray]:
+    """fair-esm's own forward (its own loader's model), each record alone, fp32 with TF32 off:
+    last-layer residue vectors. The model goes back to the host afterwards."""
+    model, alphabet = fair
+    model.to(device)
+    converter, last, out = alphabet.get_batch_converter(), model.num_layers, {}
+    with torch.no_grad(), true_fp32_matmuls():
+        for index, (rid, seq) in enumerate(records):
+            _, _, toks = converter([(rid, seq)])
+            reps = model(toks.to(device), repr_layers=[last])["representations"][last]
+            out[index] = reps[0, 1 : len(seq) + 1].float().cpu().numpy()
+    model.to("cpu")
+    release(device)
+    return out
+
+
+def max_diff(a: dict[int, Any], b: dict[int, Any], pick) -> float:
+    """Largest |a - b| over the records both hold, after ``pick`` (mean or per-residue)."""
+    return max(float(np.max(np.abs(pick(a[i]) - pick(b[i])))) for i in a)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def layouts_section(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],
+                    device: torch.device) -> dict:
+    """fp32 packed vs padded vs fair-esm: mean and per-residue max |difference| of the last layer."""
+    last = loaded.num_layers
+    reference = fair_esm_residues(fair, records, device)
+    means = {i: r.mean(0) for i, r in reference.items()}
+    outputs, section = {}, {}
+    for layout in ("packed", "padded"):
+        embedder = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, batch_layout=layout,
+                                                 device=str(device)), device)
+        outputs[layout] = dict(embedder.embed(records))
+        got = outputs[layout]
+        mean_diff = max(float(np.max(np.abs(got[i].mean[last] - means[i]))) for i in means)
+        residue_diff = max(float(np.max(np.abs(got[i].per_residue[last] - reference[i]))) for i in reference)
+        section[layout] = {"asked": layout, **reported(embedder),
+                           "max_abs_diff_mean_vs_fair_esm": mean_diff,
+                           "max_abs_diff_per_residue_vs_fair_esm": residue_diff,
+                           "within_tolerance": max(mean_diff, residue_diff) <= TOLERANCE}
+        del embedder
+    packed_vs_padded = max_diff(outputs["packed"], outputs["padded"], lambda r: r.per_residue[last])
+    return {"tolerance": TOLERANCE, "tf32": False, **section,
+            "max_abs_diff_packed_vs_padded": packed_vs_padded,
+            "packed_equals_padded": packed_vs_padded <= TOLERANCE}
+
+
+def invariance_picks(records: list[tuple[str, str]]) -> list[int]:
+    """Indices of the shortest, a middle and the longest record (the batch's extremes)."""
+    order = sorted(range(len(records)), key=lambda i: len(records[i][1]))
+    picks = [order[0], order[len(order) // 2], order[-1]]
+    return list(dict.fromkeys(picks))[:INVARIANCE_RECORDS]
+
+
+def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.device) -> dict:
+    """Every policy on the same records: finite, cosine to fp32, and batch invariance (a record
+    alone vs inside the full batch, same Embedder)."""
+    last, section, reference = loaded.num_layers, {}, None
+    for policy in POLICY_NAMES:
+        embedder = Embedder(loaded, EmbedOptions(precision=policy, device=str(device)), device)
+        full = dict(embedder.embed(records))
+        if policy == "fp32":  # first in POLICY_NAMES: the reference of the others
+            reference = full
+        alone_diffs, equal = [], True
+        for index in invariance_picks(records):
+            (_, alone), = embedder.embed([records[index]])
+            alone_diffs.append(float(np.max(np.abs(alone.mean[last] - full[index].mean[last]))))
+            equal &= bool(np.array_equal(alone.mean[last], full[index].mean[last]))
+        section[policy] = {
+            **reported(embedder),
+            "finite": all(bool(np.isfinite(r.mean[last]).all()) for r in full.values()),
+            "fallback": int(embedder.stats["fallback"]),
+            "min_cosine_to_fp32": min(cosine(full[i].mean[last], reference[i].mean[last]) for i in full),
+            "batch_invariance": {"records": len(alone_diffs), "max_abs_diff": max(alone_diffs), "equal": equal},
+        }
+        del embedder
+        release(device)
+    return section
+
+
+def shape_correctness(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],
+                      device: torch.device) -> dict:
+    """The correctness of one shape: layouts against fair-esm, then every policy."""
+    return {"records": len(records), "residues": sum(len(s) for _, s in records),
+            **layouts_section(loaded, fair, records, device),
+            "policies": policies_section(loaded, records, device)}
+
+
+# -- fp16 overflow fallback --------------------------------------------------------------------------
+
+def overflow_records(count: int) -> list[tuple[str, str]]:
+    """Records without 'C', and every third one with a single 'C' (the 7e4 row) inserted."""
+    records = random_records([40 + 13 * i for i in range(count)], seed=8, prefix="ovf")
+    records = [(rid, seq.replace("C", "A")) for rid, seq in records]
+    return [(rid, seq[:10] + "C" + seq[10:]) if i % 3 == 1 else (rid, seq) for i, (rid, seq) in enumerate(records)]
+
+
+def overflow_model(directory: Path, dims: tuple[int, int, int]) -> Path:
+    """A random checkpoint whose 'C' embedding row is 7e4: inf in fp16 (max 65504), finite in
+    fp32; edited by the tests' own helper (tests/embed_helpers.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from embed_helpers import edit_test_checkpoint
+
+    return edit_test_checkpoint(checkpoint(directory, dims, seed=21), token_row_overrides={"C": 7e4})
+
+
+def overflow_section(device: torch.device, count: int, dims: tuple[int, int, int] = OVERFLOW_DIMS) -> dict:
+    """Records with 'C' fall back to fp32 under the fp16-weight policies, and their stored
+    vectors equal an fp32 run of the record alone bit for bit (mean and per-residue)."""
+    from embedpipe.model import load_model
+
+    records = overflow_records(count)
+    with_c = {i for i, (_, seq) in enumerate(records) if "C" in seq}
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(str(overflow_model(Path(tmp), dims)))
+        fp32 = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, device=str(device)), device)
+        alone = {i: next(iter(fp32.embed([records[i]])))[1] for i in sorted(with_c)}
+        section = {"shape": dict(zip(("layers", "dim", "heads"), dims)), "records": len(records),
+                   "records_with_c": len(with_c), "policies": {}}
+        last = loaded.num_layers
+        for policy in OVERFLOW_POLICIES:
+            embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True, device=str(device)), device)
+            out = dict(embedder.embed(records))
+            fell = {i for i, r in out.items() if r.precision_used == "fp32"}
+            diffs = [float(np.max(np.abs(out[i].per_residue[last] - alone[i].per_residue[last]))) for i in fell & with_c]
+            exact = all(np.array_equal(out[i].mean[last], alone[i].mean[last])
+                        and np.array_equal(out[i].per_residue[last], alone[i].per_residue[last]) for i in fell & with_c)
+            section["policies"][policy] = {
+                "fallback": len(fell), "fallback_ids_match": fell == with_c,
+                "reasons": dict(Counter(out[i].fallback_reason for i in fell)),
+                "finite": all(bool(np.isfinite(r.mean[last]).all()) for r in out.values()),
+                "max_abs_diff_vs_fp32_alone": max(diffs) if diffs else None,
+                "exact": bool(fell) and exact, "batch_layout": embedder.batch_layout,
+            }
+            del embedder
+        del fp32, loaded
+        release(device)
+    return section
+
