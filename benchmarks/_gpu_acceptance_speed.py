@@ -56,17 +56,6 @@ PROXY_KEYS = ("records", "residues", "median_length", "max_length", "records_ove
               "chunked_records", "precision", "seconds", "residues_per_s", "peak_rss_mib", "fallback",
               "padding_efficiency", "command")
 
-#: the proxy's child process: what ``embedpipe embed FASTA --model M --out STORE --precision
-#: bf16-mixed --device D --threads N --quiet`` runs (embed_fasta), without the CLI's parsing: the
-#: CLI of this branch's base refuses its own default ``--tokens-per-batch auto`` (fixed on main).
-PROXY_CHILD = """import sys
-from pathlib import Path
-from embedpipe.embed import embed_fasta
-from embedpipe.options import EmbedOptions
-fasta, model, out, device, threads = sys.argv[1:]
-options = EmbedOptions(precision="bf16-mixed", device=device, threads=int(threads))
-embed_fasta(Path(fasta), model=model, out=Path(out), options=options, quiet=True)
-"""
 
 Loop = Callable[[list[tuple[str, str]], BusyTimer], tuple[dict[str, np.ndarray], Counter]]
 
@@ -297,7 +286,8 @@ def proxy_section(path: Path, device: torch.device, count: int, work: Path, thre
     fasta = write_fasta(work / f"proxy-{count}.fasta", records)
     store = work / f"proxy-{count}.h5"
     store.unlink(missing_ok=True)
-    command = [sys.executable, "-c", PROXY_CHILD, str(fasta), str(path), str(store), str(device), str(threads)]
+    command = [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(path), "--out", str(store),
+               "--precision", "bf16-mixed", "--device", str(device), "--threads", str(threads), "--quiet"]
     import embedpipe
 
     same = str(Path(embedpipe.__file__).resolve().parent.parent)  # the child imports this process's embedpipe
@@ -314,5 +304,5 @@ def proxy_section(path: Path, device: torch.device, count: int, work: Path, thre
             "precision": "bf16-mixed", "seconds": seconds, "residues_per_s": residues / seconds,
             "peak_rss_mib": peak_rss, "fallback": int(attrs.get("fallback_count", 0)),
             "padding_efficiency": float(attrs.get("padding_efficiency", float("nan"))),
-            "command": f"embed_fasta in a child process, as `embedpipe embed {fasta.name} --model "
-                       f"{path.name} --precision bf16-mixed --device {device} --threads {threads}` (tokens per batch auto)"}
+            "command": f"embedpipe embed {fasta.name} --model {path.name} --out {store.name} --precision bf16-mixed "
+                       f"--device {device} --threads {threads} --quiet (tokens per batch auto)"}

@@ -43,7 +43,7 @@ DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers", "hf-transformers-bf16")  # o
 HF_SYSTEMS = {"hf-transformers": "float32", "hf-transformers-bf16": "bfloat16"}  # system -> the peer's --dtype
 POLICIES = list(POLICY_NAMES)
 #: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
-#: given as a number because the CLI of this branch's base refuses ``auto`` (fixed on main)
+#: given as a number so that it is the recipe's 4096 whatever the default becomes
 EMBEDPIPE_TOKENS_PER_BATCH = CPU_TOKENS_PER_BATCH
 
 
