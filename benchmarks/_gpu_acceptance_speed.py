@@ -32,13 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 #: fair-esm's scripts/extract.py default --toks_per_batch (what a recipe user runs)
 RECIPE_TOKENS_PER_BATCH = 4096
 WARMUP_RECORDS = 4
-#: system -> (kind, setting): embedpipe systems give (policy, batch layout asked)
+#: system -> (kind, setting): embedpipe systems give (policy, batch layout asked, attention inputs)
 SYSTEMS: dict[str, tuple[str, Any]] = {
-    "embedpipe-fp32": ("embedpipe", ("fp32", "auto")),
-    "embedpipe-bf16": ("embedpipe", ("bf16", "auto")),
-    "embedpipe-bf16-mixed": ("embedpipe", ("bf16-mixed", "packed")),  # the MFU target's configuration
-    "embedpipe-bf16-mixed-padded": ("embedpipe", ("bf16-mixed", "padded")),
-    "embedpipe-fp16-mixed": ("embedpipe", ("fp16-mixed", "auto")),
+    "embedpipe-fp32": ("embedpipe", ("fp32", "auto", "auto")),
+    "embedpipe-bf16": ("embedpipe", ("bf16", "auto", "auto")),
+    "embedpipe-bf16-mixed": ("embedpipe", ("bf16-mixed", "packed", "auto")),  # the MFU target's configuration
+    "embedpipe-bf16-mixed-padded": ("embedpipe", ("bf16-mixed", "padded", "auto")),
+    # fp32 q/k/v at the kernel (no flash, no tensor cores): the other side of the attention-inputs trade
+    "embedpipe-bf16-mixed-fp32-attention": ("embedpipe", ("bf16-mixed", "padded", "fp32")),
+    "embedpipe-fp16-mixed": ("embedpipe", ("fp16-mixed", "auto", "auto")),
     "fair-esm-fp32": ("recipe", torch.float32),
     "fair-esm-fp16": ("recipe", torch.float16),  # after fp32: model.half() is in place
     "hf-sdpa-bf16": ("hf", torch.bfloat16),
@@ -48,6 +50,7 @@ FLOPS_FORMULA = ("per real token (BOS/EOS included, padding not) per layer: 24*D
                  "loop seconds / the GPU's dense bf16 peak, for every system (fp32 ones too)")
 #: the keys of every system's row (skipped systems have them all, null)
 ROW_KEYS = ("skipped", "seconds", "residues_per_s", "tokens_per_batch", "batch_layout", "attention_path",
+            "attention_inputs",
             "padding_efficiency", "peak_memory_mib", "peak_memory_kind", "peak_memory_why", "busy_seconds",
             "idle_fraction", "mfu", "mfu_why", "min_cosine_to_fp32", "x_fair_esm_fp32", "x_hf_sdpa_bf16", "fallback")
 
@@ -134,9 +137,11 @@ def timed_loop(loop: Loop, records: list[tuple[str, str]], device: torch.device)
 
 
 def run_embedpipe(loaded: Any, records: list[tuple[str, str]], device: torch.device, policy: str,
-                  layout: str) -> dict[str, Any]:
-    """The Embedder under ``policy`` with ``layout`` asked; what it reports goes in the row."""
-    embedder = Embedder(loaded, EmbedOptions(precision=policy, batch_layout=layout, device=str(device)), device)
+                  layout: str, attention_inputs: str) -> dict[str, Any]:
+    """The Embedder under ``policy`` with ``layout`` and ``attention_inputs`` asked; what it
+    reports goes in the row."""
+    options = EmbedOptions(precision=policy, batch_layout=layout, attention_inputs=attention_inputs, device=str(device))
+    embedder = Embedder(loaded, options, device)
     last = loaded.num_layers
     list(embedder.embed(records[:WARMUP_RECORDS]))  # prepares the model, warms the kernels
     busy, stats = embedder.busy_seconds, Counter(embedder.stats)
@@ -146,7 +151,8 @@ def run_embedpipe(loaded: Any, records: list[tuple[str, str]], device: torch.dev
     return {"outputs": out, "seconds": watch.seconds, "busy_seconds": embedder.busy_seconds - busy,
             "padding_efficiency": done["real_tokens"] / done["computed_tokens"],
             "tokens_per_batch": embedder.tokens_per_batch, "batch_layout": embedder.batch_layout,
-            "attention_path": embedder.attention_path, "fallback": done["fallback"]}
+            "attention_path": embedder.attention_path, "attention_inputs": embedder.attention_inputs,
+            "fallback": done["fallback"]}
 
 
 def run_recipe(fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]], device: torch.device,
@@ -164,7 +170,7 @@ def run_recipe(fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]]
     result = timed_loop(recipe_loop(model, alphabet, device), records, device)
     model.to("cpu")
     return result | {"tokens_per_batch": RECIPE_TOKENS_PER_BATCH, "batch_layout": "padded",
-                     "attention_path": "padded-fair-esm"}
+                     "attention_path": "padded-fair-esm", "attention_inputs": str(dtype).removeprefix("torch.")}
 
 
 def run_hf(loaded: Any, records: list[tuple[str, str]], device: torch.device, dtype: torch.dtype,
@@ -187,7 +193,7 @@ def run_hf(loaded: Any, records: list[tuple[str, str]], device: torch.device, dt
             raise RuntimeError(f"HF peer: out of memory even at {tokens_per_batch} tokens per batch")
         tokens_per_batch //= 2
     return result | {"tokens_per_batch": tokens_per_batch, "batch_layout": "padded",
-                     "attention_path": f"padded-hf-{attention}"}
+                     "attention_path": f"padded-hf-{attention}", "attention_inputs": str(dtype).removeprefix("torch.")}
 
 
 def skip_reason(kind: str) -> str | None:

@@ -233,15 +233,15 @@ def _f(value: Any, fmt: str) -> str:
 
 def speed_table(results: dict[str, Any]) -> list[str]:
     """One row per shape and system: speed, ratios, MFU, idle fraction, memory, cosine."""
-    lines = ["| shape | system | layout | residues/s | x fair-esm fp32 | x HF SDPA bf16 | MFU | idle | peak MiB "
-             "| min cos to fp32 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | system | attention path | q/k/v | residues/s | x fair-esm fp32 | x HF SDPA bf16 | MFU | idle "
+             "| peak MiB | min cos to fp32 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, section in results["speed"].items():
         for name, r in section["systems"].items():
             if r["skipped"]:
-                lines.append(f"| {key} | {name} | - | skipped: {r['skipped']} | | | | | | |")
+                lines.append(f"| {key} | {name} | - | - | skipped: {r['skipped']} | | | | | | |")
                 continue
             lines.append(
-                f"| {key} | {name} | {r['batch_layout']} | {r['residues_per_s']:,.0f} | "
+                f"| {key} | {name} | {r['attention_path']} | {r['attention_inputs']} | {r['residues_per_s']:,.0f} | "
                 f"{_f(r['x_fair_esm_fp32'], '.2f')} | {_f(r['x_hf_sdpa_bf16'], '.2f')} | {_f(r['mfu'], '.1%')} | "
                 f"{r['idle_fraction']:.1%} | {_f(r['peak_memory_mib'], ',.0f')} | {_f(r['min_cosine_to_fp32'], '.6f')} |")
     return lines

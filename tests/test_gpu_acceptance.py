@@ -38,8 +38,9 @@ POLICY = {"batch_layout", "attention_path", "attention_inputs", "tokens_per_batc
           "min_cosine_to_fp32", "batch_invariance"}
 POLICIES = {"fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed"}
 SYSTEMS = {"fair-esm-fp32", "fair-esm-fp16", "hf-sdpa-bf16", "embedpipe-fp32", "embedpipe-bf16",
-           "embedpipe-bf16-mixed", "embedpipe-bf16-mixed-padded", "embedpipe-fp16-mixed"}
-ROW = {"skipped", "seconds", "residues_per_s", "tokens_per_batch", "batch_layout", "attention_path",
+           "embedpipe-bf16-mixed", "embedpipe-bf16-mixed-padded", "embedpipe-bf16-mixed-fp32-attention",
+           "embedpipe-fp16-mixed"}
+ROW = {"skipped", "seconds", "residues_per_s", "tokens_per_batch", "batch_layout", "attention_path", "attention_inputs",
        "padding_efficiency", "peak_memory_mib", "peak_memory_kind", "peak_memory_why", "busy_seconds",
        "idle_fraction", "mfu", "mfu_why", "min_cosine_to_fp32", "x_fair_esm_fp32", "x_hf_sdpa_bf16", "fallback"}
 SPEED = {"records", "residues", "tokens", "flops", "flops_formula", "recipe_tokens_per_batch",
@@ -165,6 +166,7 @@ def test_speed_rows_are_consistent(results):
         assert row["x_fair_esm_fp32"] == pytest.approx(row["residues_per_s"] / recipe), name
     assert rows["fair-esm-fp32"]["x_fair_esm_fp32"] == pytest.approx(1.0)
     assert rows["embedpipe-bf16-mixed-padded"]["batch_layout"] == "padded"
+    assert rows["embedpipe-bf16-mixed-fp32-attention"]["attention_inputs"] == "float32"
 
 
 def test_proxy_chunks_its_long_records(results):
@@ -179,7 +181,7 @@ def test_proxy_chunks_its_long_records(results):
 def test_markdown_tables_are_printed(run):
     results, stdout = run
     assert results["markdown"] in stdout
-    assert "| shape | system | layout | residues/s | x fair-esm fp32 | x HF SDPA bf16 |" in stdout
+    assert "| shape | system | attention path | q/k/v | residues/s | x fair-esm fp32 | x HF SDPA bf16 |" in stdout
     assert "CPU smoke" in stdout
     for system in SYSTEMS:
         assert f"| 650M | {system} |" in stdout
@@ -237,7 +239,6 @@ def test_bf16_peaks_by_gpu_name():
 def test_each_layout_ran_as_asked(results):
     correctness = results["correctness"]["650M"]
     assert correctness["padded"]["batch_layout"] == "padded"
-    # WAITS FOR THE PACKED LAYOUT: until embedpipe's Embedder runs batch_layout="packed" (the
-    # per-sequence SDPA stand-in on the CPU), it reports "padded" and this assertion fails.
+    # On the CPU a packed batch runs the per-sequence SDPA stand-in: it must report "packed".
     assert correctness["packed"]["batch_layout"] == "packed"
     assert results["speed"]["650M"]["systems"]["embedpipe-bf16-mixed"]["batch_layout"] == "packed"
