@@ -61,8 +61,11 @@ class HostCopy:
             return
         self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self._host.copy_(tensor, non_blocking=True)
+        # the copy runs on the current stream of the tensor's device, which need not be the
+        # current device (a library caller may pass cuda:1 without torch.cuda.set_device):
+        # an event on another device's stream would not wait for it
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(tensor.device))
 
     def wait(self) -> torch.Tensor:
         if self._event is not None:
@@ -89,7 +92,7 @@ class BusyTimer:
     def start(self, device: torch.device) -> None:
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(device))  # the stream the forward runs on
             self._started = event
         else:
             self._started = time.perf_counter()
@@ -99,7 +102,7 @@ class BusyTimer:
             return
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(device))
             self._events.append((self._started, event))
         else:
             self._cpu_seconds += time.perf_counter() - self._started
