@@ -72,6 +72,10 @@ def pool_packed(out: ForwardOutput, batch: Sequence[Piece], packed: PackedTokens
     kept = to_device(range_segments(packed.host_offsets, [_kept(p) for p in batch]), device)
     stored = to_device(range_segments(packed.host_offsets, [_stored(p, bos) for p in batch]), device)
     starts = list(packed.host_offsets[:-1])
+    # BOS rows: ``packed`` is the host batch, and a host index tensor on a CUDA tensor is
+    # copied there with a blocking copy (a stream sync that would defeat the worker's
+    # one-batch lookahead), so the index goes over pinned and asynchronously, once
+    bos_rows = to_device(packed.offsets[:-1].long(), device) if bos else None
     sums, firsts, stored_max, residues = [], [], [], {}
     for layer in layers:
         h = out.hidden[layer]
@@ -79,7 +83,7 @@ def pool_packed(out: ForwardOutput, batch: Sequence[Piece], packed: PackedTokens
         hf = h.float()
         sums.append(range_sums(hf, kept))
         if bos:
-            firsts.append(hf[packed.offsets[:-1].long()])
+            firsts.append(hf[bos_rows])
         if per_residue:
             residues[layer] = hf
     return DevicePooled(_summary(sums, firsts, stored_max, out.max_abs), residues, [s + 1 for s in starts])
