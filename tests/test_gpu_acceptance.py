@@ -223,6 +223,11 @@ def test_targets_on_a_gpu_are_judged_and_the_mfu_one_needs_the_packed_layout():
     got = gpu_acceptance.targets(results, torch.device("cuda"))
     assert got["mfu_650m_bf16_mixed_packed"]["met"] is False and "padded" in got["mfu_650m_bf16_mixed_packed"]["why"]
     assert got["proxy_seconds"]["met"] is None and got["proxy_seconds"]["why"]
+    # --shapes without 650M: the proxy target is still judged, the 650M ones say why not
+    results = {"speed": {"35M": {"systems": {}}}, "proxy": {"skipped": None, "records": 20_000, "seconds": 50.0}}
+    got = gpu_acceptance.targets(results, torch.device("cuda"))
+    assert got["proxy_seconds"]["met"] is True
+    assert got["mfu_650m_bf16_mixed_packed"]["met"] is None and "650M" in got["mfu_650m_bf16_mixed_packed"]["why"]
 
 
 def test_bf16_peaks_by_gpu_name():
