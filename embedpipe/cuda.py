@@ -81,11 +81,13 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class BusyTimer:
-    """Seconds the device spent in forward passes: CUDA events on the stream (read once, at
-    the end, so timing never synchronises a batch), wall clock on the CPU."""
+    """Seconds the device spent in forward passes: CUDA events on the stream (never waited
+    for while batches run, so timing never synchronises a batch), wall clock on the CPU.
+    Pairs whose end event has completed are folded into the total as batches stop (a
+    non-blocking query), so a long run holds only the events of batches still in flight."""
 
     def __init__(self) -> None:
-        self._cpu_seconds = 0.0
+        self._seconds = 0.0  # CPU batches, and CUDA pairs already folded in
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._started: float | torch.cuda.Event | None = None
 
@@ -104,14 +106,17 @@ class BusyTimer:
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
             self._events.append((self._started, event))
+            while self._events and self._events[0][1].query():  # done: no wait
+                begin, end = self._events.pop(0)
+                self._seconds += begin.elapsed_time(end) / 1000.0
         else:
-            self._cpu_seconds += time.perf_counter() - self._started
+            self._seconds += time.perf_counter() - self._started
         self._started = None
 
     @property
     def seconds(self) -> float:
-        """Total busy seconds so far (synchronises the recorded CUDA events)."""
-        total = self._cpu_seconds
+        """Total busy seconds so far (synchronises the CUDA events still pending)."""
+        total = self._seconds
         for begin, end in self._events:
             end.synchronize()
             total += begin.elapsed_time(end) / 1000.0
