@@ -86,6 +86,9 @@ class H5Target:
             yield self.file
         except BaseException:
             abandon(self.file)
+            # abandoned once: h5py's handle of a file whose close failed must not be touched
+            # again (asking it for its driver segfaults), so atomic_h5 only deletes the file
+            self.file = None
             raise
         self.file.close()
 
