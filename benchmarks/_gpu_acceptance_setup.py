@@ -51,6 +51,8 @@ MIN_GIB_FOR_3B = 60.0
 #: dense bf16 peak FLOP/s by GPU name (first substring that matches; most specific first)
 BF16_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
     ("H100", 989e12),  # SXM
     ("H200", 989e12),
     ("A100", 312e12),

@@ -235,6 +235,7 @@ def test_bf16_peaks_by_gpu_name():
     assert setup.bf16_peak("NVIDIA H200")[0] == 989e12
     assert setup.bf16_peak("NVIDIA H100 80GB HBM3")[0] == 989e12
     assert setup.bf16_peak("NVIDIA H100 PCIe")[0] == 756e12
+    assert setup.bf16_peak("NVIDIA H100 NVL")[0] == 835e12 and setup.bf16_peak("NVIDIA H200 NVL")[0] == 835e12
     assert setup.bf16_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
     peak, why = setup.bf16_peak("NVIDIA L4")
     assert peak is None and "L4" in why
