@@ -292,6 +292,25 @@ def markdown(results: dict[str, Any]) -> str:
 
 # -- main -----------------------------------------------------------------------------------------------
 
+#: the issue's budget for the whole run on one GPU
+CUDA_BUDGET_MINUTES = 8.0
+#: seconds kept for what runs after the shapes: the overflow check and the 20,000-record proxy
+RESERVE_SECONDS = 150.0
+#: shapes in the order they run: the targets' shape first, the largest (slowest to write and load) last
+RUN_ORDER = ("650M", "35M", "150M", "3B")
+
+
+def over_budget(elapsed: float, budget_minutes: float | None) -> str | None:
+    """Why a shape is skipped for time ('' never: None when it may start)."""
+    if budget_minutes is None:
+        return None
+    left = budget_minutes * 60 - RESERVE_SECONDS - elapsed
+    if left > 0:
+        return None
+    return (f"time budget: {elapsed:.0f} s elapsed of {budget_minutes:g} min, {RESERVE_SECONDS:.0f} s kept for the "
+            "overflow check and the proxy (--budget-minutes, --shapes)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=default_device(), help="cuda (the measurement; default when "
@@ -303,6 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"default {COUNTS['proxy'][0]} on cuda, {COUNTS['proxy'][1]} on cpu (/10 with --quick)")
     parser.add_argument("--speed-records", type=int, default=None, help="records per shape in the speed section")
     parser.add_argument("--quick", action="store_true", help="650M only, a quarter of the records")
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help=f"skip shapes that would start past this budget, keeping {RESERVE_SECONDS:.0f} s for "
+                             f"the overflow check and the proxy (default {CUDA_BUDGET_MINUTES:g} on cuda, none on cpu); "
+                             "650M runs first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads (default %(default)s; 1 is faster on a CPU shared with other jobs)")
     args = parser.parse_args(argv)
@@ -311,6 +334,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shapes = args.shapes or (["650M"] if args.quick else list(SHAPES))
     if args.proxy_records is None:
         args.proxy_records = COUNTS["proxy"][0 if cuda else 1] // (10 if args.quick else 1)
+    if args.budget_minutes is None and cuda:
+        args.budget_minutes = CUDA_BUDGET_MINUTES
     args.work = args.out.parent / "work"
     return args
 
@@ -330,7 +355,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "correctness": {}, "speed": {}, "overflow_fallback": {}, "proxy": {}, "targets": {},
     }
     log(f"gpu_acceptance on {results['device']['name']} -> {args.out}")
-    for key in args.shapes:
+    for key in sorted(args.shapes, key=RUN_ORDER.index):
+        results["shapes"][key]["skipped"] = (results["shapes"][key]["skipped"]
+                                             or over_budget(time.perf_counter() - started, args.budget_minutes))
         if results["shapes"][key]["skipped"]:
             log(f"  {key}: skipped ({results['shapes'][key]['skipped']})")
             continue

@@ -230,6 +230,27 @@ def test_targets_on_a_gpu_are_judged_and_the_mfu_one_needs_the_packed_layout():
     assert got["mfu_650m_bf16_mixed_packed"]["met"] is None and "650M" in got["mfu_650m_bf16_mixed_packed"]["why"]
 
 
+def test_the_time_budget_skips_shapes_that_would_start_too_late(tmp_path):
+    gpu_acceptance = _module("gpu_acceptance")
+    assert gpu_acceptance.over_budget(10.0, None) is None
+    assert gpu_acceptance.over_budget(0.0, 8.0) is None  # 330 s left after the reserve
+    assert gpu_acceptance.over_budget(329.0, 8.0) is None
+    assert "time budget: 331 s elapsed of 8 min" in gpu_acceptance.over_budget(331.0, 8.0)
+    assert gpu_acceptance.RUN_ORDER[0] == "650M" and set(gpu_acceptance.RUN_ORDER) == set(gpu_acceptance.SHAPES)
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--threads", "1",
+                           "--budget-minutes", "0", "--out", str(out)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["complete"] and results["missing_fields"] == []
+    assert results["shapes"]["650M"]["skipped"].startswith("time budget")
+    assert "650M" not in results["speed"] and results["proxy"]["seconds"] > 0
+    mfu = results["targets"]["mfu_650m_bf16_mixed_packed"]
+    assert mfu["met"] is None and mfu["value"] is None
+
+
 def test_bf16_peaks_by_gpu_name():
     setup = _module("_gpu_acceptance_setup")
     assert setup.bf16_peak("NVIDIA H200")[0] == 989e12
