@@ -26,6 +26,8 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.9)
     except ImportError:
         return False
+    if not torch.backends.cuda.is_flash_attention_available():  # a build without flash kernels
+        return False
     return torch.cuda.get_device_capability(device) >= VARLEN_CAPABILITY
 
 
