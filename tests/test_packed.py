@@ -241,3 +241,18 @@ def test_host_copies_and_busy_time_on_the_cpu(tiny_model_path):
     loaded = load_model(str(tiny_model_path))
     embedder, _ = _embed(loaded, random_sequences(3, (10, 40), seed=27))
     assert embedder.busy_seconds > 0
+
+
+def test_varlen_runs_only_on_ampere_or_newer_with_16_bit_inputs_and_flash(monkeypatch):
+    gpu = torch.device("cuda")
+    assert not cuda.varlen_available(CPU, torch.bfloat16)
+    assert not cuda.varlen_available(gpu, torch.float32)  # decided before asking the device
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    assert cuda.varlen_available(gpu, torch.bfloat16) and cuda.varlen_available(gpu, torch.float16)
+    capability["value"] = (7, 5)  # Turing: no flash
+    assert not cuda.varlen_available(gpu, torch.float16)
+    capability["value"] = (9, 0)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    assert not cuda.varlen_available(gpu, torch.float16)
