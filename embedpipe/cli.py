@@ -8,19 +8,15 @@ printed as one line on stderr with a non-zero exit code.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import os
-import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Optional
 
 import typer
 
 from embedpipe import options
+from embedpipe.cli_exit import run_app, user_errors
 from embedpipe.errors import EmbedpipeError
 
 app = typer.Typer(
@@ -31,16 +27,10 @@ app = typer.Typer(
     help="Batch protein embeddings with ESM-2: shard, embed, merge, cross-check.",
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
 DEVICE_HELP = "auto, cpu, cuda or cuda:N."
 #: defaults of the commands' options, from the library (embedpipe/options.py)
 EMBED = options.EmbedOptions()
 THRESHOLDS = options.Thresholds()
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
 
 
 def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
@@ -50,49 +40,19 @@ def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
     return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
-def _os_error_message(exc: OSError, out: Any) -> str:
-    """One line for an OSError the library did not foresee, naming a path: the file the error
-    names, else (for a write failure such as a full disk) the command's ``--out``."""
-    from embedpipe.atomic import WRITE_ERRNOS
-
-    reason = exc.strerror or str(exc)
-    if getattr(exc, "filename", None):
-        return f"{reason}: {exc.filename}"
-    if out is not None and exc.errno in WRITE_ERRNOS:
-        return f"cannot write {out}: {reason}"
-    return reason
-
-
-def _stdout_gone() -> None:
-    """Stdout's reader has gone (``embedpipe info --json | head -c 10``): end quietly as `cat`
-    does. Pointing stdout at /dev/null keeps the interpreter's final flush from failing again."""
-    with contextlib.suppress(OSError, ValueError):
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())
-        os.close(null)
-
-
-def _user_errors(func: F) -> F:
-    """Turn EmbedpipeError into `embedpipe: error: ...` on stderr and exit code 1."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except EmbedpipeError as exc:
-            print(f"embedpipe: error: {exc}", file=sys.stderr)
-            raise typer.Exit(1) from None
-        except BrokenPipeError:
-            _stdout_gone()
-            raise typer.Exit(EXIT_BROKEN_PIPE) from None
-        except OSError as exc:  # a file-system failure the library did not foresee: still one line
-            print(f"embedpipe: error: {_os_error_message(exc, kwargs.get('out'))}", file=sys.stderr)
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            print("embedpipe: interrupted", file=sys.stderr)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-
-    return wrapper  # type: ignore[return-value]
+# the embed command's longer help texts
+TOKENS_PER_BATCH_HELP = (
+    f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
+    f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}.")
+ATTENTION_HELP = _one_of(options.ATTENTION_IMPLEMENTATIONS, {
+    "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward"}) + "."
+FALLBACK_DEVICE_HELP = "Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
+    "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."
+BATCH_LAYOUT_HELP = "How a batch's tokens are laid out: " + _one_of(options.BATCH_LAYOUTS, {
+    "auto": "packed where the varlen kernel runs, else padded", "packed": "no padding",
+    "padded": "with a mask"}) + ". See docs/precision.md."
+ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(
+    options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
 
 
 def _version_callback(value: bool) -> None:
@@ -113,7 +73,7 @@ def main(
 
 
 @app.command()
-@_user_errors
+@user_errors
 def shard(
     inputs: list[Path] = typer.Argument(..., help="FASTA files, plain or gzip."),
     out: Path = typer.Option(..., "--out", help="Output directory for shards and manifest."),
@@ -149,7 +109,7 @@ def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
 
 
 @app.command()
-@_user_errors
+@user_errors
 def embed(
     fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
     model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
@@ -172,32 +132,26 @@ def embed(
     ),
     tokens_per_batch: str = typer.Option(
         str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
-        help=f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
-             f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}."),
+        help=TOKENS_PER_BATCH_HELP),
     device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
     long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences",
                                        help=f"Over 1022 residues: {_one_of(options.LONG_SEQUENCE_MODES)}."),
-    attention: str = typer.Option(EMBED.attention, "--attention", help=_one_of(options.ATTENTION_IMPLEMENTATIONS, {
-        "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward"}) + "."),
+    attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
     threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fallback_device: str = typer.Option(
         EMBED.fallback_device, "--fallback-device",
-        help="Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
-            "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."),
+        help=FALLBACK_DEVICE_HELP),
     batch_layout: str = typer.Option(
         EMBED.batch_layout, "--batch-layout",
-        help="How a batch's tokens are laid out: " + _one_of(options.BATCH_LAYOUTS, {
-            "auto": "packed where the varlen kernel runs, else padded", "packed": "no padding",
-            "padded": "with a mask"}) + ". See docs/precision.md."),
+        help=BATCH_LAYOUT_HELP),
     attention_inputs: str = typer.Option(
         EMBED.attention_inputs, "--attention-inputs",
-        help="dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(options.ATTENTION_INPUTS, {
-            "auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."),
+        help=ATTENTION_INPUTS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
@@ -215,7 +169,7 @@ def embed(
 
 
 @app.command()
-@_user_errors
+@user_errors
 def merge(
     stores: Optional[list[Path]] = typer.Argument(None, help="Shard stores to merge."),
     out: Path = typer.Option(..., "--out", help="Merged store (.h5), written atomically."),
@@ -233,7 +187,7 @@ def merge(
 
 
 @app.command()
-@_user_errors
+@user_errors
 def crosscheck(
     store: Path = typer.Argument(..., help="Store to check."),
     out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
@@ -293,7 +247,7 @@ def crosscheck(
 
 
 @app.command()
-@_user_errors
+@user_errors
 def info(
     store: Path = typer.Argument(..., help="Store to describe."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -309,7 +263,7 @@ def info(
 
 
 @app.command()
-@_user_errors
+@user_errors
 def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
     """Exit 0 only for a complete, consistent, checksummed, finite store."""
     from embedpipe.store import validate_store
@@ -324,7 +278,7 @@ def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
 
 
 @app.command("fetch-model")
-@_user_errors
+@user_errors
 def fetch_model(
     name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D."),
     dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache)."),
@@ -337,7 +291,7 @@ def fetch_model(
 
 
 @app.command("make-test-model")
-@_user_errors
+@user_errors
 def make_test_model(
     out: Path = typer.Argument(..., help="Checkpoint path to write (.pt)."),
     layers: int = typer.Option(2, "--layers", min=1, help="Transformer layers."),
@@ -353,7 +307,7 @@ def make_test_model(
 
 
 @app.command()
-@_user_errors
+@user_errors
 def export(
     store: Path = typer.Argument(..., help="Store to export (a merged store exports every input ID, aliases too)."),
     fmt: str = typer.Option(..., "--format", help="h5-per-id (one dataset per ID), parquet, or npy (matrix + IDs)."),
@@ -373,7 +327,7 @@ def export(
 
 
 @app.command("model-info", hidden=True)
-@_user_errors
+@user_errors
 def model_info(
     spec: str = typer.Argument(..., help="Model name or checkpoint path."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
@@ -389,69 +343,10 @@ def model_info(
             print(f"{key}: {value}")
 
 
-class _Interrupts:
-    """Ctrl-C that Python could only report as ``Exception ignored in: ...`` (it landed in a
-    weakref callback or ``__del__``, where it cannot propagate) is remembered instead, and the
-    run ends as interrupted."""
-
-    swallowed = False
-
-    @classmethod
-    def hook(cls, args: Any) -> None:
-        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
-            cls.swallowed = True
-            return
-        sys.__unraisablehook__(args)
-
-
-def _interrupted_while_exiting(signum: int, frame: Any) -> None:
-    """SIGINT after the command has returned (while files close and the interpreter shuts
-    down): the same one line as during the command, not ``Exception ignored ...``."""
-    with contextlib.suppress(Exception):
-        print("embedpipe: interrupted", file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
-
-
-def _finish(code: int) -> None:
-    """Exit with ``code`` once stdout is flushed; a reader that went away ends it quietly."""
-    signal.signal(signal.SIGINT, _interrupted_while_exiting)
-    if _Interrupts.swallowed and code != EXIT_INTERRUPTED:
-        print("embedpipe: interrupted", file=sys.stderr)
-        code = EXIT_INTERRUPTED
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _stdout_gone()
-        code = EXIT_BROKEN_PIPE
-    sys.exit(code)
-
-
 def run() -> None:
-    """Console entry point: like ``app()``, but usage errors are one line on stderr too.
-
-    Typer vendors its own click, so its exceptions are recognised by what they carry
-    (``format_message`` and ``exit_code``), not by class.
-    """
-    sys.unraisablehook = _Interrupts.hook
-    try:
-        result = app(standalone_mode=False)
-    except BrokenPipeError:
-        _stdout_gone()
-        _finish(EXIT_BROKEN_PIPE)
-    except Exception as exc:
-        if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
-            raise
-        if type(exc).__name__ == "NoArgsIsHelpError":  # plain `embedpipe`: the help, not an error
-            print(exc.format_message())
-            _finish(0)
-        ctx = getattr(exc, "ctx", None)
-        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
-        _finish(exc.exit_code)
-    except KeyboardInterrupt:
-        print("embedpipe: interrupted", file=sys.stderr)
-        _finish(EXIT_INTERRUPTED)
-    _finish(result if isinstance(result, int) else 0)
+    """Console entry point: ``app()`` with every failure, usage errors included, one line on
+    stderr and a shell-like exit code (:mod:`embedpipe.cli_exit`)."""
+    run_app(app)
 
 
 if __name__ == "__main__":  # pragma: no cover

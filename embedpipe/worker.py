@@ -18,15 +18,15 @@ import numpy as np
 import torch
 
 from embedpipe.batch_budget import resolve_tokens_per_batch
-from embedpipe import cuda
+from embedpipe import attention_choice, cuda
 from embedpipe.cuda import BusyTimer, HostCopy
 from embedpipe.errors import EmbedpipeError
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.packed import PackedTokens
 from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.pooling import HostPooled, pool_packed, pool_padded
-from embedpipe.precision import (FP32, Policy, attention_dtype, check_policy_on_device, dtype_name, exact_fp32,
-                                 forward_context, get_policy, resolve_attention_inputs, true_fp32_matmuls)
+from embedpipe.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
+                                 get_policy, resolve_attention_inputs, true_fp32_matmuls)
 from embedpipe.options import EmbedOptions
 from embedpipe.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
@@ -190,16 +190,13 @@ class Embedder:
 
     @property
     def attention_path(self) -> str:
-        """The main policy's attention kernel as recorded in the store: ``packed-varlen-flash``,
-        ``packed-sdpa-per-sequence``, or ``padded-`` plus ``--attention`` (docs/precision.md)."""
-        if self.batch_layout == "packed":
-            return "packed-" + self._packed_kernel(self.policy, self.device)
-        return f"padded-{self.options.attention}"
+        """The main policy's attention kernel as recorded in the store (docs/precision.md)."""
+        return attention_choice.attention_path(self.options, self.policy, self.device)
 
     @property
     def attention_inputs(self) -> str:
         """dtype name of q/k/v at the main policy's attention kernel."""
-        return dtype_name(self._attention_dtype(self.policy, self.device))
+        return dtype_name(attention_choice.qkv_dtype(self.options, self.policy, self.device))
 
     @property
     def computed_as(self) -> dict[str, str]:
@@ -208,22 +205,10 @@ class Embedder:
         return {"device_type": self.device.type, "batch_layout": self.batch_layout,
                 "attention_inputs": self.attention_inputs}
 
-    def _attention_dtype(self, policy: Policy, device: torch.device) -> torch.dtype:
-        return attention_dtype(policy, resolve_attention_inputs(self.options.attention_inputs, device))
-
-    def _packed_kernel(self, policy: Policy, device: torch.device) -> str:
-        """The kernel a packed batch attends with on ``device`` (see :mod:`embedpipe.packed`)."""
-        return "varlen-flash" if cuda.varlen_available(device, self._attention_dtype(policy, device)) else "sdpa-per-sequence"
-
     def _layout(self, policy: Policy) -> str:
-        """``--batch-layout`` for ``policy`` where its runner lives: ``auto`` packs where the
-        varlen kernel runs (embedpipe's own sdpa forward only) and pads elsewhere."""
+        """``--batch-layout`` for ``policy`` on the device its runner lives on."""
         device = self._devices.get(policy.name) or self._planned_device(policy)
-        if self.options.batch_layout != "auto":
-            return self.options.batch_layout
-        if self.options.attention == "sdpa" and self._packed_kernel(policy, device) == "varlen-flash":
-            return "packed"
-        return "padded"
+        return attention_choice.batch_layout(self.options, policy, device)
 
     # -- public ---------------------------------------------------------------------------------
     def plan(self, records: Sequence[tuple[str, str]]) -> Plan:

@@ -237,7 +237,7 @@ def test_write_error_reads_hdf5_messages():
 
 
 def test_cli_names_the_output_for_an_os_error_without_a_file_name():
-    from embedpipe.cli import _os_error_message
+    from embedpipe.cli_exit import _os_error_message
 
     exc = OSError(errno.ENOSPC, "No space left on device")
     assert _os_error_message(exc, Path("out/shards")) == "cannot write out/shards: No space left on device"

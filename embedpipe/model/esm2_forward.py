@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe import cuda
+from embedpipe.attention_choice import packed_kernel
 from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.model.packed_linear import PackedLinear, pack_linear
 from embedpipe.options import ATTENTION_IMPLEMENTATIONS
@@ -151,6 +152,9 @@ class EsmForward:
         self.attention = attention
         self.attention_inputs = attention_inputs
         self.device = model.embed_tokens.weight.device
+        #: the kernel packed batches attend with: ``varlen-flash`` where it runs, else the
+        #: per-sequence SDPA stand-in (docs/precision.md, "Batch layout"); decided once, not per layer
+        self.packed_attention = packed_kernel(self.device, self.attention_dtype)
         self.rotary = RotaryTables()
         self.padding_idx = model.padding_idx
         self.num_layers = model.num_layers
@@ -196,12 +200,6 @@ class EsmForward:
     def attention_dtype(self) -> torch.dtype:
         """dtype of q, k and v at the attention kernel (under autocast: the dtype it casts to)."""
         return attention_dtype(self.policy, self.attention_inputs)
-
-    @property
-    def packed_attention(self) -> str:
-        """The kernel packed batches attend with: ``varlen-flash`` where it runs, else the
-        per-sequence SDPA stand-in (docs/precision.md, "Batch layout")."""
-        return "varlen-flash" if cuda.varlen_available(self.device, self.attention_dtype) else "sdpa-per-sequence"
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """A padded (B, T) batch: hidden states (B, T, D)."""
