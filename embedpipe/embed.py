@@ -134,17 +134,23 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     records = _read_records(fasta)
     check_output_path(Path(out))
     with _model_on(model, options) as (loaded, device):
-        return _embed_records(loaded, device, records, Path(fasta), Path(out), options, started,
+        return _embed_records(_embedder(loaded, options, device, quiet), records, Path(fasta), Path(out), started,
                               {"input_sha256": file_sha256(Path(fasta))}, quiet)
 
 
-def _embed_records(loaded: EmbeddingModel, device: torch.device, records: list[tuple[str, str]], fasta: Path,
-                   out: Path, options: EmbedOptions, started: float, extra: dict[str, str],
-                   quiet: bool) -> EmbedSummary:
-    """``records`` (read from ``fasta``) into the store ``out`` with a loaded model."""
+def _embedder(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, quiet: bool) -> Embedder:
+    """The job's one embedder (its prepared models serve every input), its warnings said once."""
     embedder = Embedder(loaded, options, device)
     for note in embedder.notes:
         say(f"warning: {note}", quiet=quiet)
+    return embedder
+
+
+def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
+                   extra: dict[str, str], quiet: bool) -> EmbedSummary:
+    """``records`` (read from ``fasta``) into the store ``out`` with the job's embedder."""
+    loaded, options, device = embedder.loaded, embedder.options, embedder.device
+    embedder.new_input()
     plan = embedder.plan(records)
     attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
     attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as)}
@@ -255,15 +261,16 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     with _model_on(model, options) as (loaded, device):
-        identity = embed_identity(options, loaded.sha256, Embedder(loaded, options, device).computed_as)
+        embedder = _embedder(loaded, options, device, quiet)  # one per group: models prepared once
+        identity = embed_identity(options, loaded.sha256, embedder.computed_as)
         for fasta, store, digest in zip(fastas, stores, digests):
             if store_is_current(store, identity, digest):
                 summary.kept.append(store)
                 say(f"{store}: complete for this shard, model and options; kept", quiet=quiet)
                 continue
             summary.embedded.append(_embed_records(
-                loaded, device, _read_records(Path(fasta)), Path(fasta), store, options,
-                time.perf_counter(), {"input_sha256": digest}, quiet))
+                embedder, _read_records(Path(fasta)), Path(fasta), store, time.perf_counter(),
+                {"input_sha256": digest}, quiet))
     if done is not None:
         listing = {"format": GROUP_FORMAT, "version": 1, "identity": json.loads(identity),
                    "stores": [{"fasta": str(f), "store": str(s), "input_sha256": d}

@@ -211,6 +211,11 @@ class Embedder:
         return attention_choice.batch_layout(self.options, policy, device)
 
     # -- public ---------------------------------------------------------------------------------
+    def new_input(self) -> None:
+        """Start the counters of a new input (a group job's next shard); the prepared models,
+        the token budget and the busy time carry on."""
+        self.stats = Counter()
+
     def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
         """Windows and batches for ``records``; raises for long records under --long-sequences error."""
         pieces: list[Piece] = []

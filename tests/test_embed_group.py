@@ -143,6 +143,23 @@ def test_a_store_computed_padded_is_not_kept_where_auto_means_packed(tmp_path, t
         assert f.attrs["attention_path"] == "packed-varlen-flash" and f.attrs["batch_layout"] == "packed"
 
 
+def test_a_group_prepares_its_model_once_for_every_shard(tmp_path, tiny_model_path, monkeypatch):
+    """One embedder per group job: the low-precision copy of the model is made once, not per shard."""
+    from embedpipe.model.esm2 import Esm2Model
+
+    real = Esm2Model.prepare
+    prepared: list[str] = []
+    monkeypatch.setattr(Esm2Model, "prepare", lambda self, policy, *a, **k: (prepared.append(policy.name),
+                                                                           real(self, policy, *a, **k))[1])
+    options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed"})
+    summary = embed_shards(_shards(tmp_path, 3), model=str(tiny_model_path), out_dir=tmp_path / "stores",
+                           options=options, quiet=True)
+    assert len(summary.embedded) == 3 and prepared == ["bf16-mixed"]
+    for store in summary.embedded:
+        with h5py.File(store.out, "r") as f:  # per-shard counters start again
+            assert f.attrs["fallback_count"] == 0 and len(f["ids"]) == 4
+
+
 def test_cli_group_and_the_single_store_contract(tmp_path, tiny_model_path):
     shards = _shards(tmp_path, 2)
     runner = CliRunner()
