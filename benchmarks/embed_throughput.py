@@ -181,7 +181,7 @@ def bench_model(args: argparse.Namespace) -> Path:
     return model
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_input_arguments(parser)
     parser.add_argument("--max-records", type=int, default=None,
@@ -192,39 +192,27 @@ def main() -> None:
                         help="run every system N times, interleaved (system order per round), and report the "
                              "median: on a shared or noisy machine drifts then hit all systems alike")
     parser.add_argument("--run-recipe", nargs=3, metavar=("MODEL", "FASTA", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    if args.run_recipe:
-        run_fair_esm_recipe(Path(args.run_recipe[0]), Path(args.run_recipe[1]), Path(args.run_recipe[2]), args.threads)
-        return
 
-    from embedpipe.fasta import read_sequences
-
-    OUT.mkdir(parents=True, exist_ok=True)
-    if args.max_records:
-        subset = OUT / f"first{args.max_records}-{args.fasta.name}"
-        records = list(read_sequences(args.fasta))[: args.max_records]
-        subset.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
-        args.fasta = subset
-    model = bench_model(args)
-    lengths = [len(s) for _, s in read_sequences(args.fasta)]
-    residues = sum(min(n, 1022) for n in lengths)
-    flops = model_flops(lengths, args.layers, args.dim)
-    peaks = {d: matmul_peak(d, args.threads) for d in ("float32", "bfloat16", "float16")}
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-
+def system_commands(args: argparse.Namespace, model: Path) -> dict[str, tuple[list[str], Path]]:
+    """system -> (command, its output), for every system that can run here."""
     commands = {}
     for system in args.systems:
         if system in HF_SYSTEMS and importlib.util.find_spec("transformers") is None:
             print(f"  {system} skipped: transformers not installed", file=sys.stderr)
             continue
         target = OUT / system if system in DIRECTORY_SYSTEMS else OUT / f"{system}.h5"
-        cmd = system_command(system, model, args.fasta, target, args.threads, args.attention)
-        commands[system] = (cmd, target)
+        commands[system] = (system_command(system, model, args.fasta, target, args.threads, args.attention), target)
+    return commands
 
+
+def run_rounds(commands: dict[str, tuple[list[str], Path]], rounds: int,
+               env: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Every system ``rounds`` times, interleaved: (wall seconds per round, peak RSS MiB) per system."""
     walls: dict[str, list[float]] = {system: [] for system in commands}
     rss: dict[str, float] = dict.fromkeys(commands, 0.0)
-    for round_index in range(args.rounds):
+    for round_index in range(rounds):
         for system, (cmd, target) in commands.items():
             if system in DIRECTORY_SYSTEMS:
                 shutil.rmtree(target, ignore_errors=True)  # no stale files from a run with other settings
@@ -234,9 +222,14 @@ def main() -> None:
             walls[system].append(wall)
             rss[system] = max(rss[system], peak)
             print(f"  round {round_index + 1}: {system:<15} {wall:7.1f}s", file=sys.stderr, flush=True)
+    return walls, rss
 
+
+def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, list[float]], rss: dict[str, float],
+                residues: int, flops: float, peaks: dict[str, float]) -> list[dict]:
+    """One row per system: median seconds, residues/s, padding efficiency, MFU, peak RSS."""
     rows = []
-    for system, (cmd, target) in commands.items():
+    for system, (_, target) in commands.items():
         wall = float(np.median(walls[system]))
         if system in DIRECTORY_SYSTEMS:
             padding = json.loads((target / "_stats.json").read_text())["padding_efficiency"]
@@ -249,16 +242,14 @@ def main() -> None:
         rows.append({"system": system, "seconds": wall, "all_seconds": walls[system], "residues_per_s": residues / wall,
                      "padding_efficiency": padding, "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype,
                      "peak_rss_mib": rss[system], "path": target})
+    return rows
 
-    layer = args.layers
-    reference_system = "fp32" if "fp32" in args.systems else None
-    ref = read_means(reference_system, OUT / "fp32.h5", layer) if reference_system else {}
+
+def print_table(rows: list[dict], ref: dict[str, np.ndarray], layer: int) -> None:
+    """The Markdown table, with ratios to the recipe (and to HF bf16) and cosines to fp32;
+    the ratios and cosines are added to the rows."""
     recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
     hf_bf16 = next((r for r in rows if r["system"] == "hf-transformers-bf16"), None)
-    print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
-          f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}; "
-          f"median of {args.rounds} interleaved round(s)")
-    print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
     hf_column = ("| x HF bf16 ", "|---") if hf_bf16 else ("", "")
     print(f"\n| system | seconds | residues/s | x fair-esm recipe {hf_column[0]}| padding eff. | MFU | peak RSS MiB | "
           "min cos to fp32 | median cos |")
@@ -276,12 +267,41 @@ def main() -> None:
         row["ratio"] = ratio
         row["min_cosine"] = min(cos) if cos else None
         row["path"] = str(row["path"])
-    if recipe and args.rounds > 1:  # the spread behind each median, round by round
+    if recipe and len(recipe["all_seconds"]) > 1:  # the spread behind each median, round by round
         print("\nper round, x fair-esm recipe (same round):")
         for row in rows:
             per_round = [r / s for r, s in zip(recipe["all_seconds"], row["all_seconds"])]
             row["round_ratios"] = per_round
             print(f"  {row['system']:<15} " + ", ".join(f"{x:.2f}" for x in per_round))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.run_recipe:
+        run_fair_esm_recipe(Path(args.run_recipe[0]), Path(args.run_recipe[1]), Path(args.run_recipe[2]), args.threads)
+        return
+
+    from embedpipe.fasta import read_sequences
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.max_records:
+        subset = OUT / f"first{args.max_records}-{args.fasta.name}"
+        records = list(read_sequences(args.fasta))[: args.max_records]
+        subset.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
+        args.fasta = subset
+    model = bench_model(args)
+    lengths = [len(s) for _, s in read_sequences(args.fasta)]
+    residues = sum(min(n, 1022) for n in lengths)
+    peaks = {d: matmul_peak(d, args.threads) for d in ("float32", "bfloat16", "float16")}
+    commands = system_commands(args, model)
+    walls, rss = run_rounds(commands, args.rounds, dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    rows = result_rows(commands, walls, rss, residues, model_flops(lengths, args.layers, args.dim), peaks)
+    ref = read_means("fp32", OUT / "fp32.h5", args.layers) if "fp32" in args.systems else {}
+    print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
+          f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}; "
+          f"median of {args.rounds} interleaved round(s)")
+    print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
+    print_table(rows, ref, args.layers)
     (OUT / "results.json").write_text(json.dumps(rows, indent=2))
 
 
