@@ -31,6 +31,7 @@ from embedpipe.host_memory import keep_freed_memory
 from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.options import AUTO
+from embedpipe.output_guard import guard_outputs
 from embedpipe.precision import Policy, dtype_name
 from embedpipe.progress import say
 from embedpipe.store import StoreWriter, utc_now
@@ -120,6 +121,26 @@ def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingMode
         yield load_model(model), device
 
 
+def _model_file(model: str) -> list[Path]:
+    """The checkpoint file of ``--model`` when it names one: an input no output may replace."""
+    path = Path(model).expanduser()
+    return [path] if path.is_file() else []
+
+
+def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str) -> None:
+    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input or
+    another output, ``--done`` can be written, and no shard is empty."""
+    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
+    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model)])
+    if done is not None:
+        check_output_path(Path(done))
+    for fasta in fastas:
+        with contextlib.closing(read_sequences(Path(fasta))) as records:
+            empty = next(records, None) is None
+        if empty:
+            raise EmbedpipeError(f"{fasta}: no records to embed")
+
+
 def _read_records(fasta: Path) -> list[tuple[str, str]]:
     records = list(read_sequences(Path(fasta)))
     if not records:
@@ -131,6 +152,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
     options.validate()
     started = time.perf_counter()
+    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model)])
     records = _read_records(fasta)
     check_output_path(Path(out))
     with _model_on(model, options) as (loaded, device):
@@ -258,6 +280,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = _group_outputs(fastas, out_dir)
+    _check_group(fastas, stores, done, model)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     with _model_on(model, options) as (loaded, device):
