@@ -175,7 +175,7 @@ def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Pa
     embedder.new_input()
     plan = embedder.plan(records)
     attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
-    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as)}
+    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)}
     with StoreWriter(
         out,
         ids=[r for r, _ in records],
@@ -219,16 +219,31 @@ def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Pa
 # ------------------------------------------------------------------------------ groups of shards
 
 
-def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
+def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str],
+                   layers: Sequence[int] | None = None) -> str:
     """What makes a shard store's numbers: the model's bytes, every option except how the
     job ran (:data:`_HOW_IT_RUNS`), and what the ``auto`` options resolved to on this job's
     device (``Embedder.computed_as``: a store computed packed on a GPU is not the one a CPU
-    job would compute). A store with another identity is embedded again."""
+    job would compute). A store with another identity is embedded again.
+
+    Resolved values, not spellings: ``layers`` (the resolved, non-negative indices, so
+    ``--layers -1`` and ``--layers 2`` of a 2-layer model agree) replaces the option, and the
+    device is only the type actually used (``computed_as``), so ``--device auto`` and
+    ``--device cpu`` agree on the CPU. Without ``layers``: the identity stores written before
+    this change carry (:func:`legacy_identity`)."""
     chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
+    if layers is not None:
+        chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
     return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
 
 
-def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
+def legacy_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
+    """The identity of stores written before it held resolved values: the options as spelt. A
+    store carrying it is kept when this run spells its options the same way."""
+    return embed_identity(options, model_sha256, computed_as)
+
+
+def store_is_current(store: Path, identity: str, input_sha256: str, *also: str) -> bool:
     """True for a complete store of the same shard content, model and options; False for a
     missing, unreadable, incomplete or different one."""
     try:
@@ -238,7 +253,7 @@ def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
             attrs = read_root_attrs(f)
     except (OSError, ValueError):
         return False
-    return attrs.get("embed_identity") == identity and attrs.get("input_sha256") == input_sha256
+    return attrs.get("embed_identity") in (identity, *also) and attrs.get("input_sha256") == input_sha256
 
 
 @dataclass
@@ -285,9 +300,10 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     summary = GroupSummary(out_dir=out_dir)
     with _model_on(model, options) as (loaded, device):
         embedder = _embedder(loaded, options, device, quiet)  # one per group: models prepared once
-        identity = embed_identity(options, loaded.sha256, embedder.computed_as)
+        identity = embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
+        legacy = legacy_identity(options, loaded.sha256, embedder.computed_as)
         for fasta, store, digest in zip(fastas, stores, digests):
-            if store_is_current(store, identity, digest):
+            if store_is_current(store, identity, digest, legacy):
                 summary.kept.append(store)
                 say(f"{store}: complete for this shard, model and options; kept", quiet=quiet)
                 continue
