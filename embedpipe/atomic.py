@@ -1,14 +1,20 @@
 """Atomic output files: write under a temporary name in the same directory, fsync, rename.
 
 A killed or failed job therefore never leaves a file at the final path that looks complete.
+Temporary names carry the writer's PID and host (``.NAME.PID-HOST-RANDOM.tmp``), so the next
+run that writes ``NAME`` removes the temporaries of writers that died (``kill -9``, a node
+lost): :func:`remove_dead_temporaries`, shared with ``shard``'s spool directories.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
+import shutil
+import socket
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -99,12 +105,59 @@ def write_error(path: Path, tmp: Path | None, exc: BaseException) -> EmbedpipeEr
     return EmbedpipeError(f"cannot write {path}: {os.strerror(code)}")
 
 
+def host_tag() -> str:
+    """8 hex digits naming this host, so a run never judges another host's PIDs."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def remove_dead_temporaries(directory: Path, pattern: re.Pattern[str]) -> None:
+    """Remove the entries of ``directory`` whose whole name matches ``pattern`` (group 1: the
+    writer's PID, group 2: its host tag or None for names without one) and whose writer is
+    gone: a process of this host that no longer exists. A live writer's, or another host's,
+    is left alone. Files are unlinked, directories removed with their contents."""
+    host = host_tag()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        pid = int(match[1])
+        if match[2] not in (None, host) or pid == os.getpid() or _pid_alive(pid):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def temp_pattern(path: Path) -> re.Pattern[str]:
+    """The names :func:`temp_path_for` gives temporaries of ``path``."""
+    return re.compile(rf"\.{re.escape(Path(path).name)}\.(\d+)-([0-9a-f]{{8}})-[A-Za-z0-9_]+\.tmp")
+
+
 def temp_path_for(path: Path) -> Path:
-    """A fresh, unused temporary name next to ``path`` (same filesystem, so rename is atomic)."""
+    """A fresh, unused temporary name next to ``path`` (same filesystem, so rename is atomic),
+    after removing the temporaries of ``path`` that dead writers left."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        remove_dead_temporaries(path.parent, temp_pattern(path))
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-{host_tag()}-", suffix=".tmp",
+                                    dir=path.parent)
     except OSError as exc:
         raise EmbedpipeError(f"cannot write {path}: {exc.strerror or exc}") from None
     os.close(fd)

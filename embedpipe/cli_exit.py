@@ -3,8 +3,9 @@
 One job: a library ``EmbedpipeError``, an unforeseen ``OSError``, a reader that went away
 (``embedpipe info --json | head``), Ctrl-C during the command or while the interpreter shuts
 down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (or
-``embedpipe: interrupted``) and 1, 2, 130 or 141. The commands themselves are in
-:mod:`embedpipe.cli`.
+``embedpipe: interrupted``) and 1, 2, 130 or 141. SIGTERM (``kill``, ``scancel``, a SLURM
+time limit) is handled as Ctrl-C is, the temporaries removed by the same ``finally`` and
+``except`` blocks, and ends with 143. The commands themselves are in :mod:`embedpipe.cli`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,23 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for `kill`
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that every
+    cleanup written for an interrupt (temporary files, the writer thread) runs for it too."""
+
+    exit_code = EXIT_TERMINATED
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _interrupt_code(exc: BaseException) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM."""
+    return getattr(exc, "exit_code", EXIT_INTERRUPTED)
 
 
 def _os_error_message(exc: OSError, out: Any) -> str:
@@ -65,9 +83,9 @@ def user_errors(func: F) -> F:
         except OSError as exc:  # a file-system failure the library did not foresee: still one line
             print(f"embedpipe: error: {_os_error_message(exc, kwargs.get('out'))}", file=sys.stderr)
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             print("embedpipe: interrupted", file=sys.stderr)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            raise typer.Exit(_interrupt_code(exc)) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -78,11 +96,13 @@ class _Interrupts:
     run ends as interrupted."""
 
     swallowed = False
+    code = EXIT_INTERRUPTED
 
     @classmethod
     def hook(cls, args: Any) -> None:
         if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
             cls.swallowed = True
+            cls.code = getattr(args.exc_type, "exit_code", EXIT_INTERRUPTED)
             return
         sys.__unraisablehook__(args)
 
@@ -92,15 +112,16 @@ def _interrupted_while_exiting(signum: int, frame: Any) -> None:
     down): the same one line as during the command, not ``Exception ignored ...``."""
     with contextlib.suppress(Exception):
         print("embedpipe: interrupted", file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
 
 
 def finish(code: int) -> None:
     """Exit with ``code`` once stdout is flushed; a reader that went away ends it quietly."""
     signal.signal(signal.SIGINT, _interrupted_while_exiting)
-    if _Interrupts.swallowed and code != EXIT_INTERRUPTED:
+    signal.signal(signal.SIGTERM, _interrupted_while_exiting)
+    if _Interrupts.swallowed and code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         print("embedpipe: interrupted", file=sys.stderr)
-        code = EXIT_INTERRUPTED
+        code = _Interrupts.code
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -117,6 +138,7 @@ def run_app(app: Any) -> None:
     (``format_message`` and ``exit_code``), not by class.
     """
     sys.unraisablehook = _Interrupts.hook
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         result = app(standalone_mode=False)
     except BrokenPipeError:
@@ -132,7 +154,7 @@ def run_app(app: Any) -> None:
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
         finish(exc.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("embedpipe: interrupted", file=sys.stderr)
-        finish(EXIT_INTERRUPTED)
+        finish(_interrupt_code(exc))
     finish(result if isinstance(result, int) else 0)

@@ -38,6 +38,7 @@ import torch
 
 from embedpipe import Store, __version__, open_store
 from embedpipe.atomic import check_output_path, write_text_atomic
+from embedpipe.output_guard import guard_outputs
 from embedpipe.checksums import file_sha256
 from embedpipe.crosscheck_compare import compare_records, neighbour_overlap
 from embedpipe.crosscheck_verdict import VERDICTS, judge, store_figures
@@ -143,6 +144,8 @@ def run_crosscheck(
     thresholds = thresholds or Thresholds()
     store_path, out_dir = Path(store), Path(out)
     _check_arguments(thresholds, sample, k, out_dir)
+    guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES],
+                  [store_path, *([Path(model)] if model and Path(model).is_file() else [])], stores=[store_path])
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()

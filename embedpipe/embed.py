@@ -31,6 +31,7 @@ from embedpipe.host_memory import keep_freed_memory
 from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.options import AUTO
+from embedpipe.output_guard import guard_outputs
 from embedpipe.precision import Policy, dtype_name
 from embedpipe.progress import say
 from embedpipe.store import StoreWriter, utc_now
@@ -120,6 +121,26 @@ def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingMode
         yield load_model(model), device
 
 
+def _model_file(model: str) -> list[Path]:
+    """The checkpoint file of ``--model`` when it names one: an input no output may replace."""
+    path = Path(model).expanduser()
+    return [path] if path.is_file() else []
+
+
+def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str) -> None:
+    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input or
+    another output, ``--done`` can be written, and no shard is empty."""
+    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
+    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model)])
+    if done is not None:
+        check_output_path(Path(done))
+    for fasta in fastas:
+        with contextlib.closing(read_sequences(Path(fasta))) as records:
+            empty = next(records, None) is None
+        if empty:
+            raise EmbedpipeError(f"{fasta}: no records to embed")
+
+
 def _read_records(fasta: Path) -> list[tuple[str, str]]:
     records = list(read_sequences(Path(fasta)))
     if not records:
@@ -131,6 +152,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
     options.validate()
     started = time.perf_counter()
+    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model)])
     records = _read_records(fasta)
     check_output_path(Path(out))
     with _model_on(model, options) as (loaded, device):
@@ -153,7 +175,7 @@ def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Pa
     embedder.new_input()
     plan = embedder.plan(records)
     attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
-    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as)}
+    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)}
     with StoreWriter(
         out,
         ids=[r for r, _ in records],
@@ -197,16 +219,31 @@ def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Pa
 # ------------------------------------------------------------------------------ groups of shards
 
 
-def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
+def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str],
+                   layers: Sequence[int] | None = None) -> str:
     """What makes a shard store's numbers: the model's bytes, every option except how the
     job ran (:data:`_HOW_IT_RUNS`), and what the ``auto`` options resolved to on this job's
     device (``Embedder.computed_as``: a store computed packed on a GPU is not the one a CPU
-    job would compute). A store with another identity is embedded again."""
+    job would compute). A store with another identity is embedded again.
+
+    Resolved values, not spellings: ``layers`` (the resolved, non-negative indices, so
+    ``--layers -1`` and ``--layers 2`` of a 2-layer model agree) replaces the option, and the
+    device is only the type actually used (``computed_as``), so ``--device auto`` and
+    ``--device cpu`` agree on the CPU. Without ``layers``: the identity stores written before
+    this change carry (:func:`legacy_identity`)."""
     chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
+    if layers is not None:
+        chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
     return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
 
 
-def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
+def legacy_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
+    """The identity of stores written before it held resolved values: the options as spelt. A
+    store carrying it is kept when this run spells its options the same way."""
+    return embed_identity(options, model_sha256, computed_as)
+
+
+def store_is_current(store: Path, identity: str, input_sha256: str, *also: str) -> bool:
     """True for a complete store of the same shard content, model and options; False for a
     missing, unreadable, incomplete or different one."""
     try:
@@ -216,7 +253,7 @@ def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
             attrs = read_root_attrs(f)
     except (OSError, ValueError):
         return False
-    return attrs.get("embed_identity") == identity and attrs.get("input_sha256") == input_sha256
+    return attrs.get("embed_identity") in (identity, *also) and attrs.get("input_sha256") == input_sha256
 
 
 @dataclass
@@ -258,13 +295,15 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = _group_outputs(fastas, out_dir)
+    _check_group(fastas, stores, done, model)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     with _model_on(model, options) as (loaded, device):
         embedder = _embedder(loaded, options, device, quiet)  # one per group: models prepared once
-        identity = embed_identity(options, loaded.sha256, embedder.computed_as)
+        identity = embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
+        legacy = legacy_identity(options, loaded.sha256, embedder.computed_as)
         for fasta, store, digest in zip(fastas, stores, digests):
-            if store_is_current(store, identity, digest):
+            if store_is_current(store, identity, digest, legacy):
                 summary.kept.append(store)
                 say(f"{store}: complete for this shard, model and options; kept", quiet=quiet)
                 continue

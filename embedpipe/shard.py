@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.atomic import check_output_entries, fsync_dir
+from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import InputError
 from embedpipe.fasta import display_path, path_text
 from embedpipe.manifest import MANIFEST
@@ -203,7 +204,6 @@ def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, o
         raise InputError("no input FASTA files given")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {display_path(out)}: exists and is not a directory")
-    out_real = out.resolve()
     seen: dict[Path, Path] = {}
     for path in paths:
         _check_input(path)
@@ -212,11 +212,8 @@ def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, o
             same = "" if seen[real] == path else f" (as {display_path(seen[real])} and {display_path(path)})"
             raise InputError(f"{display_path(path)}: was given twice{same}; give each input file once")
         seen[real] = path
-        if real.is_relative_to(out_real):
-            raise InputError(
-                f"{display_path(path)}: lies inside --out {display_path(out)}, which shard replaces; "
-                f"move the input elsewhere or choose another --out"
-            )
+    replaced = [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))]
+    guard_outputs("shard", [("--out", out / name) for name in replaced], paths, directories=[("--out", out)])
     return paths
 
 

@@ -9,13 +9,11 @@ disk, becomes one line naming the file.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import secrets
 import shutil
 import signal
-import socket
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from embedpipe.atomic import host_tag, remove_dead_temporaries
 from embedpipe.errors import EmbedpipeError
 from embedpipe.fasta import display_path
 
@@ -30,11 +29,6 @@ from embedpipe.fasta import display_path
 MAX_PENDING = 32
 
 __all__ = ["MAX_PENDING", "Syncer", "host_tag", "open_for_writing", "spool_directory", "write_error", "write_errors"]
-
-
-def host_tag() -> str:
-    """8 hex digits naming this host, so a run never judges another host's PIDs."""
-    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
 @contextlib.contextmanager
@@ -55,36 +49,14 @@ def spool_directory(out: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
 def _remove_stale_spools(out: Path) -> None:
     """Remove ``.NAME.tmp-PID-*`` spool directories left by killed runs (SIGKILL, power loss).
 
     Only those of this host (or of older versions, which did not name the host) whose
-    process no longer exists; a live run's spool is left alone.
+    process no longer exists; a live run's spool is left alone. The same mechanism as the
+    atomic files' temporaries (:func:`embedpipe.atomic.remove_dead_temporaries`).
     """
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-(?:([0-9a-f]{{8}})-)?[0-9a-f]+")
-    host = host_tag()
-    try:
-        entries = list(os.scandir(out.parent))
-    except OSError:
-        return
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False):
-            continue
-        pid = int(match[1])
-        if match[2] not in (None, host) or pid == os.getpid() or _pid_alive(pid):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
+    remove_dead_temporaries(out.parent, re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-(?:([0-9a-f]{{8}})-)?[0-9a-f]+"))
 
 
 @contextlib.contextmanager
@@ -94,8 +66,9 @@ def _sigterm_exits() -> Iterator[None]:
     The previous handler comes back afterwards. Signal handlers belong to the main thread;
     elsewhere this does nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+            signal.SIG_DFL, None):
+        yield  # not the main thread, or the command line already turns SIGTERM into an exception
         return
 
     def terminate(signum: int, _frame: object) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe.atomic import check_output_path
+from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import EmbedpipeError
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.export.h5_per_id import write_h5_per_id
@@ -76,10 +77,11 @@ def _check(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -
         raise EmbedpipeError(f"{store.path}: has no per-residue vectors (embedded without --per-residue)")
     if Path(out).resolve() == store.path.resolve():
         raise EmbedpipeError(f"{out}: the export would overwrite the store it reads")
+    extra = [(f"the {role} file", p) for role, p in companions(out, per_residue).items()] if fmt == "npy" else []
+    guard_outputs("export", [("--out", out), *extra], [store.path], stores=[store.path])
     check_output_path(out)
-    if fmt == "npy":
-        for path in companions(out, per_residue).values():
-            check_output_path(path)
+    for _, path in extra:
+        check_output_path(path)
 
 
 def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_residue: bool = False,

@@ -180,6 +180,7 @@ def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> di
             f"encoder_attention_heads"
         )
     layers, dim, heads = validate_shape(layers, dim, heads, where=where)
+    check_cfg_against_weights(upgrade_state_dict(data["model"]), layers, dim, where=where)
     token_dropout = bool(_cfg_get(cfg, "token_dropout", True))
     marker = data.get(MARKER_KEY)
     if marker is None:
@@ -195,6 +196,35 @@ def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> di
         "trained": trained,
         "marker": dict(marker) if isinstance(marker, Mapping) else marker,
     }
+
+
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    return tuple(int(n) for n in shape) if shape is not None else None
+
+
+def check_cfg_against_weights(state_dict: Mapping[str, Any], layers: int, dim: int, *, where: str) -> None:
+    """Refuse a cfg that the weights contradict before anything is built from it: a cfg saying
+    ``encoder_embed_dim=1000000`` would allocate terabytes, ``encoder_layers=1000000`` build
+    layers for minutes. Only shapes are read (the file is memory-mapped): cheap."""
+    emb = _shape(state_dict.get("embed_tokens.weight"))
+    if emb is None or len(emb) != 2:
+        raise ModelError(f"{where}: weights do not fit the cfg: missing a 2-D embed_tokens.weight")
+    if emb[1] != dim:
+        raise ModelError(f"{where}: weights do not fit the cfg: encoder_embed_dim={dim}, but embed_tokens.weight "
+                         f"has shape {emb} (dim {emb[1]})")
+    found = {int(m[1]) for name in state_dict if (m := _LAYER_KEY.match(name))}
+    if found != set(range(layers)):
+        held = f"layers 0..{max(found)} ({len(found)} distinct)" if found else "no layers"
+        missing = sorted(set(range(min(layers, max(found, default=0) + 2))) - found)[:3]
+        extra = sorted(found - set(range(layers)))[:3]
+        what = "; ".join(([f"missing layers.{', layers.'.join(map(str, missing))}"] if missing else [])
+                         + ([f"unexpected layers.{', layers.'.join(map(str, extra))}"] if extra else []))
+        raise ModelError(f"{where}: weights do not fit the cfg: encoder_layers={layers}, but the state dict "
+                         f"holds {held} ({what})")
 
 
 def upgrade_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from esm.model.esm2 import ESM2
 
 from embedpipe import __version__
 from embedpipe.atomic import atomic_paths, check_output_path
+from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import ModelError
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, validate_shape
 from embedpipe.model.esm2 import esm2_alphabet
@@ -54,6 +55,7 @@ def make_test_model(
     """
     out = Path(out)
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    guard_outputs("make-test-model", [("checkpoint", out), *([("companion", companion_path(out))] if companion else [])])
     check_output_path(out)
     if companion:
         check_output_path(companion_path(out))

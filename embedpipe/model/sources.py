@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from embedpipe.atomic import atomic_path
+from embedpipe.output_guard import guard_outputs
 from embedpipe.checksums import file_sha256
 from embedpipe.errors import ModelError
 from embedpipe.model.esm2_spec import is_model_name, valid_names
@@ -188,6 +189,7 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
         if dest.exists() and not dest.is_dir():
             raise ModelError(f"--dest {dest} exists and is not a directory")
         target = dest / f"{name}.pt"
+    guard_outputs("fetch-model", [("checkpoint", target), ("companion", companion_path(target))])
     if not target.is_file():
         if _offline():
             raise ModelError(_offline_message(name, target, f"{OFFLINE_ENV} is set", fetching=fetching))

@@ -30,6 +30,7 @@ import h5py
 import numpy as np
 
 from embedpipe.atomic import check_output_path
+from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import StoreError
 from embedpipe.store.aliases import plan_manifest, store_of
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
@@ -223,6 +224,7 @@ def _check_paths(stores: Sequence[Path], out: Path, manifest: Path | None) -> li
         raise StoreError(f"{dup[0]}: given twice")
     if out.resolve() in resolved:
         raise StoreError(f"{out}: the output would overwrite one of the input stores")
+    guard_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths)
     return paths
 
 
