@@ -202,16 +202,16 @@ def _check_enough(labelled: Labelled, folds: int) -> None:
             raise EmbedpipeError(f"{path}: {n} labelled record(s) in the store, fewer than the {2 * folds} that "
                                  f"{folds} folds need (two test records each)")
         if len(set(labelled.target().tolist())) < 2:
-            raise EmbedpipeError(f"{path} line {labelled.lines[0]}: every label is {labelled.labels[0]!r}: "
+            raise EmbedpipeError(f"{path} line {min(labelled.lines)}: every label is {labelled.labels[0]!r}: "
                                  "a regression target must vary")
         return
     counts = labelled.classes()
     if len(counts) < 2:
-        raise EmbedpipeError(f"{path} line {labelled.lines[0]}: every stored record is labelled "
+        raise EmbedpipeError(f"{path} line {min(labelled.lines)}: every stored record is labelled "
                              f"{labelled.labels[0]!r}: one class only, a classifier needs two at least")
     for name, count in counts.items():
         if count < folds:
-            line = labelled.lines[labelled.labels.index(name)]
+            line = min(n for n, label in zip(labelled.lines, labelled.labels) if label == name)  # first in the file
             raise EmbedpipeError(f"{path} line {line}: class {name!r} has {count} labelled record(s) in the store, "
                                  f"fewer than the {folds} folds need (--folds)")
 
