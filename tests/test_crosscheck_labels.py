@@ -320,3 +320,41 @@ def test_workflow_passes_the_labels_to_the_crosscheck(checkout_like):
     proc = snakemake(checkout_like, "--dry-run", "--cores", "1", "--configfile", "configs/offline-demo.yaml",
                      str(config), check=False)
     assert proc.returncode != 0 and "label_kind" in proc.stdout + proc.stderr
+
+
+# =============================================================================== the page in a browser
+
+# The page runs no script; a copy with this probe measures the fold-score plot in the browser.
+_PLOT_PROBE = """<script>
+const svg = document.querySelector('svg.fold-scores');
+const box = svg ? svg.getBoundingClientRect() : {width: 0, height: 0};
+const marks = svg ? [...svg.querySelectorAll('circle')].filter(c => c.getBoundingClientRect().width > 0).length : 0;
+document.title = JSON.stringify({width: box.width, height: box.height, marks: marks,
+                                 section: !!document.querySelector('#downstream table')});
+</script></body>"""
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_downstream_section_renders_in_headless_chromium(tmp_path, labelled):
+    import html
+
+    from test_report_browser import CHROMIUM, _chromium, _dom
+
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (CI installs Debian's chromium: apt-get install -y chromium)")
+    store, records = labelled
+    labels = _write_labels(tmp_path / "labels.tsv", _class_labels(records))
+    report = run_crosscheck(store, out=tmp_path / "cc", sample=100, device="cpu", quiet=True,
+                            labels=LabelOptions(labels))
+    dom, messages = _dom(report.html_path, tmp_path)
+    assert messages == [], f"console messages while loading the report: {messages}"
+    match = re.search(r'<svg class="plot fold-scores"[^>]*>(.*?)</svg>', dom, flags=re.S)
+    assert match and len(re.findall(r"<circle\b", match.group(1))) == 2 * 5 * len(LAYERS)
+    assert dom.index('id="verdict"') < dom.index("your labels") < dom.index('id="downstream"')
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.html_path.read_text(encoding="utf-8").replace("</body>", _PLOT_PROBE), encoding="utf-8")
+    result = _chromium(probe, tmp_path, "--dump-dom")
+    measured = json.loads(html.unescape(re.search(r"<title>(.*?)</title>", result.stdout, flags=re.S).group(1)))
+    assert measured["section"] and measured["width"] > 600 and measured["height"] > 200, measured
+    assert measured["marks"] == 2 * 5 * len(LAYERS), measured
