@@ -186,6 +186,16 @@ def merge(
         print(summary.render(), file=sys.stderr)
 
 
+# --labels and its companions (docs/crosscheck.md, "Downstream: your own labels")
+LABELS_HELP = ("id<TAB>label file (header first; IDs may be aliases): sample the labelled records and fit the same "
+               "model on the stored and on the fp32 vectors (docs/crosscheck.md).")
+LABEL_KIND_HELP = (f"{' | '.join(options.LABEL_KINDS)}: classes (logistic regression, accuracy) or numbers (ridge, "
+                   "R2); auto reads numbers when most labels are numbers and not all integers.")
+FOLDS_HELP = "Folds of the downstream fit; each class needs at least this many labelled records."
+UNKNOWN_IDS_HELP = "Leave out label IDs that are not in the store (listed in crosscheck.json) instead of refusing the file."
+TOLERANCE_HELP = "Pass needs the 95% interval of each layer's score difference (stored - fp32) within +- this."
+
+
 @app.command()
 @user_errors
 def crosscheck(
@@ -214,12 +224,18 @@ def crosscheck(
         THRESHOLDS.determinism_cosine, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
     ),
     k: int = typer.Option(options.CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
+    labels: Optional[Path] = typer.Option(None, "--labels", help=LABELS_HELP),
+    label_kind: str = typer.Option(options.LABEL_KINDS[0], "--label-kind", help=LABEL_KIND_HELP),
+    folds: int = typer.Option(options.CROSSCHECK_FOLDS, "--folds", min=2, help=FOLDS_HELP),
+    ignore_unknown_ids: bool = typer.Option(False, "--ignore-unknown-ids", help=UNKNOWN_IDS_HELP),
+    downstream_tolerance: float = typer.Option(THRESHOLDS.downstream_tolerance, "--downstream-tolerance",
+                                               help=TOLERANCE_HELP),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
-    """Re-embed a sample in fp32 and report how far the store is from fp32."""
-    from embedpipe.crosscheck import run_crosscheck
+    """Re-embed a sample in fp32 and report how far the store is from fp32 (with --labels: on your own task too)."""
+    from embedpipe.crosscheck import LabelOptions, run_crosscheck
 
     report = run_crosscheck(
         store,
@@ -229,13 +245,10 @@ def crosscheck(
         device=device,
         model=model,
         thresholds=options.Thresholds(
-            pass_cosine=pass_cosine,
-            fail_cosine=fail_cosine,
-            pass_overlap=pass_overlap,
-            residue_cosine=residue_cosine,
-            determinism_cosine=determinism_cosine,
-        ),
+            pass_cosine=pass_cosine, fail_cosine=fail_cosine, pass_overlap=pass_overlap, residue_cosine=residue_cosine,
+            determinism_cosine=determinism_cosine, downstream_tolerance=downstream_tolerance),
         k=k,
+        labels=labels and LabelOptions(labels, kind=label_kind, folds=folds, ignore_unknown_ids=ignore_unknown_ids),
         allow_model_mismatch=allow_model_mismatch,
         threads=threads,
         quiet=quiet,

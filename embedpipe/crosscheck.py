@@ -11,7 +11,10 @@ matter downstream? The steps, all from the store alone:
    and the same per residue when the store has per-residue vectors;
 4. a downstream proxy: each sampled record's k nearest neighbours (cosine) among all pooled
    vectors of the store, queried with the stored and with the fp32 vector: overlap@k;
-5. whole-store figures (fallbacks, precision used, max activation) and a verdict.
+5. whole-store figures (fallbacks, precision used, max activation) and a verdict;
+6. with ``labels``, the downstream result itself: the sample is drawn from the labelled
+   records (:mod:`embedpipe.crosscheck_labels`) and one model is fitted on the stored and on
+   the fp32 vectors, on the same folds (:mod:`embedpipe.downstream`).
 
 The store is read only through :class:`embedpipe.Store`, whose reads all go through one
 checked read: a missing dataset or a failed read (a flipped byte) is one
@@ -27,7 +30,6 @@ atomically. Metrics, thresholds and verdict rules are documented in ``docs/cross
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,10 +43,12 @@ from embedpipe.atomic import check_output_path, write_text_atomic
 from embedpipe.output_guard import guard_outputs
 from embedpipe.checksums import file_sha256
 from embedpipe.crosscheck_compare import compare_records, neighbour_overlap
+from embedpipe.crosscheck_labels import Labelled, LabelOptions, resolve_labels, sample_labelled
 from embedpipe.crosscheck_verdict import VERDICTS, judge, store_figures
 from embedpipe.devices import claim_device
+from embedpipe.downstream import downstream_lines, evaluate_downstream
 from embedpipe.errors import EmbedpipeError
-from embedpipe.formatting import format_cosine, format_short
+from embedpipe.formatting import format_cosine, format_short, json_safe
 from embedpipe.metrics import describe_length_bins, length_bins, stratified_sample
 from embedpipe.model import is_model_name, load_model
 from embedpipe.options import (CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, EmbedOptions, Thresholds,
@@ -54,7 +58,7 @@ from embedpipe.report import render_html
 from embedpipe.store import utc_now
 from embedpipe.worker import Embedder
 
-__all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "Thresholds", "VERDICTS", "run_crosscheck"]
+__all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "LabelOptions", "Thresholds", "VERDICTS", "run_crosscheck"]
 
 #: version of the crosscheck.json layout (bump on incompatible changes)
 CROSSCHECK_FORMAT_VERSION = 1
@@ -92,6 +96,8 @@ class CrosscheckReport:
         if k:
             lines.append(f"  overlap@{k}: median {format_short(overall['overlap']['median'])}, "
                          f"min {format_short(overall['overlap']['min'])}")
+        if d.get("downstream"):
+            lines += downstream_lines(d["downstream"])
         fb = d["store_figures"]["fallback"]
         lines.append(f"  fp32 fallback in the store: {fb['count']} of {d['store']['records']} records ({fb['rate']:.2%})")
         for note in d["notes"]:
@@ -108,6 +114,7 @@ class _Sample:
     edges: np.ndarray
     bin_of: np.ndarray
     records: list[dict[str, Any]]
+    bins: list[dict[str, Any]]
 
 
 @dataclass
@@ -136,16 +143,13 @@ def run_crosscheck(
     allow_model_mismatch: bool = False,
     threads: int | None = None,
     quiet: bool = False,
+    labels: LabelOptions | None = None,
 ) -> CrosscheckReport:
-    """Sample ``sample`` records of ``store``, re-embed them in fp32 and write the report to ``out``.
-
-    ``threads`` caps torch's CPU threads (a cluster job should use only the cores it holds).
-    """
+    """Sample ``sample`` records of ``store`` (the labelled ones with ``labels``), re-embed them in
+    fp32 and write the report to ``out``; ``threads`` caps torch's CPU threads (a job's cores)."""
     thresholds = thresholds or Thresholds()
     store_path, out_dir = Path(store), Path(out)
-    _check_arguments(thresholds, sample, k, out_dir)
-    guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES],
-                  [store_path, *([Path(model)] if model and Path(model).is_file() else [])], stores=[store_path])
+    _check_arguments(thresholds, sample, k, out_dir, labels, store_path, model)
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
@@ -153,20 +157,20 @@ def run_crosscheck(
     with open_store(store_path) as st:
         provenance, layers = st.provenance, st.layers
         table, lengths = _store_table(st)
-        drawn = _draw_sample(st, store_path, lengths, sample, seed)
+        labelled = resolve_labels(labels, st) if labels is not None else None
+        drawn = _draw_sample(st, store_path, lengths, sample, seed, labelled, labels)
         reference = _fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
                                     notes, quiet)
         records, problems = compare_records(st, drawn.records, reference.records, layers)
         k_eff = min(k, len(st) - 1)
         _add_overlap(st, drawn.records, reference.records, layers, records, k_eff, quiet)
+    downstream = evaluate_downstream(labelled, labels, drawn.records, reference.records, layers, seed)
     policy = str(provenance.get("precision_policy", "unknown"))
     pass_cos = thresholds.pass_cosine_for(policy == "fp32")
-    bins = describe_length_bins(drawn.edges, drawn.bin_of, drawn.rows)
-    summary, verdict, reasons = judge(records, layers, bins, thresholds, pass_cos, k_eff, problems, reference.model_info)
+    summary, verdict, reasons = judge(records, layers, drawn.bins, thresholds, pass_cos, k_eff, problems, reference.model_info,
+                                      downstream)
     data = {
-        "crosscheck_format_version": CROSSCHECK_FORMAT_VERSION,
-        "created_utc": utc_now(),
-        "embedpipe_version": __version__,
+        **_versions(),
         "verdict": verdict,
         "verdict_reasons": reasons,
         "mode": "determinism" if policy == "fp32" else "precision",
@@ -175,10 +179,11 @@ def run_crosscheck(
         "reference": reference.settings,
         **_sample_part(drawn, seed, sample),
         "thresholds": asdict(thresholds) | {"effective_pass_cosine": pass_cos},
-        "length_bins": bins,
+        "length_bins": drawn.bins,
         "neighbours": _neighbours_part(k_eff, k, len(lengths)),
         "records": records,
         "summary": summary,
+        "downstream": downstream,
         "store_figures": store_figures(table, lengths),
         "problems": problems,
         "notes": notes,
@@ -187,9 +192,13 @@ def run_crosscheck(
     return _write_outputs(out_dir, data)
 
 
-def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path) -> None:
-    """Refuse bad options and unwritable outputs before the (slow) fp32 re-embedding, not after."""
+def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path, labels: LabelOptions | None,
+                     store_path: Path, model: str | None) -> None:
+    """Refuse bad options and unwritable outputs before the (slow) fp32 re-embedding, not after;
+    no output may be the store, the model, the label file or a source the store pins."""
     thresholds.validate()
+    if labels is not None:
+        labels.validate()
     if sample < 1:
         raise EmbedpipeError(f"--sample must be at least 1, not {sample}")
     if k < 1:
@@ -198,13 +207,21 @@ def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path)
         raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
     for name in OUTPUT_NAMES:
         check_output_path(out_dir / name)
+    inputs = [store_path, *([Path(model)] if model and Path(model).is_file() else []),
+              *([Path(labels.path)] if labels is not None else [])]
+    guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES], inputs, stores=[store_path])
 
 
-def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, seed: int) -> _Sample:
-    """Step 1: a seeded, length-stratified sample, each record read with its stored vectors."""
+def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, seed: int,
+                 labelled: Labelled | None = None, labels: LabelOptions | None = None) -> _Sample:
+    """Step 1: a seeded, length-stratified sample (with labels: stratified by class, from the
+    labelled records), each record read with its stored vectors."""
     if len(st) == 0:
         raise EmbedpipeError(f"{store_path}: the store holds no records; nothing to cross-check")
-    rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
+    if labelled is not None and labels is not None:
+        rows = sample_labelled(labelled, sample, seed, labels.folds)
+    else:
+        rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
     edges, bin_of = length_bins(lengths, n_bins=min(DEFAULT_LENGTH_BINS, rows.size))
     records = []
     for row in rows.tolist():
@@ -222,7 +239,14 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
             "long_handling": rec.get("long_handling", "none"),
             "mean": {layer: np.asarray(rec["mean"][layer]) for layer in st.layers},
         })
-    return _Sample(rows=rows, edges=edges, bin_of=bin_of, records=records)
+    return _Sample(rows=rows, edges=edges, bin_of=bin_of, records=records,
+                   bins=describe_length_bins(edges, bin_of, rows))
+
+
+def _versions() -> dict[str, Any]:
+    """The report's format version, creation time and embedpipe version."""
+    return {"crosscheck_format_version": CROSSCHECK_FORMAT_VERSION, "created_utc": utc_now(),
+            "embedpipe_version": __version__}
 
 
 def _store_table(st: Store) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -326,7 +350,7 @@ def _write_outputs(out_dir: Path, data: dict[str, Any]) -> CrosscheckReport:
     """Step 5: crosscheck.json and crosscheck.html, each written atomically."""
     json_path, html_path = (out_dir / name for name in OUTPUT_NAMES)
     data["outputs"] = {"json": str(json_path), "html": str(html_path)}
-    data = _json_safe(data)
+    data = json_safe(data)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(json_path, json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n")
     write_text_atomic(html_path, render_html(data))
@@ -428,26 +452,3 @@ def _reembed(loaded, options, device, pairs: list[tuple[str, str]], quiet: bool)
     for index, record in embedder.embed(pairs, plan, quiet=quiet):
         out[index] = record
     return {"records": out, "device": str(device), "seconds": round(time.perf_counter() - started, 3)}
-
-
-# =============================================================================== helpers
-
-
-def _json_safe(value: Any) -> Any:
-    """numpy scalars/arrays to Python, non-finite floats to None (crosscheck.json is strict JSON)."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return [_json_safe(v) for v in value.tolist()]
-    if isinstance(value, (np.bool_, bool)):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        value = float(value)
-        return value if math.isfinite(value) else None
-    if isinstance(value, (str, int)) or value is None:
-        return value
-    return str(value)

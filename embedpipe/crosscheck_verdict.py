@@ -14,21 +14,23 @@ import numpy as np
 
 from embedpipe.formatting import format_cosine
 from embedpipe.metrics import aggregate, is_finite_number, wilson_interval
+from embedpipe.downstream import downstream_rules
 from embedpipe.options import Thresholds
 
-__all__ = ["VERDICTS", "decide_verdict", "judge", "record_status", "store_figures", "summarise"]
+__all__ = ["VERDICTS", "applied_rules", "decide_verdict", "judge", "record_status", "store_figures", "summarise"]
 
 #: verdicts, best first
 VERDICTS = ("pass", "warn", "fail")
 
 
 def judge(records: list[dict], layers: list[int], bins: list[dict], t: Thresholds, pass_cos: float, k: int,
-          problems: list[str], model_info: dict) -> tuple[dict[str, Any], str, list[str]]:
+          problems: list[str], model_info: dict,
+          downstream: dict | None = None) -> tuple[dict[str, Any], str, list[str]]:
     """Set each record's ``status``; return the summary, the verdict and its reasons."""
     for rec in records:
         rec["status"] = record_status(rec, t, pass_cos)
     summary = summarise(records, layers, bins, pass_cos, k)
-    verdict, reasons = decide_verdict(summary, records, t, pass_cos, k, problems, model_info)
+    verdict, reasons = decide_verdict(summary, records, t, pass_cos, k, problems, model_info, downstream)
     return summary, verdict, reasons
 
 
@@ -109,45 +111,58 @@ def summarise(records: list[dict], layers: list[int], bins: list[dict], pass_cos
 
 
 def decide_verdict(summary: dict, records: list[dict], t: Thresholds, pass_cos: float, k: int, problems: list[str],
-                   model_info: dict) -> tuple[str, list[str]]:
-    """The worst verdict over problems, layers and records, with one reason per rule that fired."""
-    level = 0
-    reasons: list[str] = []
-
-    def raise_to(new: int, reason: str) -> None:
-        nonlocal level
-        level = max(level, new)
-        reasons.append(f"{VERDICTS[new]}: {reason}")
-
-    for problem in problems:
-        raise_to(2, problem)
+                   model_info: dict, downstream: dict | None = None) -> tuple[str, list[str]]:
+    """The worst verdict over problems, layers, records and the downstream rule, with one
+    reason per rule that fired; a pass names every rule that was applied."""
+    fired: list[tuple[int, str]] = [(2, problem) for problem in problems]
     for layer, entry in summary["layers"].items():
-        recs = [r for r in records if str(r["layer"]) == layer]
-        nonfinite = [r["id"] for r in recs if r["status"] == "fail" and not _all_finite(r)]
-        if nonfinite:
-            raise_to(2, f"layer {layer}: non-finite values for {len(nonfinite)} record(s) ({', '.join(nonfinite[:5])})")
-        cos = entry["pooled_cosine"]
-        if cos["min"] is not None and cos["min"] < t.fail_cosine:
-            low = sum(1 for r in recs if is_finite_number(r["pooled_cosine"]) and r["pooled_cosine"] < t.fail_cosine)
-            raise_to(2, f"layer {layer}: {low} record(s) with pooled cosine below {t.fail_cosine} "
-                        f"(min {format_cosine(cos['min'])})")
-        elif cos["min"] is not None and cos["min"] < pass_cos:
-            low = sum(1 for r in recs if is_finite_number(r["pooled_cosine"]) and r["pooled_cosine"] < pass_cos)
-            raise_to(1, f"layer {layer}: {low} record(s) with pooled cosine below {pass_cos} "
-                        f"(min {format_cosine(cos['min'])})")
-        res = entry.get("residue_min_cosine")
-        if res and res["min"] is not None and res["min"] < t.residue_cosine:
-            raise_to(1, f"layer {layer}: per-residue cosine down to {format_cosine(res['min'])} "
-                        f"(below {t.residue_cosine})")
-        ov = entry["overlap"]
-        if k > 0 and ov["median"] is not None and ov["median"] < t.pass_overlap:
-            raise_to(1, f"layer {layer}: median overlap@{k} {ov['median']:.3f} below {t.pass_overlap}")
+        fired += _layer_rules(layer, entry, [r for r in records if str(r["layer"]) == layer], t, pass_cos, k)
+    if downstream:
+        fired += downstream_rules(downstream, t.downstream_tolerance)
     if model_info.get("expected_sha256") and not model_info.get("sha256_matches"):
-        raise_to(1, "the reference model is not the store's model (sha256 mismatch, --allow-model-mismatch)")
-    if not reasons:
-        k_text = f" and median overlap@{k} >= {t.pass_overlap}" if k > 0 else ""
-        reasons.append(f"pass: every sampled pooled cosine >= {pass_cos} in every stored layer{k_text}")
-    return VERDICTS[level], reasons
+        fired.append((1, "the reference model is not the store's model (sha256 mismatch, --allow-model-mismatch)"))
+    if not fired:
+        per_residue = any("residue_min_cosine" in r for r in records)
+        return VERDICTS[0], [f"pass: {'; '.join(applied_rules(t, pass_cos, k, per_residue, downstream))}"]
+    level = max(new for new, _ in fired)
+    return VERDICTS[level], [f"{VERDICTS[new]}: {reason}" for new, reason in fired]
+
+
+def _layer_rules(layer: str, entry: dict, recs: list[dict], t: Thresholds, pass_cos: float,
+                 k: int) -> list[tuple[int, str]]:
+    """(level, reason) for each geometric rule one stored layer breaks."""
+    fired: list[tuple[int, str]] = []
+    nonfinite = [r["id"] for r in recs if r["status"] == "fail" and not _all_finite(r)]
+    if nonfinite:
+        fired.append((2, f"layer {layer}: non-finite values for {len(nonfinite)} record(s) ({', '.join(nonfinite[:5])})"))
+    cos = entry["pooled_cosine"]
+    if cos["min"] is not None and cos["min"] < pass_cos:
+        bound, level = (t.fail_cosine, 2) if cos["min"] < t.fail_cosine else (pass_cos, 1)
+        low = sum(1 for r in recs if is_finite_number(r["pooled_cosine"]) and r["pooled_cosine"] < bound)
+        fired.append((level, f"layer {layer}: {low} record(s) with pooled cosine below {bound} "
+                             f"(min {format_cosine(cos['min'])})"))
+    res = entry.get("residue_min_cosine")
+    if res and res["min"] is not None and res["min"] < t.residue_cosine:
+        fired.append((1, f"layer {layer}: per-residue cosine down to {format_cosine(res['min'])} "
+                         f"(below {t.residue_cosine})"))
+    ov = entry["overlap"]
+    if k > 0 and ov["median"] is not None and ov["median"] < t.pass_overlap:
+        fired.append((1, f"layer {layer}: median overlap@{k} {ov['median']:.3f} below {t.pass_overlap}"))
+    return fired
+
+
+def applied_rules(t: Thresholds, pass_cos: float, k: int, per_residue: bool, downstream: dict | None) -> list[str]:
+    """Every rule a pass had to meet, in the order docs/crosscheck.md ("Verdict") lists them."""
+    rules = [f"every sampled pooled cosine >= {pass_cos} in every stored layer"]
+    if per_residue:
+        rules.append(f"every sampled residue's cosine >= {t.residue_cosine}")
+    if k > 0:
+        rules.append(f"median overlap@{k} >= {t.pass_overlap} in every layer")
+    if downstream:
+        rules.append(f"the 95% interval of the {downstream['score']} difference on your labels (stored - fp32) "
+                     f"within ±{t.downstream_tolerance:g} in every layer")
+    rules += ["all values finite", "the store and the fp32 re-run embedded the same residues"]
+    return rules
 
 
 def _all_finite(rec: dict) -> bool:

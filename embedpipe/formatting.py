@@ -7,7 +7,9 @@ import html
 import math
 from typing import Any
 
-__all__ = ["escape", "format_cosine", "format_number", "format_percent", "format_short"]
+import numpy as np
+
+__all__ = ["escape", "format_cosine", "format_number", "format_percent", "format_short", "json_safe"]
 
 
 def escape(value: Any) -> str:
@@ -64,3 +66,23 @@ def format_short(x: Any) -> str:
     if x is None or not isinstance(x, (int, float)) or not math.isfinite(x):
         return "n/a"
     return f"{x:.3g}"
+
+
+def json_safe(value: Any) -> Any:
+    """numpy scalars/arrays to Python, non-finite floats to None (crosscheck.json is strict JSON)."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return [json_safe(v) for v in value.tolist()]
+    if isinstance(value, (np.bool_, bool)):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int)) or value is None:
+        return value
+    return str(value)

@@ -141,6 +141,14 @@ CROSSCHECK_SAMPLE = 64
 CROSSCHECK_SEED = 0
 #: neighbours per query for overlap@k (fewer when the store holds fewer other records)
 CROSSCHECK_K = 10
+#: folds of the downstream fit on the user's labels (``--labels``); also the fewest labelled
+#: records a class must have (docs/crosscheck.md, "Downstream: your own labels")
+CROSSCHECK_FOLDS = 5
+#: bootstrap resamples of the paired score difference (its 95% interval)
+CROSSCHECK_BOOTSTRAP = 2000
+#: what the labels are: ``auto`` decides from the values (docs/crosscheck.md), ``classes``
+#: (logistic regression, accuracy) or ``numbers`` (ridge regression, R² and Spearman)
+LABEL_KINDS = ("auto", "classes", "numbers")
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,10 @@ class Thresholds:
       to fp32 is below this makes the verdict at least ``warn``.
     * ``determinism_cosine``: for a store computed in fp32 (a determinism check) the pass
       threshold is ``max(pass_cosine, determinism_cosine)``.
+    * ``downstream_tolerance``: with ``--labels``, the 95% bootstrap interval of each layer's
+      paired score difference (stored minus fp32: accuracy, or R²) must lie within
+      ``±downstream_tolerance`` for ``pass`` (0.01: one point); an interval that only reaches
+      past it is ``warn``, one wholly outside it is ``fail``.
     """
 
     pass_cosine: float = 0.999
@@ -163,6 +175,7 @@ class Thresholds:
     pass_overlap: float = 0.9
     residue_cosine: float = 0.99
     determinism_cosine: float = 0.99999
+    downstream_tolerance: float = 0.01
 
     def validate(self) -> None:
         for name, value in asdict(self).items():
@@ -174,6 +187,8 @@ class Thresholds:
             )
         if not 0.0 <= self.pass_overlap <= 1.0:
             raise EmbedpipeError(f"the pass overlap must be in [0, 1], not {self.pass_overlap}")
+        if not 0.0 <= self.downstream_tolerance <= 1.0:
+            raise EmbedpipeError(f"the downstream tolerance must be in [0, 1], not {self.downstream_tolerance}")
 
     def pass_cosine_for(self, determinism: bool) -> float:
         return max(self.pass_cosine, self.determinism_cosine) if determinism else self.pass_cosine
@@ -214,6 +229,8 @@ __all__ = [
     "AUTO",
     "BATCH_LAYOUTS",
     "CPU_TOKENS_PER_BATCH",
+    "CROSSCHECK_BOOTSTRAP",
+    "CROSSCHECK_FOLDS",
     "CROSSCHECK_K",
     "CROSSCHECK_SAMPLE",
     "CROSSCHECK_SEED",
@@ -221,6 +238,7 @@ __all__ = [
     "EmbedOptions",
     "FALLBACK_DEVICES",
     "FP32_ISLAND_POLICIES",
+    "LABEL_KINDS",
     "LONG_SEQUENCE_MODES",
     "MAX_JOBS",
     "MIN_TOKENS_PER_BATCH",

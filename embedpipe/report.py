@@ -17,7 +17,7 @@ from embedpipe.formatting import format_cosine as _cos
 from embedpipe.formatting import format_count
 from embedpipe.formatting import format_number as _num
 from embedpipe.formatting import format_percent as _pct
-from embedpipe.report_figures import activation_histogram, cosine_histogram, error_scatter, overlap_bars
+from embedpipe.report_figures import activation_histogram, cosine_histogram, error_scatter, fold_scores, overlap_bars
 
 __all__ = ["VERDICT_COLOURS", "render_html"]
 
@@ -191,6 +191,38 @@ def _worst_table(data: dict, limit: int = 12) -> str:
     return _table(header, rows, text_cols=(0, 3), raw=True)
 
 
+def _downstream_section(data: dict) -> str:
+    """The user's labels: both scores per layer, the paired difference and its interval, agreement."""
+    ds, tol = data["downstream"], data["thresholds"]["downstream_tolerance"]
+    numbers = ds["kind"] == "numbers"
+    header = ["layer", f"{ds['score']} stored", f"{ds['score']} fp32", "difference (stored - fp32)", "95% interval",
+              f"within ±{tol:g}", "predictions agreeing"]
+    if numbers:
+        header[3:3] = ["Spearman stored", "Spearman fp32"]
+    rows = []
+    for layer, e in ds["layers"].items():
+        lo, hi = e["ci95"]
+        row = [_e(layer), _num(e["stored"]), _num(e["fp32"]), _e(f"{e['difference']:+.4f}"),
+               _e(f"[{lo:+.4f}, {hi:+.4f}]"), _status("pass" if -tol <= lo and hi <= tol else
+                                                      "fail" if hi < -tol or lo > tol else "warn"),
+               _pct(e["agreement"])]
+        if numbers:
+            row[3:3] = [_num(e["spearman"]["stored"]), _num(e["spearman"]["fp32"])]
+        rows.append(row)
+    unknown = ds["unknown_ids"]
+    classes = ", ".join(f"{name} ({count})" for name, count in ds["sampled_classes"].items())
+    facts = [
+        f"Labels {ds['labels']}: {ds['kind']} ({ds['kind_from']}); {ds['labelled_in_store']:,} of "
+        f"{ds['label_lines']:,} labelled IDs are in the store"
+        + (f" ({unknown['count']:,} not, left out: listed in crosscheck.json)" if unknown["count"] else "") + ".",
+        f"{ds['sampled']:,} sampled" + (f": {classes}" if classes else "") + f". Model: {ds['model']}, "
+        f"{ds['folds']} folds (seed {ds['fold_seed']}), the same folds for both inputs; scores over the out-of-fold "
+        f"predictions; {ds['interval']} ({ds['bootstrap_resamples']:,} resamples); agreement: {ds['agreement_rule']}.",
+    ]
+    return (_table(header, rows, raw=True) + fold_scores(data)
+            + "".join(f"<p>{_e(text)}</p>" for text in facts))
+
+
 def _store_section(data: dict) -> str:
     fig = data["store_figures"]
     n = fig["records"]
@@ -236,13 +268,19 @@ def _thresholds_section(data: dict) -> str:
         ["fail", f"any pooled cosine below {t['fail_cosine']:g}, any non-finite value, or the store and the fp32 "
                  "re-run disagree on what was embedded"],
     ]
+    if data.get("downstream"):
+        score = data["downstream"]["score"]
+        rows[0][1] += (f", the 95% interval of the {score} difference on your labels within "
+                       f"±{t['downstream_tolerance']:g} in every layer")
+        rows[1][1] += f", or that interval reaching past ±{t['downstream_tolerance']:g}"
+        rows[2][1] += f", or that interval wholly outside ±{t['downstream_tolerance']:g}"
     note = ""
     if data["mode"] == "determinism":
         note = (f"<p>The store was computed in fp32, so this is a determinism check: the pass cosine is "
                 f"max(pass_cosine {t['pass_cosine']:g}, determinism_cosine {t['determinism_cosine']:g}).</p>")
     return (_table(["verdict", "rule"], [[_status(a), _e(b)] for a, b in rows], text_cols=(0, 1), raw=True) + note
             + "<p>Thresholds are set with <code>embedpipe crosscheck --pass-cosine --fail-cosine --pass-overlap "
-              "--residue-cosine --determinism-cosine</code>; see docs/crosscheck.md.</p>")
+              "--residue-cosine --determinism-cosine --downstream-tolerance</code>; see docs/crosscheck.md.</p>")
 
 
 def _kv_rows(mapping: dict, prefix: str = "") -> list[list[str]]:
@@ -292,6 +330,9 @@ def render_html(data: dict) -> str:
     if k:
         sections.append(("overlap", f"Downstream proxy: nearest-neighbour overlap@{k}",
                          lambda: overlap_bars(data) + _overlap_table(data)))
+    if data.get("downstream"):
+        sections.append(("downstream", f"Downstream: your labels ({data['downstream']['kind']})",
+                         lambda: _downstream_section(data)))
     sections += [
         ("worst", "Records furthest from fp32", lambda: _worst_table(data)),
         ("store", "Whole store: fallbacks, precision used, activations", lambda: _store_section(data)),
