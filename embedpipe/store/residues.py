@@ -39,6 +39,9 @@ def open_error(store: Path | str, rel: str, exc: OSError) -> StoreError:
     if is_resource_error(exc):
         return StoreError(f"{store}: cannot open shard store {rel}: too many open files (a resource limit of this "
                           "process, ulimit -n, not a problem of the store); raise the limit and retry")
+    if isinstance(exc, PermissionError):
+        return StoreError(f"{store}: cannot read shard store {rel}: permission denied (check the file's and its "
+                          "directories' permissions)")
     reason = (str(exc).splitlines() or [type(exc).__name__])[0]
     return StoreError(f"{store}: cannot read shard store {rel} ({reason}); run embedpipe validate {store}")
 
