@@ -23,7 +23,10 @@ from embedpipe.store import merge_stores, open_store, store_info, validate_store
 from test_merge import results  # noqa: F401 - the merged-store fixture
 from test_store import synthetic, write_store
 
-ROOT = Path(__file__).resolve().parents[1]
+import embedpipe
+
+#: the checkout whose embedpipe this test imported: subprocesses use the same code
+ROOT = Path(embedpipe.__file__).resolve().parents[1]
 
 
 @pytest.fixture
