@@ -367,6 +367,11 @@ class Store:
         """per_residue/offsets rows ``lo:hi+1``, checked before use: within 0..rows, not
         decreasing, each step the record's ``embedded_length`` (embedpipe.store.checks)."""
         name = "per_residue/offsets"
+        if hi == lo + 1:  # one record (``per_residue``): plain int comparisons, no numpy calls
+            start, stop = (int(v) for v in read_from(self._offsets_ds, self.path, name, slice(lo, lo + 2)))
+            rows = int(self._read("embedded_length", lo)) if "embedded_length" in self._h5 else stop - start
+            if 0 <= start <= stop <= self._total_rows and stop - start == rows:
+                return np.array([start, stop], dtype=np.int64)
         off = check_offsets(read_from(self._require_per_residue(), self.path, name, slice(lo, hi + 1)), lo,
                             self._total_rows, self.path, name)
         if "embedded_length" in self._h5:
