@@ -265,7 +265,8 @@ def info(
     store: Path = typer.Argument(..., help="Store to describe."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Provenance, counts and sizes of a store."""
+    """Provenance, counts and sizes of a store; exits 1 when a merged store's sources are
+    missing, unreadable or changed since the merge."""
     from embedpipe.store import render_info, store_info
 
     data = store_info(store)
@@ -273,6 +274,11 @@ def info(
         print(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         print(render_info(data))
+    if data.get("source_problems"):  # a merged store whose shard stores are missing or changed
+        print(f"embedpipe: error: {store}: {data['source_problems'][0]}"
+              + (f" (and {len(data['source_problems']) - 1} more)" if len(data["source_problems"]) > 1 else ""),
+              file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()

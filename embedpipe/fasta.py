@@ -10,7 +10,8 @@ Rules (what a sequence may hold: :mod:`embedpipe.residues`):
 * a line ends at LF, CRLF or a lone CR (old-Mac files, or a stray CR inside an LF file), so
   every ``>`` that starts a line is one record; a leading UTF-8 byte-order mark is dropped;
 * text other than blank lines before the first header, an empty header or ID, a header that
-  is not UTF-8 or holds a NUL byte, and the same ID twice are *structural* errors:
+  is not UTF-8 or holds a NUL byte, an ID holding a control character, and the same ID twice
+  are *structural* errors:
   :class:`InputError` at once;
 * blank lines, spaces and tabs inside a record are ignored;
 * lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (counted in
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Union
 
+from embedpipe.store.idtext import bad_id_char
 from embedpipe.errors import InputError
 from embedpipe.residues import WHITESPACE, check_sequence, describe_invalid
 
@@ -335,7 +337,11 @@ def _header(header_b: bytes, display: str, line: int) -> tuple[str, str]:
         raise InputError(f"{display}:{line}: empty header (a '>' line with no ID)")
     if "\x00" in header:
         raise InputError(f"{display}:{line}: header contains a NUL byte (\\x00); headers must be text")
-    return header, header.split(None, 1)[0]
+    rid = header.split(None, 1)[0]
+    if (ch := bad_id_char(rid)) is not None:
+        raise InputError(f"{display}:{line}: ID {rid!r} contains the control character {ch}; IDs may not hold "
+                         "control characters (stores and exports refuse them)")
+    return header, rid
 
 
 def _first_source(paths: list[PathLike], rid: str) -> str:

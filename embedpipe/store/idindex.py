@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, overload
 
 import h5py
+from h5py import h5s
 import numpy as np
 
 from embedpipe.errors import StoreError
@@ -85,22 +87,24 @@ class IdIndex:
     """Key -> stored row value (see the module docstring), by bisection over blocks."""
 
     def __init__(self, keys: h5py.Dataset | np.ndarray, rows: h5py.Dataset | np.ndarray,
-                 fences: np.ndarray, block_rows: int) -> None:
+                 fences: np.ndarray, block_rows: int, path: Path | str = "") -> None:
         self._keys, self._rows, self._fences, self._block = keys, rows, fences, max(1, int(block_rows))
+        self._path = path
         self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     @classmethod
-    def open(cls, f: h5py.File) -> IdIndex:
-        """The store's ``id_index/``, or (format 1) one built in memory from ``ids`` and aliases."""
+    def open(cls, f: h5py.File, path: Path | str = "") -> IdIndex:
+        """The store's ``id_index/``, or (format 1) one built in memory from ``ids`` and aliases.
+        ``block_rows`` must be a positive integer (``embedpipe.store.checks`` checks it at open)."""
         if GROUP in f:
             g = f[GROUP]
-            return cls(g["keys"], g["rows"], np.asarray(g["fences"][:]), int(g.attrs.get("block_rows", BLOCK_ROWS)))
+            return cls(g["keys"], g["rows"], np.asarray(g["fences"][:]), int(g.attrs.get("block_rows", BLOCK_ROWS)), path)
         pairs = {group: list(zip(decode_strings(f[f"{group}/id"][:]), decode_strings(f[f"{group}/{second}"][:])))
                  for group, second in (("aliases", "of"), ("skipped", "reason")) if group in f}
         keys, rows = index_keys(encode_ids(np.asarray(f["ids"][:])), pairs.get("aliases", ()), pairs.get("skipped", ()))
         order = np.argsort(keys, kind="stable")
         keys, rows = keys[order], rows[order]
-        return cls(keys, rows, keys[:1], max(1, len(keys)))
+        return cls(keys, rows, keys[:1], max(1, len(keys)), path)
 
     def _load(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         hit = self._cache.get(b)
@@ -108,11 +112,29 @@ class IdIndex:
             self._cache.move_to_end(b)
             return hit
         sl = slice(b * self._block, (b + 1) * self._block)
-        block = (np.asarray(self._keys[sl]), np.asarray(self._rows[sl]))
+        try:
+            block = (np.asarray(self._keys[sl]), np.asarray(self._rows[sl]))
+        except OSError as exc:
+            raise StoreError(f"{self._path}: cannot read dataset {GROUP}/keys or rows rows {sl.start}:{sl.stop}: "
+                             f"checksum mismatch or read error ({exc}); run embedpipe validate {self._path}") from None
+        self._check_block(b, *block)
         self._cache[b] = block
         if len(self._cache) > _CACHE_BLOCKS:
             self._cache.popitem(last=False)
         return block
+
+    def _check_block(self, b: int, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Per block read: keys strictly increasing, starting at the block's fence; as many rows
+        as keys (a lookup must never bisect an unsorted block and miss a stored ID)."""
+        bad = ""
+        if not len(keys) or keys[0] != self._fences[b]:
+            bad = f"block {b} does not start at its fence"
+        elif len(keys) > 1 and not (keys[1:] > keys[:-1]).all():
+            bad = f"keys not sorted (row {b * self._block + int(np.argmax(keys[1:] <= keys[:-1])) + 1})"
+        elif rows.shape != keys.shape:
+            bad = f"{len(rows)} rows for {len(keys)} keys in block {b}"
+        if bad:
+            raise StoreError(f"{self._path}: dataset {GROUP}/keys: {bad}; run embedpipe validate {self._path}")
 
     def lookup(self, key: str) -> int | None:
         """The stored row value of ``key``, or None when it is not in the index."""
@@ -129,12 +151,14 @@ class IdIndex:
 
 class LazyIds(Sequence[str]):
     """``Store.ids``: record IDs in row order, read block by block from ``ids`` on demand
-    (``len``, indexing, slicing, iteration, ``in``, ``==`` with a list; ``list(...)`` copies)."""
+    (``len``, indexing, slicing, iteration, ``in``, ``==`` with a list; ``list(...)`` copies).
+    ``in`` agrees with iteration: record IDs only, never aliases (``contains`` decides)."""
 
     def __init__(self, ds: h5py.Dataset, contains: Any) -> None:
         self._ds, self._contains, self._n = ds, contains, int(ds.shape[0])
         self._rows = max(1, ds.chunks[0] if ds.chunks else 65536)
         self._cache: tuple[int, list[str]] | None = None
+        self._one: tuple[Any, Any, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -160,6 +184,19 @@ class LazyIds(Sequence[str]):
         if not 0 <= i < self._n:
             raise IndexError(i)
         return self._block(i // self._rows)[i % self._rows]
+
+    def one(self, i: int) -> str:
+        """ID of row ``i`` (0 <= i < len): from the cached block, else one element read through
+        h5py's low-level API (a quarter of the high-level string read's cost; the HDF5 chunk
+        cache keeps the decoded chunk): the lookup check reads one ID per lookup."""
+        if self._cache is not None and self._cache[0] == i // self._rows:
+            return self._cache[1][i % self._rows]
+        if self._one is None:
+            self._one = (self._ds.id.get_space(), h5s.create_simple((1,)), np.empty(1, dtype=self._ds.dtype))
+        space, memory, out = self._one
+        space.select_hyperslab((int(i),), (1,))
+        self._ds.id.read(memory, space, out)
+        return decode_strings(out)[0]
 
     def __iter__(self) -> Iterator[str]:
         for lo in range(0, self._n, self._rows):

@@ -13,6 +13,7 @@ import numpy as np
 
 from embedpipe.errors import StoreError
 from embedpipe.metrics import aggregate
+from embedpipe.store.sources import source_problems
 from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
 
 #: root attributes shown as the format line, not as provenance
@@ -104,6 +105,8 @@ def _info(f: h5py.File, path: Path, version: int) -> dict[str, Any]:
     info["skipped"] = int(f["skipped/id"].shape[0]) if "skipped/id" in f else 0
     if "merged_from" in attrs:
         info["merged_from"] = attrs["merged_from"]
+        # a merged store reads per-residue rows from its sources: say when they are unusable
+        info["source_problems"] = [p.message for p in source_problems(f, path, full=False)]
     return info
 
 
@@ -191,6 +194,7 @@ def render_info(info: Mapping[str, Any]) -> str:
             f"  merged      {len(info['merged_from'])} store(s); aliases {info.get('aliases', 0)}; "
             f"skipped {info.get('skipped', 0)}"
         )
+        lines += [f"  ** SOURCE  {message}" for message in info.get("source_problems", [])]
     ds = info.get("datasets", {})
     stored = sum(v["stored_bytes"] for v in ds.values())
     virtual = sum(1 for v in ds.values() if v["virtual"])

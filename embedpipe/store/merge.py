@@ -33,6 +33,7 @@ from embedpipe.atomic import check_output_path
 from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import StoreError
 from embedpipe.store.aliases import plan_manifest, store_of
+from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
 from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (
@@ -59,6 +60,7 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
 from embedpipe.store.info import human_bytes
 from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
@@ -132,6 +134,7 @@ def _open_shard(f: h5py.File, path: Path) -> int:
 def _read_shard(path: Path, out_dir: Path) -> _Shard:
     with open_h5(path) as f:
         version = _open_shard(f, path)
+        check_layout(f, path, list(COLUMNS))  # shapes, offsets' ends, index (embedpipe.store.checks)
         try:
             attrs = read_root_attrs(f)
             layers = stored_layers(f)
@@ -144,7 +147,7 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             attrs["per_residue"] = per_residue
             attrs["pooling"] = poolings_of(f)  # a store older than the attribute holds mean only
             ids = decode_strings(f["ids"][:])
-            offsets = f["per_residue/offsets"][:].astype(np.int64) if per_residue else None
+            offsets = _shard_offsets(f, path) if per_residue else None
             # item size of each fixed-width column (0: the ragged sequence column of format 2)
             widths = {name: getattr(f[name], "dtype", np.dtype("u1")).itemsize * isinstance(f[name], h5py.Dataset)
                       for name in COLUMNS if name in f}
@@ -153,6 +156,8 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             raise StoreError(f"{path}: cannot read store: {exc}") from None
         if missing:
             raise StoreError(f"{path}: missing dataset(s) {', '.join(missing)}")
+        if (bad := bad_id_message(ids, "record id")) is not None:
+            raise StoreError(f"{path}: dataset ids: {bad}")
     rel = os.path.relpath(path.resolve(), out_dir.resolve())
     uuid = attrs.get(STORE_UUID_ATTR)
     return _Shard(
@@ -160,6 +165,17 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
         rows=int(offsets[-1]) if offsets is not None else 0, offsets=offsets, widths=widths,
         identity=source_identity(path, rel, str(uuid) if uuid else None),
     )
+
+
+def _shard_offsets(f: h5py.File, path: Path) -> np.ndarray:
+    """A shard's per_residue/offsets, checked in full (merge reads them all anyway)."""
+    name = "per_residue/offsets"
+    off = f[name][:]
+    total = int(f[f"per_residue/layer_{stored_layers(f)[-1]}"].shape[0])
+    off = check_offsets(off, 0, total, path, name)
+    if "embedded_length" in f:
+        check_steps(off, 0, f["embedded_length"][:], path, name, "embedded_length")
+    return off
 
 
 def _check_agreement(shards: Sequence[_Shard]) -> None:
@@ -365,6 +381,9 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     skipped: list[tuple[str, str]] = []
     if manifest is not None:
         aliases, skipped = plan_manifest(Path(manifest), shards)
+        for what, pairs in (("alias id", aliases), ("skipped id", skipped)):
+            if (bad := bad_id_message([a for a, _ in pairs], what)) is not None:
+                raise StoreError(f"{manifest}: {bad}")
     merge = _Merge(shards, aliases, skipped, with_manifest=manifest is not None)
     with atomic_h5(out) as target, target.create(**WRITE_OPTIONS) as f:
         merge.write(f)

@@ -30,6 +30,7 @@ import numpy as np
 from dask.base import tokenize
 
 from embedpipe.errors import StoreError
+from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (
@@ -42,15 +43,13 @@ from embedpipe.store.format import (
     stored_layers,
 )
 from embedpipe.store.idindex import IdIndex, LazyIds
-from embedpipe.store.readio import H5Rows, dataset, read_dataset, read_from
+from embedpipe.store.readio import H5Rows, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import read_sequences
 from embedpipe.store.sources import require_sources
 
 __all__ = ["open_store", "Store", "UnknownIdError"]
 
-# dask chunks: whole HDF5 chunks, about this many bytes per dask chunk
-_DASK_CHUNK_BYTES = 64 << 20
 # HDF5 chunk cache of the open store: per-ID reads of small datasets hit decoded chunks
 _CHUNK_CACHE_BYTES = 4 << 20
 
@@ -88,13 +87,17 @@ class Store:
             self._check_sources(f)
             self._layers = stored_layers(f)
             self._pooling = poolings_of(f)
-            self._n = int(dataset(f, self.path, "ids").shape[0])
+            dataset(f, self.path, "ids")
+            # shapes against N and dim, offsets' ends, the index's layout (embedpipe.store.checks)
+            self._n, _ = check_layout(f, self.path, list(COLUMNS))
             # constant memory at open: IDs, aliases and offsets are read on demand
-            self._index = IdIndex.open(f)
-            self._ids = LazyIds(f["ids"], self.__contains__)
+            self._index = IdIndex.open(f, self.path)
+            self._ids = LazyIds(f["ids"], self._is_record)
+            self._n_skipped = int(f["skipped/id"].shape[0]) if "skipped/id" in f else 0
             self._pair_cache: dict[str, dict[str, str]] = {}
             self._offsets_ds = f["per_residue/offsets"] if "per_residue/offsets" in f else None
-            self._shards = _shard_rows(f, self.path, self._layers)
+            self._total_rows = int(self._offsets_ds[self._n]) if self._offsets_ds is not None else 0
+            self._shards = shard_rows(f, self.path, self._layers)
             self._dsets: dict[str, h5py.Dataset] = {}
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
             self._dim = int(first.shape[1])
@@ -210,7 +213,8 @@ class Store:
 
     @property
     def aliases(self) -> dict[str, str]:
-        """Merged stores: duplicate-sequence ID -> the ID of the stored record."""
+        """Merged stores: duplicate-sequence ID -> the ID of the stored record (look one up
+        with ``resolve``; ``store.ids`` and iteration hold record IDs only)."""
         return dict(self._pairs("aliases", "of"))
 
     @property
@@ -225,16 +229,46 @@ class Store:
         return iter(self._ids)
 
     def __contains__(self, record_id: object) -> bool:
+        """A record ID or an alias: what ``store[...]`` accepts (``in store.ids``: records only)."""
+        return isinstance(record_id, str) and (row := self._checked_row(record_id)[0]) is not None and row >= 0
+
+    def _is_record(self, record_id: object) -> bool:
+        """``record_id in store.ids``: a record ID, not an alias (agrees with iterating ``ids``)."""
         if not isinstance(record_id, str):
             return False
+        row, alias = self._checked_row(record_id)
+        return row is not None and row >= 0 and not alias
+
+    def _corrupt_index(self, record_id: str, row: int, why: str) -> StoreError:
+        return StoreError(f"{self.path}: dataset id_index/rows: id {record_id!r} points to row {row}, {why}: "
+                          f"the index is corrupt; run embedpipe validate {self.path}")
+
+    def _checked_row(self, record_id: str) -> tuple[int | None, bool]:
+        """(stored row value or None, whether the ID is an alias), after checking that the
+        row is in range and holds the ID asked for (or, for an alias, the record it names):
+        one ID read per lookup, so a swapped index never returns another record's data."""
+        self._h5  # noqa: B018 - a closed store raises StoreError, not an h5py error
         row = self._index.lookup(record_id)
-        return row is not None and row >= 0
+        if row is None:
+            return None, False
+        if not -self._n_skipped <= row < self._n:
+            raise self._corrupt_index(record_id, row, f"outside {-self._n_skipped}..{self._n - 1}")
+        if row < 0:
+            stored = decode_strings(self._read("skipped/id", -1 - row))[0]
+            if stored != record_id:
+                raise self._corrupt_index(record_id, row, f"skipped entry {-1 - row}, which is {stored!r}")
+            return row, False
+        stored = self._ids.one(row)
+        if stored == record_id:
+            return row, False
+        if self._pairs("aliases", "of").get(record_id) != stored:
+            raise self._corrupt_index(record_id, row, f"which holds {stored!r}")
+        return row, True
 
     def _lookup(self, record_id: str) -> int:
         """Row of a record ID or alias (the index, docs/store-format.md "ID index"); a skipped
         or unknown ID raises UnknownIdError."""
-        self._h5  # noqa: B018 - a closed store raises StoreError, not an h5py error
-        row = self._index.lookup(str(record_id))
+        row = self._checked_row(str(record_id))[0]
         if row is None:
             raise UnknownIdError(f"{record_id!r} is not in {self.path.name}")
         if row < 0:
@@ -243,8 +277,9 @@ class Store:
         return row
 
     def resolve(self, record_id: str) -> str:
-        """The stored record ID for ``record_id`` (itself, or the record an alias points to)."""
-        return self._ids[self._lookup(record_id)]
+        """The stored record ID for ``record_id`` (itself, or the record an alias points to):
+        the lookup for aliases, which ``store.ids`` does not hold."""
+        return self._ids.one(self._lookup(record_id))
 
     def index(self, record_id: str) -> int:
         """Row of ``record_id``; aliases resolve to the row of the record they duplicate."""
@@ -269,7 +304,7 @@ class Store:
         stat = self.path.stat()
         arr = da.from_array(
             H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype, shards),
-            chunks=(_dask_rows(ds), ds.shape[1]),
+            chunks=(dask_rows(ds), ds.shape[1]),
             lock=False,
             asarray=True,
             meta=np.empty((0, ds.shape[1]), dtype=ds.dtype),
@@ -307,10 +342,10 @@ class Store:
 
     def per_residue(self, record_id: str, layer: int = -1, *, dtype: Any = None) -> np.ndarray:
         """Per-residue vectors (embedded_length, D) of one record (aliases resolve)."""
-        offsets = self._require_per_residue()
+        self._require_per_residue()
         row = self.index(record_id)
         k = self.layer(layer)
-        start, stop = (int(v) for v in read_from(offsets, self.path, "per_residue/offsets", slice(row, row + 2)))
+        start, stop = (int(v) for v in self._checked_offsets(row, row + 1))
         out = self._residues(f"per_residue/layer_{k}", start, stop)
         return out if dtype is None else out.astype(dtype)
 
@@ -326,15 +361,30 @@ class Store:
         """per_residue/offsets (N+1,), or None without per-residue output (read when asked)."""
         if self._offsets_ds is None:
             return None
-        return read_from(self._offsets_ds, self.path, "per_residue/offsets", slice(None)).astype(np.int64)
+        return self._checked_offsets(0, self._n)
+
+    def _checked_offsets(self, lo: int, hi: int) -> np.ndarray:
+        """per_residue/offsets rows ``lo:hi+1``, checked before use: within 0..rows, not
+        decreasing, each step the record's ``embedded_length`` (embedpipe.store.checks)."""
+        name = "per_residue/offsets"
+        if hi == lo + 1:  # one record (``per_residue``): plain int comparisons, no numpy calls
+            start, stop = (int(v) for v in read_from(self._offsets_ds, self.path, name, slice(lo, lo + 2)))
+            rows = int(self._read("embedded_length", lo)) if "embedded_length" in self._h5 else stop - start
+            if 0 <= start <= stop <= self._total_rows and stop - start == rows:
+                return np.array([start, stop], dtype=np.int64)
+        off = check_offsets(read_from(self._require_per_residue(), self.path, name, slice(lo, hi + 1)), lo,
+                            self._total_rows, self.path, name)
+        if "embedded_length" in self._h5:
+            check_steps(off, lo, self._read("embedded_length", slice(lo, hi)), self.path, name, "embedded_length")
+        return off
 
     def _column(self, name: str, key: Any) -> np.ndarray | list[bytes]:
         """Stored values of one per-record column (``sequence`` in either layout)."""
         if name != "sequence":
             return self._read(name, key)
-        lo, hi = (key, key + 1) if isinstance(key, (int, np.integer)) else _row_range(key, self._n)
+        lo, hi = (key, key + 1) if isinstance(key, (int, np.integer)) else row_range(key, self._n)
         try:
-            values = read_sequences(self._h5, int(lo), int(hi))
+            values = read_sequences(self._h5, int(lo), int(hi), self.path)
         except OSError as exc:
             raise StoreError(f"{self.path}: cannot read dataset sequence rows {lo}:{hi}: checksum mismatch or "
                              f"read error ({exc}); run embedpipe validate {self.path}") from None
@@ -370,7 +420,7 @@ class Store:
         reads as its default. ``rows`` (a step-1 slice) reads just those rows, so a whole
         store can be streamed block by block in bounded memory."""
         f = self._h5
-        lo, hi = _row_range(rows, self._n)
+        lo, hi = row_range(rows, self._n)
         key = slice(None) if rows is None else slice(lo, hi)
         table: dict[str, np.ndarray] = {"id": np.array(self._ids[key], dtype=object)}
         for name, column in COLUMNS.items():
@@ -385,42 +435,14 @@ class Store:
     def mean_rows(self, rows: slice, layer: int = -1, *, pooling: str = "mean") -> np.ndarray:
         """Mean (or ``pooling``) vectors of the records in ``rows`` (a step-1 slice), as numpy
         in the storage dtype."""
-        lo, hi = _row_range(rows, self._n)
+        lo, hi = row_range(rows, self._n)
         return self._read(self._pooled_name(pooling, layer), slice(lo, hi))
 
     def per_residue_rows(self, rows: slice, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
         """(vectors, offsets) of the records in ``rows``: record ``rows.start + i`` is
         ``vectors[offsets[i]:offsets[i+1]]``. One read for the whole block."""
-        ds = self._require_per_residue()
-        lo, hi = _row_range(rows, self._n)
-        offsets = read_from(ds, self.path, "per_residue/offsets", slice(lo, hi + 1)).astype(np.int64)
+        lo, hi = row_range(rows, self._n)
+        offsets = self._checked_offsets(lo, hi)
         vectors = self._residues(f"per_residue/layer_{self.layer(layer)}", int(offsets[0]), int(offsets[-1]))
         return vectors, offsets - offsets[0]
 
-
-def _shard_rows(f: h5py.File, path: Path, layers: list[int]) -> ShardRows | None:
-    """Where a merged store's per-residue rows lie (None for stores whose per-residue rows
-    are their own): reads bypass the virtual datasets (embedpipe.store.residues)."""
-    name = f"per_residue/layer_{layers[-1]}"
-    if name not in f or not f[name].is_virtual:
-        return None
-    return ShardRows.of(f, path)
-
-
-def _row_range(rows: slice | None, n: int) -> tuple[int, int]:
-    """(start, stop) of a step-1 row slice within ``n`` rows (stop >= start)."""
-    if rows is None:
-        return 0, n
-    start, stop, step = rows.indices(n)
-    if step != 1:
-        raise StoreError(f"rows must be a contiguous slice (step 1), not {rows}")
-    return start, max(start, stop)
-
-
-def _dask_rows(ds: h5py.Dataset) -> int:
-    row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
-    rows = max(1, _DASK_CHUNK_BYTES // row_bytes)
-    if ds.chunks:
-        c = ds.chunks[0]
-        rows = max(c, rows // c * c)
-    return max(1, min(rows, ds.shape[0])) if ds.shape[0] else 1

@@ -15,6 +15,9 @@ from embedpipe.errors import StoreError
 from embedpipe.store.format import open_h5
 from embedpipe.store.residues import ShardRows
 
+# dask chunks: whole HDF5 chunks, about this many bytes per dask chunk
+_DASK_CHUNK_BYTES = 64 << 20
+
 
 def _rows_text(key: Any) -> str:
     if isinstance(key, (int, np.integer)):
@@ -101,3 +104,31 @@ class H5Rows:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (H5Rows, (self.path, self.name, self.shape, self.dtype.str, self.shards))
+
+
+def shard_rows(f: h5py.File, path: Path, layers: list[int]) -> ShardRows | None:
+    """Where a merged store's per-residue rows lie (None for stores whose per-residue rows
+    are their own): reads bypass the virtual datasets (embedpipe.store.residues)."""
+    name = f"per_residue/layer_{layers[-1]}"
+    if name not in f or not f[name].is_virtual:
+        return None
+    return ShardRows.of(f, path)
+
+
+def row_range(rows: slice | None, n: int) -> tuple[int, int]:
+    """(start, stop) of a step-1 row slice within ``n`` rows (stop >= start)."""
+    if rows is None:
+        return 0, n
+    start, stop, step = rows.indices(n)
+    if step != 1:
+        raise StoreError(f"rows must be a contiguous slice (step 1), not {rows}")
+    return start, max(start, stop)
+
+
+def dask_rows(ds: h5py.Dataset) -> int:
+    row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
+    rows = max(1, _DASK_CHUNK_BYTES // row_bytes)
+    if ds.chunks:
+        c = ds.chunks[0]
+        rows = max(c, rows // c * c)
+    return max(1, min(rows, ds.shape[0])) if ds.shape[0] else 1

@@ -39,6 +39,9 @@ def open_error(store: Path | str, rel: str, exc: OSError) -> StoreError:
     if is_resource_error(exc):
         return StoreError(f"{store}: cannot open shard store {rel}: too many open files (a resource limit of this "
                           "process, ulimit -n, not a problem of the store); raise the limit and retry")
+    if isinstance(exc, PermissionError):
+        return StoreError(f"{store}: cannot read shard store {rel}: permission denied (check the file's and its "
+                          "directories' permissions)")
     reason = (str(exc).splitlines() or [type(exc).__name__])[0]
     return StoreError(f"{store}: cannot read shard store {rel} ({reason}); run embedpipe validate {store}")
 
@@ -62,6 +65,9 @@ class ShardRows:
         if offsets.shape != (rows[-1] + 1,):
             return None
         bounds = np.array([int(v) for v in _read_points(offsets, rows)], dtype=np.int64)
+        if (np.diff(rows) < 0).any() or (np.diff(bounds) < 0).any() or bounds[0] != 0:
+            raise StoreError(f"{store}: root attribute merged_rows or dataset per_residue/offsets does not split the "
+                             f"rows into shard stores in order; run embedpipe validate {store}")
         return cls(store, rels, bounds)
 
     def __getstate__(self) -> dict:
@@ -86,6 +92,15 @@ class ShardRows:
         self._files[s] = f
         return f
 
+    def _source(self, s: int, name: str, dim: int) -> h5py.Dataset:
+        """Source ``s``'s dataset ``name``, once its shape is the rows the merged store maps to it."""
+        ds = self._file(s)[name]
+        want = (int(self.bounds[s + 1] - self.bounds[s]), dim)
+        if ds.shape != want:
+            raise StoreError(f"{self.store}: shard store {self.rels[s]} dataset {name} declares shape {ds.shape}, "
+                             f"expected {want}; run embedpipe validate {self.store}")
+        return ds
+
     def close(self) -> None:
         while self._files:
             self._files.popitem()[1].close()
@@ -105,7 +120,7 @@ class ShardRows:
         parts = []
         for s, a, b in self.pieces(lo, hi):
             try:
-                parts.append(self._file(s)[name][a:b])
+                parts.append(self._source(s, name, dim)[a:b])
             except StoreError:
                 raise
             except (OSError, KeyError) as exc:

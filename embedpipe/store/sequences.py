@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
+from embedpipe.store.checks import check_offsets, check_steps
 from embedpipe.store.format import (
     OFFSETS,
     RAGGED_STRINGS,
@@ -100,17 +101,26 @@ def sequence_count(f: h5py.Group) -> int | None:
     return None
 
 
-def read_sequences(f: h5py.Group, lo: int, hi: int) -> list[bytes]:
-    """Rows ``lo:hi`` as UTF-8 bytes (either layout)."""
+def read_sequences(f: h5py.Group, lo: int, hi: int, path: Path | str = "") -> list[bytes]:
+    """Rows ``lo:hi`` as UTF-8 bytes (either layout). Format 2's offsets are checked before
+    use (within the data, not decreasing, each step the record's ``length``): a crafted
+    offset gave all sequences joined as one (embedpipe.store.checks)."""
     obj = f[NAME]
     if isinstance(obj, h5py.Dataset):
         return [bytes(v) for v in obj[lo:hi].tolist()]
     if hi <= lo:
         return []
-    off = obj["offsets"][lo : hi + 1].astype(np.int64)
+    off = check_offsets(obj["offsets"][lo : hi + 1], lo, int(obj["data"].shape[0]), path, "sequence/offsets")
     blob = obj["data"][int(off[0]) : int(off[-1])].tobytes()
     rel = (off - off[0]).tolist()
-    return [blob[a:b] for a, b in zip(rel[:-1], rel[1:])]
+    out = [blob[a:b] for a, b in zip(rel[:-1], rel[1:])]
+    if "length" in f and f["length"].shape == (sequence_count(f),):
+        lengths = f["length"][lo:hi].astype(np.int64)
+        chars = np.array([len(b) for b in out], dtype=np.int64)
+        if not np.array_equal(chars, lengths):  # residues are ASCII: bytes == characters, unless not
+            chars = np.array([len(b.decode("utf-8", "replace")) for b in out], dtype=np.int64)
+            check_steps(np.concatenate([[0], np.cumsum(chars)]), lo, lengths, path, "sequence/offsets", "length")
+    return out
 
 
 def read_sequence_strs(f: h5py.Group, lo: int, hi: int) -> list[str]:
@@ -128,7 +138,7 @@ def iter_sequence_blocks(f: h5py.Group, path: Path | str | None = None) -> Itera
         blocks = _ragged_blocks(obj["offsets"], n)
     for lo, hi in blocks:
         try:
-            yield lo, read_sequences(f, lo, hi)
+            yield lo, read_sequences(f, lo, hi, path or "")
         except OSError as exc:
             where = "" if path is None else f"{path}: "
             raise StoreError(f"{where}dataset sequence rows {lo}:{hi}: checksum mismatch or read error ({exc})") from None

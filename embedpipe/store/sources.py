@@ -13,6 +13,7 @@ See docs/store-format.md ("Merged stores", "How a merged store pins its sources"
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,20 @@ def source_identity(path: Path, rel: str, store_uuid: str | None) -> dict[str, A
     return entry
 
 
+class _PermissionDenied(Exception):
+    """A source this process may not read: not a changed source (no "re-run merge")."""
+
+
+def permission_denied(src: Path, rel: str) -> str:
+    """The line for a source that cannot be read for lack of permission."""
+    return (f"source store {rel} ({src}): permission denied: this user may not read it "
+            "(check the file's and its directories' permissions)")
+
+
 @dataclass(frozen=True)
 class SourceProblem:
-    """One source of a merged store that is missing or no longer the file that was merged."""
+    """One source of a merged store that is missing or no longer the file that was merged;
+    ``missing``: it cannot be used at all (absent, or this user may not read it)."""
 
     rel: str
     message: str
@@ -74,6 +86,8 @@ def _identity_change(src: Path, entry: dict[str, Any], *, full: bool) -> str | N
     try:
         with h5py.File(src, "r") as g:
             have_uuid = attr_to_python(g.attrs.get(STORE_UUID_ATTR))
+    except PermissionError:
+        raise _PermissionDenied() from None
     except OSError as exc:
         if is_resource_error(exc):
             raise open_error(src, src.name, exc) from None  # a resource limit, not a changed source
@@ -107,11 +121,15 @@ def source_problems(f: h5py.File, store_path: Path, *, full: bool) -> list[Sourc
     out: list[SourceProblem] = []
     for rel in names:
         src = resolve_source(store_dir, rel)
-        if not src.exists():
-            out.append(SourceProblem(rel, f"source store {rel} is missing (looked for {src}); "
-                                          "merged stores read per-residue data from their shard stores", True))
+        try:
+            if not src.exists():
+                out.append(SourceProblem(rel, f"source store {rel} is missing (looked for {src}); "
+                                              "merged stores read per-residue data from their shard stores", True))
+                continue
+            why = _identity_change(src, recorded[rel], full=full) if rel in recorded else None
+        except (PermissionError, _PermissionDenied):
+            out.append(SourceProblem(rel, permission_denied(src, rel), True))  # unusable, as if missing
             continue
-        why = _identity_change(src, recorded[rel], full=full) if rel in recorded else None
         if why:
             out.append(SourceProblem(rel, f"source store {rel} {why}: the merged store would mix runs; "
                                           "re-run embedpipe merge", False))
@@ -177,6 +195,8 @@ def _open_and_check_source(f: h5py.File, src: Path, rel: str, datasets: set[str]
             return _check_source(f, g, rel, datasets, rows, ids, problems)
     except StoreError as exc:
         problems.append(f"source store {rel}: {exc}")
+    except PermissionError:
+        problems.append(permission_denied(src, rel))
     except OSError as exc:
         problems.append(str(open_error(src, rel, exc)) if is_resource_error(exc)
                         else f"source store {rel} is unreadable: {exc}")
@@ -207,7 +227,7 @@ def validate_sources(f: h5py.File, path: Path, ids: list[str] | None, problems: 
         problems.append(str(exc))
     for i, rel in enumerate(merged_from):
         src = resolve_source(store_dir, rel)
-        if rel in missing or not src.exists():
+        if rel in missing or not os.path.exists(src):
             ok = False
             continue
         rows = (merged_rows[i], merged_rows[i + 1]) if rows_known and i + 1 < len(merged_rows) else None

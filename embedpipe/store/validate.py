@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
+from embedpipe.store.checks import layout_problems
 from embedpipe.store.columns import COLUMNS, required_columns
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
@@ -30,6 +31,7 @@ from embedpipe.store.format import (
     stored_layers,
 )
 from embedpipe.store.idindex import check_id_index
+from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
 from embedpipe.store.meancheck import MeanCheck, mean_checks
@@ -102,6 +104,7 @@ class _Validation:
             problems.append("dataset ids is missing")
             return
         self.n = int(f["ids"].shape[0])
+        self.layout()
         self.columns()
         self.read_ids()
         self.means()
@@ -109,9 +112,18 @@ class _Validation:
         self.lengths()
         self.per_residue()
         self.aliases_and_skipped()
-        if self.ids is not None:
+        if self.ids is not None and not any(p.kind == "index" for p in self.structural):
             problems.extend(check_id_index(f, self.ids))
         self.data()
+
+    def layout(self) -> None:
+        """The checks readers make at open (embedpipe.store.checks): those validate has no words
+        of its own for are reported; every dataset they name is not read (a dataset declared
+        larger than the file would allocate it: time and memory stay bounded by the real data)."""
+        self.structural = layout_problems(self.f, self.path, list(COLUMNS))
+        self.untrusted = {p.dataset for p in self.structural}
+        self.problems.extend(p.message for p in self.structural
+                             if p.kind in ("size", "index") or p.dataset.startswith("sequence"))
 
     def columns(self) -> None:
         """Every column the store's version requires exists; every column has N rows."""
@@ -132,6 +144,13 @@ class _Validation:
         except OSError as exc:
             self.problems.append(f"dataset ids: checksum mismatch or read error ({exc})")
             return
+        for name in ("ids", "aliases/id", "skipped/id"):
+            try:
+                values = self.ids if name == "ids" else (read_strings(self.f[name]) if name in self.f else [])
+            except OSError:
+                continue  # the checksum pass names the dataset and rows
+            if (bad := bad_id_message(values, f"dataset {name}: id")) is not None:
+                self.problems.append(bad)
         dup = [k for k, c in Counter(self.ids).items() if c > 1]
         if dup:
             self.problems.append(f"ids are not unique ({len(dup)} duplicated, e.g. {dup[0]!r})")
@@ -204,7 +223,7 @@ class _Validation:
 
     def sequence_lengths(self) -> np.ndarray | None:
         """Characters of each stored sequence (either layout), read block by block."""
-        if sequence_count(self.f) != self.n:
+        if sequence_count(self.f) != self.n or any(d.startswith("sequence") for d in self.untrusted):
             return None
         out = np.zeros(self.n, dtype=np.int64)
         try:
@@ -291,7 +310,7 @@ class _Validation:
         for name, ds in datasets:
             if not ds.is_virtual and not ds.fletcher32:
                 self.problems.append(f"dataset {name} has no fletcher32 checksum")
-            if ds.is_virtual and not sources_ok:
+            if (ds.is_virtual and not sources_ok) or name in self.untrusted:
                 continue
             vectors = ds.dtype.kind == "f" and name.split("/", 1)[0] in {*POOLINGS, "per_residue"}
             blocks = shards.blocks(name) if ds.is_virtual and shards is not None else read_blocks(ds, name)

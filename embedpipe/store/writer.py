@@ -39,6 +39,7 @@ from embedpipe.store.format import (
     write_root_attrs,
 )
 from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import write_sequences
 from embedpipe.store.h5write import abandon, check_free_space, reraise
 
@@ -77,6 +78,8 @@ def _check_records(path: Path, ids: list[str], sequences: list[str]) -> None:
         raise StoreError(f"{path}: duplicate record id {dup!r}")
     if any(not i for i in ids):
         raise StoreError(f"{path}: empty record id")
+    if (bad := bad_id_message(ids, "record id")) is not None:
+        raise StoreError(f"{path}: {bad}")
 
 
 def _check_layout(storage_dtype: str, layers: Sequence[int], dim: int) -> tuple[list[int], int]:

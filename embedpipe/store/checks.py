@@ -1,0 +1,215 @@
+"""Checks before a reader trusts a store's bytes: declared shapes against the root attributes,
+index and offset bounds.
+
+A checksum proves a chunk holds what was written, not that what was written is consistent: a
+crafted or mis-edited store (offsets past the data, an index pointing at another record, a
+dataset declared far larger than the file) gave wrong data, tracebacks or 8 GiB allocations.
+So readers run the cheap structural checks here once at open (:func:`check_layout`: shapes,
+sizes, the ends of every offsets dataset, the index's block layout; a few small reads), and
+check each block of offsets they read before using it (:func:`check_offsets`,
+:func:`check_steps`). Every failure is one :class:`StoreError` naming the file, the dataset
+and the row. docs/store-format.md, "What readers check".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import h5py
+import numpy as np
+
+from embedpipe.errors import StoreError
+from embedpipe.store.format import POOLINGS, attr_to_python, layer_names
+
+#: a chunk larger than this is not one the writer makes (~4 MiB target): reading it would
+#: allocate it whole
+MAX_CHUNK_BYTES = 256 << 20
+
+
+class Problem(NamedTuple):
+    """One structural problem: the dataset it is about, the line, and whether ``embedpipe
+    validate`` already reports it in its own words (``kind == "shape"``)."""
+
+    dataset: str
+    message: str
+    kind: str
+
+
+def _declared_bytes(ds: h5py.Dataset) -> int:
+    return int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize if ds.shape else ds.dtype.itemsize
+
+
+def store_dims(f: h5py.File) -> tuple[int, int | None]:
+    """(N from ``ids``, D from the root attribute ``dim``, else from the last mean dataset)."""
+    n = int(f["ids"].shape[0]) if "ids" in f and f["ids"].ndim == 1 else -1
+    dim = attr_to_python(f.attrs.get("dim"))
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        return n, dim
+    layers = layer_names(f.get("mean", {}))
+    ds = f[f"mean/layer_{layers[-1]}"] if layers else None
+    return n, (int(ds.shape[1]) if isinstance(ds, h5py.Dataset) and ds.ndim == 2 else None)
+
+
+def size_problems(f: h5py.File, file_size: int) -> list[Problem]:
+    """Datasets declaring more data than the file can hold (uncompressed, not virtual: every
+    byte is stored), or chunks larger than :data:`MAX_CHUNK_BYTES`."""
+    out: list[Problem] = []
+
+    def visit(name: str, obj: object) -> None:
+        if not isinstance(obj, h5py.Dataset) or obj.is_virtual:
+            return
+        declared = _declared_bytes(obj)
+        if obj.compression is None and declared > file_size:
+            out.append(Problem(name, f"dataset {name} declares shape {obj.shape} ({declared} bytes) but the file "
+                                     f"holds {file_size} bytes", "size"))
+        elif obj.chunks and int(np.prod(obj.chunks, dtype=object)) * obj.dtype.itemsize > MAX_CHUNK_BYTES:
+            out.append(Problem(name, f"dataset {name} has chunks of shape {obj.chunks}, larger than "
+                                     f"{MAX_CHUNK_BYTES >> 20} MiB", "size"))
+
+    f.visititems(visit)
+    return out
+
+
+def _shape(f: h5py.File, name: str, expected: tuple[int, ...], why: str) -> list[Problem]:
+    obj = f.get(name)
+    if not isinstance(obj, h5py.Dataset):
+        return [Problem(name, f"dataset {name} is missing", "shape")] if obj is None else \
+            [Problem(name, f"{name} is not a dataset", "shape")]
+    if obj.shape != expected:
+        return [Problem(name, f"dataset {name} declares shape {obj.shape}, expected {expected} ({why})", "shape")]
+    return []
+
+
+def vector_problems(f: h5py.File, n: int, dim: int | None) -> list[Problem]:
+    """Each ``{pooling}/layer_k`` is (N, D); per-residue offsets start at 0 and each
+    ``per_residue/layer_k`` is (offsets[N], D)."""
+    out: list[Problem] = []
+    if dim is None or dim < 1:
+        return [Problem("mean", f"root attribute dim is {attr_to_python(f.attrs.get('dim'))!r}, not a positive "
+                                "integer", "shape")]
+    for pooling in POOLINGS:
+        if isinstance(f.get(pooling), h5py.Group):
+            for k in layer_names(f[pooling]):
+                out += _shape(f, f"{pooling}/layer_{k}", (n, dim), f"N = {n} records, dim = {dim}")
+    if not isinstance(f.get("per_residue"), h5py.Group):
+        return out
+    problems, total = offsets_ends(f, "per_residue/offsets", n, None)
+    out += problems
+    if total is not None:
+        for k in layer_names(f["per_residue"]):
+            out += _shape(f, f"per_residue/layer_{k}", (total, dim), f"per_residue/offsets row {n} is {total}, dim = {dim}")
+    return out
+
+
+def offsets_ends(f: h5py.File, name: str, n: int, data_rows: int | None) -> tuple[list[Problem], int | None]:
+    """An (N+1,) integer offsets dataset whose row 0 is 0 and row N is ``data_rows`` (when
+    given; else at least 0). Two element reads. Returns (problems, row N or None)."""
+    ds = f.get(name)
+    if not isinstance(ds, h5py.Dataset) or ds.shape != (n + 1,) or ds.dtype.kind not in "iu":
+        shape = getattr(ds, "shape", None)
+        return [Problem(name, f"dataset {name} declares shape {shape}, expected ({n + 1},) integers", "shape")], None
+    try:
+        first, last = int(ds[0]), int(ds[n])
+    except OSError as exc:
+        return [Problem(name, f"dataset {name}: checksum mismatch or read error ({exc})", "read")], None
+    if first != 0:
+        return [Problem(name, f"dataset {name} row 0 is {first}, not 0", "offsets")], None
+    if last < 0 or (data_rows is not None and last != data_rows):
+        want = f"{data_rows}, the data's length" if data_rows is not None else "at least 0"
+        return [Problem(name, f"dataset {name} row {n} is {last}, expected {want}", "offsets")], None
+    return [], last
+
+
+def sequence_problems(f: h5py.File, n: int) -> list[Problem]:
+    """Format 2's ``sequence/``: offsets (N+1) from 0 to the length of ``sequence/data``."""
+    g = f.get("sequence")
+    if not isinstance(g, h5py.Group):
+        return []
+    data = g.get("data")
+    if not isinstance(data, h5py.Dataset) or data.ndim != 1:
+        return [Problem("sequence/data", "dataset sequence/data is missing or not 1-D", "sequence")]
+    return offsets_ends(f, "sequence/offsets", n, int(data.shape[0]))[0]
+
+
+def index_problems(f: h5py.File, n: int) -> list[Problem]:
+    """``id_index/``: keys and rows of equal length, one key per record, alias and skipped ID,
+    ``block_rows`` a positive integer and one fence per block."""
+    g = f.get("id_index")
+    if not isinstance(g, h5py.Group):
+        return []
+    if any(not isinstance(g.get(k), h5py.Dataset) or g[k].ndim != 1 for k in ("keys", "rows", "fences")):
+        return [Problem("id_index", "group id_index needs 1-D datasets keys, rows and fences", "index")]
+    k = int(g["keys"].shape[0])
+    extra = sum(int(f[f"{grp}/id"].shape[0]) for grp in ("aliases", "skipped")
+                if isinstance(f.get(f"{grp}/id"), h5py.Dataset))
+    out = []
+    if g["rows"].shape != (k,) or k != n + extra:
+        out.append(Problem("id_index/rows", f"dataset id_index/keys has {k} keys and id_index/rows "
+                           f"{g['rows'].shape[0]} rows, expected {n + extra} (records, aliases, skipped)", "index"))
+    block = attr_to_python(g.attrs.get("block_rows"))
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        return out + [Problem("id_index", f"group id_index: attribute block_rows is {block!r}, not a positive "
+                                          "integer", "index")]
+    if g["fences"].shape[0] != -(-k // block):
+        out.append(Problem("id_index/fences", f"dataset id_index/fences has {g['fences'].shape[0]} keys, expected "
+                                              f"{-(-k // block)} (one per {block}-key block)", "index"))
+    return out
+
+
+def column_problems(f: h5py.File, n: int, names: list[str]) -> list[Problem]:
+    """Per-record datasets present have N rows (``sequence`` is checked on its own)."""
+    return [p for name in names if name != "sequence" and name in f
+            for p in _shape(f, name, (n,), f"N = {n} records")]
+
+
+def layout_problems(f: h5py.File, path: Path | str, columns: list[str]) -> list[Problem]:
+    """Every structural check readers make at open: cheap (shapes, attributes and a few
+    element reads), nothing proportional to the data."""
+    n, dim = store_dims(f)
+    if n < 0:
+        return [Problem("ids", "dataset ids is missing or not 1-D", "shape")]
+    return (size_problems(f, Path(path).stat().st_size) + vector_problems(f, n, dim) + sequence_problems(f, n)
+            + index_problems(f, n) + column_problems(f, n, columns))
+
+
+def check_layout(f: h5py.File, path: Path | str, columns: list[str]) -> tuple[int, int]:
+    """(N, D) after :func:`layout_problems` found nothing; else one StoreError line."""
+    problems = layout_problems(f, path, columns)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise StoreError(f"{path}: {problems[0].message}{more}; run embedpipe validate {path}")
+    n, dim = store_dims(f)
+    return n, int(dim)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# per read
+
+
+def check_offsets(off: np.ndarray, lo: int, total: int, path: Path | str, name: str) -> np.ndarray:
+    """Offsets rows ``lo:lo+len(off)`` as int64 once they lie in ``0..total`` and do not
+    decrease; else one StoreError naming the first bad row."""
+    off = np.asarray(off).astype(np.int64)
+    outside = (off < 0) | (off > total)
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise StoreError(f"{path}: dataset {name} row {lo + i} is {off[i]}, outside 0..{total}; "
+                         f"run embedpipe validate {path}")
+    drops = np.diff(off) < 0
+    if drops.any():
+        i = int(np.argmax(drops)) + 1
+        raise StoreError(f"{path}: dataset {name} row {lo + i} is {off[i]}, below row {lo + i - 1} ({off[i - 1]}): "
+                         f"offsets must not decrease; run embedpipe validate {path}")
+    return off
+
+
+def check_steps(off: np.ndarray, lo: int, lengths: np.ndarray, path: Path | str, name: str, what: str) -> None:
+    """Each record's step ``off[i+1] - off[i]`` equals its stored length (``what``)."""
+    steps = np.diff(off)
+    lengths = np.asarray(lengths).astype(np.int64)
+    if steps.shape != lengths.shape or not np.array_equal(steps, lengths):
+        i = int(np.argmax(steps != lengths)) if steps.shape == lengths.shape else 0
+        raise StoreError(f"{path}: dataset {name} rows {lo + i}:{lo + i + 2} give record row {lo + i} "
+                         f"{steps[i] if steps.size else 0} entries, but {what} says "
+                         f"{lengths[i] if lengths.size else 0}; run embedpipe validate {path}")
