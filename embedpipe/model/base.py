@@ -20,6 +20,35 @@ from embedpipe.precision import Policy
 #: (explicit scores, fp32 softmax) and ``fair-esm`` (the reference library's own forward).
 
 
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where a family puts its special tokens around the residues of one forward window.
+
+    ``bos``: one token before the residues (ESM-2's ``<cls>``); ``eos``: one after them;
+    ``window``: the most residues one forward pass takes (``None``: no hard window).
+    Declared by each family; today planning, shard budgets and pooling still assume ESM-2's
+    layout (docs/models.md, "Token layout"), and the redesign routes them through this.
+    """
+
+    bos: bool
+    eos: bool
+    window: int | None
+
+    @property
+    def extra_tokens(self) -> int:
+        """Tokens a record carries besides its residues (ESM-2: 2, T5: 1)."""
+        return int(self.bos) + int(self.eos)
+
+    @property
+    def first_residue(self) -> int:
+        """Position of the first residue in a tokenized row."""
+        return int(self.bos)
+
+
+#: ESM-2: ``<cls>`` at 0, residues at 1..n, ``<eos>`` at n + 1; trained on 1022 residues.
+ESM2_LAYOUT = TokenLayout(bos=True, eos=True, window=1022)
+
+
 @dataclass
 class ForwardOutput:
     """Hidden states of the requested layers, (B, T, D), plus per-record max |activation|."""

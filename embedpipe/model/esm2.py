@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from embedpipe.errors import ModelError
 from embedpipe.model import esm2_spec
+from embedpipe.model.base import ESM2_LAYOUT, TokenLayout
 from embedpipe.model.checkpoint import (CONTACT_KEYS, checkpoint_info, load_checkpoint_safely,
                                         upgrade_state_dict)
 from embedpipe.model.esm2_forward import EsmForward
@@ -52,6 +53,8 @@ class Esm2Model:
     embed_dim: int
     attention_heads: int
     trained_window: int = esm2_spec.TRAINED_RESIDUES
+    family: str = esm2_spec.FAMILY  # the store's model_family (a Hugging Face ESM-2 directory too)
+    token_layout: TokenLayout = ESM2_LAYOUT
     provenance: Mapping[str, str] = field(
         default_factory=lambda: {"fair_esm_version": getattr(esm, "__version__", "unknown")})
     _lut: np.ndarray = field(init=False, repr=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import esm2_spec
+from embedpipe.model import esm2_spec, hf_checkpoint
 from embedpipe.model.facts import ModelFacts
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
@@ -41,6 +41,9 @@ class Family:
 
 
 FAMILIES: list[Family] = [
+    # Hugging Face directories and hub names (ESM-2, ProtT5, Ankh: config.json's model_type)
+    Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
+           "embedpipe.model.hf_checkpoint"),
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2"),
 ]
 

@@ -1,0 +1,244 @@
+"""Hugging Face model directories: finding one (a path or a hub name), its config, its weights.
+
+A spec is a Hugging Face model when it is a directory holding ``config.json``, or a hub name
+(``org/name``) that is either one of :data:`HUB_NAMES` or already in the local hub cache.
+Hub names resolve through the cache only (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+``~/.cache/huggingface/hub``), as ``HF_HUB_OFFLINE=1`` does: embedpipe never downloads a
+Hugging Face model; a name that is not cached is a one-line error saying how to pre-fetch it.
+
+``model_type`` picks the family: ``esm`` loads into the ESM-2 runner
+(:mod:`embedpipe.model.hf_esm`), ``t5`` into the T5 encoder (:mod:`embedpipe.model.t5`); any
+other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
+carry ``"embedpipe": {"trained": false, ...}`` in ``config.json``; without that key the
+weights are taken as trained (docs/models.md). Torch-free until weights are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from embedpipe.errors import ModelError
+from embedpipe.model.facts import ModelFacts
+
+#: Hub names embedpipe knows, with their family (others load too once they are cached).
+HUB_NAMES: dict[str, str] = {
+    **{f"facebook/esm2_{n}": "esm2" for n in ("t6_8M_UR50D", "t12_35M_UR50D", "t30_150M_UR50D",
+                                              "t33_650M_UR50D", "t36_3B_UR50D", "t48_15B_UR50D")},
+    "Rostlab/prot_t5_xl_uniref50": "prot-t5",
+    "Rostlab/prot_t5_xl_half_uniref50-enc": "prot-t5",
+    "Rostlab/prot_t5_xl_bfd": "prot-t5",
+    "ElnaggarLab/ankh-base": "ankh",
+    "ElnaggarLab/ankh-large": "ankh",
+}
+
+#: ``model_type`` -> the module that loads it.
+MODULES = {"esm": "embedpipe.model.hf_esm", "t5": "embedpipe.model.t5"}
+
+#: The optional extra that brings the Hugging Face readers (safetensors, transformers).
+EXTRA = "pip install 'embedpipe[hf]'"
+
+#: config.json key of the untrained marker written by make-test-model.
+MARKER_KEY = "embedpipe"
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_PREFETCH = ("on a machine with internet run `huggingface-cli download {name}` (or "
+             "`python -c \"import huggingface_hub; huggingface_hub.snapshot_download('{name}')\"`) with "
+             "HF_HOME on a file system this machine shares, or pass the model's local directory")
+
+
+def require(module: str, what: str) -> ModuleType:
+    """Import ``module`` for ``what``, or a one-line error naming the extra that brings it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ModelError(f"{what} needs the Python package {module!r}, which is not installed: {EXTRA}") from None
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".cache" / "huggingface") / "hub"
+
+
+def hub_snapshot(name: str) -> Path | None:
+    """The cached snapshot directory of hub model ``name`` (``refs/main``), or None."""
+    repo = hub_cache() / ("models--" + name.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        return snapshot if (snapshot / "config.json").is_file() else None
+    snapshots = sorted(p for p in (repo / "snapshots").glob("*") if (p / "config.json").is_file()) \
+        if (repo / "snapshots").is_dir() else []
+    return snapshots[-1] if len(snapshots) == 1 else None
+
+
+def _is_hub_name(spec: str) -> bool:
+    return bool(_HUB_NAME.match(spec)) and not Path(spec).expanduser().exists() and not spec.endswith(".pt")
+
+
+def is_model_name(spec: str) -> bool:
+    return spec in HUB_NAMES
+
+
+def claims(spec: str) -> bool:
+    """A directory with ``config.json``, a known hub name, or a hub name in the cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return (path / "config.json").is_file()
+    return _is_hub_name(spec) and (spec in HUB_NAMES or hub_snapshot(spec) is not None)
+
+
+def resolve_directory(spec: str) -> Path:
+    """The model directory of ``spec``; a one-line error saying how to pre-fetch a hub name."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    snapshot = hub_snapshot(spec)
+    if snapshot is None:
+        raise ModelError(f"Hugging Face model {spec!r} is not in the local hub cache ({hub_cache()}), and "
+                         f"embedpipe never downloads one: {_PREFETCH.format(name=spec)}")
+    return snapshot
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """``config.json`` as a dict, with a supported ``model_type``; one-line errors otherwise."""
+    where = directory / "config.json"
+    try:
+        config = json.loads(where.read_text())
+    except OSError as exc:
+        raise ModelError(f"cannot read {where}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ModelError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{where} is not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in MODULES:
+        raise ModelError(f"{where}: model_type {model_type!r} is not supported (embedpipe reads "
+                         f"{', '.join(repr(t) for t in MODULES)}: ESM-2, ProtT5, Ankh)")
+    return config
+
+
+def is_trained(config: Mapping[str, Any]) -> bool:
+    """False when make-test-model's marker says so (anything but ``trained: true`` in it)."""
+    marker = config.get(MARKER_KEY)
+    return marker is None or (isinstance(marker, Mapping) and marker.get("trained") is True)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files: safetensors (single or sharded by an index) first, else pytorch_model.bin."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (directory / single).is_file():
+            return [directory / single]
+        index = directory / index_name
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise ModelError(f"{index}: not a weight index (no 'weight_map' object)") from None
+            missing = [n for n in names if not (directory / n).is_file()]
+            if missing:
+                raise ModelError(f"{index} names {missing[0]}, which is not in {directory}")
+            return [directory / n for n in names]
+    raise ModelError(f"{directory} holds no weights (model.safetensors or pytorch_model.bin)")
+
+
+def weights_sha256(files: list[Path]) -> str:
+    """One file: its sha256. Several: sha256 of their ``sha256sum``-style listing, sorted by name."""
+    from embedpipe.checksums import file_sha256
+
+    try:
+        digests = [(file_sha256(f, cache=True), f.name) for f in files]
+    except OSError as exc:
+        raise ModelError(f"cannot read weights {exc.filename}: {exc.strerror or exc}") from None
+    if len(digests) == 1:
+        return digests[0][0]
+    listing = "".join(f"{sha}  {name}\n" for sha, name in sorted(digests, key=lambda d: d[1]))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def read_state_dict(files: list[Path]) -> dict[str, Any]:
+    """Every tensor of ``files``: safetensors through the ``safetensors`` package, ``.bin``
+    through embedpipe's weights-only torch load (nothing in the file is executed)."""
+    state: dict[str, Any] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            torch_io = require("safetensors.torch", f"reading {path.name}")
+            try:
+                state.update(torch_io.load_file(str(path), device="cpu"))
+            except Exception as exc:  # corrupt header, truncated file
+                raise ModelError(f"cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
+        else:
+            from embedpipe.model.checkpoint import load_checkpoint_safely
+
+            state.update(load_checkpoint_safely(path))
+    return state
+
+
+def family_of(spec: str, directory: Path, config: Mapping[str, Any]) -> str:
+    """``esm2``, ``prot-t5`` or ``ankh``: the marker, then the hub name, then the vocabulary."""
+    if config.get("model_type") == "esm":
+        return "esm2"
+    marker = config.get(MARKER_KEY)
+    if isinstance(marker, Mapping) and marker.get("family") in ("prot-t5", "ankh"):
+        return str(marker["family"])
+    if HUB_NAMES.get(spec) in ("prot-t5", "ankh"):
+        return HUB_NAMES[spec]
+    from embedpipe.model.t5_vocab import tokenization_style
+
+    return tokenization_style(directory)
+
+
+def describe(spec: str) -> ModelFacts:
+    """Facts from ``config.json`` (no weights read, no torch); a name not cached yet is known by
+    its family only."""
+    path = Path(spec).expanduser()
+    directory = path.resolve() if path.is_dir() else hub_snapshot(spec)
+    if directory is None:
+        family = HUB_NAMES.get(spec, "esm2")
+        return ModelFacts(family=family, spec=spec, kind="name", name=spec.split("/")[-1],
+                          trained_window=_window(family), trained=True)
+    config = read_config(directory)
+    family = family_of(spec, directory, config)
+    t5 = config["model_type"] == "t5"
+    try:
+        size = sum(f.stat().st_size for f in weight_files(directory))
+    except ModelError:
+        size = None
+    return ModelFacts(
+        family=family, spec=spec, kind="path" if path.is_dir() else "name",
+        name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=_window(family),
+        num_layers=config.get("num_layers" if t5 else "num_hidden_layers"),
+        embed_dim=config.get("d_model" if t5 else "hidden_size"),
+        attention_heads=config.get("num_heads" if t5 else "num_attention_heads"),
+        weights_bytes=size, trained=is_trained(config),
+    )
+
+
+def _window(family: str) -> int:
+    from embedpipe.model.t5_vocab import T5_MAX_RESIDUES
+
+    return 1022 if family == "esm2" else T5_MAX_RESIDUES
+
+
+def inspect(facts: ModelFacts) -> ModelFacts:
+    """Everything is in config.json already (:func:`describe`)."""
+    return replace(facts)
+
+
+def load(spec: str) -> Any:
+    """Load ``spec`` with the module its ``model_type`` names."""
+    directory = resolve_directory(spec)
+    config = read_config(directory)
+    return importlib.import_module(MODULES[config["model_type"]]).load_directory(spec, directory, config)

@@ -1,0 +1,163 @@
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|ankh|hf-esm``.
+
+Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
+files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
+real model. ``config.json`` carries ``"embedpipe": {"trained": false, ...}``: stores made
+with it say ``model_trained = false`` (transformers keeps the key as an unused attribute).
+The directory is written under a temporary name and renamed: a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from embedpipe import __version__
+from embedpipe.errors import ModelError
+from embedpipe.model.checkpoint import validate_shape
+from embedpipe.model.hf_checkpoint import MARKER_KEY, require
+from embedpipe.model.t5_vocab import LETTERS
+
+HF_FAMILIES = ("prot-t5", "ankh", "hf-esm")
+
+
+def marker(family: str, seed: int) -> dict[str, Any]:
+    return {"trained": False, "family": family, "seed": int(seed), "created_by": "embedpipe make-test-model",
+            "embedpipe_version": __version__}
+
+
+def write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Path:
+    """``files`` (name -> JSON object or text) and ``model.safetensors`` into directory ``out``."""
+    save_file = require("safetensors.torch", "make-test-model --family (writing model.safetensors)").save_file
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelError(f"make-test-model: {out} exists and is not an empty directory; remove it or pick another OUT")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True)
+        for name, content in files.items():
+            text = content if isinstance(content, str) else json.dumps(content, indent=2, sort_keys=True)
+            (tmp / name).write_text(text)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        if out.is_dir():
+            out.rmdir()
+        tmp.rename(out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelError(f"make-test-model: cannot write {out}: {exc.strerror or exc}") from None
+    return out
+
+
+# --------------------------------------------------------------------------- ESM-2
+
+
+def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json and the EsmTokenizer files of an ESM-2 with this shape."""
+    from embedpipe.model.esm2 import esm2_alphabet
+
+    alphabet = esm2_alphabet()
+    config = {"model_type": "esm", "architectures": ["EsmForMaskedLM"], "vocab_size": len(alphabet.all_toks),
+              "hidden_size": dim, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "intermediate_size": 4 * dim, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
+              "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 1026,
+              "position_embedding_type": "rotary", "layer_norm_eps": 1e-5, "emb_layer_norm_before": False,
+              "token_dropout": token_dropout, "mask_token_id": alphabet.mask_idx,
+              "pad_token_id": alphabet.padding_idx, "is_folding_model": False, MARKER_KEY: dict(mark)}
+    specials = {"cls_token": "<cls>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+                "mask_token": "<mask>"}
+    return {"config.json": config, "vocab.txt": "\n".join(alphabet.all_toks) + "\n",
+            "tokenizer_config.json": {"tokenizer_class": "EsmTokenizer", "model_max_length": 1026, **specials},
+            "special_tokens_map.json": specials}
+
+
+def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """A fair-esm ``ESM2`` state dict under ``EsmForMaskedLM``'s names (tied head left out)."""
+    from embedpipe.model.hf_esm import fair_to_hf_names
+
+    names = fair_to_hf_names(layers)
+    return {(v if v.startswith("lm_head.") else "esm." + v): fair_state[k].detach().clone().float()
+            for k, v in names.items() if k in fair_state}
+
+
+def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: int, dim: int, heads: int,
+                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None) -> Path:
+    """An ESM-2 (fair-esm state dict) as a Hugging Face ``EsmForMaskedLM`` directory."""
+    mark = marker("hf-esm", -1) if mark is None else mark
+    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark),
+                           hf_esm_tensors(fair_state, layers))
+
+
+# --------------------------------------------------------------------------- T5
+
+
+def t5_tokenizer_files(family: str) -> tuple[dict[str, Any], int]:
+    """tokenizer.json (a Unigram vocabulary: <pad> 0, </s> 1, <unk> 2, then one piece per
+    residue: ``▁A`` for ProtT5, ``A`` for Ankh) and transformers' tokenizer configs."""
+    tokenizers = require("tokenizers", "make-test-model --family (writing tokenizer.json)")
+    pieces = [("▁" + r) if family == "prot-t5" else r for r in LETTERS]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(p, -1.0 - 0.01 * i) for i, p in enumerate(pieces)]
+    tok = tokenizers.Tokenizer(tokenizers.models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    if family == "prot-t5":
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = tokenizers.decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    specials = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    # ProtT5 ships a T5 tokenizer; a per-character one is loaded as written (PreTrainedTokenizerFast)
+    cls = "T5Tokenizer" if family == "prot-t5" else "PreTrainedTokenizerFast"
+    return {"tokenizer.json": tok.to_str(), "special_tokens_map.json": specials,
+            "tokenizer_config.json": {"tokenizer_class": cls, "extra_ids": 0, "model_max_length": 1 << 20,
+                                      **specials}}, len(vocab)
+
+
+def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: int) -> dict[str, torch.Tensor]:
+    """T5EncoderModel weights drawn as T5's init scales them (norm scales around 1), in ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    d_kv, d_ff = dim // heads, 2 * dim
+
+    def draw(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return mean + std * torch.randn(*shape, generator=gen)
+
+    inner = heads * d_kv
+    state = {"shared.weight": draw(vocab, dim, std=1.0), "encoder.final_layer_norm.weight": draw(dim, std=0.1, mean=1.0),
+             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": draw(32, heads, std=0.5)}
+    for i in range(layers):
+        block = f"encoder.block.{i}.layer"
+        state[f"{block}.0.SelfAttention.q.weight"] = draw(inner, dim, std=(dim * d_kv) ** -0.5)
+        for n in ("k", "v"):
+            state[f"{block}.0.SelfAttention.{n}.weight"] = draw(inner, dim, std=dim ** -0.5)
+        state[f"{block}.0.SelfAttention.o.weight"] = draw(dim, inner, std=inner ** -0.5)
+        state[f"{block}.0.layer_norm.weight"] = draw(dim, std=0.1, mean=1.0)
+        state[f"{block}.1.layer_norm.weight"] = draw(dim, std=0.1, mean=1.0)
+        for n in (("wi_0", "wi_1") if gated else ("wi",)):
+            state[f"{block}.1.DenseReluDense.{n}.weight"] = draw(d_ff, dim, std=dim ** -0.5)
+        state[f"{block}.1.DenseReluDense.wo.weight"] = draw(dim, d_ff, std=d_ff ** -0.5)
+    return state
+
+
+def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32, heads: int = 4,
+                       seed: int = 0) -> Path:
+    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, ankh or hf-esm)."""
+    if family not in HF_FAMILIES:
+        raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, {', '.join(HF_FAMILIES)}")
+    layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    if family == "hf-esm":
+        from embedpipe.model.random_checkpoint import _random_esm2
+
+        fair = _random_esm2(layers, dim, heads, seed, True).state_dict()
+        return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed))
+    tokenizer, vocab = t5_tokenizer_files(family)
+    gated = family == "ankh"  # Ankh is T5 v1.1-style (gated-gelu); ProtT5-XL uses relu
+    config = {"model_type": "t5", "architectures": ["T5EncoderModel"], "vocab_size": vocab, "d_model": dim,
+              "d_kv": dim // heads, "d_ff": 2 * dim, "num_layers": layers, "num_heads": heads,
+              "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+              "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6, "feed_forward_proj": "gated-gelu" if gated else "relu",
+              "is_encoder_decoder": False, "use_cache": False, "pad_token_id": 0, "eos_token_id": 1,
+              "decoder_start_token_id": 0, MARKER_KEY: marker(family, seed)}
+    return write_directory(out, {"config.json": config, **tokenizer}, random_t5(layers, dim, heads, vocab, gated, seed))

@@ -1,0 +1,181 @@
+"""T5 encoders (ProtT5, Ankh) from a Hugging Face directory: loading, tokens, policies, memory.
+
+:func:`load_directory` (called by :mod:`embedpipe.model.hf_checkpoint`) reads the encoder's
+weights (a ``T5EncoderModel`` or a full ``T5ForConditionalGeneration``: the decoder is
+dropped) into an fp32 :class:`T5Model`; its runners are
+:class:`~embedpipe.model.t5_forward.T5Forward`. Model layer only: the worker, shard budgets
+and pooling still assume ESM-2's token layout, so ``embedpipe embed`` does not take a T5 yet
+(docs/models.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedpipe.errors import ModelError
+from embedpipe.model import hf_checkpoint as hf
+from embedpipe.model import t5_vocab
+from embedpipe.model.base import TokenLayout
+from embedpipe.model.facts import MemoryEstimate, host_bytes
+from embedpipe.model.t5_forward import T5Forward, T5Shape
+from embedpipe.precision import Policy
+
+#: T5: no BOS, one ``</s>`` after the residues; no hard window (see t5_vocab.T5_MAX_RESIDUES).
+T5_LAYOUT = TokenLayout(bos=False, eos=True, window=None)
+
+#: Tensors the fp32-island policies keep in fp32 (RMS norm scales, the relative-position bias).
+FP32_ISLAND_SUFFIXES = ("ln0", "ln1", "final_ln", "relative_bias")
+
+
+@dataclass
+class T5Model:
+    """A ready T5 encoder: fp32 tensors on the CPU (``weights``), plus where it came from."""
+
+    weights: dict[str, torch.Tensor]
+    shape: T5Shape
+    lut: np.ndarray  # ASCII byte -> token id
+    eos_id: int
+    pad_id: int
+    name: str
+    source: str
+    sha256: str
+    trained: bool
+    family: str  # prot-t5 or ankh
+    trained_window: int = t5_vocab.T5_MAX_RESIDUES
+    token_layout: TokenLayout = T5_LAYOUT
+    provenance: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def embed_dim(self) -> int:
+        return self.shape.d_model
+
+    def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
+        """(B, 1 + longest): the residues, ``</s>``, then ``<pad>`` (no BOS)."""
+        return torch.from_numpy(t5_vocab.tokenize(list(sequences), self.lut, self.eos_id, self.pad_id))
+
+    def prepare(self, policy: Policy, device: torch.device, attention: str = "math", *,
+                attention_inputs: str = "fp32") -> T5Forward:
+        """A runner for ``policy`` on ``device``: a cast copy of the weights (the fp32 ones stay
+        as they are, for the fallback). ``attention`` is accepted for the interface; T5 has one
+        attention (explicit scores, fp32 softmax), since its bias is added to every score."""
+        return T5Forward(prepare_weights(self.weights, policy, device), self.shape, policy, self.pad_id,
+                         attention_inputs=attention_inputs)
+
+    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
+        """Per token: fp32 residual and norm (8D), q/k/v/context (4 x H d_kv) and the
+        feed-forward's hidden layer (1 or 2 x d_ff) in the compute dtype. The L x L scores
+        are not counted per token: they are quadratic (docs/models.md, "Limits")."""
+        s = self.shape
+        parameters = sum(w.numel() for w in self.weights.values())
+        inner = s.d_ff * (2 if s.gated else 1)
+        return MemoryEstimate(host_bytes=host_bytes(4 * parameters),
+                              weight_bytes=policy.weight_dtype.itemsize * parameters,
+                              activation_bytes_per_token=8 * s.d_model + policy.compute_dtype.itemsize * (
+                                  4 * s.num_heads * s.d_kv + inner))
+
+
+def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device: torch.device) -> dict[str, torch.Tensor]:
+    """``weights`` in the policy's dtypes on ``device`` (the islands in fp32 for mixed policies)."""
+    out = {}
+    for name, tensor in weights.items():
+        keep_fp32 = policy.fp32_islands and name.endswith(FP32_ISLAND_SUFFIXES)
+        out[name] = tensor.to(device, torch.float32 if keep_fp32 else policy.weight_dtype)
+    return out
+
+
+def shape_of(config: Mapping[str, Any], where: str) -> T5Shape:
+    """The encoder's shape from ``config.json``; one-line errors for what embedpipe cannot run."""
+    proj = config.get("feed_forward_proj", "relu")
+    if proj not in ("relu", "gated-gelu"):
+        raise ModelError(f"{where}: feed_forward_proj {proj!r} is not supported (relu or gated-gelu)")
+    try:
+        shape = T5Shape(num_layers=int(config["num_layers"]), d_model=int(config["d_model"]),
+                        d_kv=int(config["d_kv"]), num_heads=int(config["num_heads"]), d_ff=int(config["d_ff"]),
+                        gated=proj == "gated-gelu",
+                        num_buckets=int(config.get("relative_attention_num_buckets", 32)),
+                        max_distance=int(config.get("relative_attention_max_distance", 128)),
+                        eps=float(config.get("layer_norm_epsilon", 1e-6)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"{where}: not a T5 config ({type(exc).__name__}: {exc})") from None
+    if min(shape.num_layers, shape.d_model, shape.d_kv, shape.num_heads, shape.d_ff) < 1:
+        raise ModelError(f"{where}: layers, d_model, d_kv, num_heads and d_ff must be positive")
+    return shape
+
+
+def _names(shape: T5Shape) -> dict[str, str]:
+    """embedpipe's weight names -> transformers' encoder names."""
+    names = {"relative_bias": "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+             "final_ln": "encoder.final_layer_norm.weight"}
+    ffn = ("wi_0", "wi_1", "wo") if shape.gated else ("wi", "wo")
+    for i in range(shape.num_layers):
+        block = f"encoder.block.{i}.layer"
+        names |= {f"{i}.{n}": f"{block}.0.SelfAttention.{n}.weight" for n in ("q", "k", "v", "o")}
+        names |= {f"{i}.ln0": f"{block}.0.layer_norm.weight", f"{i}.ln1": f"{block}.1.layer_norm.weight"}
+        names |= {f"{i}.{n}": f"{block}.1.DenseReluDense.{n}.weight" for n in ffn}
+    return names
+
+
+def _expected_shapes(s: T5Shape) -> dict[str, tuple[int, ...]]:
+    inner = s.num_heads * s.d_kv
+    shapes = {"relative_bias": (s.num_buckets, s.num_heads), "final_ln": (s.d_model,)}
+    for i in range(s.num_layers):
+        shapes |= {f"{i}.q": (inner, s.d_model), f"{i}.k": (inner, s.d_model), f"{i}.v": (inner, s.d_model),
+                   f"{i}.o": (s.d_model, inner), f"{i}.ln0": (s.d_model,), f"{i}.ln1": (s.d_model,),
+                   f"{i}.wo": (s.d_model, s.d_ff)}
+        shapes |= ({f"{i}.wi_0": (s.d_ff, s.d_model), f"{i}.wi_1": (s.d_ff, s.d_model)} if s.gated
+                   else {f"{i}.wi": (s.d_ff, s.d_model)})
+    return shapes
+
+
+def encoder_weights(state: Mapping[str, torch.Tensor], shape: T5Shape, where: str) -> dict[str, torch.Tensor]:
+    """The encoder's tensors under embedpipe's names, fp32, checked for shape and finiteness."""
+    embed = state.get("shared.weight", state.get("encoder.embed_tokens.weight"))
+    other = state.get("encoder.embed_tokens.weight")
+    if embed is None:
+        raise ModelError(f"{where}: no token embedding (shared.weight or encoder.embed_tokens.weight)")
+    if other is not None and not torch.equal(embed, other):
+        raise ModelError(f"{where}: shared.weight and encoder.embed_tokens.weight differ, but T5 ties them")
+    weights = {"embed": embed}
+    for ours, theirs in _names(shape).items():
+        if theirs not in state:
+            raise ModelError(f"{where} does not match a T5 encoder with {shape.num_layers} layers: missing {theirs}")
+        weights[ours] = state[theirs]
+    extra = sorted(k for k in state if k.startswith("encoder.block.") and k not in _names(shape).values())
+    if extra:
+        raise ModelError(f"{where}: unexpected encoder weights {', '.join(extra[:4])} (config says "
+                         f"{shape.num_layers} layers, feed_forward_proj {'gated-gelu' if shape.gated else 'relu'})")
+    expected = _expected_shapes(shape) | {"embed": (embed.shape[0], shape.d_model)}
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ModelError(f"{where}: weight for {name} has shape {tuple(tensor.shape)}, config says {expected[name]}")
+        if not torch.isfinite(tensor).all():
+            raise ModelError(f"{where}: weights for {name} hold NaN or inf")
+    return {name: tensor.detach().to(torch.float32).contiguous() for name, tensor in weights.items()}
+
+
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5Model:
+    """A :class:`T5Model` from a Hugging Face T5 directory (its ``config.json`` already read)."""
+    where = str(directory)
+    shape = shape_of(config, where)
+    family = hf.family_of(spec, directory, config)
+    lut, eos, pad = t5_vocab.residue_table(t5_vocab.read_vocabulary(directory), family, where=where)
+    files = hf.weight_files(directory)
+    sha = hf.weights_sha256(files)
+    weights = encoder_weights(hf.read_state_dict(files), shape, where)
+    if int(lut.max()) >= weights["embed"].shape[0]:
+        raise ModelError(f"{where}: the tokenizer's ids reach {int(lut.max())}, the embedding has "
+                         f"{weights['embed'].shape[0]} rows")
+    return T5Model(weights=weights, shape=shape, lut=lut, eos_id=eos, pad_id=pad,
+                   name=spec if hf.is_model_name(spec) else directory.name, source=where, sha256=sha,
+                   trained=hf.is_trained(config), family=family,
+                   provenance={"model_format": "huggingface-t5"})

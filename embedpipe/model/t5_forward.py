@@ -1,0 +1,126 @@
+"""The T5 encoder forward (ProtT5, Ankh), written out so that fp16 overflow stays visible.
+
+Why our own loop instead of transformers' ``T5EncoderModel``: in fp16, transformers clamps
+every hidden value to ``finfo(fp16).max - 1000`` after attention and after the feed-forward
+whenever ``isinf`` holds anywhere in the batch. At inference that silently changes values,
+a NaN/inf check never sees it, and whether a record is clamped depends on its batch-mates.
+Here nothing is clamped: an overflow is inf/NaN (or a residual past 65504 under the mixed
+policies, whose residual stream is fp32), and each record's ``max_abs`` says so.
+
+The computation is transformers' (tests/test_t5.py checks fp32 equality on every layer):
+RMS norm with an fp32 variance, no attention scaling, a bidirectional relative-position
+bias computed by block 0 and shared by every layer, softmax in fp32, ``relu`` or gated
+``gelu_new`` feed-forward. Layer 0 is the embedding, layer N the final norm's output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from embedpipe.model.base import ForwardOutput, masked_max_abs
+from embedpipe.precision import Policy, attention_dtype
+
+
+@dataclass(frozen=True)
+class T5Shape:
+    """What config.json says about a T5 encoder."""
+
+    num_layers: int
+    d_model: int
+    d_kv: int
+    num_heads: int
+    d_ff: int
+    gated: bool  # feed_forward_proj "gated-gelu" (Ankh, T5 v1.1) or "relu" (ProtT5)
+    num_buckets: int = 32
+    max_distance: int = 128
+    eps: float = 1e-6
+
+
+def relative_buckets(length: int, num_buckets: int, max_distance: int, device: torch.device) -> torch.Tensor:
+    """(L, L) bucket of key position minus query position, bidirectional, as T5 computes it."""
+    position = torch.arange(length, device=device)
+    relative = position[None, :] - position[:, None]
+    half = num_buckets // 2
+    buckets = (relative > 0).long() * half
+    distance = relative.abs()
+    exact = half // 2
+    large = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    large = torch.clamp(large, max=half - 1)
+    return buckets + torch.where(distance < exact, distance, large)
+
+
+class T5Forward:
+    """A T5 encoder prepared for one policy on one device (embedpipe's padded-layout Runner)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], shape: T5Shape, policy: Policy, pad_id: int,
+                 attention_inputs: str = "fp32") -> None:
+        self.w, self.shape, self.policy, self.pad_id = weights, shape, policy, pad_id
+        self.device = weights["embed"].device
+        plain_cast = not policy.autocast and not policy.fp32_islands
+        self.residual_dtype = policy.weight_dtype if plain_cast else torch.float32
+        self.bias_dtype = policy.weight_dtype if plain_cast else torch.float32
+        self.attn_dtype = attention_dtype(policy, attention_inputs)
+        self.matmul_dtype = None if policy.autocast else policy.compute_dtype  # autocast picks per op
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.matmul_dtype is None else x.to(self.matmul_dtype)
+
+    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """T5's RMS norm: fp32 variance; cast to the weight's dtype when that is 16-bit."""
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        normed = x * torch.rsqrt(variance + self.shape.eps)
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            normed = normed.to(weight.dtype)
+        return weight * normed
+
+    def position_bias(self, length: int, keep: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) relative-position bias with padded keys at -inf."""
+        buckets = relative_buckets(length, self.shape.num_buckets, self.shape.max_distance, self.device)
+        bias = F.embedding(buckets, self.w["relative_bias"]).permute(2, 0, 1)[None].to(self.bias_dtype)
+        return bias.masked_fill(~keep[:, None, None, :], float("-inf"))
+
+    def attention(self, h: torch.Tensor, i: int, bias: torch.Tensor) -> torch.Tensor:
+        """Self-attention of block ``i``: no 1/sqrt(d) scaling (T5 folds it into the weights)."""
+        b, t, _ = h.shape
+        heads, d_kv = self.shape.num_heads, self.shape.d_kv
+        q, k, v = (F.linear(self._cast(h), self.w[f"{i}.{n}"]).view(b, t, heads, d_kv).transpose(1, 2)
+                   for n in ("q", "k", "v"))
+        q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
+        scores = torch.matmul(q, k.transpose(-1, -2)).to(bias.dtype) + bias
+        probs = F.softmax(scores.float(), dim=-1).to(v.dtype)
+        context = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, heads * d_kv)
+        return F.linear(self._cast(context), self.w[f"{i}.o"])
+
+    def feed_forward(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        h = self._cast(h)
+        if self.shape.gated:
+            inner = F.gelu(F.linear(h, self.w[f"{i}.wi_0"]), approximate="tanh") * F.linear(h, self.w[f"{i}.wi_1"])
+        else:
+            inner = F.relu(F.linear(h, self.w[f"{i}.wi"]))
+        return F.linear(self._cast(inner), self.w[f"{i}.wo"])
+
+    def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
+        """Hidden states of ``layers`` (0 = embeddings, N = after the final norm), (B, T, D), and
+        each record's largest |residual| over its own tokens entering every block and leaving
+        the last one (inf/NaN kept)."""
+        tokens = tokens.to(self.device)
+        keep = tokens.ne(self.pad_id)
+        wanted, last = set(layers), self.shape.num_layers
+        x = F.embedding(tokens, self.w["embed"]).to(self.residual_dtype)
+        hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        bias = self.position_bias(tokens.shape[1], keep)
+        max_abs = torch.zeros(tokens.shape[0], device=self.device)
+        for i in range(last):
+            max_abs = torch.maximum(max_abs, masked_max_abs(x, keep))
+            x = x + self.attention(self.rms(x, self.w[f"{i}.ln0"]), i, bias).to(self.residual_dtype)
+            x = x + self.feed_forward(self.rms(x, self.w[f"{i}.ln1"]), i).to(self.residual_dtype)
+            if i + 1 in wanted and i + 1 < last:
+                hidden[i + 1] = x
+        max_abs = torch.maximum(max_abs, masked_max_abs(x, keep))
+        if last in wanted:
+            hidden[last] = self.rms(x, self.w["final_ln"])
+        return ForwardOutput(hidden=hidden, max_abs=max_abs)
