@@ -52,7 +52,7 @@ def id_rows(ds: h5py.Dataset, lo: int, hi: int) -> np.ndarray:
     return block.astype(f"S{max(1, block.dtype.itemsize)}") if block.dtype.kind in "SO" else block
 
 
-Problem = Callable[[str, int], None]  # (message, manifest line or -1)
+Problem = Callable[[str, str, int], None]  # (kind: duplicate, skipped or alias; message; manifest line or -1)
 
 
 def _text(value: bytes) -> str:
@@ -66,10 +66,10 @@ def _group_problem(block: np.ndarray, lo: int, hi: int, stores: Callable[[int], 
     tags = g["tag"].tolist()
     if tags.count(STORED) > 1:
         r0, r1 = int(g["row"][0]), int(g["row"][1])
-        problem(f"duplicate id {rid!r} in {stores(r0)} and {stores(r1)}", -1)
+        problem("duplicate", f"duplicate id {rid!r} in {stores(r0)} and {stores(r1)}", -1)
         return False
     if SKIP in tags:
-        problem(f"id {rid!r} occurs twice (record ids, aliases and skipped ids must be distinct)",
+        problem("skipped", f"id {rid!r} occurs twice (record ids, aliases and skipped ids must be distinct)",
                 int(g["line"][tags.index(SKIP)]))
         return False
     first_row = int(g["row"][0])
@@ -78,9 +78,9 @@ def _group_problem(block: np.ndarray, lo: int, hi: int, stores: Callable[[int], 
             continue  # an alias naming its own record, or a repeat of the same alias
         line = int(g["line"][j])
         if tags[0] == STORED:
-            problem(f"id {rid!r} is both a stored record and a duplicate of {_text(g['other'][j])!r}", line)
+            problem("alias", f"id {rid!r} is both a stored record and a duplicate of {_text(g['other'][j])!r}", line)
         else:
-            problem(f"id {rid!r} is a duplicate of both {_text(g['other'][0])!r} and {_text(g['other'][j])!r}", line)
+            problem("alias", f"id {rid!r} is a duplicate of both {_text(g['other'][0])!r} and {_text(g['other'][j])!r}", line)
         return False
     return True
 
@@ -143,3 +143,105 @@ class IndexWriter:
         tag(ds, STRINGS)
         self.keys.flush()
         self.rows.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# embedpipe validate
+
+
+def _pairs(f: h5py.File, group: str, second: str) -> tuple[h5py.Dataset, h5py.Dataset] | None:
+    g = f.get(group)
+    if not isinstance(g, h5py.Group) or "id" not in g or second not in g or g["id"].shape != g[second].shape:
+        return None
+    return g["id"], g[second]
+
+
+def _resolve_aliases(f: h5py.File, n: int, index: ExternalSort, work: Path | None) -> list[str]:
+    """Each alias's target row, by a sort of the record IDs and the aliases' targets; the
+    resolved aliases go to ``index``. Problems: targets that are not records."""
+    pairs = _pairs(f, "aliases", "of")
+    if pairs is None or not pairs[0].shape[0]:
+        return []
+    ids_ds, of_ds = pairs
+    unknown, example = 0, ""
+    with ExternalSort(ORDER, work=work) as by_of:
+        for lo in range(0, n, 1 << 16):
+            by_of.add(entries(id_rows(f["ids"], lo, min(n, lo + (1 << 16))), STORED, lo + np.arange(min(n - lo, 1 << 16))))
+        for lo in range(0, ids_ds.shape[0], 1 << 16):
+            hi = min(ids_ds.shape[0], lo + (1 << 16))
+            by_of.add(entries(id_rows(of_ds, lo, hi), ALIAS, np.full(hi - lo, -1), lines=np.arange(lo, hi),
+                              other=id_rows(ids_ds, lo, hi)))
+        for block in by_of:
+            starts = group_starts(block["key"])
+            group = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(block))))
+            head = block[starts][group]
+            alias = block["tag"] == ALIAS
+            found = alias & (head["tag"] == STORED)
+            if (alias & ~found).any():
+                unknown += int((alias & ~found).sum())
+                example = example or _text(block["key"][np.flatnonzero(alias & ~found)[0]])
+            r = block[found]
+            index.add(entries(r["other"], ALIAS, head["row"][found], lines=r["line"], other=r["key"]))
+    return [f"{unknown} alias(es) point to unknown ids (e.g. {example!r})"] if unknown else []
+
+
+def index_problems_sorted(f: h5py.File, n: int, *, compare: bool, work: Path | None = None) -> list[str]:
+    """``embedpipe validate``'s ID checks in memory independent of N: record IDs unique, alias
+    and skipped IDs distinct from them and each other, alias targets records, and (``compare``)
+    the stored ``id_index`` exactly the index these give (keys, rows, fences)."""
+    problems: list[str] = []
+    dups: list[str] = []
+
+    def collect(kind: str, message: str, line: int) -> None:
+        if kind == "duplicate":
+            dups.append(message.split("'")[1] if "'" in message else message)
+        elif kind == "alias" and "both a stored record" in message:
+            problems.append(f"alias id {message.split(chr(39))[1]!r} is also a record id")
+        elif kind == "alias":
+            problems.append("alias ids are not unique")
+        else:
+            problems.append(message)
+
+    with index_sort(work) as index:
+        for lo in range(0, n, 1 << 16):
+            index.add(entries(id_rows(f["ids"], lo, min(n, lo + (1 << 16))), STORED, lo + np.arange(min(n - lo, 1 << 16))))
+        problems += _resolve_aliases(f, n, index, work)
+        if (skipped := _pairs(f, "skipped", "reason")) is not None:
+            for lo in range(0, skipped[0].shape[0], 1 << 16):
+                hi = min(skipped[0].shape[0], lo + (1 << 16))
+                index.add(entries(id_rows(skipped[0], lo, hi), SKIP, -1 - np.arange(lo, hi)))
+        mismatch = _compare(f, sorted_index(index, lambda row: f"row {row}", collect), compare)
+    if dups:
+        problems.insert(0, f"ids are not unique ({len(dups)} duplicated, e.g. {dups[0]!r})")
+    problems = list(dict.fromkeys(problems))
+    return problems + mismatch
+
+
+def _compare(f: h5py.File, blocks: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]], compare: bool) -> list[str]:
+    """The expected index blocks against the stored ``id_index`` (read in step)."""
+    g = f.get(GROUP)
+    if not compare or g is None:
+        for _ in blocks:  # the checks on the way still run
+            pass
+        return []
+    keys_ds, rows_ds = g["keys"], g["rows"]
+    block = int(g.attrs.get("block_rows", BLOCK_ROWS))
+    at, same, fences = 0, True, []
+    try:
+        for keys, rows, _ in blocks:
+            fences.append(keys[-at % block :: block])
+            hi = at + len(keys)
+            if same and (hi > keys_ds.shape[0] or not np.array_equal(np.asarray(keys_ds[at:hi]), keys)
+                         or not np.array_equal(np.asarray(rows_ds[at:hi]), rows)):
+                same = False
+            at = hi
+        stored_fences = np.asarray(g["fences"][:])
+    except OSError as exc:
+        return [f"{GROUP}: checksum mismatch or read error ({exc})"]
+    if not same or at != keys_ds.shape[0]:
+        return [f"{GROUP} does not match the store's ids, aliases and skipped ids ({keys_ds.shape[0]} keys, "
+                f"expected {at}): ID lookups would give wrong rows"]
+    expected = np.concatenate(fences) if fences else np.zeros(0, "S1")
+    if not np.array_equal(stored_fences, expected):
+        return [f"{GROUP}/fences is not the first key of every {block}-key block"]
+    return []

@@ -353,7 +353,7 @@ class _Merge:
         (embedpipe.store.idsort, embedpipe.store.aliases): memory independent of N."""
         stores = Stores(self.shards)
 
-        def refuse(message: str, line: int) -> None:
+        def refuse(kind: str, message: str, line: int) -> None:
             where = f"manifest {self.manifest} line {line}: " if line >= 0 and self.manifest else ""
             raise StoreError(where + message)
 
