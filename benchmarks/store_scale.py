@@ -44,7 +44,8 @@ LONG = 35_000
 
 def _strings(f: h5py.Group, name: str, values: list[bytes]) -> None:
     width = max(1, max((len(v) for v in values), default=1))
-    ds = f.create_dataset(name, data=np.array(values, dtype=h5py.string_dtype("utf-8", width)), chunks=(min(len(values), 65536),),
+    rows = max(1, min(len(values), 65536, (4 << 20) // width))  # chunks of <= 4 MiB, as the writer makes
+    ds = f.create_dataset(name, data=np.array(values, dtype=h5py.string_dtype("utf-8", width)), chunks=(rows,),
                           compression="gzip", fletcher32=True)
     ds.attrs["encoding-type"], ds.attrs["encoding-version"] = "fixed-utf8-array", "1"
 

@@ -84,9 +84,9 @@ class ExternalSort:
     """Rows appended with :meth:`add`, iterated sorted by ``order`` (``order[0]`` must be
     ``key``) in blocks that never split a key. Use as a context manager (removes its files)."""
 
-    def __init__(self, order: Sequence[str], *, work: Path | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, order: Sequence[str], *, work: Path | None = None, chunk_bytes: int | None = None) -> None:
         self.order = list(order)
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
         self._dir = Path(tempfile.mkdtemp(prefix=".embedpipe-sort-", dir=work))
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
