@@ -210,10 +210,10 @@ def main() -> None:
     ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step:
-        import resource
-
         result = STEPS[args.step](args)
-        result[f"{args.step}_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # VmHWM: this process's own peak (ru_maxrss is kept across fork and exec: the parent's)
+        hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+        result[f"{args.step}_peak_rss_mib"] = int(hwm.split()[1]) / 1024
         print(json.dumps(result))
         return
     args.out = args.out or HERE / "out" / "store_scale" / f"{args.records}x{args.shards}"
