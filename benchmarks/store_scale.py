@@ -44,7 +44,8 @@ LONG = 35_000
 
 def _strings(f: h5py.Group, name: str, values: list[bytes]) -> None:
     width = max(1, max((len(v) for v in values), default=1))
-    ds = f.create_dataset(name, data=np.array(values, dtype=h5py.string_dtype("utf-8", width)), chunks=(min(len(values), 65536),),
+    rows = max(1, min(len(values), 65536, (4 << 20) // width))  # chunks of <= 4 MiB, as the writer makes
+    ds = f.create_dataset(name, data=np.array(values, dtype=h5py.string_dtype("utf-8", width)), chunks=(rows,),
                           compression="gzip", fletcher32=True)
     ds.attrs["encoding-type"], ds.attrs["encoding-version"] = "fixed-utf8-array", "1"
 
@@ -209,10 +210,10 @@ def main() -> None:
     ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step:
-        import resource
-
         result = STEPS[args.step](args)
-        result[f"{args.step}_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # VmHWM: this process's own peak (ru_maxrss is kept across fork and exec: the parent's)
+        hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+        result[f"{args.step}_peak_rss_mib"] = int(hwm.split()[1]) / 1024
         print(json.dumps(result))
         return
     args.out = args.out or HERE / "out" / "store_scale" / f"{args.records}x{args.shards}"

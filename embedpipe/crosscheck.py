@@ -155,6 +155,7 @@ def run_crosscheck(
     started = time.perf_counter()
     notes: list[str] = []
     with open_store(store_path) as st:
+        st.check_sources()  # every source pinned, not only the sampled ones' (docs/store-format.md)
         provenance, layers = st.provenance, st.layers
         table, lengths = _store_table(st)
         labelled = resolve_labels(labels, st) if labels is not None else None

@@ -312,8 +312,10 @@ def test_reembedded_shard_is_refused_by_validate_open_store_and_crosscheck(tmp_p
     assert any(p.startswith(f"record {records[3][0]!r} (row 3) layer 0: stored mean differs") for p in problems), problems
     res = CliRunner().invoke(app, ["validate", str(merged)])
     assert res.exit_code == 1 and "shard-00001.h5 was rewritten" in res.output
-    with pytest.raises(StoreError, match=r"embeddings\.h5: source store stores/shard-00001\.h5 was rewritten") as exc:
-        embedpipe.open_store(merged)
+    # open_store checks the pins lazily (issue 24: stat at open, store_uuid when a source is first read)
+    with embedpipe.open_store(merged) as st, pytest.raises(
+            StoreError, match=r"embeddings\.h5: source store stores/shard-00001\.h5 was rewritten") as exc:
+        st.per_residue(records[3][0])
     assert "\n" not in str(exc.value)
     with pytest.raises(StoreError, match=r"stores/shard-00001\.h5 was rewritten"):
         run_crosscheck(merged, out=tmp_path / "cc", sample=1, device="cpu", quiet=True)

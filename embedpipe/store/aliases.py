@@ -3,242 +3,299 @@ against the stores being merged: every ``ok`` row is a stored record with its
 ``sequence_sha256``, and every ``duplicate`` row's target too (a stale manifest would otherwise
 alias IDs to other sequences). docs/store-format.md, "Merged stores" and "Shard manifest".
 
-Memory is compact arrays per stored record (a 64-bit ID hash, its row, the 32-byte sequence
-digest: 48 bytes), never a Python object per record: the manifest is streamed and looked up
-in batches by sorted search, and a hash match is confirmed against the stored ID text
-(docs/benchmarks.md, "Sharding at scale", "Merging with the manifest").
+Memory does not grow with the records (docs/benchmarks.md, "Merge and validate at scale"):
+the stored records (ID, row, sequence digest) and the manifest rows (ID or ``duplicate_of``,
+line, claimed digest) are rows of one :class:`~embedpipe.external_sort.ExternalSort` by ID;
+one pass over it checks each ID's group and hands the resolved aliases and the skipped IDs
+to the ID index's sort (:mod:`embedpipe.store.idsort`), which drops repeats and refuses
+conflicts. Duplicate rows without ``duplicate_of`` are resolved by a second sort, by digest.
+A problem is reported at the earliest manifest line of its pass, re-reading that line.
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
+from embedpipe.external_sort import ExternalSort, group_starts
 from embedpipe.manifest import iter_manifest
+from embedpipe.store.idsort import ALIAS, SKIP, entries, id_rows
+from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import iter_sequence_blocks
 
-BATCH = 4096  # manifest rows looked up at once (a dict of cells each: a few MB)
+BATCH = 4096  # manifest rows handled at once
+OK, DUPOF = 1, 2  # tags of manifest rows in the by-ID sort (stored records are 0)
 
 
 class StoredIds(Protocol):
     """A store being merged, as far as the manifest check needs it."""
 
     path: Path
-    ids: Sequence[str]
+    count: int
 
 
-def store_of(shards: Sequence[StoredIds], row: int) -> StoredIds:
-    for shard in shards:
-        if row < len(shard.ids):
-            return shard
-        row -= len(shard.ids)
-    raise IndexError(row)  # pragma: no cover - rows come from the stores' ids
-
-
-def _sequence_digests(shards: Sequence[StoredIds], n: int) -> np.ndarray:
-    """sha256 of every stored sequence, (n, 32) uint8 in merged order.
-
-    The digest ``shard`` writes as ``sequence_sha256`` (of the normalised ASCII sequence), so
-    a manifest row can be checked against the record it names. Read block by block.
-    """
-    digests = bytearray()
-    sha256 = hashlib.sha256
-    for shard in shards:
-        with h5py.File(shard.path, "r") as f:
-            for _, block in iter_sequence_blocks(f, shard.path):  # either layout (format 1 or 2)
-                for seq in block:
-                    digests += sha256(seq if isinstance(seq, bytes) else str(seq).encode("utf-8")).digest()
-    return np.frombuffer(digests, dtype=np.uint8).reshape(n, 32)
-
-
-class _Stored:
-    """The stored records: ID -> row and digest -> first row, by sorted 64-bit keys."""
+class Stores:
+    """The stores being merged, in merged row order: which store holds a row."""
 
     def __init__(self, shards: Sequence[StoredIds]) -> None:
         self.shards = shards
-        self.starts = np.cumsum([0] + [len(s.ids) for s in shards]).tolist()
-        self.n = self.starts[-1]
-        keys = np.fromiter((hash(rid) for shard in shards for rid in shard.ids), dtype=np.int64, count=self.n)
-        self.id_order = np.argsort(keys, kind="stable")
-        self.id_keys = keys[self.id_order]
-        self.digests = _sequence_digests(shards, self.n)
-        self._by_digest: tuple[np.ndarray, np.ndarray] | None = None
+        self.starts = np.cumsum([0] + [s.count for s in shards]).tolist()
 
-    def id_at(self, row: int) -> str:
-        k = bisect_right(self.starts, row) - 1
-        return self.shards[k].ids[row - self.starts[k]]
+    def of(self, row: int) -> StoredIds:
+        return self.shards[bisect_right(self.starts, row) - 1]
 
-    def rows(self, ids: list[str]) -> np.ndarray:
-        """The stored row of each of ``ids`` (-1: not stored)."""
-        return _lookup(self.id_keys, self.id_order, np.fromiter(map(hash, ids), np.int64, len(ids)), ids,
-                       self.id_at)
+    def name(self, row: int) -> str:
+        return str(self.of(row).path)
 
-    def rows_by_digest(self, shas: list[str]) -> np.ndarray:
-        """The first stored row whose sequence has each hex digest (-1: none)."""
-        if self._by_digest is None:  # only for duplicate rows without duplicate_of
-            words = self.digests[:, :8].copy().view(np.int64).ravel()
-            order = np.argsort(words, kind="stable")
-            self._by_digest = words[order], order
-        wanted = [_digest_bytes(sha) for sha in shas]
-        keys = np.fromiter((int.from_bytes(w[:8], "little", signed=True) for w in wanted), np.int64, len(wanted))
-        return _lookup(*self._by_digest, keys, wanted, lambda row: self.digests[row].tobytes())
-
-    def sha(self, row: int) -> str:
-        return self.digests[row].tobytes().hex()
+    def blocks(self, digests: bool) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        """(first merged row, IDs as bytes, sha256 of each sequence (m, 32) or None) per block."""
+        for shard, start in zip(self.shards, self.starts):
+            with h5py.File(shard.path, "r") as f:
+                if not digests:
+                    for lo in range(0, shard.count, 1 << 16):
+                        yield start + lo, id_rows(f["ids"], lo, min(shard.count, lo + (1 << 16))), None
+                    continue
+                for lo, block in iter_sequence_blocks(f, shard.path):  # either layout (format 1 or 2)
+                    sha = b"".join(hashlib.sha256(s if isinstance(s, bytes) else str(s).encode()).digest()
+                                   for s in block)
+                    yield (start + lo, id_rows(f["ids"], lo, lo + len(block)),
+                           np.frombuffer(sha, np.uint8).reshape(len(block), 32))
 
 
-def _digest_bytes(sha: str) -> bytes:
-    try:
-        return bytes.fromhex(sha.strip().lower()).ljust(32, b"\0")[:32]
-    except ValueError:
-        return bytes(32)
+class PairSpool:
+    """(id, text) pairs spooled to a file in order (the aliases and skipped IDs): their
+    datasets need the widest value before they are written."""
 
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh, self.count, self.widths = fh, 0, [1, 1]
 
-def _lookup(sorted_keys: np.ndarray, order: np.ndarray, keys: np.ndarray, values: Sequence[object],
-            value_at: object) -> np.ndarray:
-    """For each key, the smallest stored row whose key and value (``value_at(row)``) match."""
-    found = np.full(len(keys), -1, dtype=np.int64)
-    lo = np.searchsorted(sorted_keys, keys, side="left")
-    hi = np.searchsorted(sorted_keys, keys, side="right")
-    for j in np.flatnonzero(hi > lo).tolist():
-        for at in range(int(lo[j]), int(hi[j])):  # rows ascending: the stable sort kept them in order
-            row = int(order[at])
-            if value_at(row) == values[j]:  # type: ignore[operator]
-                found[j] = row
-                break
-    return found
+    def add(self, a: bytes, b: bytes) -> None:
+        self.fh.write(struct.pack("<II", len(a), len(b)) + a + b)
+        self.count += 1
+        self.widths = [max(self.widths[0], len(a)), max(self.widths[1], len(b))]
 
-
-def _batches(manifest: Path) -> Iterator[list[tuple[int, dict[str, str]]]]:
-    rows = iter_manifest(manifest)
-    while batch := list(islice(rows, BATCH)):
-        yield batch
+    def pairs(self) -> Iterator[tuple[bytes, bytes]]:
+        self.fh.flush()
+        self.fh.seek(0)
+        for _ in range(self.count):
+            la, lb = struct.unpack("<II", self.fh.read(8))
+            yield self.fh.read(la), self.fh.read(lb)
 
 
 def _where(manifest: Path, line: int) -> str:
     return f"manifest {manifest} line {line}"
 
 
-def _check_sha(manifest: Path, stored: _Stored, line: int, row: dict[str, str], target: int) -> None:
-    """The row's sequence_sha256 must be that of stored row ``target``'s sequence."""
-    claimed, sha = row.get("sequence_sha256", "").strip().lower(), stored.sha(target)
-    if claimed == sha:
-        return
-    name = stored.id_at(target)
-    what = f"id {row['id']!r}" if row["id"] == name else f"duplicate {row['id']!r} of {name!r}"
-    raise StoreError(
-        f"{_where(manifest, line)}: {what} has sequence_sha256 {claimed[:16] or '(empty)'}... but the sequence "
-        f"of {name!r} in {store_of(stored.shards, target).path} has {sha[:16]}...; "
-        "is this manifest from another shard run (stale)?"
-    )
+def _row_at(manifest: Path, line: int) -> dict[str, str]:
+    """The manifest row at ``line`` (read again for an error message)."""
+    return next(row for at, row in iter_manifest(manifest) if at == line)
 
 
-def _check_ok_rows(manifest: Path, stored: _Stored) -> None:
-    """Pass 1 over the manifest: every ``ok`` row is stored with its sequence; every stored ID is ``ok``."""
-    seen = np.zeros(stored.n, dtype=bool)
-    for batch in _batches(manifest):
-        ok = [(line, row) for line, row in batch if row.get("status") == "ok"]
-        found = stored.rows([row["id"] for _, row in ok])
-        for (line, row), at in zip(ok, found.tolist()):
-            if at < 0:
-                raise StoreError(
-                    f"{_where(manifest, line)}: id {row['id']!r} (status ok, shard {row.get('shard')!r}) "
-                    "is not in any of the stores being merged"
-                )
-            _check_sha(manifest, stored, line, row, at)
-        seen[found] = True
-    if not seen.all():
-        missing = int(np.argmin(seen))
-        raise StoreError(
-            f"manifest {manifest}: store {store_of(stored.shards, missing).path} holds id {stored.id_at(missing)!r}, "
-            f"which the manifest does not list as ok ({int((~seen).sum())} such id(s)); "
-            "wrong manifest for these stores?"
-        )
+class _Problems:
+    """The problem at the earliest manifest line of a pass (a store's problem after all lines)."""
+
+    def __init__(self, manifest: Path) -> None:
+        self.manifest, self.first = manifest, None  # type: tuple[float, str] | None
+
+    def add(self, line: float, message: str) -> None:
+        if self.first is None or line < self.first[0]:
+            self.first = (line, message)
+
+    def raise_first(self) -> None:
+        if self.first is not None:
+            raise StoreError(self.first[1])
 
 
-def plan_manifest(manifest: Path, shards: Sequence[StoredIds]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(aliases [(id, of)], skipped [(id, reason)]) from the manifest, checked against the stores.
-
-    Streams the manifest twice (``ok`` rows first) in batches; per stored record it holds
-    only :class:`_Stored`'s arrays, per duplicate or skipped row its output pair.
-    """
-    stored = _Stored(shards)
-    _check_ok_rows(manifest, stored)
-    aliases: list[tuple[str, str]] = []
-    lines = array("q")  # the line of each alias, for an error naming it
-    skipped: list[tuple[str, str]] = []
-    for batch in _batches(manifest):
-        dups = []
-        for line, row in batch:
-            status = row.get("status") or ""
-            if status == "duplicate":
-                dups.append((line, row))
-            elif status.startswith("skipped"):
-                reason = status.split(":", 1)[1] if ":" in status else ""
-                skipped.append((row["id"], reason or "unspecified"))
-            elif status != "ok":
-                list(_duplicate_targets(manifest, stored, dups))  # an earlier line's error comes first
-                raise StoreError(f"{_where(manifest, line)}: unknown status {status!r} for id {row['id']!r}")
-        for line, rid, of in _duplicate_targets(manifest, stored, dups):
-            aliases.append((rid, stored.id_at(of)))
-            lines.append(line)
-    return _unique_aliases(manifest, aliases, lines), skipped
+def _digests(shas: list[str]) -> np.ndarray:
+    out = bytearray()
+    for sha in shas:
+        try:
+            out += bytes.fromhex(sha.strip().lower()).ljust(32, b"\0")[:32]
+        except ValueError:
+            out += bytes(32)
+    return np.frombuffer(bytes(out), np.uint8).reshape(len(shas), 32)
 
 
-def _duplicate_targets(manifest: Path, stored: _Stored,
-                       dups: list[tuple[int, dict[str, str]]]) -> Iterator[tuple[int, str, int]]:
-    """``(line, id, stored row it aliases)`` per ``duplicate`` row, checked; a row naming the
-    stored record itself (same ID and sequence seen twice) already resolves and is left out."""
-    ids = [row["id"] for _, row in dups]
-    # the kept record: the manifest's duplicate_of column where present, else by content
-    target = stored.rows([row.get("duplicate_of") or "" for _, row in dups])
-    missing = np.flatnonzero(target < 0)
-    if len(missing):
-        target[missing] = stored.rows_by_digest([dups[j][1].get("sequence_sha256", "") for j in missing.tolist()])
-    itself = stored.rows(ids)
-    for (line, row), rid, of, same in zip(dups, ids, target.tolist(), itself.tolist()):
-        if of < 0:
-            raise StoreError(
-                f"{_where(manifest, line)}: duplicate {rid!r} has no ok record with sequence_sha256 "
-                f"{row.get('sequence_sha256')} (shard {row.get('shard')!r})"
-            )
-        _check_sha(manifest, stored, line, row, of)
-        if same == of:
-            continue
-        if same >= 0:
-            raise StoreError(f"{_where(manifest, line)}: id {rid!r} is both a stored record and a duplicate of "
-                             f"{stored.id_at(of)!r}")
-        yield line, rid, of
+def _rows(keys: list[str], tag: int, lines: list[int], shas: list[str], other: list[str] | None = None) -> np.ndarray:
+    e = entries(np.array(keys, dtype=object), tag, np.full(len(keys), -1, np.int64), lines=np.array(lines, np.int64),
+                other=None if other is None else np.array([o.encode() for o in other], dtype="S"))
+    return _with_sha(e, _digests(shas))
 
 
-def _unique_aliases(manifest: Path, aliases: list[tuple[str, str]], lines: array) -> list[tuple[str, str]]:
-    """``aliases`` with repeats of the same pair left out; an ID aliased to two records is refused.
+def _with_sha(e: np.ndarray, sha: np.ndarray) -> np.ndarray:
+    out = np.empty(len(e), dtype=e.dtype.descr + [("sha", "u1", (32,))])
+    for name in e.dtype.names:
+        out[name] = e[name]
+    out["sha"] = sha
+    return out
 
-    Sorted 64-bit ID hashes find the repeats (none in a manifest ``shard`` wrote).
-    """
-    keys = np.fromiter((hash(rid) for rid, _ in aliases), np.int64, len(aliases))
-    order = np.argsort(keys, kind="stable")
-    same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
-    if not len(same):
-        return aliases
-    first: dict[str, int] = {}
-    drop = set()
-    for k in sorted({int(order[j]) for j in same} | {int(order[j + 1]) for j in same}):
-        rid, of = aliases[k]
-        if rid not in first:
-            first[rid] = k
-        elif aliases[first[rid]][1] != of:
-            raise StoreError(f"{_where(manifest, lines[k])}: id {rid!r} is a duplicate of both "
-                             f"{aliases[first[rid]][1]!r} and {of!r}")
-        else:
-            drop.add(k)
-    return [pair for k, pair in enumerate(aliases) if k not in drop]
+
+def _sha_problem(manifest: Path, line: int, rid: str, name: str, claimed: bytes, stored: bytes, store: str) -> str:
+    what = f"id {rid!r}" if rid == name else f"duplicate {rid!r} of {name!r}"
+    return (f"{_where(manifest, line)}: {what} has sequence_sha256 {claimed.hex()[:16]}... but the sequence "
+            f"of {name!r} in {store} has {stored.hex()[:16]}...; is this manifest from another shard run (stale)?")
+
+
+class _Plan:
+    """One merge's manifest check: the sorts it feeds and what it found."""
+
+    def __init__(self, manifest: Path, stores: Stores, index: ExternalSort, skipped: PairSpool,
+                 work: Path | None) -> None:
+        self.manifest, self.stores, self.index, self.skipped, self.work = manifest, stores, index, skipped, work
+        self.by_id = ExternalSort(("key", "tag", "line", "row"), work=work)
+        self.by_sha = ExternalSort(("key", "tag", "row", "line"), work=work)
+        self.problems = _Problems(manifest)
+
+    def feed(self) -> None:
+        """The stored records, then every manifest row, into the sorts; skipped IDs to the spool."""
+        for lo, ids, sha in self.stores.blocks(digests=True):
+            self.by_id.add(_with_sha(entries(ids, 0, lo + np.arange(len(ids))), sha))
+        rows = iter_manifest(self.manifest)
+        while batch := list(islice(rows, BATCH)):
+            ok, dup, by_sha, skip = [], [], [], []
+            for line, row in batch:
+                status = row.get("status") or ""
+                if status == "ok":
+                    ok.append((row["id"], line, row.get("sequence_sha256", "")))
+                elif status == "duplicate":
+                    target = row.get("duplicate_of") or ""
+                    (dup if target else by_sha).append((target, line, row.get("sequence_sha256", ""), row["id"]))
+                elif status.startswith("skipped"):
+                    reason = status.split(":", 1)[1] if ":" in status else ""
+                    skip.append((row["id"], line, reason or "unspecified"))
+                else:
+                    raise StoreError(f"{_where(self.manifest, line)}: unknown status {status!r} for id {row['id']!r}")
+            self._feed_batch(ok, dup, by_sha, skip)
+
+    def _feed_batch(self, ok: list, dup: list, by_sha: list, skip: list) -> None:
+        for what, pairs in (("alias id", dup + by_sha), ("skipped id", skip)):
+            if (bad := bad_id_message([p[3] if what == "alias id" else p[0] for p in pairs], what)) is not None:
+                raise StoreError(f"manifest {self.manifest}: {bad}")
+        if ok:
+            self.by_id.add(_rows([r for r, _, _ in ok], OK, [ln for _, ln, _ in ok], [s for _, _, s in ok]))
+        if dup:
+            self.by_id.add(_rows([t for t, _, _, _ in dup], DUPOF, [ln for _, ln, _, _ in dup],
+                                 [s for _, _, s, _ in dup], [r for _, _, _, r in dup]))
+        if by_sha:
+            self._by_sha([ln for _, ln, _, _ in by_sha], _digests([s for _, _, s, _ in by_sha]),
+                         [r for _, _, _, r in by_sha])
+        for rid, line, reason in skip:
+            j = self.skipped.count
+            self.skipped.add(rid.encode(), reason.encode())
+            self.index.add(entries(np.array([rid], dtype=object), SKIP, np.array([-1 - j]), lines=np.array([line])))
+
+    def _by_sha(self, lines: list[int], sha: np.ndarray, ids: list[str]) -> None:
+        keys = np.frombuffer(sha.tobytes().hex().encode(), dtype="S64") if len(sha) else np.zeros(0, "S64")
+        self.by_sha.add(entries(keys, 1, np.full(len(keys), -1, np.int64), lines=np.array(lines, np.int64),
+                                other=np.array([r.encode() for r in ids], dtype="S")))
+
+    def check_by_id(self) -> None:
+        """Each ID's group: at most one stored record; its ok rows' digests; a stored record
+        without an ok row; each duplicate row's named target."""
+        unlisted, first_unlisted = 0, None
+        for block in self.by_id:
+            starts = group_starts(block["key"])
+            size = np.diff(np.append(starts, len(block)))
+            group = np.repeat(np.arange(len(starts)), size)
+            head = block[starts][group]  # the first row of each row's group: the stored record, when there is one
+            stored = head["tag"] == 0
+            tags = block["tag"]
+            if (again := np.flatnonzero((tags == 0) & (np.arange(len(block)) != starts[group]))).size:
+                j = int(again[0])
+                raise StoreError(f"duplicate id {block['key'][j].decode()!r} in {self.stores.name(int(head['row'][j]))} "
+                                 f"and {self.stores.name(int(block['row'][j]))}")
+            listed = np.zeros(len(starts), bool)
+            listed[group[tags == OK]] = True
+            alone = np.flatnonzero((block["tag"][starts] == 0) & ~listed)
+            if alone.size:
+                unlisted += int(alone.size)
+                row = int(block["row"][starts[alone]].min())
+                first_unlisted = row if first_unlisted is None else min(first_unlisted, row)
+            self._manifest_rows(block, head, stored)
+        if first_unlisted is not None:
+            self.problems.add(float("inf"), (
+                f"manifest {self.manifest}: store {self.stores.name(first_unlisted)} holds an id, which the manifest "
+                f"does not list as ok ({unlisted} such id(s)); wrong manifest for these stores?"))
+            self._name_unlisted(first_unlisted)
+        self.problems.raise_first()
+
+    def _name_unlisted(self, row: int) -> None:
+        shard = self.stores.of(row)
+        with h5py.File(shard.path, "r") as f:
+            lo = row - self.stores.starts[self.stores.shards.index(shard)]
+            rid = id_rows(f["ids"], lo, lo + 1)[0].decode()
+        line, message = self.problems.first  # type: ignore[misc]
+        if line == float("inf"):
+            self.problems.first = (line, message.replace("holds an id,", f"holds id {rid!r},"))
+
+    def _manifest_rows(self, block: np.ndarray, head: np.ndarray, stored: np.ndarray) -> None:
+        tags, m = block["tag"], self.manifest
+        bad_sha = (tags != 0) & stored & ~(block["sha"] == head["sha"]).all(axis=1)
+        for j in np.flatnonzero(bad_sha).tolist():
+            rid = block["other"][j].decode() if tags[j] == DUPOF else block["key"][j].decode()
+            self.problems.add(int(block["line"][j]), _sha_problem(
+                m, int(block["line"][j]), rid, block["key"][j].decode(), block["sha"][j].tobytes(),
+                head["sha"][j].tobytes(), self.stores.name(int(head["row"][j]))))
+        for j in np.flatnonzero((tags == OK) & ~stored).tolist():
+            line = int(block["line"][j])
+            if self.problems.first is None or line < self.problems.first[0]:
+                row = _row_at(m, line)
+                self.problems.add(line, f"{_where(m, line)}: id {row['id']!r} (status ok, shard {row.get('shard')!r}) "
+                                        "is not in any of the stores being merged")
+        resolved = (tags == DUPOF) & stored & ~bad_sha
+        if resolved.any():
+            r = block[resolved]
+            self.index.add(entries(r["other"], ALIAS, head["row"][resolved], lines=r["line"], other=r["key"]))
+        unresolved = block[(tags == DUPOF) & ~stored]
+        if len(unresolved):
+            self._by_sha(unresolved["line"].tolist(), unresolved["sha"], [o.decode() for o in unresolved["other"]])
+
+    def check_by_sha(self) -> None:
+        """Duplicate rows without a (stored) ``duplicate_of``: the first stored record with their digest."""
+        if not self.by_sha.rows:
+            return
+        for lo, ids, sha in self.stores.blocks(digests=True):
+            keys = np.frombuffer(sha.tobytes().hex().encode(), dtype="S64") if len(ids) else np.zeros(0, "S64")
+            self.by_sha.add(entries(keys, 0, lo + np.arange(len(ids)), other=ids))
+        for block in self.by_sha:
+            starts = group_starts(block["key"])
+            group = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(block))))
+            head = block[starts][group]
+            dup = block["tag"] == 1
+            found = dup & (head["tag"] == 0)
+            if found.any():
+                r = block[found]
+                self.index.add(entries(r["other"], ALIAS, head["row"][found], lines=r["line"], other=head["other"][found]))
+            for j in np.flatnonzero(dup & ~found).tolist():
+                line = int(block["line"][j])
+                row = _row_at(self.manifest, line)
+                self.problems.add(line, f"{_where(self.manifest, line)}: duplicate {row['id']!r} has no ok record with "
+                                        f"sequence_sha256 {row.get('sequence_sha256')} (shard {row.get('shard')!r})")
+        self.problems.raise_first()
+
+    def close(self) -> None:
+        self.by_id.close()
+        self.by_sha.close()
+
+
+def plan_manifest(manifest: Path, stores: Stores, index: ExternalSort, skipped: PairSpool,
+                  work: Path | None = None) -> None:
+    """Check the manifest against the stores; the resolved aliases (tag ``ALIAS``, row = the
+    target's, ``other`` = its ID) and skipped IDs (``SKIP``, row ``-(j+1)``) go to ``index``,
+    skipped (id, reason) pairs to ``skipped`` in manifest order. One StoreError line per problem."""
+    plan = _Plan(Path(manifest), stores, index, skipped, work)
+    try:
+        plan.feed()
+        plan.check_by_id()
+        plan.check_by_sha()
+    finally:
+        plan.close()

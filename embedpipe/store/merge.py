@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
+from itertools import islice
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ import numpy as np
 from embedpipe.atomic import check_output_path
 from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import StoreError
-from embedpipe.store.aliases import plan_manifest, store_of
+from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
 from embedpipe.store.encoding import check_encodings
@@ -44,6 +46,7 @@ from embedpipe.store.format import (
     VIRTUAL,
     check_format,
     create_array_dataset,
+    create_fixed_string_dataset,
     create_per_residue_group,
     create_pooled_group,
     create_string_dataset,
@@ -59,7 +62,7 @@ from embedpipe.store.format import (
     tag,
 )
 from embedpipe.store.h5write import atomic_h5
-from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+from embedpipe.store.idsort import STORED, IndexWriter, entries, index_sort, sorted_index
 from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
 from embedpipe.store.info import human_bytes
@@ -113,9 +116,8 @@ class _Shard:
     layers: list[int]
     dim: int
     per_residue: bool
-    ids: list[str]
+    count: int  # records
     rows: int  # per-residue rows
-    offsets: np.ndarray | None
     widths: dict[str, int]  # item size of each column the shard has
     identity: dict[str, Any]  # what merged_sources records about this file
 
@@ -146,7 +148,7 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             per_residue = "per_residue" in f
             attrs["per_residue"] = per_residue
             attrs["pooling"] = poolings_of(f)  # a store older than the attribute holds mean only
-            ids = decode_strings(f["ids"][:])
+            ids = decode_strings(f["ids"][:])  # one store's IDs, checked here, not kept
             offsets = _shard_offsets(f, path) if per_residue else None
             # item size of each fixed-width column (0: the ragged sequence column of format 2)
             widths = {name: getattr(f[name], "dtype", np.dtype("u1")).itemsize * isinstance(f[name], h5py.Dataset)
@@ -161,8 +163,8 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
     rel = os.path.relpath(path.resolve(), out_dir.resolve())
     uuid = attrs.get(STORE_UUID_ATTR)
     return _Shard(
-        path=path, rel=rel, attrs=attrs, layers=layers, dim=dim, per_residue=per_residue, ids=ids,
-        rows=int(offsets[-1]) if offsets is not None else 0, offsets=offsets, widths=widths,
+        path=path, rel=rel, attrs=attrs, layers=layers, dim=dim, per_residue=per_residue, count=len(ids),
+        rows=int(offsets[-1]) if offsets is not None else 0, widths=widths,
         identity=source_identity(path, rel, str(uuid) if uuid else None),
     )
 
@@ -215,19 +217,6 @@ def _common_provenance(shards: Sequence[_Shard]) -> tuple[dict[str, Any], list[s
     return common, varying, config_varying
 
 
-def _index_ids(shards: Sequence[_Shard]) -> dict[str, int]:
-    """Row of every stored ID in the merged store; an ID held by two stores is refused."""
-    index: dict[str, int] = {}
-    row = 0
-    for shard in shards:
-        for rid in shard.ids:
-            if rid in index:
-                raise StoreError(f"duplicate id {rid!r} in {store_of(shards, index[rid]).path} and {shard.path}")
-            index[rid] = row
-            row += 1
-    return index
-
-
 def _check_paths(stores: Sequence[Path], out: Path, manifest: Path | None) -> list[Path]:
     if not stores:
         hint = f" (see {manifest}: every record may have been skipped or invalid)" if manifest else ""
@@ -254,16 +243,17 @@ class _Merge:
     """What the merged store is made of."""
 
     shards: list[_Shard]
-    aliases: list[tuple[str, str]]
-    skipped: list[tuple[str, str]]
-    with_manifest: bool
+    manifest: Path | None
+    aliases: int = 0
+    skipped: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         first = self.shards[0]
         self.layers, self.dim, self.per_residue = first.layers, first.dim, first.per_residue
         self.pooling = first.attrs["pooling"]
         self.storage = np.dtype(first.attrs["storage_dtype"])
-        self.record_rows = _starts([len(s.ids) for s in self.shards])
+        self.record_rows = _starts([s.count for s in self.shards])
         self.residue_rows = _starts([s.rows for s in self.shards])
         self.n = int(self.record_rows[-1])
         self.common, self.varying, self.config_varying = _common_provenance(self.shards)
@@ -284,19 +274,18 @@ class _Merge:
             "shard_provenance": [{"path": s.rel, **s.attrs} for s in self.shards],
             "varying_attrs": self.varying,
             "config_varying": self.config_varying,
-            "alias_count": len(self.aliases),
-            "skipped_count": len(self.skipped),
+            "alias_count": self.aliases,
+            "skipped_count": self.skipped,
         }
 
-    def write(self, f: h5py.File) -> None:
+    def write(self, f: h5py.File, work: Path) -> None:
+        self.write_ids(f, work)  # first: a duplicate ID or a manifest problem stops the merge early
         write_header(f, self.header())
         for column in COLUMNS.values():
             if column.name == "sequence":
                 self.write_sequences(f)
             elif any(column.name in s.widths for s in self.shards):
                 self.write_column(f, column)
-        write_id_index(f, *index_keys(np.concatenate([encode_ids(s.ids) for s in self.shards]) if self.shards else
-                                      encode_ids([]), self.aliases, self.skipped))
         for pooling in self.pooling:
             g = create_pooled_group(f, pooling)
             for k in self.layers:
@@ -306,8 +295,6 @@ class _Merge:
                 dst.flush()
         if self.per_residue:
             self.write_per_residue(f)
-        if self.with_manifest:
-            self.write_aliases(f)
         mark_complete(f)
 
     def write_column(self, f: h5py.File, column: Column) -> None:
@@ -323,9 +310,9 @@ class _Merge:
         for shard, start in zip(self.shards, self.record_rows[:-1]):
             if column.name in shard.widths:
                 _copy_rows(shard.path, column.name, dst, int(start), cast, check_finite=False)
-            elif shard.ids:
-                values = column.buffer(len(shard.ids))
-                dst[int(start) : int(start) + len(shard.ids)] = encode_strings(values) if column.dtype == STR else values
+            elif shard.count:
+                values = column.buffer(shard.count)
+                dst[int(start) : int(start) + shard.count] = encode_strings(values) if column.dtype == STR else values
         dst.flush()  # a full disk surfaces here, not when ``dst`` is garbage collected
 
     def write_sequences(self, f: h5py.File) -> None:
@@ -340,10 +327,12 @@ class _Merge:
 
     def write_per_residue(self, f: h5py.File) -> None:
         """Offsets recomputed over all shards; ``layer_{k}`` virtual over the shards' rows."""
-        offsets = np.concatenate(
-            [[0]] + [s.offsets[1:] + base for s, base in zip(self.shards, self.residue_rows[:-1])]  # type: ignore[index]
-        ).astype(np.int64)
-        pr = create_per_residue_group(f, offsets)
+        pr = create_per_residue_group(f, np.zeros(self.n + 1, dtype=np.int64))
+        for shard, start, base in zip(self.shards, self.record_rows[:-1], self.residue_rows[:-1]):
+            with h5py.File(shard.path, "r") as g:  # one store's offsets at a time (checked when read)
+                off = _shard_offsets(g, shard.path)
+            pr["offsets"][int(start) + 1 : int(start) + 1 + shard.count] = off[1:] + base
+        pr["offsets"].flush()
         total = int(self.residue_rows[-1])
         for k in self.layers:
             name = f"layer_{k}"
@@ -359,14 +348,52 @@ class _Merge:
             # a missing source reads as NaN (not zeros), which validate and readers catch
             tag(pr.create_virtual_dataset(name, layout, fillvalue=np.nan), VIRTUAL)
 
-    def write_aliases(self, f: h5py.File) -> None:
-        """``aliases/id`` -> ``aliases/of`` and ``skipped/id``, ``skipped/reason``."""
-        for group, encoding, second, pairs in (("aliases", ALIASES, "of", self.aliases),
-                                               ("skipped", SKIPPED, "reason", self.skipped)):
-            g = f.create_group(group)
-            tag(g, encoding)
-            create_string_dataset(g, "id", [a for a, _ in pairs])
-            create_string_dataset(g, second, [b for _, b in pairs])
+    def write_ids(self, f: h5py.File, work: Path) -> None:
+        """``id_index/`` and, with the manifest, ``aliases/`` and ``skipped/``, by external sorts
+        (embedpipe.store.idsort, embedpipe.store.aliases): memory independent of N."""
+        stores = Stores(self.shards)
+
+        def refuse(kind: str, message: str, line: int) -> None:
+            where = f"manifest {self.manifest} line {line}: " if line >= 0 and self.manifest else ""
+            raise StoreError(where + message)
+
+        with index_sort(work) as index, tempfile.TemporaryFile(dir=work) as a_fh, \
+                tempfile.TemporaryFile(dir=work) as s_fh:
+            aliases, skipped = PairSpool(a_fh), PairSpool(s_fh)
+            if self.manifest is not None:
+                plan_manifest(self.manifest, stores, index, skipped, work)
+            for lo, ids, _ in stores.blocks(digests=False):
+                index.add(entries(ids, STORED, lo + np.arange(len(ids))))
+            writer = None
+            for keys, rows, kept in sorted_index(index, stores.name, refuse):
+                if writer is None:
+                    writer = IndexWriter(f, index.key_width())
+                writer.add(keys, rows)
+                for alias, of in zip(kept["key"].tolist(), kept["other"].tolist()):
+                    aliases.add(alias, of)
+            (writer or IndexWriter(f, 1)).close()
+            self.aliases, self.skipped = aliases.count, skipped.count
+            if self.manifest is not None:
+                self.skipped_by_reason = _write_pairs(f, "skipped", SKIPPED, "reason", skipped)
+                _write_pairs(f, "aliases", ALIASES, "of", aliases)
+
+
+def _write_pairs(f: h5py.File, group: str, encoding: str, second: str, spool: PairSpool) -> dict[str, int]:
+    """``{group}/id`` and ``{group}/{second}`` from the spool, in blocks; counts of the second values."""
+    g = f.create_group(group)
+    tag(g, encoding)
+    first = create_fixed_string_dataset(g, "id", spool.count, spool.widths[0])
+    other = create_fixed_string_dataset(g, second, spool.count, spool.widths[1])
+    counts: Counter[str] = Counter()
+    pairs = spool.pairs()
+    for lo in range(0, spool.count, 1 << 16):
+        block = list(islice(pairs, 1 << 16))
+        first[lo : lo + len(block)] = np.array([a for a, _ in block], dtype=first.dtype)
+        other[lo : lo + len(block)] = np.array([b for _, b in block], dtype=other.dtype)
+        counts.update(b.decode("utf-8") for _, b in block)
+    first.flush()
+    other.flush()
+    return dict(counts)
 
 
 def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
@@ -376,25 +403,17 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     out_dir = out.parent if str(out.parent) else Path(".")
     shards = [_read_shard(p, out_dir) for p in paths]
     _check_agreement(shards)
-    index = _index_ids(shards)
-    aliases: list[tuple[str, str]] = []
-    skipped: list[tuple[str, str]] = []
-    if manifest is not None:
-        aliases, skipped = plan_manifest(Path(manifest), shards)
-        for what, pairs in (("alias id", aliases), ("skipped id", skipped)):
-            if (bad := bad_id_message([a for a, _ in pairs], what)) is not None:
-                raise StoreError(f"{manifest}: {bad}")
-    merge = _Merge(shards, aliases, skipped, with_manifest=manifest is not None)
+    merge = _Merge(shards, Path(manifest) if manifest is not None else None)
     with atomic_h5(out) as target, target.create(**WRITE_OPTIONS) as f:
-        merge.write(f)
+        merge.write(f, out_dir)
     return MergeSummary(
         out=out,
         stores=len(shards),
         records=merge.n,
         per_residue_rows=int(merge.residue_rows[-1]) if merge.per_residue else 0,
-        aliases=len(aliases),
-        skipped=len(skipped),
-        skipped_by_reason=dict(Counter(r for _, r in skipped)),
+        aliases=merge.aliases,
+        skipped=merge.skipped,
+        skipped_by_reason=merge.skipped_by_reason,
         varying_attrs=merge.varying,
         file_size=out.stat().st_size,
     )

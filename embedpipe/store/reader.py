@@ -46,7 +46,7 @@ from embedpipe.store.idindex import IdIndex, LazyIds
 from embedpipe.store.readio import H5Rows, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import read_sequences
-from embedpipe.store.sources import require_sources
+from embedpipe.store.sources import require_sources, require_sources_present
 
 __all__ = ["open_store", "Store", "UnknownIdError"]
 
@@ -135,8 +135,14 @@ class Store:
     def _check_sources(self, f: h5py.File) -> None:
         """A merged store reads per-residue data from its shard stores: they must exist (HDF5
         would silently return fill values for a missing source) and be the very files that
-        were merged (a rewritten shard would mix runs). Cheap: store_uuid and size only."""
-        require_sources(f, self.path)
+        were merged (a rewritten shard would mix runs). Cheap: ``stat`` of each source at open,
+        its store_uuid when it is first read (embedpipe.store.residues)."""
+        require_sources_present(f, self.path)
+
+    def check_sources(self) -> None:
+        """A merged store: every source's ``store_uuid`` now, not when first read (opens each
+        source: O(sources); ``crosscheck`` does this before its sample)."""
+        require_sources(self._h5, self.path)
 
     @property
     def _h5(self) -> h5py.File:

@@ -15,15 +15,17 @@ corruption. Plain h5py readers can still read the virtual datasets (docs/store-f
 from __future__ import annotations
 
 import errno
+import json
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 
 from embedpipe.errors import StoreError
-from embedpipe.store.format import attr_to_python, iter_row_blocks
+from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, iter_row_blocks
 
 #: shard stores kept open at once by one reader
 OPEN_SOURCES = 8
@@ -46,11 +48,20 @@ def open_error(store: Path | str, rel: str, exc: OSError) -> StoreError:
     return StoreError(f"{store}: cannot read shard store {rel} ({reason}); run embedpipe validate {store}")
 
 
+def _pins(f: h5py.File) -> dict[str, Any]:
+    """``merged_sources`` as rel -> store_uuid (empty when absent or malformed: validate says so)."""
+    try:
+        return {str(e["path"]): e.get("store_uuid") for e in json.loads(attr_to_python(f.attrs.get("merged_sources")) or "[]")}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
 class ShardRows:
     """Where each shard store's per-residue rows lie in the merged store, and reads of them."""
 
-    def __init__(self, store: Path, rels: list[str], bounds: np.ndarray) -> None:
+    def __init__(self, store: Path, rels: list[str], bounds: np.ndarray, pins: dict[str, Any] | None = None) -> None:
         self.store, self.rels, self.bounds = Path(store), rels, np.asarray(bounds, dtype=np.int64)
+        self.pins = pins or {}  # rel -> the store_uuid merged (checked when a source is first opened)
         self._files: OrderedDict[int, h5py.File] = OrderedDict()
 
     @classmethod
@@ -68,13 +79,13 @@ class ShardRows:
         if (np.diff(rows) < 0).any() or (np.diff(bounds) < 0).any() or bounds[0] != 0:
             raise StoreError(f"{store}: root attribute merged_rows or dataset per_residue/offsets does not split the "
                              f"rows into shard stores in order; run embedpipe validate {store}")
-        return cls(store, rels, bounds)
+        return cls(store, rels, bounds, _pins(f))
 
     def __getstate__(self) -> dict:
-        return {"store": str(self.store), "rels": self.rels, "bounds": self.bounds}
+        return {"store": str(self.store), "rels": self.rels, "bounds": self.bounds, "pins": self.pins}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(Path(state["store"]), state["rels"], state["bounds"])  # type: ignore[misc]
+        self.__init__(Path(state["store"]), state["rels"], state["bounds"], state.get("pins"))  # type: ignore[misc]
 
     def _file(self, s: int) -> h5py.File:
         f = self._files.get(s)
@@ -89,8 +100,22 @@ class ShardRows:
             f = h5py.File(path, "r")
         except OSError as exc:
             raise open_error(self.store, self.rels[s], exc) from None
+        self._check_pin(s, f)
         self._files[s] = f
         return f
+
+    def _check_pin(self, s: int, f: h5py.File) -> None:
+        """The source is the file that was merged (its ``store_uuid``): checked here, when it is
+        first read, not at open (opening 16,000 sources took ~10 s; docs/store-format.md)."""
+        rel = self.rels[s]
+        if rel not in self.pins:
+            return
+        want, have = self.pins[rel], attr_to_python(f.attrs.get(STORE_UUID_ATTR))
+        if have != want:
+            f.close()
+            raise StoreError(f"{self.store}: source store {rel} was rewritten after the merge (store_uuid "
+                             f"{have or 'none'}, merged {want or 'none'}): the merged store would mix runs; "
+                             "re-run embedpipe merge")
 
     def _source(self, s: int, name: str, dim: int) -> h5py.Dataset:
         """Source ``s``'s dataset ``name``, once its shape is the rows the merged store maps to it."""

@@ -3,7 +3,6 @@ failure one problem line, never an exception for a bad file."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,9 @@ from embedpipe.store.format import (
     STORAGE_DTYPES,
     attr_to_python,
     check_format,
+    decode_strings,
     is_complete,
+    iter_row_blocks,
     layer_names,
     open_h5,
     poolings_of,
@@ -30,7 +31,8 @@ from embedpipe.store.format import (
     read_strings,
     stored_layers,
 )
-from embedpipe.store.idindex import check_id_index
+from embedpipe.store.idindex import LazyIds
+from embedpipe.store.idsort import index_problems_sorted
 from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
@@ -87,7 +89,7 @@ class _Validation:
         self.dim = self.attrs.get("dim")
         self.layers = stored_layers(f)
         self.n = 0
-        self.ids: list[str] | None = None
+        self.ids: LazyIds | None = None  # read block by block, never held (docs/benchmarks.md)
         self.embedded: np.ndarray | None = None
 
     def label(self, i: int) -> str:
@@ -112,8 +114,14 @@ class _Validation:
         self.lengths()
         self.per_residue()
         self.aliases_and_skipped()
-        if self.ids is not None and not any(p.kind == "index" for p in self.structural):
-            problems.extend(check_id_index(f, self.ids))
+        if self.ids is not None:
+            compare = not any(p.kind == "index" for p in self.structural)
+            if "id_index" not in f and self.version >= 2:
+                problems.append("group id_index is missing")
+            elif "id_index" in f and any(k not in f["id_index"] for k in ("keys", "rows", "fences")):
+                problems.append("group id_index needs datasets keys, rows and fences")
+                compare = False
+            problems.extend(index_problems_sorted(f, self.n, compare=compare))
         self.data()
 
     def layout(self) -> None:
@@ -139,23 +147,27 @@ class _Validation:
                 self.problems.append(f"dataset {name} has shape {self.f[name].shape}, expected ({self.n},)")
 
     def read_ids(self) -> None:
-        try:
-            self.ids = read_strings(self.f["ids"])
-        except OSError as exc:
-            self.problems.append(f"dataset ids: checksum mismatch or read error ({exc})")
-            return
+        """IDs, aliases and skipped IDs block by block: readable, no control characters, none
+        empty (uniqueness and the index: embedpipe.store.idsort)."""
         for name in ("ids", "aliases/id", "skipped/id"):
+            if name not in self.f:
+                continue
+            ds = self.f[name]
             try:
-                values = self.ids if name == "ids" else (read_strings(self.f[name]) if name in self.f else [])
-            except OSError:
+                for lo in range(0, ds.shape[0], 1 << 16):
+                    values = decode_strings(ds[lo : lo + (1 << 16)])
+                    if (bad := bad_id_message(values, f"dataset {name}: id")) is not None:
+                        self.problems.append(bad)
+                        break
+                    if name == "ids" and any(not i for i in values):
+                        self.problems.append("ids contains an empty id")
+                        break
+            except OSError as exc:
+                if name == "ids":
+                    self.problems.append(f"dataset ids: checksum mismatch or read error ({exc})")
+                    return
                 continue  # the checksum pass names the dataset and rows
-            if (bad := bad_id_message(values, f"dataset {name}: id")) is not None:
-                self.problems.append(bad)
-        dup = [k for k, c in Counter(self.ids).items() if c > 1]
-        if dup:
-            self.problems.append(f"ids are not unique ({len(dup)} duplicated, e.g. {dup[0]!r})")
-        if any(not i for i in self.ids):
-            self.problems.append("ids contains an empty id")
+        self.ids = LazyIds(self.f["ids"], lambda _: False)
 
     def means(self) -> None:
         """``layers`` matches the mean datasets, each (N, D) in the storage dtype."""
@@ -216,7 +228,7 @@ class _Validation:
             if not np.array_equal(seq_lengths, lengths):
                 i = int(np.argmax(seq_lengths != lengths))
                 self.problems.append(f"record {self.label(i)}: length {lengths[i]} != len(sequence) {seq_lengths[i]}")
-        handling = self._column("long_handling", read_strings)
+        handling = self._column("long_handling", lambda ds: {v for sl in iter_row_blocks(ds) for v in decode_strings(ds[sl])})
         bad = sorted(set(handling or ()) - set(LONG_HANDLING))
         if bad:
             self.problems.append(f"long_handling has unknown value(s) {bad}")
@@ -276,25 +288,13 @@ class _Validation:
                 )
 
     def aliases_and_skipped(self) -> None:
+        """Both groups' datasets pair up (their IDs and targets: embedpipe.store.idsort)."""
         for group, second in (("aliases", "of"), ("skipped", "reason")):
             if group not in self.f:
                 continue
             g = self.f[group]
             if "id" not in g or second not in g or g["id"].shape != g[second].shape:
                 self.problems.append(f"{group} group needs datasets id and {second} of equal length")
-            elif group == "aliases" and self.ids is not None:
-                self.alias_targets(read_strings(g["id"]), read_strings(g["of"]))
-
-    def alias_targets(self, alias_ids: list[str], targets: list[str]) -> None:
-        known = set(self.ids or ())
-        missing = [t for t in targets if t not in known]
-        if missing:
-            self.problems.append(f"{len(missing)} alias(es) point to unknown ids (e.g. {missing[0]!r})")
-        clash = [a for a in alias_ids if a in known]
-        if clash:
-            self.problems.append(f"alias id {clash[0]!r} is also a record id")
-        if len(set(alias_ids)) != len(alias_ids):
-            self.problems.append("alias ids are not unique")
 
     def data(self) -> None:
         """Merged sources, then every chunk once: checksums (at the source, for virtual
