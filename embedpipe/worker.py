@@ -115,6 +115,8 @@ class Embedder:
         self.quiet = True
         self.stats = Counter()
         self._busy = BusyTimer()
+        #: pinned buffers for read-back: one batch's outputs idle while the next is in flight
+        self._ring = cuda.PinnedRing(keep=1 + (len(self.layers) if options.per_residue else 0))
 
     # -- model preparation (once per policy) --------------------------------------------------
     def runner(self, policy: Policy) -> Runner:
@@ -316,15 +318,16 @@ class Embedder:
         """Tokenize, forward and pool one batch, and start copying its outputs to the host."""
         runner = self.runner(policy)
         device = self._devices[policy.name]
-        tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
-        bos, per_residue = "bos" in self.pooling, self.options.per_residue
         packed = self._layout(policy) == "packed"
+        with cuda.host_side():
+            tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
+            host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch]) if packed else None
+        bos, per_residue = "bos" in self.pooling, self.options.per_residue
         with forward_context(policy, device):
             self._busy.start(device)
             if packed:
                 if not hasattr(runner, "packed"):
                     raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
-                host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch])
                 out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)
                 with exact_fp32(device):
                     pooled = pool_packed(out, batch, host_batch, self.layers, bos=bos, per_residue=per_residue)
@@ -337,11 +340,16 @@ class Embedder:
         self.stats["batches"] += 1
         self.stats["computed_tokens"] += sum(p.tokens for p in batch) if packed else tokens.numel()
         self.stats["real_tokens"] += sum(p.tokens for p in batch)
-        return _Launched(batch, HostCopy(pooled.summary), {k: HostCopy(v) for k, v in pooled.residues.items()},
-                         pooled.residue_starts)
+        return _Launched(batch, HostCopy(pooled.summary, self._ring),
+                         {k: HostCopy(v, self._ring) for k, v in pooled.residues.items()}, pooled.residue_starts)
 
     def _collect(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
         """Wait for a launched batch's outputs and split them per piece."""
+        with cuda.host_side():  # the one read-back point of a batch
+            return self._per_piece(launched)
+
+    def _per_piece(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
+        """A collected batch's host outputs, per piece."""
         dim = self.loaded.embed_dim
         host = HostPooled.unpack(launched.summary.wait().numpy(),
                                  {k: v.wait().numpy() for k, v in launched.residues.items()},
