@@ -61,9 +61,10 @@ def trace_embed(model_path, *, nan_row: int | None = None, **options) -> tuple[E
         embedder.runner(embedder.policy)
         if nan_row is not None:
             embedder.runner(FP32)  # the fallback model: preparation too
+        preparation = list(trace.syncs)
         trace.clear()
         results = dict(embedder.embed(_records()))
-        facts = {"attention_path": embedder.attention_path, "fallback_device": embedder.fallback_device,
+        facts = {"preparation": preparation, "attention_path": embedder.attention_path, "fallback_device": embedder.fallback_device,
                  "runner_devices": {name: sorted({str(p.fake_device) if is_fake_cuda(p) else str(p.device)
                                                   for p in runner.model.parameters()})
                                     for name, runner in embedder._runners.items()}}
@@ -103,6 +104,10 @@ def test_launch_path_makes_no_sync_and_meets_the_varlen_contract(model_path, cas
     assert d2h and all(SEAM_NAME in where and not blocking for _, blocking, where in d2h)
     assert any("synchronize" in e and SEAM_NAME in e for e in trace.events)  # the read-back point waits
     assert facts["runner_devices"][options["precision"]] == ["cuda:0"]
+    # preparing the runner itself copies nothing from the host (only the weights' move does),
+    # and the largest-activation checks read each hidden state once: no |x| copy on the device
+    assert [s for s in facts["preparation"] if "esm2_forward.py" in s[1]] == []
+    assert "aten.abs.default" not in trace.ops
     windows = sum(1 for _ in embedder.plan(_records()).batches for _ in _)
     if path == "packed-varlen-flash":
         assert len(trace.varlen_calls) == embedder.stats["batches"] * 2  # one per layer
