@@ -109,7 +109,7 @@ class Embedder:
         self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
         self.notes = check_policy_on_device(self.policy, device)
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
-        self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, len(self.layers))
+        self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)
         self._runners: dict[str, Runner] = {}
         self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
         self.quiet = True

@@ -92,6 +92,7 @@ class Trace:
     live: dict = field(default_factory=dict)  # storage -> (weakref, bytes), when tracking memory
     peak_bytes: int = 0
     traffic: Counter = field(default_factory=Counter)  # op -> bytes in + out, when tracking traffic
+    largest: int = 0  # elements of the largest device tensor an op read or wrote
 
     def clear(self) -> None:
         """Forget what was seen so far (model preparation), keep the live memory."""
@@ -100,6 +101,7 @@ class Trace:
         for name in ("ops", "matmul_dtypes", "traffic"):
             getattr(self, name).clear()
         self.peak_bytes = self.live_bytes()
+        self.largest = 0
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         ref = self.pinned.get(id(t))
@@ -236,6 +238,7 @@ class _SyncCounter(TorchDispatchMode):
         if "mm" in name or "linear" in name:
             self.t.matmul_dtypes[(name, out.dtype if isinstance(out, torch.Tensor) else None)] += 1
         outs = [o for o in tree_leaves(out) if is_fake_cuda(o)]
+        self.t.largest = max([self.t.largest, *(o.numel() for o in outs), *(a.numel() for a in flat if is_fake_cuda(a))])
         if self.track_traffic and not func.is_view and func not in (aten.detach.default, aten.lift_fresh.default):
             self.t.traffic[name] += sum(o.numel() * o.element_size() for o in outs + [a for a in flat if is_fake_cuda(a)])
         if self.track_memory:

@@ -85,8 +85,9 @@ class Esm2Model:
                           attention_inputs=attention_inputs)
 
     def estimate_memory(self, policy: Policy) -> MemoryEstimate:
+        kind = "autocast" if policy.autocast else "fp32-islands" if policy.fp32_islands else "plain"
         return esm2_spec.estimate_memory(self.num_layers, self.embed_dim, self.attention_heads,
-                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize)
+                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize, kind=kind)
 
 
 # --------------------------------------------------------------------------- loading
