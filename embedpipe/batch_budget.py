@@ -15,6 +15,7 @@ import torch
 
 from embedpipe import cuda
 from embedpipe.model.base import EmbeddingModel
+from embedpipe.planning import BATCH_OVERHEAD_TOKENS as CPU_BATCH_OVERHEAD_TOKENS
 from embedpipe.options import AUTO, CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
 from embedpipe.precision import FP32, Policy
 
@@ -27,6 +28,10 @@ TOKENS_STEP = 256
 MAX_AUTO_TOKENS = 2**20
 #: bytes per value of an fp32 copy of a hidden state
 FP32_BYTES = 4
+#: what one more forward call costs, in padded tokens, per device type: on the CPU measured
+#: (Python and oneDNN dispatch, docs/benchmarks.md); on CUDA an estimate, not yet measured:
+#: 2-4 ms of kernel launches per forward at about 3e5 tokens/s (650M, H100-class GPU)
+BATCH_OVERHEAD_TOKENS = {"cpu": CPU_BATCH_OVERHEAD_TOKENS, "cuda": 1024}
 #: no kernel input of an auto-sized batch may hold more elements (int32 indexing)
 MAX_KERNEL_ELEMENTS = 2**31 - 1
 
@@ -100,3 +105,8 @@ def tokens_that_fit(available: int, per_token: int) -> int:
     if tokens >= TOKENS_STEP:
         tokens -= tokens % TOKENS_STEP
     return max(MIN_TOKENS_PER_BATCH, min(MAX_AUTO_TOKENS, tokens))
+
+
+def batch_overhead_tokens(device: torch.device) -> int:
+    """The padded planner's cost of one more batch on ``device`` (:func:`embedpipe.planning.plan_batches`)."""
+    return BATCH_OVERHEAD_TOKENS.get(device.type, BATCH_OVERHEAD_TOKENS["cuda"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from embedpipe.batch_budget import resolve_tokens_per_batch
+from embedpipe.batch_budget import batch_overhead_tokens, resolve_tokens_per_batch
 from embedpipe import attention_choice, cuda
 from embedpipe.cuda import BusyTimer, HostCopy
 from embedpipe.errors import EmbedpipeError
@@ -231,7 +231,8 @@ class Embedder:
             rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
         if self.batch_layout == "packed":
             return Plan(plan_packed_batches(pieces, self.tokens_per_batch), handling, rows, packed=True)
-        return Plan(plan_batches(pieces, self.tokens_per_batch), handling, rows)
+        overhead = batch_overhead_tokens(self.device)
+        return Plan(plan_batches(pieces, self.tokens_per_batch, overhead), handling, rows)
 
     def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
               quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:

@@ -123,3 +123,31 @@ def test_a_real_model_estimate_gives_a_budget_in_range(tiny_model_path, precisio
     with mock.patch("embedpipe.cuda.free_memory", return_value=64 * MiB):
         tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2])
     assert MIN_TOKENS_PER_BATCH <= tokens < 2**20 and tokens % 256 == 0
+
+
+def test_the_cost_of_one_more_batch_is_per_device():
+    """The padded planner trades padding against batches at the device's own price: on the
+    CPU 256 tokens (measured), on CUDA its own figure (issue 20: a CPU cost applied everywhere)."""
+    from embedpipe.batch_budget import BATCH_OVERHEAD_TOKENS, batch_overhead_tokens
+    from embedpipe.planning import BATCH_OVERHEAD_TOKENS as PLANNER_DEFAULT
+
+    assert batch_overhead_tokens(torch.device("cpu")) == PLANNER_DEFAULT == 256
+    assert batch_overhead_tokens(CUDA) == BATCH_OVERHEAD_TOKENS["cuda"] != 256
+
+
+def test_the_worker_plans_padded_batches_with_its_devices_overhead(tiny_model_path):
+    from embedpipe.model import load_model
+    from embedpipe.planning import plan_record
+    from embedpipe.worker import Embedder
+
+    embedder = Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=4096), torch.device("cpu"))
+    records = [(f"r{i}", "A" * n) for i, n in enumerate([500, 480, 40, 30, 20, 300, 290])]
+    pieces = [p for i, (_, s) in enumerate(records) for p in plan_record(i, len(s), "chunk", window=1022)[0]]
+    with mock.patch("embedpipe.worker.plan_batches", wraps=__import__("embedpipe.planning").planning.plan_batches) as plan:
+        embedder.plan(records)
+    assert plan.call_args.args[2] == 256 and len(plan.call_args.args[0]) == len(pieces)
+    embedder.device = CUDA  # only compared: the plan is host work
+    with mock.patch("embedpipe.worker.plan_batches", return_value=[]) as plan, \
+            mock.patch.object(Embedder, "batch_layout", "padded"):
+        embedder.plan(records)
+    assert plan.call_args.args[2] == 1024
