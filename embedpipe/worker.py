@@ -115,8 +115,7 @@ class Embedder:
         self.quiet = True
         self.stats = Counter()
         self._busy = BusyTimer()
-        #: pinned buffers for read-back: one batch's outputs idle while the next is in flight
-        self._ring = cuda.PinnedRing(keep=1 + (len(self.layers) if options.per_residue else 0))
+        self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * options.per_residue)  # one batch's read-back
 
     # -- model preparation (once per policy) --------------------------------------------------
     def runner(self, policy: Policy) -> Runner:
@@ -338,36 +337,30 @@ class Embedder:
                     pooled = pool_padded(out, batch, self.layers, bos=bos, per_residue=per_residue)
             self._busy.stop(device)
         del out
-        self.stats["batches"] += 1
-        self.stats["computed_tokens"] += sum(p.tokens for p in batch) if packed else tokens.numel()
-        self.stats["real_tokens"] += sum(p.tokens for p in batch)
+        real = sum(p.tokens for p in batch)
+        self.stats.update(batches=1, computed_tokens=real if packed else tokens.numel(), real_tokens=real)
         return _Launched(batch, HostCopy(pooled.summary, self._ring),
                          {k: HostCopy(v, self._ring) for k, v in pooled.residues.items()}, pooled.residue_starts)
 
     def _collect(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
-        """Wait for a launched batch's outputs and split them per piece."""
-        with cuda.host_side():  # the one read-back point of a batch
-            return self._per_piece(launched)
+        """Wait for a launched batch's outputs and split them per piece (the batch's one
+        read-back point: host work, see :func:`embedpipe.cuda.host_side`)."""
+        with cuda.host_side():
+            dim = self.loaded.embed_dim
+            host = HostPooled.unpack(launched.summary.wait().numpy(),
+                                     {k: v.wait().numpy() for k, v in launched.residues.items()},
+                                     launched.residue_starts, self.layers, dim, "bos" in self.pooling)
+            return [(piece, self._piece_result(host, row, piece)) for row, piece in enumerate(launched.batch)]
 
-    def _per_piece(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
-        """A collected batch's host outputs, per piece."""
-        dim = self.loaded.embed_dim
-        host = HostPooled.unpack(launched.summary.wait().numpy(),
-                                 {k: v.wait().numpy() for k, v in launched.residues.items()},
-                                 launched.residue_starts, self.layers, dim, "bos" in self.pooling)
-        results = []
-        for row, piece in enumerate(launched.batch):
-            residues = None
-            if self.options.per_residue:
-                residues = host.residue_rows(row, piece.keep_start - piece.start, piece.keep_end - piece.start)
-            results.append((piece, _PieceResult(
-                sums={layer: host.sums[layer][row] for layer in self.layers},
-                residues=residues,
-                max_abs=float(host.max_abs[row]),
-                stored_max=float(host.stored_max[row]),
-                bos={layer: host.bos[layer][row] for layer in self.layers} if host.bos and piece.start == 0 else None,
-            )))
-        return results
+    def _piece_result(self, host: HostPooled, row: int, piece: Piece) -> _PieceResult:
+        kept = (piece.keep_start - piece.start, piece.keep_end - piece.start)
+        return _PieceResult(
+            sums={layer: host.sums[layer][row] for layer in self.layers},
+            residues=host.residue_rows(row, *kept) if self.options.per_residue else None,
+            max_abs=float(host.max_abs[row]),
+            stored_max=float(host.stored_max[row]),
+            bos={layer: host.bos[layer][row] for layer in self.layers} if host.bos and piece.start == 0 else None,
+        )
 
     # -- records ----------------------------------------------------------------------------------
     def _reason(self, policy: Policy, result: _PieceResult) -> str:
