@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -143,6 +144,34 @@ class HostCopy:
         self._event, self._buffer = None, None
         self._host = host
         return host
+
+
+class SyncCount:
+    """Host syncs seen inside :func:`count_syncs` (``count`` stays None off CUDA)."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self.why: str | None = None
+
+
+@contextlib.contextmanager
+def count_syncs(device: torch.device) -> Iterator[SyncCount]:
+    """Count the synchronising CUDA calls made inside (``torch.cuda.set_sync_debug_mode("warn")``,
+    one warning each): the syncs a fake-CUDA trace cannot see, such as those inside C++ ops."""
+    counted = SyncCount()
+    if device.type != "cuda":
+        counted.why = "sync debug mode exists on CUDA only"
+        yield counted
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    counted.count = sum("synchroniz" in str(w.message) for w in caught)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -194,6 +194,13 @@ class EsmForward:
             if interleave:
                 self._interleaved.add(id(attn))
 
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Run every layer through ``torch.compile`` (one graph shared by the layers, shapes
+        dynamic): fuses the norms, casts, rotation and residual adds that eager mode runs as
+        separate passes over memory. Optional: compiling costs time on the first batches
+        (benchmarks/gpu_acceptance.py measures both)."""
+        self._layer = torch.compile(self._layer, backend=backend, dynamic=True)
+
     @property
     def prepacked(self) -> bool:
         """Whether the projections run with oneDNN-prepacked weights."""
