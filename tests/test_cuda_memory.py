@@ -40,13 +40,13 @@ def _records(tokens: int) -> list[tuple[str, str]]:
     return out
 
 
-def fake_model(dim: int, heads: int) -> Esm2Model:
+def fake_model(dim: int, heads: int, depth: int = DEPTH) -> Esm2Model:
     """An ESM-2 of this width, its parameters fake (call inside ``fake_cuda``)."""
     alphabet = esm2_alphabet()
     with skip_random_init():
-        model = ESM2(num_layers=DEPTH, embed_dim=dim, attention_heads=heads, alphabet=alphabet, token_dropout=True)
+        model = ESM2(num_layers=depth, embed_dim=dim, attention_heads=heads, alphabet=alphabet, token_dropout=True)
     return Esm2Model(model=model.eval().requires_grad_(False), alphabet=alphabet, name="fake", source="fake",
-                     sha256="0" * 64, trained=False, num_layers=DEPTH, embed_dim=dim, attention_heads=heads)
+                     sha256="0" * 64, trained=False, num_layers=depth, embed_dim=dim, attention_heads=heads)
 
 
 def traced_bytes_per_token(shape: str, precision: str, *, tokens: int = 16384, **options) -> tuple[float, int]:
