@@ -11,6 +11,7 @@ the bf16 peak, every other op at a given HBM bandwidth, attention at 350 TFLOP/s
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -63,4 +64,6 @@ def main(policy: str = "bf16-mixed") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("policy", nargs="?", default="bf16-mixed", help="precision policy (default %(default)s)")
+    main(parser.parse_args().policy)

@@ -16,15 +16,13 @@ What it changes in embedpipe is the seam of :mod:`embedpipe.cuda` only: ``host_s
 values): zeros, or NaN in the records a test picks to drive the fp32 fallback.
 A sync answered with a dummy value lets the trace go on and find the next one.
 
-Pitfalls of torch 2.13's CPU build this works around (each found by running embedpipe):
-Python bindings of indexing, ``contiguous``, ``to`` and ``nonzero`` open a CUDA device guard
-and fail, so they are re-expressed as aten ops (:class:`_GuardShim`); ``Module.to`` on fake
-parameters fails; ``pin_memory`` is not implemented for fake tensors; ``torch.cuda.Event`` and
-``Stream`` are dummy classes; a patched ``is_available`` makes the fake mode run small real
-tensors through CUDA kernels unless ``avoid_device_init`` is patched too; ``.numpy()`` of a
-real tensor inside the fake mode returns garbage. It cannot see numerics, timing, stream
-semantics, syncs inside C++ kernels or the allocator: the acceptance run on a real GPU counts
-syncs with ``torch.cuda.set_sync_debug_mode("warn")`` (benchmarks/gpu_acceptance.py).
+Pitfalls of torch 2.13's CPU build worked around: bindings of indexing, ``contiguous``, ``to``
+and ``nonzero`` open a CUDA device guard and fail (:class:`_GuardShim` re-expresses them as
+aten ops); ``Module.to`` on fake parameters fails; fake ``pin_memory`` is not implemented;
+``torch.cuda.Event``/``Stream`` are dummies; a patched ``is_available`` needs ``avoid_device_init``
+too; ``.numpy()`` of a real tensor inside the fake mode returns garbage; in inference mode
+``.cpu()`` reaches the mode as ``aten.to``, not ``_to_copy``. Not seen: numerics, timing,
+streams, syncs inside C++ kernels, the allocator (the GPU acceptance run counts syncs).
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from embedpipe import cuda as ep_cuda
 aten = torch.ops.aten
 GiB = 2**30
 PACKAGE = str(Path(embedpipe.__file__).parent)
-SEAM = str(Path(ep_cuda.__file__))  # the documented read-back point lives here
+SEAM_NAME = "embedpipe/" + Path(ep_cuda.__file__).name  # the documented read-back point lives here
 VARLEN_OP = torch.ops.torch_attn._varlen_attn.default
 DYNAMIC_SHAPE_OPS = {getattr(aten, n).default for n in ("nonzero", "masked_select", "_unique2", "unique_consecutive")
                      if hasattr(aten, n)}
@@ -96,9 +94,8 @@ class Trace:
 
     def clear(self) -> None:
         """Forget what was seen so far (model preparation), keep the live memory."""
-        for name in ("syncs", "transfers", "varlen_calls", "violations", "mismatches", "events"):
-            getattr(self, name).clear()
-        for name in ("ops", "matmul_dtypes", "traffic"):
+        for name in ("syncs", "transfers", "varlen_calls", "violations", "mismatches", "events", "ops",
+                     "matmul_dtypes", "traffic"):
             getattr(self, name).clear()
         self.peak_bytes = self.live_bytes()
         self.largest = 0
@@ -118,8 +115,6 @@ class Trace:
     def blocking_h2d(self) -> list[tuple[str, bool, str]]:
         return [t for t in self.transfers if t[0] == "H2D" and t[1]]
 
-
-SEAM_NAME = "embedpipe/" + Path(SEAM).name
 
 
 def varlen_contract(args: tuple, kwargs: dict) -> list[str]:
@@ -335,9 +330,6 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         pass
 
-    def __repr__(self) -> str:
-        return f"<fake stream {self.device}>"
-
 
 def _event_class(trace: Trace) -> type:
     class FakeEvent:
@@ -354,8 +346,7 @@ def _event_class(trace: Trace) -> type:
         def synchronize(self) -> None:
             trace.events.append(f"synchronize at {where()}")
 
-        def elapsed_time(self, other: object) -> float:
-            return 0.0
+        elapsed_time = staticmethod(lambda other: 0.0)
 
     return FakeEvent
 
@@ -383,8 +374,7 @@ def _module_to(self: torch.nn.Module, *args: object, **kwargs: object) -> torch.
 
 _MISSING = object()
 
-#: what the device "computed", given the shape and dtype of a HostCopy: real zeros
-Answer = Callable[[tuple, torch.dtype], torch.Tensor]
+Answer = Callable[[tuple, torch.dtype], torch.Tensor]  # a HostCopy's (shape, dtype) -> what the device "computed"
 
 
 def zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
