@@ -69,7 +69,8 @@ class PinnedRing:
     buffer up to a power of two and keeps it, so one 1M-token per-residue layer of a 650M
     model (5.4 GB) would pin 8 GB per batch in flight. Here a buffer goes back to the ring
     once its contents are copied out (:meth:`HostCopy.wait`), the next copy of the same size
-    reuses it, and at most ``keep`` idle buffers are held (the largest kept)."""
+    reuses it, and at most ``keep`` idle buffers are held (the largest kept; a dropped one
+    goes back to PyTorch's host cache). A run holds its batches in flight plus ``keep``."""
 
     def __init__(self, keep: int = 4, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.keep = keep
