@@ -17,7 +17,7 @@ from embedpipe import cuda
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.planning import BATCH_OVERHEAD_TOKENS as CPU_BATCH_OVERHEAD_TOKENS
 from embedpipe.options import AUTO, CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
-from embedpipe.precision import FP32, Policy
+from embedpipe.precision import FP32, Policy, resolve_attention_inputs
 
 #: share of the memory left after the weights that batches may fill (the rest: the CUDA
 #: context's growth, allocator fragmentation, what the estimate misses)
@@ -46,7 +46,8 @@ def resolve_tokens_per_batch(options: EmbedOptions, loaded: EmbeddingModel, poli
         return CPU_TOKENS_PER_BATCH
     free = cuda.free_memory(device)
     weights = device_weight_bytes(loaded, policy, options.fallback_device, free)
-    per_token = bytes_per_token(loaded, policy, stored_layers, options.per_residue)
+    inputs = resolve_attention_inputs(options.attention_inputs, device)
+    per_token = bytes_per_token(loaded, policy, stored_layers, options.per_residue, attention_inputs=inputs)
     return min(tokens_that_fit(free - weights, per_token), kernel_token_cap(loaded, policy))
 
 
@@ -68,7 +69,8 @@ def device_weight_bytes(loaded: EmbeddingModel, policy: Policy, fallback_device:
     return main + fallback
 
 
-def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Sequence[int], per_residue: bool) -> int:
+def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Sequence[int], per_residue: bool, *,
+                    attention_inputs: str = "compute") -> int:
     """Device memory of one token at the batch's peak, the larger of two moments:
 
     - the forward, in its last layer (every layer needs the same working memory, which
@@ -77,8 +79,9 @@ def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Seque
     - pooling: every stored hidden state, plus fp32 copies of those not already fp32 (all of
       them with per-residue output, held until the rows leave the device; one at a time
       otherwise).
-    Checked against a traced forward at the 650M and 3B shapes (tests/test_cuda_memory.py)."""
-    estimate = loaded.estimate_memory(policy)
+    Checked against a traced forward at the 650M and 3B shapes (tests/test_cuda_memory.py).
+    ``attention_inputs``: resolved ``--attention-inputs`` (``compute`` is CUDA's default)."""
+    estimate = loaded.estimate_memory(policy, attention_inputs=attention_inputs)
     hidden = loaded.embed_dim * estimate.hidden_itemsize
     held = sum(1 for layer in stored_layers if layer < loaded.num_layers - 1)
     forward = estimate.activation_bytes_per_token + held * hidden

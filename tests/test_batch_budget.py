@@ -34,7 +34,7 @@ class FakeModel:
     hidden_itemsize: int = 4
     num_layers: int = 30
 
-    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
+    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
         return MemoryEstimate(host_bytes=0, weight_bytes=PARAMETERS * policy.weight_dtype.itemsize,
                               activation_bytes_per_token=ACTIVATION, hidden_itemsize=self.hidden_itemsize)
 

@@ -20,7 +20,7 @@ from fake_cuda import fake_cuda
 from embedpipe import batch_budget
 from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
 from embedpipe.options import POLICY_NAMES, EmbedOptions
-from embedpipe.precision import get_policy
+from embedpipe.precision import get_policy, resolve_attention_inputs
 from embedpipe.worker import Embedder
 
 SHAPES = {"650M": (1280, 20), "3B": (2560, 40)}
@@ -63,8 +63,9 @@ def traced_bytes_per_token(shape: str, precision: str, *, tokens: int = 16384, *
         dict(embedder.embed(records, plan))
         computed = max(sum(p.tokens for p in b) if plan.packed else len(b) * max(p.tokens for p in b)
                        for b in plan.batches)
-        estimate = batch_budget.bytes_per_token(loaded, get_policy(precision), embedder.layers,
-                                                chosen.per_residue)
+        estimate = batch_budget.bytes_per_token(loaded, get_policy(precision), embedder.layers, chosen.per_residue,
+                                                attention_inputs=resolve_attention_inputs(chosen.attention_inputs,
+                                                                                          embedder.device))
         return (trace.peak_bytes - before) / computed, estimate
 
 
@@ -81,6 +82,14 @@ def test_the_estimate_matches_the_traced_peak(shape, precision):
 def test_stored_layers_beside_the_last_are_counted(precision, per_residue):
     traced, estimate = traced_bytes_per_token("650M", precision, layers=(0, 1, 2, 3), per_residue=per_residue)
     assert abs(estimate - traced) <= 0.10 * traced, (traced / 1280, estimate / 1280)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_fp32_attention_inputs_are_counted(shape, precision):
+    """--attention-inputs fp32 keeps v and the attention output in fp32 (and pads): 36 D, not 30 D."""
+    traced, estimate = traced_bytes_per_token(shape, precision, per_residue=True, attention_inputs="fp32")
+    assert abs(estimate - traced) <= 0.10 * traced, (traced / SHAPES[shape][0], estimate / SHAPES[shape][0])
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
