@@ -23,6 +23,12 @@ from embedpipe.worker import Embedder
 ROOT = Path(__file__).resolve().parent.parent
 #: max |difference| allowed between fp32 outputs of two exact computations (TF32 off)
 TOLERANCE = 1e-4
+#: bf16-mixed packed (on CUDA the varlen flash kernel) against padded (SDPA with a mask):
+#: two bf16 computations of the same thing, apart by rounding only. Pooled vectors: cosine at
+#: least this; per residue: max |difference| within this share of the record's largest value
+#: (2^-5: a few bf16 steps, which have 2^-8 relative precision, over 30+ layers)
+MIXED_MIN_COSINE = 0.9999
+MIXED_MAX_RELATIVE_DIFF = 2.0**-5
 #: records embedded alone for the batch-invariance check (shortest, middle, longest)
 INVARIANCE_RECORDS = 3
 #: policies whose fp16 weights turn the overflow model's 7e4 'C' row into inf
@@ -89,6 +95,27 @@ def layouts_section(loaded: Any, fair: tuple[torch.nn.Module, Any], records: lis
             "packed_equals_padded": packed_vs_padded <= TOLERANCE}
 
 
+def mixed_layouts_section(loaded: Any, records: list[tuple[str, str]], device: torch.device) -> dict:
+    """bf16-mixed packed against padded, last layer: on CUDA this is varlen flash against SDPA
+    (fp32 packed on CUDA runs the per-sequence stand-in, so the fp32 comparison never sees flash)."""
+    last, outputs, paths = loaded.num_layers, {}, {}
+    for layout in ("packed", "padded"):
+        embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", per_residue=True, batch_layout=layout,
+                                                 device=str(device)), device)
+        outputs[layout] = dict(embedder.embed(records))
+        paths[layout] = embedder.attention_path
+        del embedder
+        release(device)
+    packed, padded = outputs["packed"], outputs["padded"]
+    cos = min(cosine(packed[i].mean[last], padded[i].mean[last]) for i in packed)
+    relative = max(float(np.max(np.abs(packed[i].per_residue[last] - padded[i].per_residue[last]))
+                         / max(float(np.max(np.abs(padded[i].per_residue[last]))), 1e-30)) for i in packed)
+    return {"packed_attention_path": paths["packed"], "padded_attention_path": paths["padded"],
+            "min_cosine_tolerance": MIXED_MIN_COSINE, "max_relative_diff_tolerance": MIXED_MAX_RELATIVE_DIFF,
+            "min_pooled_cosine": cos, "max_relative_diff_per_residue": relative,
+            "within_tolerance": cos >= MIXED_MIN_COSINE and relative <= MIXED_MAX_RELATIVE_DIFF}
+
+
 def invariance_picks(records: list[tuple[str, str]]) -> list[int]:
     """Indices of the shortest, a middle and the longest record (the batch's extremes)."""
     order = sorted(range(len(records)), key=lambda i: len(records[i][1]))
@@ -124,9 +151,11 @@ def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.
 
 def shape_correctness(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],
                       device: torch.device) -> dict:
-    """The correctness of one shape: layouts against fair-esm, then every policy."""
+    """The correctness of one shape: layouts against fair-esm, bf16-mixed packed against
+    padded, then every policy."""
     return {"records": len(records), "residues": sum(len(s) for _, s in records),
             **layouts_section(loaded, fair, records, device),
+            "bf16_mixed_packed_vs_padded": mixed_layouts_section(loaded, records, device),
             "policies": policies_section(loaded, records, device)}
 
 

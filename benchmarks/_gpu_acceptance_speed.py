@@ -23,7 +23,7 @@ import torch
 from _gpu_acceptance_setup import (WINDOW, MemoryWindow, Stopwatch, forward_flops, length_scale, park_on_host,
                                    proxy_lengths, random_records, release, write_fasta)
 
-from embedpipe.cuda import BusyTimer
+from embedpipe.cuda import BusyTimer, count_syncs
 from embedpipe.model.esm2 import reset_rotary_caches
 from embedpipe.options import EmbedOptions
 from embedpipe.worker import Embedder
@@ -41,6 +41,8 @@ SYSTEMS: dict[str, tuple[str, Any]] = {
     # fp32 q/k/v at the kernel (no flash, no tensor cores): the other side of the attention-inputs trade
     "embedpipe-bf16-mixed-fp32-attention": ("embedpipe", ("bf16-mixed", "padded", "fp32")),
     "embedpipe-fp16-mixed": ("embedpipe", ("fp16-mixed", "auto", "auto")),
+    # every layer through torch.compile; its compile time is in warmup_seconds (CUDA only)
+    "embedpipe-bf16-mixed-compiled": ("embedpipe", ("bf16-mixed", "packed", "auto", True)),
     "fair-esm-fp32": ("recipe", torch.float32),
     "fair-esm-fp16": ("recipe", torch.float16),  # after fp32: model.half() is in place
     "hf-sdpa-bf16": ("hf", torch.bfloat16),
@@ -52,7 +54,8 @@ FLOPS_FORMULA = ("per real token (BOS/EOS included, padding not) per layer: 24*D
 ROW_KEYS = ("skipped", "seconds", "residues_per_s", "tokens_per_batch", "batch_layout", "attention_path",
             "attention_inputs",
             "padding_efficiency", "peak_memory_mib", "peak_memory_kind", "peak_memory_why", "busy_seconds",
-            "idle_fraction", "mfu", "mfu_why", "min_cosine_to_fp32", "x_fair_esm_fp32", "x_hf_sdpa_bf16", "fallback")
+            "idle_fraction", "mfu", "mfu_why", "min_cosine_to_fp32", "x_fair_esm_fp32", "x_hf_sdpa_bf16", "fallback",
+            "syncs", "syncs_why", "warmup_seconds", "residues_per_s_with_warmup")
 
 #: the keys of the proxy section (besides skipped and shape)
 PROXY_KEYS = ("records", "residues", "median_length", "max_length", "records_over_1022", "records_over_5000",
@@ -127,28 +130,36 @@ def hf_loop(model: Any, alphabet: Any, device: torch.device, tokens_per_batch: i
 # -- running one system ---------------------------------------------------------------------------------
 
 def timed_loop(loop: Loop, records: list[tuple[str, str]], device: torch.device) -> dict[str, Any]:
-    """Warm-up on a few records, then the timed loop with its busy (forward) seconds."""
-    loop(records[:WARMUP_RECORDS], BusyTimer())
+    """Warm-up on a few records, then the timed loop with its busy (forward) seconds and the
+    host syncs it made (CUDA's sync debug mode)."""
+    with Stopwatch(device) as warmup:
+        loop(records[:WARMUP_RECORDS], BusyTimer())
     timer = BusyTimer()
-    with Stopwatch(device) as watch:
+    with Stopwatch(device) as watch, count_syncs(device) as syncs:  # its own syncs outside the count
         out, tokens = loop(records, timer)
     return {"outputs": out, "seconds": watch.seconds, "busy_seconds": timer.seconds,
-            "padding_efficiency": tokens["real"] / tokens["computed"]}
+            "padding_efficiency": tokens["real"] / tokens["computed"], "warmup_seconds": warmup.seconds,
+            "syncs": syncs.count, "syncs_why": syncs.why}
 
 
 def run_embedpipe(loaded: Any, records: list[tuple[str, str]], device: torch.device, policy: str,
-                  layout: str, attention_inputs: str) -> dict[str, Any]:
-    """The Embedder under ``policy`` with ``layout`` and ``attention_inputs`` asked; what it
-    reports goes in the row."""
+                  layout: str, attention_inputs: str, compiled: bool = False) -> dict[str, Any]:
+    """The Embedder under ``policy`` with ``layout`` and ``attention_inputs`` asked (its layers
+    compiled when ``compiled``); what it reports goes in the row. The warm-up prepares the
+    model and, compiled, compiles it: ``warmup_seconds`` counts that time."""
     options = EmbedOptions(precision=policy, batch_layout=layout, attention_inputs=attention_inputs, device=str(device))
     embedder = Embedder(loaded, options, device)
     last = loaded.num_layers
-    list(embedder.embed(records[:WARMUP_RECORDS]))  # prepares the model, warms the kernels
+    with Stopwatch(device) as warmup:
+        if compiled:
+            embedder.runner(embedder.policy).compile_layers()
+        list(embedder.embed(records[:WARMUP_RECORDS]))  # prepares the model, warms the kernels
     busy, stats = embedder.busy_seconds, Counter(embedder.stats)
-    with Stopwatch(device) as watch:
+    with Stopwatch(device) as watch, count_syncs(device) as syncs:  # its own syncs outside the count
         out = {records[i][0]: r.mean[last] for i, r in embedder.embed(records)}
     done = embedder.stats - stats
     return {"outputs": out, "seconds": watch.seconds, "busy_seconds": embedder.busy_seconds - busy,
+            "warmup_seconds": warmup.seconds, "syncs": syncs.count, "syncs_why": syncs.why,
             "padding_efficiency": done["real_tokens"] / done["computed_tokens"],
             "tokens_per_batch": embedder.tokens_per_batch, "batch_layout": embedder.batch_layout,
             "attention_path": embedder.attention_path, "attention_inputs": embedder.attention_inputs,
@@ -196,9 +207,11 @@ def run_hf(loaded: Any, records: list[tuple[str, str]], device: torch.device, dt
                      "attention_path": f"padded-hf-{attention}", "attention_inputs": str(dtype).removeprefix("torch.")}
 
 
-def skip_reason(kind: str) -> str | None:
+def skip_reason(name: str, kind: str, device: torch.device) -> str | None:
     if kind == "hf" and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed"
+    if name.endswith("-compiled") and device.type != "cuda":
+        return "torch.compile is measured on CUDA only (compiling on a CPU smoke run takes minutes)"
     return None
 
 
@@ -236,6 +249,7 @@ def row(result: dict[str, Any] | None, why: str | None, residues: int, flops: fl
     out |= {k: result.get(k) for k in ROW_KEYS if k in result}
     seconds = result["seconds"]
     out["residues_per_s"] = residues / seconds
+    out["residues_per_s_with_warmup"] = residues / (seconds + result["warmup_seconds"])
     out["idle_fraction"] = 1.0 - result["busy_seconds"] / seconds
     out["mfu"] = flops / seconds / peak if peak else None
     out["mfu_why"] = None if peak else peak_why
@@ -264,7 +278,7 @@ def shape_speed(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tu
     residues, flops = sum(min(n, WINDOW) for n in lengths), forward_flops(lengths, loaded.num_layers, loaded.embed_dim)
     rows, outputs = {}, {}
     for name, (kind, _) in SYSTEMS.items():
-        why = skip_reason(kind)
+        why = skip_reason(name, kind, device)
         result = None
         if why is None:
             peer_tokens = rows.get("embedpipe-bf16-mixed", {}).get("tokens_per_batch") or RECIPE_TOKENS_PER_BATCH
@@ -281,14 +295,20 @@ def shape_speed(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tu
 
 # -- the proteome proxy ------------------------------------------------------------------------------------
 
-def proxy_section(path: Path, device: torch.device, count: int, work: Path, threads: int) -> dict[str, Any]:
+def proxy_records(count: int, device: torch.device) -> list[tuple[str, str]]:
+    return random_records(proxy_lengths(count, seed=415, scale=length_scale(device)), seed=7, prefix="hp")
+
+
+def proxy_section(path: Path, device: torch.device, count: int, work: Path, threads: int,
+                  limit: float | None = None) -> dict[str, Any]:
     """``embedpipe embed --precision bf16-mixed`` as a whole process on a human-like proteome
-    FASTA: start-up, model load, chunking above 1,022, embedding and the store write."""
+    FASTA: start-up, model load, chunking above 1,022, embedding and the store write; stopped
+    after ``limit`` seconds (the run's time budget), then ``skipped`` says so."""
     import h5py
 
-    from embed_throughput import timed
+    from _gpu_acceptance_budget import timed_with_limit
 
-    records = random_records(proxy_lengths(count, seed=415, scale=length_scale(device)), seed=7, prefix="hp")
+    records = proxy_records(count, device)
     fasta = write_fasta(work / f"proxy-{count}.fasta", records)
     store = work / f"proxy-{count}.h5"
     store.unlink(missing_ok=True)
@@ -298,13 +318,15 @@ def proxy_section(path: Path, device: torch.device, count: int, work: Path, thre
 
     same = str(Path(embedpipe.__file__).resolve().parent.parent)  # the child imports this process's embedpipe
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [same, os.environ.get("PYTHONPATH")])))
-    seconds, peak_rss = timed(command, env)
+    seconds, peak_rss, stopped = timed_with_limit(command, env, limit)
+    if stopped:
+        return dict.fromkeys(PROXY_KEYS) | {"skipped": stopped, "peak_rss_mib": peak_rss}
     with h5py.File(store, "r") as f:
         attrs = dict(f.attrs)
         handling = Counter(x.decode() if isinstance(x, bytes) else str(x) for x in f["long_handling"][()])
     lengths = [len(s) for _, s in records]
     residues = sum(lengths)
-    return {"records": count, "residues": residues, "median_length": float(np.median(lengths)),
+    return {"skipped": None, "records": count, "residues": residues, "median_length": float(np.median(lengths)),
             "max_length": max(lengths), "records_over_1022": sum(n > WINDOW for n in lengths),
             "records_over_5000": sum(n > 5000 for n in lengths), "chunked_records": handling.get("chunked", 0),
             "precision": "bf16-mixed", "seconds": seconds, "residues_per_s": residues / seconds,

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
+from _gpu_acceptance_budget import RESERVE_SECONDS, Budget
 from _gpu_acceptance_correctness import overflow_section, shape_correctness
 from _gpu_acceptance_setup import (SHAPES, WINDOW, checkpoint, default_device, device_info, fair_esm_model, human_lengths,
-                                   length_scale, park_on_host, random_records, release, shape_dims,
+                                   forward_flops, length_scale, park_on_host, random_records, release, shape_dims,
                                    shape_skip_reason)
-from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_section, shape_speed
+from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_records, proxy_section, shape_speed
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "embedpipe.gpu-acceptance/1"
@@ -68,6 +69,9 @@ REQUIRED_FIELDS: tuple[str, ...] = (
                                 "checkpoint", "parameters", "seconds")),
     *(f"correctness.*.{k}" for k in ("records", "residues", "tolerance", "tf32", "max_abs_diff_packed_vs_padded",
                                      "packed_equals_padded")),
+    *(f"correctness.*.bf16_mixed_packed_vs_padded.{k}" for k in (
+        "packed_attention_path", "padded_attention_path", "min_cosine_tolerance", "max_relative_diff_tolerance",
+        "min_pooled_cosine", "max_relative_diff_per_residue", "within_tolerance")),
     *(f"correctness.*.{layout}.{k}" for layout in ("packed", "padded")
       for k in ("asked", "batch_layout", "attention_path", "attention_inputs", "tokens_per_batch",
                 "max_abs_diff_mean_vs_fair_esm", "max_abs_diff_per_residue_vs_fair_esm", "within_tolerance")),
@@ -151,40 +155,59 @@ def shape_meta(key: str, device: torch.device, skipped: str | None) -> dict[str,
             "checkpoint": None, "parameters": parameter_count(*dims), "seconds": None}
 
 
+def shape_records(key: str, args: argparse.Namespace, device: torch.device) -> tuple[list, list]:
+    """(correctness records, speed records) of one shape: the same on every call."""
+    cuda, quarter = device.type == "cuda", 4 if args.quick else 1
+    scale = length_scale(device)
+    n = COUNTS["correctness"][0 if cuda else 1] // quarter
+    correctness = random_records(human_lengths(n, seed=1, cap=WINDOW, scale=scale), seed=2, prefix="c")
+    n = args.speed_records or (SHAPES[key].speed_records if cuda else COUNTS["speed_cpu"]) // quarter
+    return correctness, random_records(human_lengths(n, seed=3, cap=WINDOW, scale=scale), seed=4, prefix="s")
+
+
+def shape_flops(key: str, args: argparse.Namespace, device: torch.device) -> float:
+    """Forward FLOPs of one shape's records (correctness and speed): what the budget scales by."""
+    layers, dim, _ = shape_dims(SHAPES[key], device)
+    return sum(forward_flops([len(s) for _, s in records], layers, dim) for records in shape_records(key, args, device))
+
+
 def run_shape(key: str, args: argparse.Namespace, device: torch.device, results: dict[str, Any]) -> None:
     """Correctness and speed of one shape, on one loaded random-weight checkpoint."""
     from embedpipe.model import load_model
 
-    meta, cuda = results["shapes"][key], device.type == "cuda"
+    meta = results["shapes"][key]
     started = time.perf_counter()
     path = checkpoint(args.work, shape_dims(SHAPES[key], device), fp16_file=SHAPES[key].fp16_file)
     meta["checkpoint"] = str(path)
     loaded = load_model(str(path))
     fair = fair_esm_model(path)  # fair-esm's own loader: the reference and the recipe's model
-    n = COUNTS["correctness"][0 if cuda else 1] // (4 if args.quick else 1)
-    scale = length_scale(device)
-    records = random_records(human_lengths(n, seed=1, cap=WINDOW, scale=scale), seed=2, prefix="c")
-    log(f"  {key}: correctness on {n} records")
-    results["correctness"][key] = shape_correctness(loaded, fair, records, device)
+    correctness, speed = shape_records(key, args, device)
+    log(f"  {key}: correctness on {len(correctness)} records")
+    results["correctness"][key] = shape_correctness(loaded, fair, correctness, device)
     park_on_host(loaded)
-    n = args.speed_records or (SHAPES[key].speed_records if cuda else COUNTS["speed_cpu"]) // (4 if args.quick else 1)
-    records = random_records(human_lengths(n, seed=3, cap=WINDOW, scale=scale), seed=4, prefix="s")
-    log(f"  {key}: speed on {n} records")
-    results["speed"][key] = shape_speed(loaded, fair, records, device, results["device"]["bf16_peak_flops"],
+    log(f"  {key}: speed on {len(speed)} records")
+    results["speed"][key] = shape_speed(loaded, fair, speed, device, results["device"]["bf16_peak_flops"],
                                         results["device"]["bf16_peak_flops_why"], log)
     del loaded, fair
     release(device)
     meta["seconds"] = time.perf_counter() - started
 
 
-def run_proxy(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The proteome proxy on the 650M shape (its checkpoint reused when the shape ran)."""
+def run_proxy(args: argparse.Namespace, device: torch.device, budget: Budget, results: dict[str, Any]) -> dict[str, Any]:
+    """The proteome proxy on the 650M shape (its checkpoint reused when the shape ran), inside
+    what is left of the time budget: refused when the 650M rate says it cannot finish, stopped
+    when it runs past."""
     count = args.proxy_records
+    skipped = {"shape": PROXY_SHAPE, **dict.fromkeys(PROXY_KEYS)}
     if count <= 0:
-        return dict.fromkeys(PROXY_KEYS) | {"skipped": "--proxy-records 0", "shape": PROXY_SHAPE}
+        return skipped | {"skipped": "--proxy-records 0"}
+    rate = results["speed"].get(PROXY_SHAPE, {}).get("systems", {}).get("embedpipe-bf16-mixed", {}).get("residues_per_s")
+    limit, why = budget.proxy_limit(sum(len(s) for _, s in proxy_records(count, device)), rate)
+    if why:
+        return skipped | {"skipped": why}
     path = checkpoint(args.work, shape_dims(SHAPES[PROXY_SHAPE], device))
     log(f"  proxy: {count} records, {PROXY_SHAPE} shape, bf16-mixed, whole process")
-    return {"skipped": None, "shape": PROXY_SHAPE, **proxy_section(path, device, count, args.work, args.threads)}
+    return {"skipped": None, "shape": PROXY_SHAPE, **proxy_section(path, device, count, args.work, args.threads, limit)}
 
 
 def target_value(results: dict[str, Any], place: str) -> tuple[Any, str | None]:
@@ -235,32 +258,36 @@ def _f(value: Any, fmt: str) -> str:
 def speed_table(results: dict[str, Any]) -> list[str]:
     """One row per shape and system: speed, ratios, MFU, idle fraction, memory, cosine."""
     lines = ["| shape | system | attention path | q/k/v | residues/s | x fair-esm fp32 | x HF SDPA bf16 | MFU | idle "
-             "| peak MiB | min cos to fp32 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak MiB | min cos to fp32 | syncs | warm-up s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, section in results["speed"].items():
         for name, r in section["systems"].items():
             if r["skipped"]:
-                lines.append(f"| {key} | {name} | - | - | skipped: {r['skipped']} | | | | | | |")
+                lines.append(f"| {key} | {name} | - | - | skipped: {r['skipped']} | | | | | | | | |")
                 continue
             lines.append(
                 f"| {key} | {name} | {r['attention_path']} | {r['attention_inputs']} | {r['residues_per_s']:,.0f} | "
                 f"{_f(r['x_fair_esm_fp32'], '.2f')} | {_f(r['x_hf_sdpa_bf16'], '.2f')} | {_f(r['mfu'], '.1%')} | "
-                f"{r['idle_fraction']:.1%} | {_f(r['peak_memory_mib'], ',.0f')} | {_f(r['min_cosine_to_fp32'], '.6f')} |")
+                f"{r['idle_fraction']:.1%} | {_f(r['peak_memory_mib'], ',.0f')} | {_f(r['min_cosine_to_fp32'], '.6f')} | "
+                f"{_f(r['syncs'], 'd')} | {_f(r['warmup_seconds'], '.1f')} |")
     return lines
 
 
 def correctness_table(results: dict[str, Any]) -> list[str]:
     """One row per shape: the layouts against fair-esm, what packed ran as, policies, invariance."""
     lines = ["| shape | packed vs fair-esm | padded vs fair-esm | packed vs padded | layout asked packed -> ran "
-             "| policies finite | batch-invariant (max diff) |", "|---|---|---|---|---|---|---|"]
+             "| bf16-mixed packed vs padded (cos, rel. diff) | policies finite | batch-invariant (max diff) |",
+             "|---|---|---|---|---|---|---|---|"]
     for key, c in results["correctness"].items():
-        policies = c["policies"]
+        policies, mixed = c["policies"], c["bf16_mixed_packed_vs_padded"]
         invariant = ", ".join(
             f"{p} {'yes' if v['batch_invariance']['equal'] else _f(v['batch_invariance']['max_abs_diff'], '.1e')}"
             for p, v in policies.items())
         lines.append(
             f"| {key} | {c['packed']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | "
             f"{c['padded']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | {c['max_abs_diff_packed_vs_padded']:.1e} | "
-            f"{c['packed']['batch_layout']} | {sum(v['finite'] for v in policies.values())}/{len(policies)} | "
+            f"{c['packed']['batch_layout']} | {mixed['min_pooled_cosine']:.6f}, {mixed['max_relative_diff_per_residue']:.1e}"
+            f" ({mixed['packed_attention_path']}{'' if mixed['within_tolerance'] else ', NOT within tolerance'}) | "
+            f"{sum(v['finite'] for v in policies.values())}/{len(policies)} | "
             f"{invariant} |")
     return lines
 
@@ -294,21 +321,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 #: the issue's budget for the whole run on one GPU
 CUDA_BUDGET_MINUTES = 8.0
-#: seconds kept for what runs after the shapes: the overflow check and the 20,000-record proxy
-RESERVE_SECONDS = 150.0
 #: shapes in the order they run: the targets' shape first, the largest (slowest to write and load) last
 RUN_ORDER = ("650M", "35M", "150M", "3B")
-
-
-def over_budget(elapsed: float, budget_minutes: float | None) -> str | None:
-    """Why a shape is skipped for time ('' never: None when it may start)."""
-    if budget_minutes is None:
-        return None
-    left = budget_minutes * 60 - RESERVE_SECONDS - elapsed
-    if left > 0:
-        return None
-    return (f"time budget: {elapsed:.0f} s elapsed of {budget_minutes:g} min, {RESERVE_SECONDS:.0f} s kept for the "
-            "overflow check and the proxy (--budget-minutes, --shapes)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -323,9 +337,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speed-records", type=int, default=None, help="records per shape in the speed section")
     parser.add_argument("--quick", action="store_true", help="650M only, a quarter of the records")
     parser.add_argument("--budget-minutes", type=float, default=None,
-                        help=f"skip shapes that would start past this budget, keeping {RESERVE_SECONDS:.0f} s for "
-                             f"the overflow check and the proxy (default {CUDA_BUDGET_MINUTES:g} on cuda, none on cpu); "
-                             "650M runs first")
+                        help=f"skip shapes that would not finish inside this budget (estimated from the rate "
+                             f"measured on the shapes before, times the FLOPs ratio), keeping {RESERVE_SECONDS:.0f} s "
+                             f"for the overflow check and the proxy, which stops when the budget is spent "
+                             f"(default {CUDA_BUDGET_MINUTES:g} on cuda, none on cpu); 650M runs first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads (default %(default)s; 1 is faster on a CPU shared with other jobs)")
     args = parser.parse_args(argv)
@@ -355,17 +370,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "correctness": {}, "speed": {}, "overflow_fallback": {}, "proxy": {}, "targets": {},
     }
     log(f"gpu_acceptance on {results['device']['name']} -> {args.out}")
+    budget = Budget(args.budget_minutes)
+    budget.started = started
     for key in sorted(args.shapes, key=RUN_ORDER.index):
-        results["shapes"][key]["skipped"] = (results["shapes"][key]["skipped"]
-                                             or over_budget(time.perf_counter() - started, args.budget_minutes))
+        flops = shape_flops(key, args, device)
+        results["shapes"][key]["skipped"] = results["shapes"][key]["skipped"] or budget.shape_skip(flops)
         if results["shapes"][key]["skipped"]:
             log(f"  {key}: skipped ({results['shapes'][key]['skipped']})")
             continue
         run_shape(key, args, device, results)
+        budget.measured(key, flops, results["shapes"][key]["seconds"])
         save(results, args.out)
     log("  fp16 overflow fallback")
     results["overflow_fallback"] = overflow_section(device, COUNTS["overflow"])
-    results["proxy"] = run_proxy(args, device)
+    results["proxy"] = run_proxy(args, device, budget, results)
     results["targets"] = targets(results, device)
     results["markdown"] = markdown(results)
     results["seconds_total"] = time.perf_counter() - started

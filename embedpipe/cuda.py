@@ -9,7 +9,10 @@ plain copies and wall-clock timing on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -50,29 +53,126 @@ def free_memory(device: torch.device) -> int:
     return int(free) + max(int(cached), 0)
 
 
-class HostCopy:
-    """A tensor on its way to the host. From CUDA: an asynchronous copy into pinned memory
-    (the caching host allocator reuses the buffers), so the next batch can be launched before
-    this one's results are read; :meth:`wait` blocks until the copy is done. On the CPU: the
-    tensor itself."""
+@contextlib.contextmanager
+def host_side() -> Iterator[None]:
+    """A block of host-only tensor work inside the launch path: tokens and offsets built on
+    the host, results read back from a :class:`HostCopy`. A no-op; it names the boundary
+    between host and device work, which the fake-CUDA trace (tests/fake_cuda.py) runs on
+    real tensors while everything else runs on a faked GPU."""
+    yield
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+
+class PinnedRing:
+    """Pinned host buffers for device-to-host copies, reused and bounded.
+
+    Why not ``torch.empty(pin_memory=True)`` per copy: the caching host allocator rounds each
+    buffer up to a power of two and keeps it, so one 1M-token per-residue layer of a 650M
+    model (5.4 GB) would pin 8 GB per batch in flight. Here a buffer goes back to the ring
+    once its contents are copied out (:meth:`HostCopy.wait`), the next copy of the same size
+    reuses it, and at most ``keep`` idle buffers are held (the largest kept; a dropped one
+    goes back to PyTorch's host cache). A run holds its batches in flight plus ``keep``."""
+
+    def __init__(self, keep: int = 4, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self.keep = keep
+        self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        self._free: list[torch.Tensor] = []
+        self.allocated = 0  # buffers allocated so far (a test counts reuse with it)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A (>= nbytes,) uint8 buffer: the smallest idle one that fits, else a new one."""
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        if fits:  # by position: ``list.remove`` would compare tensors by value
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        self.allocated += 1
+        return self._allocate(max(nbytes, 1))
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """``buffer`` is idle again; beyond ``keep`` idle buffers the smallest is dropped."""
+        self._free.append(buffer)
+        if len(self._free) > self.keep:
+            self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(b.numel() for b in self._free)
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of ``device`` that results go to the host on: per-residue read-back
+    does not wait behind the next batch's kernels on the compute stream."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+class HostCopy:
+    """A tensor on its way to the host. From CUDA: an asynchronous copy on the device's copy
+    stream into a buffer of ``ring``, so the next batch can be launched before this one's
+    results are read; :meth:`wait` blocks until the copy is done. On the CPU: the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor, ring: PinnedRing | None = None) -> None:
         self._event: torch.cuda.Event | None = None
+        self._ring, self._buffer = ring, None
         if tensor.device.type != "cuda":
             self._host = tensor.detach()
             return
-        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self._host.copy_(tensor, non_blocking=True)
-        # the copy runs on the current stream of the tensor's device, which need not be the
-        # current device (a library caller may pass cuda:1 without torch.cuda.set_device):
-        # an event on another device's stream would not wait for it
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(tensor.device))
+        self._ring = ring or PinnedRing(keep=0)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._buffer = self._ring.take(nbytes)
+        self._host = self._buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+        stream = copy_stream(tensor.device)
+        # the copy waits for the kernels that produced ``tensor`` (queued on the current
+        # stream of the tensor's device, which need not be the current device), and the
+        # allocator must not hand ``tensor``'s memory to the next batch before the copy ran
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+        tensor.record_stream(stream)
 
     def wait(self) -> torch.Tensor:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host
+        """The tensor on the host, the caller's to keep: from CUDA a pageable copy of the
+        pinned buffer (the buffer goes back to the ring); on the CPU the tensor itself."""
+        if self._event is None:
+            return self._host
+        self._event.synchronize()
+        host = self._host.clone()
+        self._ring.give(self._buffer)
+        self._event, self._buffer = None, None
+        self._host = host
+        return host
+
+
+class SyncCount:
+    """Host syncs seen inside :func:`count_syncs` (``count`` stays None off CUDA)."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self.why: str | None = None
+
+
+@contextlib.contextmanager
+def count_syncs(device: torch.device) -> Iterator[SyncCount]:
+    """Count the synchronising CUDA calls made inside (``torch.cuda.set_sync_debug_mode("warn")``,
+    one warning each): the syncs a fake-CUDA trace cannot see, such as those inside C++ ops."""
+    counted = SyncCount()
+    if device.type != "cuda":
+        counted.why = "sync debug mode exists on CUDA only"
+        yield counted
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    counted.count = sum("synchroniz" in str(w.message) for w in caught)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -87,7 +87,22 @@ class PackedTokens:
 
     def row_max_abs(self, x: torch.Tensor) -> torch.Tensor:
         """Per-record max |x| over all its tokens, fp32: the packed twin of ``masked_max_abs``."""
-        return self.segment_max(x.detach().abs().amax(dim=-1).float())
+        return self.segment_max(token_max_abs(x))
+
+
+def token_max_abs(x: torch.Tensor) -> torch.Tensor:
+    """(...,) fp32 max |x| over the last dim; NaN propagates.
+
+    Off the CPU one fused min/max reduction reads ``x`` once: ``abs`` first would write and
+    read back a full copy of ``x`` every layer (issue 20's traffic model: 8.5 D bytes a token
+    a layer). On the CPU ``abs`` then ``amax`` is the faster of the two (11 ms against 19 ms
+    for 8192 x 480 fp32 on 2 cores), so it stays.
+    """
+    x = x.detach()
+    if x.device.type == "cpu":
+        return x.abs().amax(dim=-1).float()
+    low, high = torch.aminmax(x, dim=-1)
+    return torch.maximum(high, low.neg()).float()
 
 
 def range_segments(host_offsets: Sequence[int], ranges: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from embedpipe.cuda import to_device
-from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.packed import PackedTokens, range_max, range_segments, range_sums
+from embedpipe.model.base import ForwardOutput
+from embedpipe.packed import PackedTokens, range_max, range_segments, range_sums, token_max_abs
 from embedpipe.planning import Piece
 
 
@@ -55,7 +55,7 @@ def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int
     sums, firsts, stored_max, residues = [], [], [], {}
     for layer in layers:
         h = out.hidden[layer]
-        stored_max.append(masked_max_abs(h, stored))
+        stored_max.append(token_max_abs(h).masked_fill(~stored, 0.0).amax(dim=1))
         hf = h.float()  # the one fp32 copy
         sums.append(torch.einsum("bt,btd->bd", kept, hf))
         if bos:
@@ -79,7 +79,7 @@ def pool_packed(out: ForwardOutput, batch: Sequence[Piece], packed: PackedTokens
     sums, firsts, stored_max, residues = [], [], [], {}
     for layer in layers:
         h = out.hidden[layer]
-        stored_max.append(range_max(h.detach().abs().amax(dim=-1).float(), stored))
+        stored_max.append(range_max(token_max_abs(h), stored))
         hf = h.float()
         sums.append(range_sums(hf, kept))
         if bos:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from embedpipe.batch_budget import resolve_tokens_per_batch
+from embedpipe.batch_budget import batch_overhead_tokens, resolve_tokens_per_batch
 from embedpipe import attention_choice, cuda
 from embedpipe.cuda import BusyTimer, HostCopy
 from embedpipe.errors import EmbedpipeError
@@ -109,12 +109,13 @@ class Embedder:
         self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
         self.notes = check_policy_on_device(self.policy, device)
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
-        self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, len(self.layers))
+        self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)
         self._runners: dict[str, Runner] = {}
         self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
         self.quiet = True
         self.stats = Counter()
         self._busy = BusyTimer()
+        self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * options.per_residue)  # one batch's read-back
 
     # -- model preparation (once per policy) --------------------------------------------------
     def runner(self, policy: Policy) -> Runner:
@@ -229,7 +230,8 @@ class Embedder:
             rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
         if self.batch_layout == "packed":
             return Plan(plan_packed_batches(pieces, self.tokens_per_batch), handling, rows, packed=True)
-        return Plan(plan_batches(pieces, self.tokens_per_batch), handling, rows)
+        overhead = batch_overhead_tokens(self.device)
+        return Plan(plan_batches(pieces, self.tokens_per_batch, overhead), handling, rows)
 
     def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
               quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
@@ -316,15 +318,16 @@ class Embedder:
         """Tokenize, forward and pool one batch, and start copying its outputs to the host."""
         runner = self.runner(policy)
         device = self._devices[policy.name]
-        tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
-        bos, per_residue = "bos" in self.pooling, self.options.per_residue
         packed = self._layout(policy) == "packed"
+        with cuda.host_side():
+            tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
+            host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch]) if packed else None
+        bos, per_residue = "bos" in self.pooling, self.options.per_residue
         with forward_context(policy, device):
             self._busy.start(device)
             if packed:
                 if not hasattr(runner, "packed"):
                     raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
-                host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch])
                 out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)
                 with exact_fp32(device):
                     pooled = pool_packed(out, batch, host_batch, self.layers, bos=bos, per_residue=per_residue)
@@ -334,31 +337,30 @@ class Embedder:
                     pooled = pool_padded(out, batch, self.layers, bos=bos, per_residue=per_residue)
             self._busy.stop(device)
         del out
-        self.stats["batches"] += 1
-        self.stats["computed_tokens"] += sum(p.tokens for p in batch) if packed else tokens.numel()
-        self.stats["real_tokens"] += sum(p.tokens for p in batch)
-        return _Launched(batch, HostCopy(pooled.summary), {k: HostCopy(v) for k, v in pooled.residues.items()},
-                         pooled.residue_starts)
+        real = sum(p.tokens for p in batch)
+        self.stats.update(batches=1, computed_tokens=real if packed else tokens.numel(), real_tokens=real)
+        return _Launched(batch, HostCopy(pooled.summary, self._ring),
+                         {k: HostCopy(v, self._ring) for k, v in pooled.residues.items()}, pooled.residue_starts)
 
     def _collect(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
-        """Wait for a launched batch's outputs and split them per piece."""
-        dim = self.loaded.embed_dim
-        host = HostPooled.unpack(launched.summary.wait().numpy(),
-                                 {k: v.wait().numpy() for k, v in launched.residues.items()},
-                                 launched.residue_starts, self.layers, dim, "bos" in self.pooling)
-        results = []
-        for row, piece in enumerate(launched.batch):
-            residues = None
-            if self.options.per_residue:
-                residues = host.residue_rows(row, piece.keep_start - piece.start, piece.keep_end - piece.start)
-            results.append((piece, _PieceResult(
-                sums={layer: host.sums[layer][row] for layer in self.layers},
-                residues=residues,
-                max_abs=float(host.max_abs[row]),
-                stored_max=float(host.stored_max[row]),
-                bos={layer: host.bos[layer][row] for layer in self.layers} if host.bos and piece.start == 0 else None,
-            )))
-        return results
+        """Wait for a launched batch's outputs and split them per piece (the batch's one
+        read-back point: host work, see :func:`embedpipe.cuda.host_side`)."""
+        with cuda.host_side():
+            dim = self.loaded.embed_dim
+            host = HostPooled.unpack(launched.summary.wait().numpy(),
+                                     {k: v.wait().numpy() for k, v in launched.residues.items()},
+                                     launched.residue_starts, self.layers, dim, "bos" in self.pooling)
+            return [(piece, self._piece_result(host, row, piece)) for row, piece in enumerate(launched.batch)]
+
+    def _piece_result(self, host: HostPooled, row: int, piece: Piece) -> _PieceResult:
+        kept = (piece.keep_start - piece.start, piece.keep_end - piece.start)
+        return _PieceResult(
+            sums={layer: host.sums[layer][row] for layer in self.layers},
+            residues=host.residue_rows(row, *kept) if self.options.per_residue else None,
+            max_abs=float(host.max_abs[row]),
+            stored_max=float(host.stored_max[row]),
+            bos={layer: host.bos[layer][row] for layer in self.layers} if host.bos and piece.start == 0 else None,
+        )
 
     # -- records ----------------------------------------------------------------------------------
     def _reason(self, policy: Policy, result: _PieceResult) -> str:

@@ -93,7 +93,7 @@ class FakeModel:
                 attention_inputs: str = "fp32") -> FakeRunner:
         return FakeRunner(policy, device)
 
-    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
+    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
         parameters = (3 + len(LETTERS)) * DIM + LAYERS * DIM * DIM
         return MemoryEstimate(host_bytes=4 * parameters, weight_bytes=policy.weight_dtype.itemsize * parameters,
                               activation_bytes_per_token=4 * DIM * 2)

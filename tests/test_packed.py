@@ -158,7 +158,7 @@ def varlen_here(monkeypatch):
     calls: list[dict] = []
 
     def varlen_attention(q, k, v, cu_seqlens, max_len):
-        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # flash's contract: the last dim only
         assert cu_seqlens.dtype == torch.int32
         calls.append({"dtype": q.dtype, "tokens": q.shape[0], "max_len": max_len,
                       "offsets": cu_seqlens.tolist()})

@@ -95,8 +95,9 @@ class EmbeddingModel(Protocol):
         ``attention_inputs`` (``fp32`` or ``compute``): see :func:`embedpipe.precision.attention_dtype`."""
         ...
 
-    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
-        """Host, weight and per-token activation memory under ``policy``."""
+    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
+        """Host, weight and per-token activation memory under ``policy``, with q/k/v at the
+        attention kernel as ``attention_inputs`` (resolved: ``fp32`` or ``compute``) says."""
         ...
 
 

@@ -87,9 +87,12 @@ class Esm2Model:
         return EsmForward(prepare_model(self.model, policy, device, private=private), policy, attention,
                           attention_inputs=attention_inputs)
 
-    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
+    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
+        kind = "autocast" if policy.autocast else "plain"
+        if policy.fp32_islands:
+            kind = "fp32-islands" if attention_inputs == "compute" else "fp32-islands-fp32-attention"
         return esm2_spec.estimate_memory(self.num_layers, self.embed_dim, self.attention_heads,
-                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize)
+                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize, kind=kind)
 
 
 # --------------------------------------------------------------------------- loading

@@ -18,7 +18,7 @@ from embedpipe.attention_choice import packed_kernel
 from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.model.packed_linear import PackedLinear, pack_linear
 from embedpipe.options import ATTENTION_IMPLEMENTATIONS
-from embedpipe.packed import PackedTokens, per_sequence_attention
+from embedpipe.packed import PackedTokens, per_sequence_attention, token_max_abs
 from embedpipe.precision import Policy, attention_dtype
 
 
@@ -171,8 +171,11 @@ class EsmForward:
 
         Where q and k are rotated in fp32 (fp32 and the mixed policies), the packed q/k rows
         are interleaved (see :func:`interleave_rotary_rows`), so rotation is one complex
-        multiply. The module's own weights are left as they are.
+        multiply. The module's own weights are left as they are. Off the CPU there is nothing
+        to pack: it returns before reordering any rows (a copy of every layer's q/k/v).
         """
+        if self.device.type != "cpu":
+            return
         for layer in self.model.layers:
             attn = layer.self_attn
             weight, bias = attn._embedpipe_qkv
@@ -190,6 +193,13 @@ class EsmForward:
                 self._packed[id(module)] = packed
             if interleave:
                 self._interleaved.add(id(attn))
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Run every layer through ``torch.compile`` (one graph shared by the layers, shapes
+        dynamic): fuses the norms, casts, rotation and residual adds that eager mode runs as
+        separate passes over memory. Optional: compiling costs time on the first batches
+        (benchmarks/gpu_acceptance.py measures both)."""
+        self._layer = torch.compile(self._layer, backend=backend, dynamic=True)
 
     @property
     def prepacked(self) -> bool:
@@ -245,9 +255,11 @@ class EsmForward:
             hidden[0] = x
         for index, layer in enumerate(model.layers, start=1):
             x = self._layer(layer, x, batch)
+            # the residual stream before any norm, every layer, the last included: the final
+            # layer norm would hide a huge activation of the last layer (--overflow-margin)
+            max_abs = torch.maximum(max_abs, batch.row_max_abs(x))
             if index == self.num_layers:
                 x = self._layer_norm(model.emb_layer_norm_after, x)
-            max_abs = torch.maximum(max_abs, batch.row_max_abs(x))
             if index in wanted:
                 hidden[index] = x
         return ForwardOutput(hidden=hidden, max_abs=max_abs)
@@ -305,20 +317,28 @@ class EsmForward:
         # SDPA takes the (B, H, T, head_dim) views as they are: making them contiguous first
         # costs more than SDPA's CPU kernel gains from it.
         rotated = qkv[..., :2, :, :]
-        if rotated.dtype != work_dtype:
+        interleaved = id(attn) in self._interleaved
+        if rotated.dtype != work_dtype and (interleaved or x.device.type == "cpu"):
+            # in place needs the wide dtype; on the CPU one cast and then one-dtype kernels beat
+            # mixed-dtype ones 2x (130-170 ms against 265 ms at 8192 x 20 heads, 2 cores).
+            # Elsewhere the rotation reads the projection's dtype and writes the wider one
+            # (issue 20: one pass over q and k less)
             rotated = rotated.to(work_dtype)
-        if id(attn) in self._interleaved:  # pair order, fp32: one complex multiply, in place
+        if interleaved:  # pair order, fp32: one complex multiply, in place (CPU)
             rotate_pairs_(rotated, batch.rows(self.rotary.complex(attn.rot_emb.inv_freq, batch.max_len, attn.scaling)))
             qk = rotated
         else:
             cos, sin = self.rotary.get(attn.rot_emb.inv_freq, batch.max_len, table_dtype, attn.scaling)
             qk = torch.empty((*lead, 2, heads, head_dim), dtype=work_dtype, device=x.device)
             rotate_into(rotated, batch.rows(cos), batch.rows(sin), out=qk)
-        q, k, v = qk[..., 0, :, :], qk[..., 1, :, :], qkv[..., 2, :, :].to(work_dtype)
+        q, k = qk[..., 0, :, :], qk[..., 1, :, :]
+        # v goes straight to the dtype it is attended in (one cast at most, none under the
+        # plain policies or with compute-dtype inputs): it is never rotated
+        v = qkv[..., 2, :, :].to(self.attention_dtype)
         if self.policy.fp32_islands and self.attention_inputs == "compute":
             # rotated in fp32, attended in the compute dtype: tensor-core kernels, which
             # accumulate scores and softmax in fp32 (docs/precision.md, "Attention inputs")
-            q, k, v = (t.to(self.policy.compute_dtype) for t in (q, k, v))
+            q, k = (t.to(self.policy.compute_dtype) for t in (q, k))
         if isinstance(batch, PackedTokens):
             out = self._attend_packed(q, k, v, batch)
         else:
@@ -342,9 +362,15 @@ class EsmForward:
         """(N, H, d) attention within each sequence of ``batch``, q pre-scaled."""
         if self.policy.autocast:  # SDPA would cast under autocast; the varlen kernel does not
             q, k, v = (t.to(self.policy.compute_dtype) for t in (q, k, v))
-        if self.packed_attention == "varlen-flash":
-            return cuda.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), batch.offsets, batch.max_len)
+        if self.packed_attention == "varlen-flash":  # flash needs only the last dim contiguous
+            return cuda.varlen_attention(*(_last_dim_contiguous(t) for t in (q, k, v)), batch.offsets, batch.max_len)
         return per_sequence_attention(q, k, v, batch.host_offsets)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has stride 1 (rows of q/k/v inside the fused projection
+    need no copy), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class _PaddedBatch:
@@ -372,4 +398,5 @@ class _PaddedBatch:
         return x * (1 - self.padding.unsqueeze(-1).type_as(x))
 
     def row_max_abs(self, x: torch.Tensor) -> torch.Tensor:
-        return masked_max_abs(x, self.keep)
+        """(B,) max |x| over each record's own tokens (padding masked out), fp32."""
+        return token_max_abs(x).masked_fill(self.padding, 0.0).amax(dim=1)

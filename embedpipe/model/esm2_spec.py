@@ -71,17 +71,37 @@ def describe(spec: str) -> ModelFacts:
                       trained_window=TRAINED_RESIDUES, weights_bytes=size)
 
 
+#: forward working memory per token, in units of D bytes, per kind of policy: the live peak of
+#: a traced forward (tests/test_cuda_memory.py: the 650M and 3B shapes on a faked GPU, no
+#: weights), which includes the hidden state of the layer in flight
+ACTIVATION_D_BYTES = {"fp32": 44, "plain": 22, "fp32-islands": 30, "fp32-islands-fp32-attention": 36, "autocast": 28}
+
+
 def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
-                    compute_itemsize: int) -> MemoryEstimate:
+                    compute_itemsize: int, *, kind: str = "plain") -> MemoryEstimate:
     """Memory of an ESM-2 under a policy whose weights and matmuls use the given sizes.
 
-    Activations per padded token: the fp32 residual stream and its layer norm (8D bytes),
-    q/k/v (3D) and the FFN's hidden layer (4D) in the compute dtype, fp32 rotation of q and
-    k (8D). Attention scores are not counted: SDPA does not hold them on CUDA.
+    Activations per token (``kind``: ``fp32``, ``plain`` 16-bit, ``fp32-islands`` with q/k/v
+    cast to the compute dtype for attention, ``fp32-islands-fp32-attention``, ``autocast``),
+    the peak of one layer:
+    - fp32 and plain 16-bit, at the FFN: residual stream and its norm (2 x D values), the
+      hidden layer before and after GELU (2 x 4D), the FFN's output (D): 11 D values;
+    - fp32 islands, at attention: fp32 stream and norm (8D bytes), the norm in the compute
+      dtype (2D), fused q/k/v (6D), q and k rotated in fp32 (8D) and cast back (4D), the
+      attention output (2D): 30 D bytes; attending in fp32 (v and the output fp32, the
+      padded layout's mask): 36 D;
+    - autocast: fp32 stream and norm, the rest in the compute dtype: 28 D bytes.
+    Attention scores are not counted: neither SDPA nor the varlen kernel holds them on CUDA.
+    The residual stream (and so a returned hidden state) is fp32 except under plain casts.
+    The widest tensor is the FFN's hidden layer, 4 D values a token.
     """
     parameters = parameter_count(layers, dim, heads)
+    if compute_itemsize == 4:
+        kind = "fp32"
     return MemoryEstimate(
         host_bytes=host_bytes(4 * parameters),
         weight_bytes=weight_itemsize * parameters,
-        activation_bytes_per_token=dim * (16 + 7 * compute_itemsize),
+        activation_bytes_per_token=dim * ACTIVATION_D_BYTES[kind],
+        hidden_itemsize=weight_itemsize if kind == "plain" else 4,
+        widest_values_per_token=4 * dim,
     )

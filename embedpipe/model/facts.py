@@ -33,6 +33,8 @@ class MemoryEstimate:
     host_bytes: int  # host memory of a job that loads the model (see host_bytes())
     weight_bytes: int  # the weights as the policy holds them on the device
     activation_bytes_per_token: int  # working memory of one forward pass per padded token
+    hidden_itemsize: int = 4  # bytes per value of a hidden state the forward returns
+    widest_values_per_token: int = 0  # values per token of the forward's largest tensor (0: unknown)
 
 
 @dataclass(frozen=True)
