@@ -326,7 +326,7 @@ def export(
         print(summary.render(), file=sys.stderr)
 
 
-@app.command("model-info", hidden=True)
+@app.command("model-info")
 @user_errors
 def model_info(
     spec: str = typer.Argument(..., help="Model name or checkpoint path."),
