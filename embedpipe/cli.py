@@ -116,8 +116,10 @@ def embed(
     out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
     out_dir: Optional[Path] = typer.Option(
         None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "
-                                "shard, model and options are kept."),
-    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores, written last."),
+                                "shard, model and options that pass validate are kept; each store is locked "
+                                "for the job (a second job on it is refused)."),
+    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores with "
+                                        "their size, mtime and uuid, written last."),
     precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
     layers: list[str] = typer.Option(
         [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
