@@ -178,12 +178,17 @@ def merge(
     manifest: Optional[Path] = typer.Option(
         None, "--manifest", help="shards/manifest.tsv: adds aliases so every input ID resolves."
     ),
+    stores_from: Optional[Path] = typer.Option(
+        None, "--stores-from", help="A file of shard stores, one path per line, merged after any given as "
+                                    "arguments (for more stores than a command line holds)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Merge shard stores into one store (virtual datasets over the shard files)."""
     from embedpipe.store import merge_stores
+    from embedpipe.store.merge import stores_from as read_stores
 
-    summary = merge_stores(stores or [], out=out, manifest=manifest)
+    listed = read_stores(stores_from) if stores_from is not None else []
+    summary = merge_stores([*(stores or []), *listed], out=out, manifest=manifest)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
