@@ -116,8 +116,10 @@ def embed(
     out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
     out_dir: Optional[Path] = typer.Option(
         None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "
-                                "shard, model and options are kept."),
-    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores, written last."),
+                                "shard, model and options that pass validate are kept; each store is locked "
+                                "for the job (a second job on it is refused)."),
+    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores with "
+                                        "their size, mtime and uuid, written last."),
     precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
     layers: list[str] = typer.Option(
         [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
@@ -176,12 +178,17 @@ def merge(
     manifest: Optional[Path] = typer.Option(
         None, "--manifest", help="shards/manifest.tsv: adds aliases so every input ID resolves."
     ),
+    stores_from: Optional[Path] = typer.Option(
+        None, "--stores-from", help="A file of shard stores, one path per line, merged after any given as "
+                                    "arguments (for more stores than a command line holds)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Merge shard stores into one store (virtual datasets over the shard files)."""
     from embedpipe.store import merge_stores
+    from embedpipe.store.merge import stores_from as read_stores
 
-    summary = merge_stores(stores or [], out=out, manifest=manifest)
+    listed = read_stores(stores_from) if stores_from is not None else []
+    summary = merge_stores([*(stores or []), *listed], out=out, manifest=manifest)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -353,7 +360,7 @@ def export(
         print(summary.render(), file=sys.stderr)
 
 
-@app.command("model-info", hidden=True)
+@app.command("model-info")
 @user_errors
 def model_info(
     spec: str = typer.Argument(..., help="Model name or checkpoint path."),

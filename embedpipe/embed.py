@@ -27,7 +27,9 @@ from embedpipe.checksums import file_sha256
 from embedpipe.devices import claim_device
 from embedpipe.errors import EmbedpipeError, ModelError
 from embedpipe.fasta import read_sequences
+from embedpipe.group_marker import write_marker
 from embedpipe.host_memory import keep_freed_memory
+from embedpipe.locks import holding
 from embedpipe.model import load_model
 from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel
 from embedpipe.options import AUTO
@@ -36,12 +38,12 @@ from embedpipe.precision import Policy, dtype_name
 from embedpipe.progress import say
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
+from embedpipe.store.validate import validate_store
 from embedpipe.worker import EmbedOptions, Embedder
 
 #: options that change how a job runs, not its numbers' identity for resuming: a retry's smaller
 #: batches, threads, where fallback records run (docs/cluster.md, "Resuming, rerunning")
 _HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device")
-GROUP_FORMAT = "embedpipe.embed-group"
 
 @dataclass
 class EmbedSummary:
@@ -302,8 +304,10 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
                  done: Path | None = None, quiet: bool = False) -> GroupSummary:
     """Embed each shard into ``out_dir/STEM.h5`` with one model load; keep current stores.
 
-    ``done`` (the workflow's output of the job) is written last, listing every store, so it
-    exists only once every shard of the group has its store.
+    Each store is locked for the whole job (a second job on the same stores is refused), a
+    store is kept only when its checksums and checks pass, and ``done`` (the workflow's output
+    of the job) is written last, after every store's identity is checked once more: it exists
+    only once every shard of the group has its store (embedpipe.group_marker).
     """
     options.validate()
     started = time.perf_counter()
@@ -313,25 +317,49 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     _check_group(fastas, stores, done, model)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
-    with _model_on(model, options) as (loaded, device):
+    with holding([(_lock_path(s), str(s)) for s in stores]), _model_on(model, options) as (loaded, device):
         embedder = _embedder(loaded, options, device, quiet)  # one per group: models prepared once
         identity = embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
         legacy = legacy_identity(options, loaded.sha256, embedder.computed_as)
         for fasta, store, digest in zip(fastas, stores, digests):
-            if store_is_current(store, identity, digest, legacy):
+            if _keep(store, identity, digest, quiet, legacy):
                 summary.kept.append(store)
-                say(f"{store}: complete for this shard, model and options; kept", quiet=quiet)
                 continue
             summary.embedded.append(_embed_records(
                 embedder, _read_records(Path(fasta)), Path(fasta), store, time.perf_counter(),
                 {"input_sha256": digest}, quiet))
-    if done is not None:
-        listing = {"format": GROUP_FORMAT, "version": 1, "identity": json.loads(identity),
-                   "stores": [{"fasta": str(f), "store": str(s), "input_sha256": d}
-                              for f, s, d in zip(fastas, stores, digests)]}
-        write_text_atomic(Path(done), json.dumps(listing, indent=1) + "\n")
+        if done is not None:
+            _check_still_current(stores, digests, identity, legacy)
+            write_marker(Path(done), json.loads(identity), fastas, stores, digests)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _lock_path(store: Path) -> Path:
+    """The lock of a shard store: a hidden file beside it (the store itself is replaced by rename)."""
+    return store.parent / f".{store.name}.lock"
+
+
+def _keep(store: Path, identity: str, digest: str, quiet: bool, *also: str) -> bool:
+    """Keep a store that is current and passes ``validate`` (checksums of every chunk included:
+    a store complete but corrupt is embedded again; cost in docs/benchmarks.md)."""
+    if not store_is_current(store, identity, digest, *also):
+        return False
+    problems = validate_store(store)
+    if problems:
+        say(f"{store}: complete but fails validation ({problems[0]}); embedding it again", quiet=quiet)
+        return False
+    say(f"{store}: complete for this shard, model and options, checksums verified; kept", quiet=quiet)
+    return True
+
+
+def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identity: str, *also: str) -> None:
+    """Before the marker: every store still has this job's identity (another writer that
+    bypassed the locks would otherwise leave a marker that lies)."""
+    for store, digest in zip(stores, digests):
+        if not store_is_current(store, identity, digest, *also):
+            raise EmbedpipeError(f"{store}: replaced by another writer during this job (it no longer has this "
+                                 f"job's shard, model and options); no marker written, rerun the job")
 
 
 def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_dir: Path | None,

@@ -396,6 +396,17 @@ def _write_pairs(f: h5py.File, group: str, encoding: str, second: str, spool: Pa
     return dict(counts)
 
 
+def stores_from(listing: Path) -> list[Path]:
+    """``merge --stores-from FILE``: one store path per line (blank lines ignored; a relative
+    path is taken from the current directory, as on the command line). A list in a file is
+    not bounded by the kernel's ARG_MAX, which 16,000 store paths in argv exceed."""
+    try:
+        text = Path(listing).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{listing}: cannot read the list of stores ({getattr(exc, 'strerror', None) or exc})") from None
+    return [Path(line) for line in text.split("\n") if line.strip()]
+
+
 def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
     """Merge shard stores into ``out`` (atomic). See the module docstring."""
     out = Path(out)

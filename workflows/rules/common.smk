@@ -10,14 +10,19 @@ import shlex
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
 from embedpipe import model as embedpipe_model
-from embedpipe import workflow_config
+from embedpipe import workflow_checks, workflow_config
 from embedpipe.model import sources as model_sources
+
+
+def fail(message):
+    """Stop at parse time with one clean line (a WorkflowError adds `File ... in <module>`)."""
+    print(f"embedpipe: {message}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 # `--config layers=[0,-1]` arrives as strings inside the list: coerce to the schema's types,
@@ -28,14 +33,14 @@ try:
         config, workflow_config.load_schema(Path(workflow.basedir) / _SCHEMA), _SCHEMA
     )
 except workflow_config.ConfigError as exc:
-    raise WorkflowError(str(exc)) from None
+    fail(exc)
 
 validate(config, schema="../schemas/config.schema.yaml")
 
 try:
     workflow_config.check_outdir(config["outdir"])
 except workflow_config.ConfigError as exc:
-    raise WorkflowError(str(exc)) from None
+    fail(exc)
 
 OUTDIR = os.path.normpath(config["outdir"])
 MODEL = config["model"]
@@ -56,7 +61,19 @@ else:
 if MODEL_KIND == "name" and not workflow.remote_exec:
     _problem = model_sources.download_problem(MODEL)
     if _problem:
-        raise WorkflowError(_problem)
+        fail(_problem.removeprefix("embedpipe: "))
+
+# A group marker whose stores were deleted or changed since it was written is removed before
+# the DAG is built, with embeddings.h5, which pins those stores (Snakemake does not rerun a
+# job for a missing intermediate file while the final one is up to date). By the main process
+# only, a stat per store (embedpipe.group_marker; docs/cluster.md, "Resuming, rerunning").
+if not workflow.remote_exec:
+    for _problem in workflow_checks.stale_markers(OUTDIR, remove=True):
+        print(f"embedpipe: {_problem}", file=sys.stderr)
+
+# What `--report` shows of the run is read from embeddings.h5 when the report is rendered
+# (workflows/report/*.rst), not taken from this config, which may not be what ran.
+config["_on_disk"] = workflow_checks.StoreFacts(f"{OUTDIR}/embeddings.h5")
 
 USES_GPU = config["device"].startswith("cuda")
 
@@ -69,23 +86,28 @@ EMBED_RETRIES = 0 if workflow.remote_exec else 2
 
 
 def input_fastas():
-    """The configured FASTA files: `input` is a path, a glob, or a list of either."""
-    items = config["input"]
-    if isinstance(items, str):
-        items = [items]
-    paths = []
-    for item in items:
-        if glob.has_magic(item):
-            matched = sorted(glob.glob(item))
-            if not matched:
-                raise WorkflowError(
-                    f"config 'input': the pattern {item!r} matches no file "
-                    f"(relative to {Path.cwd()})"
-                )
-            paths.extend(matched)
-        else:
-            paths.append(item)
-    return paths
+    """The configured FASTA files: `input` is a path, a glob, or a list of either; a path that
+    does not exist or a glob matching nothing stops the run here (one line)."""
+    try:
+        return workflow_checks.input_paths(config["input"])
+    except workflow_checks.WorkflowCheckError as exc:
+        fail(exc)
+
+
+# ---------------------------------------------------------------- one run per outdir
+# Snakemake's own lock is in .snakemake/ of the working directory: two runs from two working
+# directories on one outdir would not see each other. The main process (never a job: jobs run
+# with --no-hooks) holds this lock until it exits (docs/cluster.md, "One run per outdir").
+
+
+RUN_LOCK = []  # the open lock file: held while this process lives
+
+
+onstart:
+    try:
+        RUN_LOCK.append(workflow_checks.lock_run(OUTDIR))
+    except workflow_checks.EmbedpipeError as exc:
+        fail(exc)
 
 
 # ---------------------------------------------------------------- model
@@ -142,11 +164,24 @@ def shard_listing():
     return _read_listing(path, os.stat(path).st_mtime_ns)
 
 
+@functools.lru_cache(maxsize=2)
+def _shard_fastas(path, mtime_ns):
+    return workflow_checks.shard_paths(_read_listing(path, mtime_ns), f"{OUTDIR}/shards")
+
+
+def shard_fastas():
+    """Every shard FASTA of shards.json; a path outside the shard directory stops the run."""
+    path = checkpoints.shard.get().output.listing
+    try:
+        return _shard_fastas(path, os.stat(path).st_mtime_ns)
+    except workflow_checks.WorkflowCheckError as exc:
+        fail(exc)
+
+
 def group_shards(wildcards):
     """The shard FASTAs of embed group {group} (shards.json `groups`, at most `max_jobs`)."""
-    listing = shard_listing()
-    shards = listing["shards"]
-    return [f"{OUTDIR}/shards/{shards[k]['path']}" for k in listing["groups"][int(wildcards.group)]]
+    fastas = shard_fastas()
+    return [fastas[k] for k in shard_listing()["groups"][int(wildcards.group)]]
 
 
 def group_markers(wildcards):
@@ -156,7 +191,7 @@ def group_markers(wildcards):
 
 def shard_stores(wildcards):
     """One store per shard that the shard checkpoint wrote (listed in shards.json)."""
-    return [f"{OUTDIR}/stores/{Path(s['path']).stem}.h5" for s in shard_listing()["shards"]]
+    return [f"{OUTDIR}/stores/{Path(p).stem}.h5" for p in shard_fastas()]
 
 
 # ---------------------------------------------------------------- memory of shard and merge
