@@ -54,11 +54,19 @@ def shard_paths(listing: Mapping[str, Any], shard_dir: str) -> list[str]:
     for shard in listing["shards"]:
         rel = str(shard["path"])
         full = os.path.join(shard_dir, rel)
-        if os.path.isabs(rel) or ".." in Path(rel).parts or os.path.commonpath([root, os.path.realpath(full)]) != root:
+        if os.path.isabs(rel) or ".." in Path(rel).parts or not _resolves_inside(full, rel, root):
             raise WorkflowCheckError(f"{shard_dir}/shards.json: shard path {rel!r} is outside the shard directory "
                                      f"{shard_dir}; refusing to read it (rerun `embedpipe shard`)")
         out.append(full)
     return out
+
+
+def _resolves_inside(full: str, rel: str, root: str) -> bool:
+    """A flat name (what `embedpipe shard` writes) costs one lstat unless it is a symlink;
+    anything else is resolved in full."""
+    if len(Path(rel).parts) == 1 and not os.path.islink(full):
+        return True
+    return os.path.commonpath([root, os.path.realpath(full)]) == root
 
 
 def stale_markers(outdir: str, *, remove: bool) -> list[str]:

@@ -428,7 +428,8 @@ def test_one_embed_job_per_group_of_shards(tmp_path: Path) -> None:
     assert job_counts(out)["embed"] == 2, out[-3000:]
     assert "embedpipe embed out/shards/shard-00001.fasta out/shards/shard-00002.fasta " in out
     assert "--out-dir out/stores --done out/stores/group-00001.json" in out
-    assert "embedpipe merge out/stores/shard-00000.h5 out/stores/shard-00001.h5 out/stores/shard-00002.h5 " in out
+    assert "printf '%s\\n' out/stores/shard-00000.h5 out/stores/shard-00001.h5 out/stores/shard-00002.h5 " in out
+    assert "embedpipe merge --stores-from out/stores/merge-stores.txt " in out
 
 
 def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
