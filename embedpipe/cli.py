@@ -78,7 +78,8 @@ def shard(
     inputs: list[Path] = typer.Argument(..., help="FASTA files, plain or gzip."),
     out: Path = typer.Option(..., "--out", help="Output directory for shards and manifest."),
     tokens_per_shard: int = typer.Option(
-        options.TOKENS_PER_SHARD, "--tokens-per-shard", min=1, help="Token budget per shard (residues + 2 per record)."
+        options.TOKENS_PER_SHARD, "--tokens-per-shard", min=1,
+        help="Token budget per shard (residues plus the model's special tokens per record: 2 for ESM-2)."
     ),
     on_invalid: str = typer.Option(
         options.ON_INVALID_DEFAULT, "--on-invalid",
@@ -89,12 +90,20 @@ def shard(
         options.MAX_JOBS, "--max-jobs", min=1, help="Most embed jobs: shards.json groups the shards into at most this many."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="The model the shards are for: its family's special tokens count per record "
+                              "(default: ESM-2's BOS and EOS). Described only, never loaded."),
 ) -> None:
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
-    from embedpipe.shard import shard_fasta
+    from embedpipe.shard import TOKENS_PER_RECORD, shard_fasta
 
+    per_record = TOKENS_PER_RECORD
+    if model is not None:
+        from embedpipe.model import describe
+
+        per_record = describe(model).token_layout.extra_tokens
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
-                          max_jobs=max_jobs, quiet=quiet)
+                          max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -112,7 +121,8 @@ def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
 @user_errors
 def embed(
     fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
-    model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or path to a checkpoint (.pt)."),
+    model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or checkpoint (.pt), a Hugging Face "
+                              "model directory, or a hub name in the local hub cache (docs/models.md)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
     out_dir: Optional[Path] = typer.Option(
         None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "
@@ -139,7 +149,7 @@ def embed(
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
     long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences",
-                                       help=f"Over 1022 residues: {_one_of(options.LONG_SEQUENCE_MODES)}."),
+                                       help=f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."),
     attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
@@ -306,11 +316,12 @@ def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
 @app.command("fetch-model")
 @user_errors
 def fetch_model(
-    name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D."),
-    dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache)."),
+    name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D (downloaded); a Hugging "
+                               "Face hub name is only looked up in the local hub cache."),
+    dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
 ) -> None:
     """Download a model ahead of time, for compute nodes without internet."""
-    from embedpipe.model.sources import fetch_model as _fetch
+    from embedpipe.model.fetch import fetch_model as _fetch
 
     path = _fetch(name, dest=dest)
     print(path)

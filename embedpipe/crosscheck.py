@@ -371,7 +371,7 @@ def _load_reference_model(provenance: dict[str, Any], override: str | None, allo
         spec, how = str(override), "--model"
     else:
         candidates = [config.get("model"), provenance.get("model_source")]
-        spec = next((str(c) for c in candidates if c and Path(str(c)).is_file()), None)
+        spec = next((str(c) for c in candidates if c and Path(str(c)).exists()), None)  # a file, or a model directory
         how = "store provenance"
         if spec is None and isinstance(name, str) and is_model_name(name):
             spec = name

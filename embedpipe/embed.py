@@ -25,13 +25,13 @@ from embedpipe.atomic import check_output_path, write_text_atomic
 from embedpipe.background_writer import BackgroundWriter
 from embedpipe.checksums import file_sha256
 from embedpipe.devices import claim_device
-from embedpipe.errors import EmbedpipeError, ModelError
+from embedpipe.errors import EmbedpipeError
 from embedpipe.fasta import read_sequences
 from embedpipe.group_marker import write_marker
 from embedpipe.host_memory import keep_freed_memory
 from embedpipe.locks import holding
 from embedpipe.model import load_model
-from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel
+from embedpipe.model.base import EmbeddingModel
 from embedpipe.options import AUTO
 from embedpipe.output_guard import guard_outputs
 from embedpipe.precision import Policy, dtype_name
@@ -113,18 +113,6 @@ def batching_attrs(embedder: Embedder) -> dict[str, Any]:
     }
 
 
-def _pipeline_ready(loaded: EmbeddingModel, model: str) -> EmbeddingModel:
-    """Refuse a family whose token layout is not ESM-2's "+2" (BOS, residues, EOS), the one the
-    worker, pooling and shard budgets assume today (a T5: no BOS); a family that declares none
-    has ESM-2's (model/base.py)."""
-    layout = getattr(loaded, "token_layout", ESM2_LAYOUT)
-    if layout != ESM2_LAYOUT:
-        family = getattr(loaded, "family", "?")
-        raise ModelError(f"model {model}: the {family} family is in embedpipe's model layer only; `embed` and "
-                         f"the workflow do not take it yet (docs/models.md, \"Not yet in the workflow\")")
-    return loaded
-
-
 @contextlib.contextmanager
 def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
     """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
@@ -133,7 +121,7 @@ def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingMode
     with claim_device(options.device) as device:
         if device.type == "cpu":
             keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
-        yield _pipeline_ready(load_model(model), model), device
+        yield load_model(model), device
 
 
 def _model_file(model: str) -> list[Path]:

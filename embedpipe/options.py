@@ -52,7 +52,8 @@ ON_INVALID = ("error", "skip")
 
 # ------------------------------------------------------------------------------ shard
 
-#: token budget per shard (residues + 2 per record): the unit of length sorting and of resume;
+#: token budget per shard (residues plus the model family's special tokens per record, 2 for
+#: ESM-2): the unit of length sorting and of resume;
 #: an embed job embeds a group of shards (:data:`MAX_JOBS`)
 TOKENS_PER_SHARD = 1_000_000
 #: the default of ``--on-invalid``
@@ -64,7 +65,8 @@ MAX_JOBS = 1000
 
 # ------------------------------------------------------------------------------ embed
 
-#: the smallest batch: BOS, one residue, EOS
+#: the smallest batch budget: one residue plus up to two special tokens (ESM-2's BOS and EOS,
+#: the most a model family's token layout has); a window longer than the budget runs alone
 MIN_TOKENS_PER_BATCH = 3
 #: ``--tokens-per-batch auto``: sized from free device memory on CUDA, :data:`CPU_TOKENS_PER_BATCH`
 #: on the CPU (docs/precision.md, "Batch size")
@@ -127,7 +129,8 @@ class EmbedOptions:
         elif isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int):
             raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {self.tokens_per_batch!r}")
         elif self.tokens_per_batch < MIN_TOKENS_PER_BATCH:
-            raise EmbedpipeError(f"--tokens-per-batch must be at least {MIN_TOKENS_PER_BATCH} (BOS, one residue, EOS)")
+            raise EmbedpipeError(f"--tokens-per-batch must be at least {MIN_TOKENS_PER_BATCH} "
+                                 "(one residue and a model's special tokens: ESM-2's BOS and EOS)")
         margin = self.overflow_margin
         if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
             raise EmbedpipeError(f"--overflow-margin must be a number in (0, 1], not {margin!r}")

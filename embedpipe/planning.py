@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedpipe.errors import InputError
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 from embedpipe.options import LONG_SEQUENCE_MODES
 
 DEFAULT_OVERLAP = 256
@@ -21,7 +22,8 @@ DEFAULT_OVERLAP = 256
 
 @dataclass(frozen=True)
 class Piece:
-    """One forward input: residues ``start:end`` of record ``record`` (plus BOS and EOS tokens).
+    """One forward input: residues ``start:end`` of record ``record``, plus the special tokens
+    of the model family's ``layout`` (ESM-2: BOS and EOS around every window).
 
     ``keep_start:keep_end`` (absolute residue positions) is the part of this window that is
     stitched into the record: each residue is taken from the window whose centre is nearest.
@@ -32,6 +34,7 @@ class Piece:
     end: int
     keep_start: int
     keep_end: int
+    layout: TokenLayout = ESM2_LAYOUT
 
     @property
     def residues(self) -> int:
@@ -39,7 +42,7 @@ class Piece:
 
     @property
     def tokens(self) -> int:
-        return self.residues + 2
+        return self.residues + self.layout.extra_tokens
 
 
 def window_starts(length: int, window: int, overlap: int) -> list[int]:
@@ -53,16 +56,18 @@ def window_starts(length: int, window: int, overlap: int) -> list[int]:
 
 
 def plan_record(record: int, length: int, mode: str, *, window: int,
-                overlap: int = DEFAULT_OVERLAP, record_id: str = "") -> tuple[list[Piece], str]:
+                overlap: int = DEFAULT_OVERLAP, record_id: str = "",
+                layout: TokenLayout = ESM2_LAYOUT) -> tuple[list[Piece], str]:
     """The pieces for one record and what happened to it (none, chunked, truncated, full);
-    ``window``: residues per forward window (the model's trained window). The overlap is at
-    most half a window, so that windows advance for models with short windows."""
+    ``window``: residues per forward window (the model's trained window); ``layout``: the
+    family's special tokens around each window. The overlap is at most half a window, so
+    that windows advance for models with short windows."""
     if length <= window:
-        return [Piece(record, 0, length, 0, length)], "none"
+        return [Piece(record, 0, length, 0, length, layout)], "none"
     if mode == "full":
-        return [Piece(record, 0, length, 0, length)], "full"
+        return [Piece(record, 0, length, 0, length, layout)], "full"
     if mode == "truncate":
-        return [Piece(record, 0, window, 0, window)], "truncated"
+        return [Piece(record, 0, window, 0, window, layout)], "truncated"
     if mode == "error":
         raise InputError(
             f"record {record_id!r} has {length} residues, over the model's trained length of {window}; "
@@ -76,7 +81,7 @@ def plan_record(record: int, length: int, mode: str, *, window: int,
     for i, start in enumerate(starts):
         keep_start = 0 if i == 0 else math.floor((centres[i - 1] + centres[i]) / 2)
         keep_end = length if i == len(starts) - 1 else math.floor((centres[i] + centres[i + 1]) / 2)
-        pieces.append(Piece(record, start, start + window, keep_start, keep_end))
+        pieces.append(Piece(record, start, start + window, keep_start, keep_end, layout))
     return pieces, "chunked"
 
 

@@ -6,7 +6,9 @@ layout: padded (B, T, D) hidden states, or packed (N, D) rows (:mod:`embedpipe.p
 Everything a batch sends back to the host is one summary matrix plus, with per-residue
 output, one tensor per stored layer; :class:`HostPooled` reads them per piece.
 
-Token layout of a piece (docs/store-format.md): BOS at 0, residues at 1..n, EOS at n + 1.
+Token layout of a piece: the model family's (``Piece.layout``): residues from position
+``first_residue`` (1 after ESM-2's BOS, 0 for a T5), then EOS when the layout has one; the
+BOS row is pooled only for a layout with BOS (the worker refuses ``bos`` pooling otherwise).
 """
 
 from __future__ import annotations
@@ -34,12 +36,19 @@ class DevicePooled:
 
 def _kept(piece: Piece) -> tuple[int, int]:
     """Token positions of the residues this piece contributes (window stitching)."""
-    return piece.keep_start - piece.start + 1, piece.keep_end - piece.start + 1
+    first = piece.layout.first_residue
+    return piece.keep_start - piece.start + first, piece.keep_end - piece.start + first
 
 
 def _stored(piece: Piece, bos: bool) -> tuple[int, int]:
     """Token positions whose values are stored: residues, and BOS in a first window with bos pooling."""
-    return (0 if bos and piece.start == 0 else 1), piece.residues + 1
+    first = piece.layout.first_residue
+    return (0 if bos and piece.start == 0 else first), piece.residues + first
+
+
+def _first_residue(batch: Sequence[Piece]) -> int:
+    """The batch's residue offset (one model, so one layout per batch)."""
+    return batch[0].layout.first_residue
 
 
 def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int], *, bos: bool,
@@ -47,7 +56,7 @@ def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int
     """Pool a padded batch: masks over (B, T) positions, one einsum per layer."""
     hidden0 = out.hidden[layers[0]]
     device, width = hidden0.device, hidden0.shape[1]
-    longest = max(p.residues for p in batch)
+    longest, first = max(p.residues for p in batch), _first_residue(batch)
     bounds = to_device(torch.tensor([[*_stored(p, bos), *_kept(p)] for p in batch]), device)
     positions = torch.arange(width, device=device)[None, :]
     stored = (positions >= bounds[:, 0:1]) & (positions < bounds[:, 1:2])
@@ -61,7 +70,7 @@ def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int
         if bos:
             firsts.append(hf[:, 0])
         if per_residue:
-            residues[layer] = hf[:, 1 : longest + 1]
+            residues[layer] = hf[:, first : longest + first]
     return DevicePooled(_summary(sums, firsts, stored_max, out.max_abs), residues, None)
 
 
@@ -86,7 +95,8 @@ def pool_packed(out: ForwardOutput, batch: Sequence[Piece], packed: PackedTokens
             firsts.append(hf[bos_rows])
         if per_residue:
             residues[layer] = hf
-    return DevicePooled(_summary(sums, firsts, stored_max, out.max_abs), residues, [s + 1 for s in starts])
+    first = _first_residue(batch)
+    return DevicePooled(_summary(sums, firsts, stored_max, out.max_abs), residues, [s + first for s in starts])
 
 
 def _summary(sums: list[torch.Tensor], firsts: list[torch.Tensor], stored_max: list[torch.Tensor],

@@ -9,8 +9,8 @@ sequences or IDs (docs/benchmarks.md, "Sharding at scale"):
    In memory: per record its length, spool offset, header size, status and normalisations;
    its ID, file, line and digest go to column files beside the spool.
 2. Find duplicate IDs and sequences by sorting 64-bit keys, sort the unique sequences by
-   length, plan shards greedily under the token budget (residues + 2 per record: BOS and
-   EOS), copy each entry from the spool into its shard file, then stream ``manifest.tsv``
+   length, plan shards greedily under the token budget (residues plus the model family's
+   special tokens per record: 2 for ESM-2's BOS and EOS, the default), copy each entry from the spool into its shard file, then stream ``manifest.tsv``
    (one row per input record, in input order) and write ``shards.json``.
 
 Everything is written into the temporary directory and moved into ``out`` only once all of
@@ -42,6 +42,7 @@ from embedpipe.output_guard import guard_outputs
 from embedpipe.errors import InputError
 from embedpipe.fasta import display_path, path_text
 from embedpipe.manifest import MANIFEST
+from embedpipe.model.layout import ESM2_LAYOUT
 from embedpipe.options import MAX_JOBS, ON_INVALID, ON_INVALID_DEFAULT, check_choice
 from embedpipe.progress import progress_bar
 from embedpipe.residues import INVALID_REASONS, NORMALISATION_KINDS
@@ -52,7 +53,7 @@ from embedpipe.shard_output import Syncer, spool_directory
 SHARDS_JSON = "shards.json"
 SHARDS_FORMAT = "embedpipe.shards"
 SHARDS_VERSION = 1
-TOKENS_PER_RECORD = 2  # BOS + EOS
+TOKENS_PER_RECORD = ESM2_LAYOUT.extra_tokens  # the default: ESM-2's BOS + EOS (``--model`` picks the family's)
 
 
 def shard_name(index: int) -> str:
@@ -88,7 +89,8 @@ class ShardSummary:
     skipped: dict[str, int] = field(default_factory=dict)
     normalised: dict[str, int] = field(default_factory=dict)
     residues: int = 0  # residues of the unique sequences (what gets embedded)
-    tokens: int = 0  # residues + 2 per unique sequence
+    tokens: int = 0  # residues + tokens_per_record per unique sequence
+    tokens_per_record: int = TOKENS_PER_RECORD  # the model family's special tokens per record
     input_residues: int = 0  # residues of all valid input records, duplicates included
     normalised_records: int = 0  # records changed by at least one normalisation
     min_length: int = 0
@@ -162,15 +164,17 @@ class _Plan:
     bounds: list[int]
 
 
-def plan_shards(lengths: Sequence[int] | np.ndarray, tokens_per_shard: int) -> list[int]:
+def plan_shards(lengths: Sequence[int] | np.ndarray, tokens_per_shard: int,
+                tokens_per_record: int = TOKENS_PER_RECORD) -> list[int]:
     """Boundaries of greedy shards over lengths already sorted ascending.
 
     Returns ``bounds`` with ``bounds[0] == 0`` and ``bounds[-1] == len(lengths)``; shard k is
     ``lengths[bounds[k]:bounds[k+1]]``. A shard holds at most ``tokens_per_shard`` tokens
-    (residues + 2 per record), except that a record longer than the budget gets a shard of
-    its own. One search over the running token total per shard, not a loop per record.
+    (residues + ``tokens_per_record`` per record: the family's special tokens), except that
+    a record longer than the budget gets a shard of its own. One search over the running
+    token total per shard, not a loop per record.
     """
-    total = np.cumsum(np.asarray(lengths, dtype=np.int64) + TOKENS_PER_RECORD)
+    total = np.cumsum(np.asarray(lengths, dtype=np.int64) + tokens_per_record)
     bounds = [0]
     while bounds[-1] < len(total):
         start = bounds[-1]
@@ -244,6 +248,7 @@ def shard_fasta(
     on_invalid: str = ON_INVALID_DEFAULT,
     max_jobs: int = MAX_JOBS,
     quiet: bool = False,
+    tokens_per_record: int = TOKENS_PER_RECORD,
 ) -> ShardSummary:
     """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
 
@@ -251,6 +256,8 @@ def shard_fasta(
     (docs/store-format.md, "Shard manifest"); ``shards.json`` also lists the shards' groups
     (:func:`plan_groups`, at most ``max_jobs``). ``on_invalid="error"`` stops at the first invalid record with an
     :class:`InputError`; ``"skip"`` records it in the manifest as ``skipped:<reason>``.
+    ``tokens_per_record``: the model family's special tokens per record (its token layout's
+    ``extra_tokens``; ESM-2's 2 by default), counted in every shard's token budget.
     """
     started = time.perf_counter()
     out = Path(out)
@@ -259,7 +266,7 @@ def shard_fasta(
     check_output_entries(out, [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))])
     summary = ShardSummary(
         inputs=[path_text(p) for p in paths], out=path_text(out), tokens_per_shard=tokens_per_shard,
-        on_invalid=on_invalid, max_jobs=max_jobs,
+        on_invalid=on_invalid, max_jobs=max_jobs, tokens_per_record=tokens_per_record,
     )
     with spool_directory(out) as tmp:
         _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
@@ -310,9 +317,9 @@ def _plan(summary: ShardSummary, index: RecordIndex, unique: Unique, budget: int
     sorted_rec = unique.unique_rec[order]
     del order
     sorted_len = index.length[sorted_rec]
-    bounds = plan_shards(sorted_len, budget)
+    bounds = plan_shards(sorted_len, budget, summary.tokens_per_record)
     summary.residues = int(sorted_len.sum(dtype=np.int64))
-    summary.tokens = summary.residues + TOKENS_PER_RECORD * len(sorted_rec)
+    summary.tokens = summary.residues + summary.tokens_per_record * len(sorted_rec)
     if len(sorted_rec):
         summary.min_length = int(sorted_len[0])
         summary.max_length = int(sorted_len[-1])
@@ -350,7 +357,7 @@ def _write_shards(tmp: Path, syncer: Syncer, summary: ShardSummary, index: Recor
             residues = int(sorted_len[lo:hi].sum(dtype=np.int64))
             summary.shards.append(
                 ShardInfo(index=k, path=name, records=hi - lo, residues=residues,
-                          tokens=residues + TOKENS_PER_RECORD * (hi - lo),
+                          tokens=residues + summary.tokens_per_record * (hi - lo),
                           min_length=int(sorted_len[lo]), max_length=int(sorted_len[hi - 1]))
             )
             bar.update(hi - lo)
@@ -361,7 +368,7 @@ def _write_shards_json(path: Path, syncer: Syncer, summary: ShardSummary, budget
         "format": SHARDS_FORMAT,
         "version": SHARDS_VERSION,
         "tokens_per_shard": budget,
-        "tokens_per_record": TOKENS_PER_RECORD,
+        "tokens_per_record": summary.tokens_per_record,
         "inputs": summary.inputs,
         "on_invalid": on_invalid,
         "manifest": MANIFEST,

@@ -22,6 +22,8 @@ from embedpipe import attention_choice, cuda
 from embedpipe.cuda import BusyTimer, HostCopy
 from embedpipe.errors import EmbedpipeError
 from embedpipe.model.base import EmbeddingModel, Runner
+from embedpipe.model import capabilities
+from embedpipe.model.layers import resolve_layers  # noqa: F401 - re-exported (tests, crosscheck)
 from embedpipe.packed import PackedTokens
 from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.pooling import HostPooled, pool_packed, pool_padded
@@ -31,22 +33,6 @@ from embedpipe.options import EmbedOptions
 from embedpipe.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
 from embedpipe.store.format import stored_poolings
-
-
-def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:
-    """Absolute, sorted, unique layer indices; negative ones count from the last (-1 = last)."""
-    resolved = set()
-    for layer in requested:
-        absolute = layer if layer >= 0 else num_layers + 1 + layer
-        if not 0 <= absolute <= num_layers:
-            raise EmbedpipeError(
-                f"layer {layer} does not exist: the model has layers 0..{num_layers} "
-                f"(0 = token embedding, -1 = last)"
-            )
-        resolved.add(absolute)
-    if not resolved:
-        raise EmbedpipeError("no layers requested")
-    return sorted(resolved)
 
 
 @dataclass
@@ -106,6 +92,7 @@ class Embedder:
         self.policy = get_policy(options.precision)
         self.layers = resolve_layers(options.layers, loaded.num_layers)
         self.pooling = stored_poolings(options.pooling)
+        capabilities.check_options(loaded, options.pooling, options.batch_layout)
         self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
         self.notes = check_policy_on_device(self.policy, device)
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
@@ -192,6 +179,8 @@ class Embedder:
     @property
     def attention_path(self) -> str:
         """The main policy's attention kernel as recorded in the store (docs/precision.md)."""
+        if self.batch_layout == "padded":
+            return f"padded-{self.options.attention}"
         return attention_choice.attention_path(self.options, self.policy, self.device)
 
     @property
@@ -209,6 +198,8 @@ class Embedder:
     def _layout(self, policy: Policy) -> str:
         """``--batch-layout`` for ``policy`` on the device its runner lives on."""
         device = self._devices.get(policy.name) or self._planned_device(policy)
+        if not capabilities.packs(self.loaded):  # no packed runner (T5); explicit packed is refused
+            return "padded"
         return attention_choice.batch_layout(self.options, policy, device)
 
     # -- public ---------------------------------------------------------------------------------
@@ -224,7 +215,8 @@ class Embedder:
         rows: list[int] = []
         for index, (rid, seq) in enumerate(records):
             record_pieces, how = plan_record(index, len(seq), self.options.long_sequences,
-                                             window=self.loaded.trained_window, record_id=rid)
+                                             window=self.loaded.trained_window, record_id=rid,
+                                             layout=capabilities.layout_of(self.loaded))
             pieces.extend(record_pieces)
             handling.append(how)
             rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))

@@ -31,7 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--tokens-per-batch", "lots"),
          "--tokens-per-batch must be auto or a whole number, not 'lots'"),
         (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--tokens-per-batch", "2"),
-         "--tokens-per-batch must be at least 3 (BOS, one residue, EOS)"),
+         "--tokens-per-batch must be at least 3 (one residue and a model's special tokens: ESM-2's BOS and EOS)"),
         (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--batch-layout", "ragged"),
          "--batch-layout must be one of auto, packed, padded, not 'ragged'"),
         (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--attention-inputs", "fp16"),

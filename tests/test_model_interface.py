@@ -3,7 +3,10 @@ models without loading weights.
 
 This module is itself a (fake) model family: it defines ``load`` and ``inspect`` as a
 family's module must, and a deterministic toy model implementing ``EmbeddingModel``. The
-worker, the store writer and ``embed_fasta`` run it end to end without knowing about it.
+worker, the store writer and ``embed_fasta`` run it end to end without knowing about it. Its
+token layout has no special tokens at all (the worker follows the declared layout, so the
+family need not copy ESM-2's BOS and EOS); tests/test_token_layout.py takes a family with
+another layout through shard, workflow and CLI.
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ from embed_helpers import random_sequences, read_store, write_fasta
 from embedpipe.cli import app
 from embedpipe.embed import embed_fasta
 from embedpipe.model import Family, MemoryEstimate, ModelFacts, registry
-from embedpipe.model.base import ForwardOutput, masked_max_abs
+from embedpipe.model.base import ForwardOutput, TokenLayout, masked_max_abs
 from embedpipe.precision import Policy
 from embedpipe.store import validate_store
 from embedpipe.worker import EmbedOptions
 
 PREFIX = "fake:"
 LETTERS = "ACDEFGHIKLMNPQRSTVWY"
-PAD, BOS, EOS = 0, 1, 2
+PAD = 0
 DIM, LAYERS, WINDOW = 8, 2, 50
+LAYOUT = TokenLayout(bos=False, eos=False, window=WINDOW)  # residues only
 
 
 def _weights() -> tuple[np.ndarray, list[np.ndarray]]:
@@ -45,11 +49,11 @@ def _weights() -> tuple[np.ndarray, list[np.ndarray]]:
 def reference(seq: str) -> dict[int, np.ndarray]:
     """The toy model on one sequence alone, in numpy: per-residue vectors of every layer."""
     table, weights = _weights()
-    x = table[[BOS] + [3 + LETTERS.index(c) for c in seq] + [EOS]]
-    out = {0: x[1:-1]}
+    x = table[[3 + LETTERS.index(c) for c in seq]]
+    out = {0: x}
     for layer, w in enumerate(weights, start=1):
         x = np.tanh(x @ w)
-        out[layer] = x[1:-1]
+        out[layer] = x
     return out
 
 
@@ -81,12 +85,13 @@ class FakeModel:
     num_layers: int = LAYERS
     embed_dim: int = DIM
     trained_window: int = WINDOW
+    token_layout: TokenLayout = LAYOUT
     provenance: dict[str, str] = field(default_factory=lambda: {"fair_esm_version": "none"})
 
     def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
-        tokens = torch.full((len(sequences), max(map(len, sequences)) + 2), PAD, dtype=torch.int64)
+        tokens = torch.full((len(sequences), max(map(len, sequences))), PAD, dtype=torch.int64)
         for row, seq in enumerate(sequences):
-            tokens[row, : len(seq) + 2] = torch.tensor([BOS] + [3 + LETTERS.index(c) for c in seq] + [EOS])
+            tokens[row, : len(seq)] = torch.tensor([3 + LETTERS.index(c) for c in seq])
         return tokens
 
     def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa", *,
@@ -101,7 +106,7 @@ class FakeModel:
 
 def describe(spec: str) -> ModelFacts:
     return ModelFacts(family="fake", spec=spec, kind="name", name=spec.removeprefix(PREFIX),
-                      trained_window=WINDOW, num_layers=LAYERS, embed_dim=DIM, trained=False)
+                      trained_window=WINDOW, num_layers=LAYERS, embed_dim=DIM, trained=False, token_layout=LAYOUT)
 
 
 def load(spec: str) -> FakeModel:  # the family module's loader
@@ -151,6 +156,7 @@ def test_model_info_describes_a_registered_family(fake_family) -> None:
     assert result.exit_code == 0, result.output
     facts = json.loads(result.stdout)
     assert (facts["family"], facts["kind"], facts["name"], facts["num_layers"]) == ("fake", "name", "toy", LAYERS)
+    assert facts["token_layout"] == {"bos": False, "eos": False, "window": WINDOW}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -171,6 +177,7 @@ def test_model_info_for_a_name_reads_nothing_and_imports_no_torch(tmp_path: Path
         "family": "esm2", "spec": "esm2_t33_650M_UR50D", "kind": "name", "name": "esm2_t33_650M_UR50D",
         "trained_window": 1022, "num_layers": 33, "embed_dim": 1280, "attention_heads": 20,
         "parameters": 651_043_254, "weights_bytes": 4 * 651_043_254, "trained": True, "host_mem_mb": 9728,
+        "token_layout": {"bos": True, "eos": True, "window": 1022},
     }
     assert not (tmp_path / "empty").exists()
 

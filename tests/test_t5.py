@@ -203,13 +203,3 @@ def test_a_hub_name_loads_from_the_hub_cache(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     model = load_model("ElnaggarLab/ankh-base")
     assert (model.name, model.source, model.family) == ("ElnaggarLab/ankh-base", str(snapshot), "ankh")
-
-
-def test_embed_refuses_a_t5_until_the_pipeline_follows_its_token_layout(tmp_path: Path) -> None:
-    """The worker and pooling assume BOS at 0; a T5 through them would store wrong vectors."""
-    directory = make_hf_test_model(tmp_path / "pt5", family="prot-t5", layers=1, dim=16, heads=2)
-    (tmp_path / "in.fasta").write_text(">a\nMKTAYIAK\n")
-    result = CliRunner().invoke(app, ["embed", str(tmp_path / "in.fasta"), "--model", str(directory),
-                                      "--out", str(tmp_path / "out.h5"), "--quiet"])
-    assert result.exit_code == 1 and "prot-t5 family is in embedpipe's model layer only" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.h5").exists()

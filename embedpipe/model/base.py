@@ -14,39 +14,13 @@ from typing import Protocol
 import torch
 
 from embedpipe.model.facts import MemoryEstimate
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout  # re-exported: families import them here
 from embedpipe.precision import Policy
 
 #: Forward implementations a family may offer: ``sdpa`` (fused attention), ``math``
 #: (explicit scores, fp32 softmax) and ``fair-esm`` (the reference library's own forward).
 
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """Where a family puts its special tokens around the residues of one forward window.
-
-    ``bos``: one token before the residues (ESM-2's ``<cls>``); ``eos``: one after them;
-    ``window``: the most residues one forward pass takes (``None``: no hard window).
-    Declared by each family; today planning, shard budgets and pooling still assume ESM-2's
-    layout (docs/models.md, "Token layout"), and the redesign routes them through this.
-    """
-
-    bos: bool
-    eos: bool
-    window: int | None
-
-    @property
-    def extra_tokens(self) -> int:
-        """Tokens a record carries besides its residues (ESM-2: 2, T5: 1)."""
-        return int(self.bos) + int(self.eos)
-
-    @property
-    def first_residue(self) -> int:
-        """Position of the first residue in a tokenized row."""
-        return int(self.bos)
-
-
-#: ESM-2: ``<cls>`` at 0, residues at 1..n, ``<eos>`` at n + 1; trained on 1022 residues.
-ESM2_LAYOUT = TokenLayout(bos=True, eos=True, window=1022)
+__all__ = ["ESM2_LAYOUT", "EmbeddingModel", "ForwardOutput", "Runner", "TokenLayout", "masked_max_abs"]
 
 
 @dataclass
@@ -73,8 +47,10 @@ class Runner(Protocol):
 class EmbeddingModel(Protocol):
     """A loaded model, fp32 on the CPU, with where it came from.
 
-    Token layout (the worker pools on it): ``tokenize`` returns (B, 2 + longest) int64 on the
-    CPU, BOS at position 0, residues at 1..n, EOS at n + 1, then padding.
+    Token layout (shard budgets, batch planning and pooling follow it): ``token_layout``
+    (:class:`~embedpipe.model.layout.TokenLayout`; ESM-2's when a family declares none).
+    ``tokenize`` returns (B, extra + longest) int64 on the CPU: BOS at 0 when the layout has
+    one, the residues, EOS after them when it has one, then padding.
     """
 
     name: str  # registered name, or the checkpoint file's stem for a path
@@ -84,6 +60,7 @@ class EmbeddingModel(Protocol):
     num_layers: int
     embed_dim: int
     trained_window: int  # residues per forward window the model was trained on
+    token_layout: TokenLayout  # its special tokens (optional: ESM2_LAYOUT when absent)
     provenance: Mapping[str, str]  # family-specific store attributes (e.g. fair_esm_version)
 
     def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
+
 #: Host memory of a job that loads the model: this slack plus a few copies of the fp32
 #: weights (the loaded checkpoint, the fp32 model, a cast copy; docs/precision.md).
 HOST_SLACK_BYTES = 2048 * 2**20
@@ -59,6 +61,7 @@ class ModelFacts:
     parameters: int | None = None
     weights_bytes: int | None = None
     trained: bool | None = None
+    token_layout: TokenLayout = ESM2_LAYOUT  # the family's special tokens (shard budgets follow it)
 
     def host_mem_mb(self, attempt: int = 1) -> int:
         """Snakemake ``mem_mb`` of a job that loads this model, scaled by the retry attempt."""

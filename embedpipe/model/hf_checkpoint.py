@@ -28,6 +28,7 @@ from typing import Any
 
 from embedpipe.errors import ModelError
 from embedpipe.model.facts import ModelFacts
+from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
 
 #: Hub names embedpipe knows, with their family (others load too once they are cached).
 HUB_NAMES: dict[str, str] = {
@@ -208,7 +209,7 @@ def describe(spec: str) -> ModelFacts:
     if directory is None:
         family = HUB_NAMES.get(spec, "esm2")
         return ModelFacts(family=family, spec=spec, kind="name", name=spec.split("/")[-1],
-                          trained_window=_window(family), trained=True)
+                          trained_window=_window(family), trained=True, token_layout=_layout(family))
     config = read_config(directory)
     family = family_of(spec, directory, config)
     t5 = config["model_type"] == "t5"
@@ -222,7 +223,7 @@ def describe(spec: str) -> ModelFacts:
         num_layers=config.get("num_layers" if t5 else "num_hidden_layers"),
         embed_dim=config.get("d_model" if t5 else "hidden_size"),
         attention_heads=config.get("num_heads" if t5 else "num_attention_heads"),
-        weights_bytes=size, trained=is_trained(config),
+        weights_bytes=size, trained=is_trained(config), token_layout=_layout(family),
     )
 
 
@@ -230,6 +231,10 @@ def _window(family: str) -> int:
     from embedpipe.model.t5_vocab import T5_MAX_RESIDUES
 
     return 1022 if family == "esm2" else T5_MAX_RESIDUES
+
+
+def _layout(family: str) -> TokenLayout:
+    return ESM2_LAYOUT if family == "esm2" else T5_LAYOUT
 
 
 def inspect(facts: ModelFacts) -> ModelFacts:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import esm2_spec, hf_checkpoint
+from embedpipe.model import esm2_spec, hf_checkpoint, plugins
 from embedpipe.model.facts import ModelFacts
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
@@ -35,6 +35,9 @@ class Family:
     describe: Callable[[str], ModelFacts]  # facts without loading weights or importing torch
     is_name: Callable[[str], bool]  # is the spec one of the family's registered names?
     module: str  # defines load(spec) -> EmbeddingModel and inspect(facts) -> ModelFacts
+    #: defines download_problem(name) -> str | None and fetch_model(name, dest) -> Path for the
+    #: family's registered names (``fetch-model``, the workflow); None: nothing to fetch
+    sources: str | None = None
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -43,8 +46,9 @@ class Family:
 FAMILIES: list[Family] = [
     # Hugging Face directories and hub names (ESM-2, ProtT5, Ankh: config.json's model_type)
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
-           "embedpipe.model.hf_checkpoint"),
-    Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2"),
+           "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources"),
+    Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
+           "embedpipe.model.sources"),
 ]
 
 
@@ -54,7 +58,9 @@ def register(family: Family) -> None:
 
 
 def family_for(spec: str) -> Family:
-    """The first registered family that takes ``spec``."""
+    """The first registered family that takes ``spec`` (families named in
+    ``EMBEDPIPE_MODEL_FAMILIES`` registered first: :mod:`embedpipe.model.plugins`)."""
+    plugins.register_from_env(FAMILIES, register)
     spec = str(spec)
     return next(family for family in FAMILIES if family.claims(spec))
 
@@ -76,6 +82,7 @@ def inspect(spec: str) -> ModelFacts:
 
 def is_model_name(spec: str) -> bool:
     """Whether ``spec`` is a registered name of any family (not a path)."""
+    plugins.register_from_env(FAMILIES, register)
     return any(family.is_name(str(spec)) for family in FAMILIES)
 
 

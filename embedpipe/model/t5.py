@@ -3,9 +3,9 @@
 :func:`load_directory` (called by :mod:`embedpipe.model.hf_checkpoint`) reads the encoder's
 weights (a ``T5EncoderModel`` or a full ``T5ForConditionalGeneration``: the decoder is
 dropped) into an fp32 :class:`T5Model`; its runners are
-:class:`~embedpipe.model.t5_forward.T5Forward`. Model layer only: the worker, shard budgets
-and pooling still assume ESM-2's token layout, so ``embedpipe embed`` does not take a T5 yet
-(docs/models.md).
+:class:`~embedpipe.model.t5_forward.T5Forward` (padded batches only: the worker picks the
+padded layout for a runner without ``packed``). Shard budgets, planning and pooling follow
+its :data:`T5_LAYOUT` (docs/models.md).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import torch
 from embedpipe.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model import t5_vocab
-from embedpipe.model.base import TokenLayout
+from embedpipe.model import layout
+from embedpipe.model.layout import TokenLayout
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.t5_forward import T5Forward, T5Shape
 from embedpipe.precision import Policy
 
 #: T5: no BOS, one ``</s>`` after the residues; no hard window (see t5_vocab.T5_MAX_RESIDUES).
-T5_LAYOUT = TokenLayout(bos=False, eos=True, window=None)
+T5_LAYOUT = layout.T5_LAYOUT
 
 #: Tensors the fp32-island policies keep in fp32 (RMS norm scales, the relative-position bias).
 FP32_ISLAND_SUFFIXES = ("ln0", "ln1", "final_ln", "relative_bias")
@@ -49,6 +50,7 @@ class T5Model:
     family: str  # prot-t5 or ankh
     trained_window: int = t5_vocab.T5_MAX_RESIDUES
     token_layout: TokenLayout = T5_LAYOUT
+    batch_layouts: tuple[str, ...] = ("padded",)  # no packed runner (embedpipe.model.capabilities)
     provenance: Mapping[str, str] = field(default_factory=dict)
 
     @property

@@ -16,7 +16,7 @@ if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
 from embedpipe import model as embedpipe_model
 from embedpipe import workflow_checks, workflow_config
-from embedpipe.model import sources as model_sources
+from embedpipe.model import fetch as model_fetch
 
 
 def fail(message):
@@ -49,6 +49,12 @@ MODEL = config["model"]
 # whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size.
 MODEL_FACTS = embedpipe_model.describe(MODEL)
 
+# The model family's token layout (its special tokens) sets the shard token budgets; a family
+# without BOS cannot store `bos` pooling: refused here, before any job.
+MODEL_LAYOUT = MODEL_FACTS.token_layout
+if "bos" in config["pooling"] and not MODEL_LAYOUT.bos:
+    fail(f"pooling: bos: the {MODEL_FACTS.family} family has no BOS token; store the mean or per-residue vectors")
+
 if config.get("test_model"):
     MODEL_KIND = "test"  # written by rule make_test_model
 elif MODEL_FACTS.kind == "name" and not Path(MODEL).exists():
@@ -59,7 +65,7 @@ else:
 # A fair-esm name that is neither cached nor downloadable stops the run here, before any job,
 # with the fix as the one message (cluster jobs' inner Snakemake does not ask again).
 if MODEL_KIND == "name" and not workflow.remote_exec:
-    _problem = model_sources.download_problem(MODEL)
+    _problem = model_fetch.download_problem(MODEL)
     if _problem:
         fail(_problem.removeprefix("embedpipe: "))
 
@@ -260,6 +266,14 @@ def embed_options():
         if config[key] != "auto":
             args += ["--" + key.replace("_", "-"), config[key]]
     return _join(args)
+
+
+def shard_options():
+    """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's (the
+    default: not passed, so existing runs stay up to date)."""
+    if MODEL_LAYOUT.extra_tokens == embedpipe_model.ESM2_LAYOUT.extra_tokens:
+        return ""
+    return " " + _join(["--model", MODEL])
 
 
 def tokens_per_batch(wildcards, attempt):

@@ -17,7 +17,9 @@ checkpoint shard:
     params:
         outdir=lambda wildcards, output: os.path.dirname(output.manifest),
         tokens_per_shard=config["tokens_per_shard"],
-        on_invalid=config["on_invalid"],
+        # plus `--model MODEL` for a family whose special tokens are not ESM-2's (shard_options:
+        # folded into this param, so the rule's text and params of ESM-2 runs stay as they were)
+        on_invalid=config["on_invalid"] + shard_options(),
         max_jobs=config["max_jobs"],
     resources:
         mem_mb=shard_mem_mb,

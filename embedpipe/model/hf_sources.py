@@ -1,0 +1,30 @@
+"""Hugging Face hub names for ``fetch-model`` and the workflow: the local hub cache only.
+
+embedpipe never downloads a Hugging Face model (docs/models.md): a cached name is "fetched"
+(its snapshot directory is the answer), any other is the one-line pre-fetch message.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from embedpipe.errors import ModelError
+from embedpipe.model import hf_checkpoint as hf
+
+
+def download_problem(name: str) -> str | None:
+    """``None`` when ``name`` (or a directory) is there; else how to pre-fetch it."""
+    try:
+        hf.resolve_directory(name)
+    except ModelError as exc:
+        return str(exc)
+    return None
+
+
+def fetch_model(name: str, dest: Path | None = None) -> Path:
+    """The cached snapshot of ``name``; ``--dest`` is refused (the hub cache decides where)."""
+    if dest is not None:
+        raise ModelError(f"fetch-model {name}: --dest is for fair-esm checkpoints; a Hugging Face model lives in "
+                         f"the hub cache ({hf.hub_cache()}; set HF_HOME or HF_HUB_CACHE)")
+    return hf.resolve_directory(name)

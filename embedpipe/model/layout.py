@@ -1,0 +1,54 @@
+"""The token layout a model family declares: its special tokens around the residues.
+
+Torch-free (the workflow and ``embedpipe shard`` read it from :func:`embedpipe.model.describe`).
+Everything outside ``model/`` that counts tokens or finds residue rows asks the family's
+layout: shard token budgets (:mod:`embedpipe.shard`), batch planning
+(:class:`embedpipe.planning.Piece`) and pooling (:mod:`embedpipe.pooling`), as fair-esm's
+``Alphabet`` lets ``prepend_bos``/``append_eos`` drive its batch converter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where a family puts its special tokens around the residues of one forward window.
+
+    ``bos``: one token before the residues (ESM-2's ``<cls>``); ``eos``: one after them;
+    ``window``: the most residues one forward pass takes by construction (``None``: no hard
+    window; the family's ``trained_window`` is then its practical limit, docs/models.md).
+    """
+
+    bos: bool
+    eos: bool
+    window: int | None
+
+    @property
+    def extra_tokens(self) -> int:
+        """Tokens a record (or a window of one) carries besides its residues (ESM-2: 2, T5: 1)."""
+        return int(self.bos) + int(self.eos)
+
+    @property
+    def first_residue(self) -> int:
+        """Position of the first residue in a tokenized row."""
+        return int(self.bos)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bos": self.bos, "eos": self.eos, "window": self.window}
+
+
+#: ESM-2: ``<cls>`` at 0, residues at 1..n, ``<eos>`` at n + 1; trained on 1022 residues. The
+#: layout of a family that declares none, and of ``embedpipe shard`` without ``--model``.
+ESM2_LAYOUT = TokenLayout(bos=True, eos=True, window=1022)
+
+#: T5 encoders (ProtT5, Ankh): no BOS, one ``</s>`` after the residues, no hard window.
+T5_LAYOUT = TokenLayout(bos=False, eos=True, window=None)
+
+
+def layout_of(model: object) -> TokenLayout:
+    """A loaded model's (or its facts') declared layout; ESM-2's when it declares none."""
+    layout = getattr(model, "token_layout", None)
+    return layout if isinstance(layout, TokenLayout) else ESM2_LAYOUT
