@@ -16,9 +16,9 @@ import torch
 
 from _gpu_acceptance_setup import checkpoint, random_records, release
 
-from embedpipe.options import POLICY_NAMES, EmbedOptions
-from embedpipe.precision import true_fp32_matmuls
-from embedpipe.worker import Embedder
+from embedpipe.core.options import POLICY_NAMES, EmbedOptions
+from embedpipe.runtime.precision import true_fp32_matmuls
+from embedpipe.embed.engine import Embedder
 
 ROOT = Path(__file__).resolve().parent.parent
 #: max |difference| allowed between fp32 outputs of two exact computations (TF32 off)

@@ -23,10 +23,10 @@ import torch
 from _gpu_acceptance_setup import (WINDOW, MemoryWindow, Stopwatch, forward_flops, length_scale, park_on_host,
                                    proxy_lengths, random_records, release, write_fasta)
 
-from embedpipe.cuda import BusyTimer, count_syncs
+from embedpipe.runtime.cuda import BusyTimer, count_syncs
 from embedpipe.model.esm2 import reset_rotary_caches
-from embedpipe.options import EmbedOptions
-from embedpipe.worker import Embedder
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
 
 ROOT = Path(__file__).resolve().parent.parent
 #: fair-esm's scripts/extract.py default --toks_per_batch (what a recipe user runs)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
-from embedpipe.worker import EmbedOptions, Embedder  # noqa: E402
+from embedpipe.embed.engine import EmbedOptions, Embedder  # noqa: E402
 
 LAYOUTS = ("padded", "packed")
 

@@ -41,8 +41,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from embedpipe.worker import EmbedOptions, Embedder
-    from embedpipe.fasta import read_sequences
+    from embedpipe.embed.engine import EmbedOptions, Embedder
+    from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
     from embedpipe.model.packed_linear import pack_linear
 

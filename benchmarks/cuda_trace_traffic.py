@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fake_cuda import fake_cuda  # noqa: E402
 from test_cuda_memory import fake_model  # noqa: E402
 
-from embedpipe.options import EmbedOptions  # noqa: E402
-from embedpipe.worker import Embedder  # noqa: E402
+from embedpipe.core.options import EmbedOptions  # noqa: E402
+from embedpipe.embed.engine import Embedder  # noqa: E402
 
 LAYERS, DIM, HEADS, LENGTH, RECORDS = 33, 1280, 20, 415, 40
 GEMM_OPS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedpipe.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
+from embedpipe.core.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "throughput"
@@ -281,7 +281,7 @@ def main() -> None:
         run_fair_esm_recipe(Path(args.run_recipe[0]), Path(args.run_recipe[1]), Path(args.run_recipe[2]), args.threads)
         return
 
-    from embedpipe.fasta import read_sequences
+    from embedpipe.inputs.fasta import read_sequences
 
     OUT.mkdir(parents=True, exist_ok=True)
     if args.max_records:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embedpipe.options import POLICY_NAMES
+from embedpipe.core.options import POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = list(POLICY_NAMES)
@@ -48,7 +48,7 @@ def _peak_mib(device: torch.device) -> float:
 def run(args: argparse.Namespace) -> None:
     import esm
 
-    from embedpipe.worker import EmbedOptions, Embedder
+    from embedpipe.embed.engine import EmbedOptions, Embedder
     from embedpipe.model import load_model
     from embedpipe.model.random_checkpoint import make_test_model
 

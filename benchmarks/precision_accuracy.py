@@ -30,9 +30,9 @@ from embed_helpers import random_sequences  # noqa: E402
 
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
-from embedpipe.options import FP32_ISLAND_POLICIES  # noqa: E402
-from embedpipe.precision import POLICIES  # noqa: E402
-from embedpipe.worker import EmbedOptions, Embedder  # noqa: E402
+from embedpipe.core.options import FP32_ISLAND_POLICIES  # noqa: E402
+from embedpipe.runtime.precision import POLICIES  # noqa: E402
+from embedpipe.embed.engine import EmbedOptions, Embedder  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ Prints a markdown table (and --json for the raw numbers).
 
 ``--stub`` measures Snakemake's own overhead on synthetic plans instead: every `embedpipe`
 command the rules call is replaced by a stub that only writes its outputs (the shard stub
-writes N tiny shards and the real group plan, ``embedpipe.shard.plan_groups``), so the wall
+writes N tiny shards and the real group plan, ``embedpipe.shard.passes.plan_groups``), so the wall
 time of a fresh run is the workflow engine's cost. One embed job per shard (the design before
 groups: ``max_jobs`` >= shards) is run up to ``--per-shard-cap`` shards and extrapolated with
 its fitted exponent; the grouped plan (``--max-jobs``) is run at every size:
@@ -154,7 +154,7 @@ esac
 def stub_shard(out: Path) -> None:
     """The shard stub: $STUB_SHARDS tiny shards, a manifest, and shards.json with the real groups."""
     sys.path.insert(0, str(ROOT))
-    from embedpipe.shard import plan_groups, shard_name
+    from embedpipe.shard.passes import plan_groups, shard_name
 
     n, max_jobs = int(os.environ["STUB_SHARDS"]), int(os.environ["STUB_MAX_JOBS"])
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ devices but no values), and records in a :class:`Trace`:
   contract (the registered fake kernel checks nothing);
 * device mismatches (a host tensor mixed with device tensors), which the fake mode raises.
 
-What it changes in embedpipe is the seam of :mod:`embedpipe.cuda` only: ``host_side`` blocks
+What it changes in embedpipe is the seam of :mod:`embedpipe.runtime.cuda` only: ``host_side`` blocks
 (tokens, offsets, numpy read-back) run on real tensors outside the fake mode, and
 ``HostCopy.wait`` hands back what the test says the device computed (fake tensors hold no
 values): zeros, or NaN in the records a test picks to drive the fp32 fallback.
@@ -45,12 +45,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import embedpipe
-from embedpipe import cuda as ep_cuda
+from embedpipe.runtime import cuda as ep_cuda
 
 aten = torch.ops.aten
 GiB = 2**30
 PACKAGE = str(Path(embedpipe.__file__).parent)
-SEAM_NAME = "embedpipe/" + Path(ep_cuda.__file__).name  # the documented read-back point lives here
+SEAM_NAME = "embedpipe/" + Path(ep_cuda.__file__).relative_to(PACKAGE).as_posix()  # the documented read-back point lives here
 VARLEN_OP = torch.ops.torch_attn._varlen_attn.default
 DYNAMIC_SHAPE_OPS = {getattr(aten, n).default for n in ("nonzero", "masked_select", "_unique2", "unique_consecutive")
                      if hasattr(aten, n)}
@@ -418,7 +418,7 @@ def _patches(trace: Trace, capability: tuple[int, int], total: int, free: int) -
 def fake_cuda(*, capability: tuple[int, int] = (9, 0), total: int = 141 * GiB, free: int | None = None,
               answer: Answer = zeros, track_memory: bool = False) -> Iterator[Trace]:
     """Inside: one faked CUDA device; yields the :class:`Trace`. ``answer(shape, dtype)`` is
-    what :meth:`embedpipe.cuda.HostCopy.wait` hands back from the device."""
+    what :meth:`embedpipe.runtime.cuda.HostCopy.wait` hands back from the device."""
     trace = Trace()
     free = total - GiB if free is None else free
     original_wait = ep_cuda.HostCopy.wait

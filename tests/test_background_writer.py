@@ -1,4 +1,4 @@
-"""The store writer thread (embedpipe.background_writer, used by `embedpipe embed`).
+"""The store writer thread (embedpipe.embed.writer_thread, used by `embedpipe embed`).
 
 Every record reaches the writer, in order; a writer failure reaches the caller as the same
 exception and leaves no store; the thread is joined whatever ends the block. No timing: the
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from embed_helpers import random_sequences, write_fasta
-from embedpipe.background_writer import BackgroundWriter
-from embedpipe.embed import embed_fasta
+from embedpipe.embed.writer_thread import BackgroundWriter
+from embedpipe.embed.run import embed_fasta
 from embedpipe.model import load_model
-from embedpipe.options import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.store import StoreWriter
-from embedpipe.worker import Embedder
+from embedpipe.embed.engine import Embedder
 
 
 def _writer_threads() -> list[threading.Thread]:

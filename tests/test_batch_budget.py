@@ -1,6 +1,6 @@
 """--tokens-per-batch auto: sized from free device memory on CUDA, CPU_TOKENS_PER_BATCH elsewhere.
 
-No GPU is needed: ``embedpipe.cuda.free_memory`` is patched, and a ``torch.device("cuda")``
+No GPU is needed: ``embedpipe.runtime.cuda.free_memory`` is patched, and a ``torch.device("cuda")``
 object is only compared, never used. The expected budgets are worked out by hand from the
 rule in docs/precision.md ("Batch size"), not from the module's own helpers.
 """
@@ -13,10 +13,10 @@ from unittest import mock
 import pytest
 import torch
 
-from embedpipe.batch_budget import resolve_tokens_per_batch
+from embedpipe.embed.budget import resolve_tokens_per_batch
 from embedpipe.model.facts import MemoryEstimate
-from embedpipe.options import CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
-from embedpipe.precision import Policy, get_policy
+from embedpipe.core.options import CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
+from embedpipe.runtime.precision import Policy, get_policy
 
 CUDA = torch.device("cuda")
 MiB = 2**20
@@ -41,7 +41,7 @@ class FakeModel:
 
 def budget(free: int, stored_layers: tuple[int, ...] = (30,), model: FakeModel | None = None, **options) -> int:
     chosen = EmbedOptions(**options)
-    with mock.patch("embedpipe.cuda.free_memory", return_value=free) as free_memory:
+    with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=free) as free_memory:
         tokens = resolve_tokens_per_batch(chosen, model or FakeModel(), get_policy(chosen.precision), CUDA, list(stored_layers))
     free_memory.assert_called_once_with(CUDA)
     return tokens
@@ -103,7 +103,7 @@ def test_clamped_to_the_minimum_and_the_maximum():
 
 
 def test_an_explicit_number_is_kept_and_the_cpu_gets_its_default():
-    with mock.patch("embedpipe.cuda.free_memory", side_effect=AssertionError("no memory query")):
+    with mock.patch("embedpipe.runtime.cuda.free_memory", side_effect=AssertionError("no memory query")):
         model, policy = FakeModel(), get_policy("fp32")
         assert resolve_tokens_per_batch(EmbedOptions(tokens_per_batch=1234), model, policy, CUDA, [30]) == 1234
         assert resolve_tokens_per_batch(EmbedOptions(tokens_per_batch=3), model, policy, CUDA, [30]) == 3
@@ -117,10 +117,10 @@ def test_a_real_model_estimate_gives_a_budget_in_range(tiny_model_path, precisio
 
     loaded = load_model(str(tiny_model_path))
     options = EmbedOptions(precision=precision, per_residue=True)
-    with mock.patch("embedpipe.cuda.free_memory", return_value=80 * GiB):
+    with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=80 * GiB):
         tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2])
     assert tokens == 2**20  # a 2-layer dim-32 model: 80 GiB holds far more than the cap
-    with mock.patch("embedpipe.cuda.free_memory", return_value=64 * MiB):
+    with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=64 * MiB):
         tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2])
     assert MIN_TOKENS_PER_BATCH <= tokens < 2**20 and tokens % 256 == 0
 
@@ -128,8 +128,8 @@ def test_a_real_model_estimate_gives_a_budget_in_range(tiny_model_path, precisio
 def test_the_cost_of_one_more_batch_is_per_device():
     """The padded planner trades padding against batches at the device's own price: on the
     CPU 256 tokens (measured), on CUDA its own figure (issue 20: a CPU cost applied everywhere)."""
-    from embedpipe.batch_budget import BATCH_OVERHEAD_TOKENS, batch_overhead_tokens
-    from embedpipe.planning import BATCH_OVERHEAD_TOKENS as PLANNER_DEFAULT
+    from embedpipe.embed.budget import BATCH_OVERHEAD_TOKENS, batch_overhead_tokens
+    from embedpipe.embed.planning import BATCH_OVERHEAD_TOKENS as PLANNER_DEFAULT
 
     assert batch_overhead_tokens(torch.device("cpu")) == PLANNER_DEFAULT == 256
     assert batch_overhead_tokens(CUDA) == BATCH_OVERHEAD_TOKENS["cuda"] != 256
@@ -137,17 +137,17 @@ def test_the_cost_of_one_more_batch_is_per_device():
 
 def test_the_worker_plans_padded_batches_with_its_devices_overhead(tiny_model_path):
     from embedpipe.model import load_model
-    from embedpipe.planning import plan_record
-    from embedpipe.worker import Embedder
+    from embedpipe.embed.planning import plan_record
+    from embedpipe.embed.engine import Embedder
 
     embedder = Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=4096), torch.device("cpu"))
     records = [(f"r{i}", "A" * n) for i, n in enumerate([500, 480, 40, 30, 20, 300, 290])]
     pieces = [p for i, (_, s) in enumerate(records) for p in plan_record(i, len(s), "chunk", window=1022)[0]]
-    with mock.patch("embedpipe.worker.plan_batches", wraps=__import__("embedpipe.planning").planning.plan_batches) as plan:
+    with mock.patch("embedpipe.embed.engine.plan_batches", wraps=__import__("embedpipe.embed.planning").embed.planning.plan_batches) as plan:
         embedder.plan(records)
     assert plan.call_args.args[2] == 256 and len(plan.call_args.args[0]) == len(pieces)
     embedder.device = CUDA  # only compared: the plan is host work
-    with mock.patch("embedpipe.worker.plan_batches", return_value=[]) as plan, \
+    with mock.patch("embedpipe.embed.engine.plan_batches", return_value=[]) as plan, \
             mock.patch.object(Embedder, "batch_layout", "padded"):
         embedder.plan(records)
     assert plan.call_args.args[2] == 1024

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import inspect, load_model
 from embedpipe.model.checkpoint import load_checkpoint_safely
 

@@ -54,8 +54,8 @@ def test_version_and_help_exit_zero():
 
 @pytest.mark.parametrize("margin", [float("nan"), float("inf"), 0.0, -0.5, 1.5])
 def test_overflow_margin_outside_0_1_is_refused(margin):
-    from embedpipe.errors import EmbedpipeError
-    from embedpipe.options import EmbedOptions
+    from embedpipe.core.errors import EmbedpipeError
+    from embedpipe.core.options import EmbedOptions
 
     with pytest.raises(EmbedpipeError, match=r"must be a number in \(0, 1\]"):
         EmbedOptions(overflow_margin=margin).validate()
@@ -69,8 +69,8 @@ def test_no_arguments_prints_the_help_and_exits_zero():
 
 
 def test_tokens_per_batch_is_auto_or_a_whole_number():
-    from embedpipe.errors import EmbedpipeError
-    from embedpipe.options import AUTO, parse_tokens_per_batch
+    from embedpipe.core.errors import EmbedpipeError
+    from embedpipe.core.options import AUTO, parse_tokens_per_batch
 
     assert parse_tokens_per_batch("auto") == AUTO
     assert parse_tokens_per_batch("8192") == 8192 and parse_tokens_per_batch(" 3 ") == 3
@@ -80,7 +80,7 @@ def test_tokens_per_batch_is_auto_or_a_whole_number():
 
 
 def test_layers_take_a_comma_list_or_repeats():
-    from embedpipe.cli import _int_list
+    from embedpipe.cli.commands import _int_list
 
     assert _int_list(["0,-1"], "--layers") == (0, -1)
     assert _int_list(["0", "-1"], "--layers") == (0, -1)

@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
-from embedpipe import metrics
-from embedpipe.crosscheck import Thresholds, run_crosscheck
-from embedpipe.errors import EmbedpipeError
-from embedpipe.report import render_html
+from embedpipe.crosscheck.run import metrics
+from embedpipe.crosscheck.run import Thresholds, run_crosscheck
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.crosscheck.report.page import render_html
 
 CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2"}
 
@@ -33,7 +33,7 @@ CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_ab
 
 
 def _py_cosine(a, b) -> float:
-    """Cosine in plain Python floats (independent of embedpipe.metrics)."""
+    """Cosine in plain Python floats (independent of embedpipe.crosscheck.metrics)."""
     a, b = [float(x) for x in a], [float(x) for x in b]
     dot = math.fsum(x * y for x, y in zip(a, b))
     return dot / (math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b)))
@@ -574,9 +574,9 @@ def test_html_is_self_contained_and_escapes_text(tmp_path, low_store):
 def test_store_table_read_in_blocks_gives_the_whole_table_figures(low_store, monkeypatch):
     """The figures from the block-by-block table (no IDs or sequences kept) equal those from
     the whole per-record table."""
-    import embedpipe.crosscheck as crosscheck
+    import embedpipe.crosscheck.run as crosscheck
     from embedpipe import open_store
-    from embedpipe.crosscheck_verdict import store_figures
+    from embedpipe.crosscheck.verdict import store_figures
 
     monkeypatch.setattr(crosscheck, "TABLE_BLOCK", 7)
     with open_store(low_store) as st:

@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 from embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
 from embedpipe import open_store
 from embedpipe.cli import app
-from embedpipe.crosscheck import LabelOptions, Thresholds, run_crosscheck
-from embedpipe.errors import EmbedpipeError
+from embedpipe.crosscheck.run import LabelOptions, Thresholds, run_crosscheck
+from embedpipe.core.errors import EmbedpipeError
 from test_workflow import checkout_like, snakemake  # noqa: F401 - a fixture and the runner of the workflow tests
 
 ALPHABETS = {"hydrophobic": "AILMFVW", "charged": "DEKR", "polar": "GSTNQ"}
@@ -56,8 +56,8 @@ def _records() -> list[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory, tiny_model_path):
     """A merged fp32 store (with an alias: ``dup_charged03`` repeats ``charged03``) and its records."""
-    from embedpipe.embed import EmbedOptions, embed_fasta
-    from embedpipe.shard import shard_fasta
+    from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from embedpipe.shard.passes import shard_fasta
     from embedpipe.store import merge_stores
 
     tmp = tmp_path_factory.mktemp("labels")

@@ -1,4 +1,4 @@
-"""embedpipe.cuda's read-back on the CPU: the pinned ring's reuse and bound, HostCopy's CPU
+"""embedpipe.runtime.cuda's read-back on the CPU: the pinned ring's reuse and bound, HostCopy's CPU
 stand-in, the sync counter's CPU answer, and the optional compiled layers (issue 20, §3).
 The CUDA branches of HostCopy (copy stream, ring) run in tests/test_cuda_trace.py."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from fake_cuda import fake_cuda
-from embedpipe import cuda
+from embedpipe.runtime import cuda
 
 
 def test_the_ring_reuses_buffers_and_keeps_at_most_keep_idle():
@@ -57,8 +57,8 @@ def test_compiled_layers_give_the_eager_outputs(tiny_model_path):
     from embedpipe.model import load_model
     from embedpipe.model.esm2 import prepare_model
     from embedpipe.model.esm2_forward import EsmForward
-    from embedpipe.packed import PackedTokens
-    from embedpipe.precision import get_policy
+    from embedpipe.runtime.packed import PackedTokens
+    from embedpipe.runtime.precision import get_policy
 
     loaded, policy = load_model(str(tiny_model_path)), get_policy("fp32")
     runner = EsmForward(prepare_model(loaded.model, policy, torch.device("cpu")), policy, prepack=False)

@@ -17,11 +17,11 @@ import torch
 from esm.model.esm2 import ESM2
 
 from fake_cuda import fake_cuda
-from embedpipe import batch_budget
+from embedpipe.embed.run import budget as batch_budget
 from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
-from embedpipe.options import POLICY_NAMES, EmbedOptions
-from embedpipe.precision import get_policy, resolve_attention_inputs
-from embedpipe.worker import Embedder
+from embedpipe.core.options import POLICY_NAMES, EmbedOptions
+from embedpipe.runtime.precision import get_policy, resolve_attention_inputs
+from embedpipe.embed.engine import Embedder
 
 SHAPES = {"650M": (1280, 20), "3B": (2560, 40)}
 DEPTH = 3

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from fake_cuda import SEAM_NAME, Trace, fake_cuda, is_fake_cuda
-from embedpipe import cuda as ep_cuda
+from embedpipe.runtime import cuda as ep_cuda
 from embedpipe.model import load_model
-from embedpipe.options import EmbedOptions
-from embedpipe.precision import FP32
-from embedpipe.worker import Embedder
+from embedpipe.core.options import EmbedOptions
+from embedpipe.runtime.precision import FP32
+from embedpipe.embed.engine import Embedder
 
 CUDA = torch.device("cuda", 0)
 LENGTHS = [30, 75, 120, 200, 41, 1500]  # the 1500 one is cut into windows
@@ -134,7 +134,7 @@ def test_a_record_whose_check_fails_is_rerun_in_fp32_on_the_device(model_path):
 # -- planted defects: the trace must catch each -------------------------------------------------
 
 def _plant(monkeypatch, change) -> None:
-    """Wrap the varlen call of the forward (embedpipe.cuda's seam) with ``change``."""
+    """Wrap the varlen call of the forward (embedpipe.runtime.cuda's seam) with ``change``."""
     original = ep_cuda.varlen_attention
 
     def planted(q, k, v, cu_seqlens, max_len):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedpipe import devices
-from embedpipe.devices import claim_device, claim_slot, resolve_device
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core import devices
+from embedpipe.core.devices import claim_device, claim_slot, resolve_device
+from embedpipe.core.errors import EmbedpipeError
 
 
 def test_resolve_device_on_a_cpu_machine(monkeypatch):
@@ -56,7 +56,7 @@ def test_concurrent_workers_get_different_gpus(tmp_path):
 def test_lock_is_released_when_a_worker_process_dies(tmp_path):
     keys = ["GPU-only"]
     code = (
-        "import sys, os; from pathlib import Path; from embedpipe.devices import claim_slot;"
+        "import sys, os; from pathlib import Path; from embedpipe.core.devices import claim_slot;"
         f"i, h = claim_slot({keys!r}, Path({str(tmp_path)!r})); os._exit(0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -146,9 +146,9 @@ def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model
     import contextlib
 
     from embed_helpers import random_sequences, write_fasta
-    from embedpipe import crosscheck
-    from embedpipe.crosscheck import run_crosscheck
-    from embedpipe.embed import EmbedOptions, embed_fasta
+    from embedpipe.crosscheck.run import run as crosscheck
+    from embedpipe.crosscheck.run import run_crosscheck
+    from embedpipe.embed.run import EmbedOptions, embed_fasta
 
     fasta = write_fasta(tmp_path / "in.fasta", random_sequences(4, (10, 30), seed=3))
     embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "s.h5", options=EmbedOptions(), quiet=True)

@@ -8,13 +8,13 @@ import torch
 from typer.testing import CliRunner
 
 from embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
-from embedpipe.planning import plan_record
+from embedpipe.embed.planning import plan_record
 from embedpipe.cli import app
-from embedpipe.embed import embed_fasta
-from embedpipe.errors import EmbedpipeError
+from embedpipe.embed.run import embed_fasta
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model import load_model
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
-from embedpipe.worker import EmbedOptions, Embedder, resolve_layers
+from embedpipe.embed.engine import EmbedOptions, Embedder, resolve_layers
 
 ATOL = 1e-5
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import embedpipe.embed as embed_module
+import embedpipe.embed.run as embed_module
 from embed_helpers import random_sequences, write_fasta
 from embedpipe.cli import app
-from embedpipe.embed import embed_fasta, embed_shards
-from embedpipe.errors import EmbedpipeError, InputError
-from embedpipe.options import EmbedOptions
-from embedpipe.shard import plan_groups, shard_fasta
+from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.core.errors import EmbedpipeError, InputError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.shard.passes import plan_groups, shard_fasta
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1))
 
@@ -125,8 +125,8 @@ def test_a_store_of_other_options_model_or_shard_content_is_embedded_again(
 def test_a_store_computed_padded_is_not_kept_where_auto_means_packed(tmp_path, tiny_model_path, monkeypatch):
     """The same options (``auto``) on another device are other numbers: the identity holds what
     ``auto`` resolved to. The second job pretends the varlen kernel runs (a CPU stand-in)."""
-    from embedpipe import cuda
-    from embedpipe.packed import per_sequence_attention
+    from embedpipe.runtime import cuda
+    from embedpipe.runtime.packed import per_sequence_attention
 
     shards = _shards(tmp_path, 1)
     out = tmp_path / "stores"

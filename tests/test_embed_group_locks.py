@@ -14,13 +14,13 @@ import h5py
 import numpy as np
 import pytest
 
-import embedpipe.embed as embed_module
+import embedpipe.embed.run as embed_module
 from embed_helpers import random_sequences, write_fasta
-from embedpipe.embed import embed_shards
-from embedpipe.errors import EmbedpipeError
-from embedpipe.group_marker import marker_problem
-from embedpipe.locks import LockedError, acquire
-from embedpipe.options import EmbedOptions
+from embedpipe.embed.run import embed_shards
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.embed.group_marker import marker_problem
+from embedpipe.core.locks import LockedError, acquire
+from embedpipe.core.options import EmbedOptions
 from embedpipe.store.validate import validate_store
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(-1,))

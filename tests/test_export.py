@@ -16,11 +16,11 @@ import pytest
 
 import embedpipe
 from embed_helpers import write_fasta
-from embedpipe.embed import EmbedOptions, embed_fasta
-from embedpipe.errors import EmbedpipeError
+from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.export import export_store
 from embedpipe.export.keys import decode_key, encode_key
-from embedpipe.shard import shard_fasta
+from embedpipe.shard.passes import shard_fasta
 from embedpipe.store import merge_stores
 
 # IDs HDF5 cannot name as they are ('/' and a lone '.'), a '%' that must survive decoding,

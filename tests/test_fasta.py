@@ -1,4 +1,4 @@
-"""embedpipe.fasta: streaming reader, validation and normalisation (issue 2, section 3 and 4)."""
+"""embedpipe.inputs.fasta: streaming reader, validation and normalisation (issue 2, section 3 and 4)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedpipe.errors import InputError
-from embedpipe.fasta import BLOCK_SIZE, FastaRecord, display_path, iter_fasta, read_sequences
-from embedpipe.residues import (
+from embedpipe.core.errors import InputError
+from embedpipe.inputs.fasta import BLOCK_SIZE, FastaRecord, display_path, iter_fasta, read_sequences
+from embedpipe.inputs.residue_rules import (
     ALIGNMENT_GAP,
     EMPTY_SEQUENCE,
     INTERNAL_STOP,

@@ -19,7 +19,7 @@ from embed_helpers import random_sequences, read_store, write_fasta
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import describe, load_model
 from embedpipe.model.random_hf import make_hf_test_model, write_hf_esm
 

@@ -1,6 +1,6 @@
 """Issue 19, A: no command's output replaces one of its inputs, another of its outputs, or a
 source that a merged store it reads pins; symlinks and hard links are seen through, and the
-refusal comes before any work (embedpipe/output_guard.py)."""
+refusal comes before any work (embedpipe/core/output_guard.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import h5py
 import pytest
 
 from embed_helpers import random_sequences, write_fasta
-from embedpipe.embed import embed_fasta, embed_shards
-from embedpipe.errors import EmbedpipeError
+from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.export import export_store
-from embedpipe.options import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.store import merge_stores
 
 OPTIONS = EmbedOptions(device="cpu")

@@ -1,6 +1,6 @@
 """Issue 19, C: SIGTERM (scancel, a SLURM time limit) ends a command as Ctrl-C does, with its
 temporary removed and exit 143; temporaries that a killed process (SIGKILL) left are removed
-by the next run that writes the same output (embedpipe/cli_exit.py, embedpipe/atomic.py).
+by the next run that writes the same output (embedpipe/cli/exit.py, embedpipe/core/atomic.py).
 
 The runs are real subprocesses of the console entry point. To signal them mid-run
 deterministically, the child replaces the step after the temporary is created with an
@@ -19,22 +19,22 @@ import h5py
 import pytest
 
 from embed_helpers import random_sequences, write_fasta
-from embedpipe.atomic import temp_path_for
-from embedpipe.embed import embed_fasta
+from embedpipe.core.atomic import temp_path_for
+from embedpipe.embed.run import embed_fasta
 from embedpipe.export import export_store
-from embedpipe.options import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the child: the embed forward (or the export's block reader) never ends, then the real CLI
 CHILD = """
 import sys, time
-import embedpipe.worker, embedpipe.export
+import embedpipe.embed.engine, embedpipe.export
 def endless(*args, **kwargs):
     while True:
         time.sleep(0.02)
         yield from ()
-embedpipe.worker.Embedder.embed = endless
+embedpipe.embed.engine.Embedder.embed = endless
 embedpipe.export.iter_blocks = endless
 sys.argv = ["embedpipe", *sys.argv[1:]]
 from embedpipe.cli import run

@@ -15,7 +15,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from embedpipe.locks import acquire
+from embedpipe.core.locks import acquire
 from test_workflow import demo_config, job_counts, read_manifest, run_workflow, snakemake, validate
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 
 from embed_helpers import flip_byte_in_chunk
 import embedpipe
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, Store, StoreWriter, UnknownIdError
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"

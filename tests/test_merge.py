@@ -13,7 +13,7 @@ import pytest
 
 from embed_helpers import flip_byte_in_chunk
 import embedpipe
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, StoreWriter, merge_stores, store_info, validate_store
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
@@ -276,7 +276,7 @@ def test_merge_without_stores_is_one_clear_line(tmp_path):
 def _embed_shard(tmp: Path, model: Path, records, out: Path, precision: str) -> Path:
     from embed_helpers import write_fasta
 
-    from embedpipe.embed import EmbedOptions, embed_fasta
+    from embedpipe.embed.run import EmbedOptions, embed_fasta
 
     fasta = write_fasta(tmp / f"{out.stem}.fasta", records)
     embed_fasta(fasta, model=str(model), out=out, quiet=True,
@@ -290,7 +290,7 @@ def test_reembedded_shard_is_refused_by_validate_open_store_and_crosscheck(tmp_p
 
     from embed_helpers import random_sequences
     from embedpipe.cli import app
-    from embedpipe.crosscheck import run_crosscheck
+    from embedpipe.crosscheck.run import run_crosscheck
 
     records = random_sequences(9, (10, 40), seed=11)
     root = tmp_path / "results"
@@ -385,7 +385,7 @@ def test_corrupt_shard_chunk_read_through_merged_store_names_dataset_rows_and_sh
 
 def _store_of_fasta(path: Path, fasta: Path, *, dim: int = 8) -> Path:
     """A store holding exactly the records of ``fasta`` (a shard), with synthetic vectors."""
-    from embedpipe.fasta import read_sequences
+    from embedpipe.inputs.fasta import read_sequences
 
     records = []
     for i, (rid, seq) in enumerate(read_sequences(fasta)):
@@ -400,7 +400,7 @@ def _store_of_fasta(path: Path, fasta: Path, *, dim: int = 8) -> Path:
 
 
 def test_stale_manifest_is_refused_naming_its_line(tmp_path):
-    from embedpipe.shard import shard_fasta
+    from embedpipe.shard.passes import shard_fasta
 
     v1 = tmp_path / "v1.fa"
     v1.write_text(">a\nAAAKV\n>b\nCCCKV\n>d\nCCCKV\n")

@@ -46,7 +46,7 @@ def test_merge_of_2000_stores_under_a_long_outdir_with_a_small_stack(tmp_path: P
     listing = tmp_path / "stores.txt"
     listing.write_text("".join(f"{s}\n" for s in stores))
     merged = tmp_path / "merged.h5"
-    cli = f"{shlex.quote(sys.executable)} -m embedpipe.cli merge"
+    cli = f"{shlex.quote(sys.executable)} -m embedpipe.cli.commands merge"
     # the command line the merge rule used to run is refused by the kernel here
     too_long = _limited(f"exec {cli} $(cat stores.txt) --out {merged} -q", tmp_path)
     assert too_long.returncode != 0 and "Argument list too long" in too_long.stderr, too_long.stderr[-2000:]

@@ -26,12 +26,12 @@ from typer.testing import CliRunner
 
 from embed_helpers import random_sequences, read_store, write_fasta
 from embedpipe.cli import app
-from embedpipe.embed import embed_fasta
+from embedpipe.embed.run import embed_fasta
 from embedpipe.model import Family, MemoryEstimate, ModelFacts, registry
 from embedpipe.model.base import ForwardOutput, TokenLayout, masked_max_abs
-from embedpipe.precision import Policy
+from embedpipe.runtime.precision import Policy
 from embedpipe.store import validate_store
-from embedpipe.worker import EmbedOptions
+from embedpipe.embed.engine import EmbedOptions
 
 PREFIX = "fake:"
 LETTERS = "ACDEFGHIKLMNPQRSTVWY"

@@ -19,13 +19,14 @@ from typer.testing import CliRunner
 from embed_helpers import edit_test_checkpoint
 
 from embedpipe.cli import app
-from embedpipe.errors import ModelError
-from embedpipe.model import esm2_spec, load_model, sources
+from embedpipe.core.errors import ModelError
+from embedpipe.model import esm2_spec, load_model
+from embedpipe.model import downloads as sources
 from embedpipe.model.checkpoint import load_checkpoint_safely
 from embedpipe.model.esm2 import Esm2Model
 from embedpipe.model.esm2_spec import ESM2_MODELS
 from embedpipe.model.random_checkpoint import make_test_model
-from embedpipe.model.sources import companion_path, fetch_model, resolve_checkpoint
+from embedpipe.model.downloads import companion_path, fetch_model, resolve_checkpoint
 
 SEQS = [
     ("a", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"),
@@ -601,7 +602,7 @@ def test_fetch_model_respects_embedpipe_offline(tmp_path, monkeypatch):
 def test_checkpoint_sha256_is_cached_per_unchanged_file(tmp_path, monkeypatch):
     import json as _json
 
-    from embedpipe import checksums
+    from embedpipe.core import checksums
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = tmp_path / "weights.pt"

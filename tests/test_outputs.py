@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from embedpipe.atomic import atomic_path
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core.atomic import atomic_path
+from embedpipe.core.errors import EmbedpipeError
 from embed_helpers import random_sequences, write_fasta
 
 CLI = [sys.executable, "-m", "embedpipe.cli"]
@@ -36,7 +36,7 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
 
 
 def _embed(fasta: Path, model: Path, out: Path, **options: object) -> Path:
-    from embedpipe.embed import EmbedOptions, embed_fasta
+    from embedpipe.embed.run import EmbedOptions, embed_fasta
 
     embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(device="cpu", **options), quiet=True)
     return out
@@ -108,7 +108,7 @@ def test_make_test_model_refuses_a_special_output_or_companion(make, name, tmp_p
 @pytest.mark.parametrize("make", SPECIAL)
 @pytest.mark.parametrize("name", ["crosscheck.json", "crosscheck.html"])
 def test_crosscheck_refuses_special_report_files(make, name, tmp_path, stores):
-    from embedpipe.crosscheck import run_crosscheck
+    from embedpipe.crosscheck.run import run_crosscheck
 
     (tmp_path / "report").mkdir()
     _assert_refused(
@@ -120,7 +120,7 @@ def test_crosscheck_refuses_special_report_files(make, name, tmp_path, stores):
 @pytest.mark.parametrize("make", SPECIAL)
 @pytest.mark.parametrize("name", ["manifest.tsv", "shards.json", "shard-00007.fasta"])
 def test_shard_refuses_special_entries_in_its_output_directory(make, name, tmp_path):
-    from embedpipe.shard import shard_fasta
+    from embedpipe.shard.passes import shard_fasta
 
     fasta = write_fasta(tmp_path / "in.fa", random_sequences(3, (10, 20)))
     (tmp_path / "out").mkdir()
@@ -223,7 +223,7 @@ def test_shard_on_a_full_disk_names_its_output(small_disk, tmp_path):
 
 
 def test_write_error_reads_hdf5_messages():
-    from embedpipe.atomic import write_error
+    from embedpipe.core.atomic import write_error
 
     tmp = Path("/d/.o.h5.abc.tmp")
     hdf5 = RuntimeError(
@@ -237,7 +237,7 @@ def test_write_error_reads_hdf5_messages():
 
 
 def test_cli_names_the_output_for_an_os_error_without_a_file_name():
-    from embedpipe.cli_exit import _os_error_message
+    from embedpipe.cli.exit import _os_error_message
 
     exc = OSError(errno.ENOSPC, "No space left on device")
     assert _os_error_message(exc, Path("out/shards")) == "cannot write out/shards: No space left on device"

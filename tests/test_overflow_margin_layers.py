@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from embedpipe.model import load_model
-from embedpipe.options import EmbedOptions
-from embedpipe.worker import Embedder
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
 
 RECORDS = [("a", "ACDEFGHIKLMNPQRSTVWY"), ("b", "MKTAYIAKQRQISFVKSHFSRQ")]
 

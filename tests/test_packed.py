@@ -12,13 +12,13 @@ import pytest
 import torch
 from embed_helpers import fair_esm_bos, fair_esm_forward, random_sequences
 
-from embedpipe import cuda
-from embedpipe.errors import EmbedpipeError
+from embedpipe.runtime import cuda
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model import load_model
-from embedpipe.options import EmbedOptions as Options
-from embedpipe.packed import PackedTokens, per_sequence_attention, range_max, range_segments, range_sums
-from embedpipe.precision import POLICIES, attention_dtype, resolve_attention_inputs
-from embedpipe.worker import EmbedOptions, Embedder
+from embedpipe.core.options import EmbedOptions as Options
+from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, range_max, range_segments, range_sums
+from embedpipe.runtime.precision import POLICIES, attention_dtype, resolve_attention_inputs
+from embedpipe.embed.engine import EmbedOptions, Embedder
 
 CPU = torch.device("cpu")
 ATOL = 1e-5

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from embedpipe.model import packed_linear
 from embedpipe.model.esm2 import prepare_model
 from embedpipe.model.esm2_forward import EsmForward
-from embedpipe.host_memory import keep_freed_memory
+from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.model.packed_linear import pack_linear
-from embedpipe.precision import get_policy
+from embedpipe.runtime.precision import get_policy
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # oneDNN packs bf16 weights only on CPUs with AVX512-BF16-class instructions (or AVX-NE-CONVERT);

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedpipe.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches
+from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches
 
 
 def _pieces(lengths):
@@ -54,7 +54,7 @@ def test_dynamic_cuts_pad_no_more_than_greedy_at_equal_or_fewer_batches_cost(len
 def test_padding_efficiency_on_the_bundled_example_lengths():
     from pathlib import Path
 
-    from embedpipe.fasta import read_sequences
+    from embedpipe.inputs.fasta import read_sequences
 
     example = Path(__file__).resolve().parent.parent / "examples" / "swissprot100.fasta"
     lengths = [min(len(s), 1022) for _, s in read_sequences(example)]

@@ -13,8 +13,8 @@ from embed_helpers import fair_esm_bos, random_sequences, write_fasta
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed import EmbedOptions, embed_fasta
-from embedpipe.errors import EmbedpipeError, StoreError
+from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.export import export_store
 from embedpipe.store import merge_stores, open_store, validate_store
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
-from embedpipe import precision
-from embedpipe.embed import embed_fasta
-from embedpipe.options import EmbedOptions
-from embedpipe.worker import Embedder
-from embedpipe.errors import EmbedpipeError
+from embedpipe.runtime import precision
+from embedpipe.embed.run import embed_fasta
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model import load_model
-from embedpipe.precision import POLICIES, check_policy_on_device, get_policy
-from embedpipe.worker import EmbedOptions, Embedder
+from embedpipe.runtime.precision import POLICIES, check_policy_on_device, get_policy
+from embedpipe.embed.engine import EmbedOptions, Embedder
 
 LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
 
@@ -186,7 +186,7 @@ def test_mixed_policy_refuses_fair_esm_attention():
 def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_path, monkeypatch):
     """No TF32 for fp32 work; the process-wide flags are set once per worker run (not per
     batch) and restored after it."""
-    from embedpipe.precision import forward_context, true_fp32_matmuls
+    from embedpipe.runtime.precision import forward_context, true_fp32_matmuls
 
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from embed_helpers import random_sequences, write_fasta
-from embedpipe.crosscheck import run_crosscheck
-from embedpipe.embed import EmbedOptions, embed_fasta
-from embedpipe.report import VERDICT_COLOURS
-from embedpipe.report_figures import LAYER_COLOURS
+from embedpipe.crosscheck.run import run_crosscheck
+from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.crosscheck.report.page import VERDICT_COLOURS
+from embedpipe.crosscheck.report.figures import LAYER_COLOURS
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

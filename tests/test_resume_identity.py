@@ -1,6 +1,6 @@
 """Issue 19, E: a group job's resume identity holds what the options resolve to, not how they
 are spelt: ``--device auto`` and ``--device cpu`` on the CPU, ``--layers 2`` and ``--layers -1``
-on a 2-layer model keep each other's stores (embedpipe/embed.py, ``embed_identity``)."""
+on a 2-layer model keep each other's stores (embedpipe/embed/run.py, ``embed_identity``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import h5py
 
 from embed_helpers import random_sequences, write_fasta
-from embedpipe.embed import embed_shards
-from embedpipe.options import EmbedOptions
+from embedpipe.embed.run import embed_shards
+from embedpipe.core.options import EmbedOptions
 
 
 def _shards(tmp: Path) -> list[Path]:
@@ -36,7 +36,7 @@ def test_spellings_that_resolve_alike_keep_the_stores(tmp_path, tiny_model_path)
 
 
 def test_a_store_with_the_identity_written_before_is_kept_when_spelt_the_same(tmp_path, tiny_model_path):
-    from embedpipe.embed import legacy_identity
+    from embedpipe.embed.run import legacy_identity
 
     shards, out = _shards(tmp_path), tmp_path / "stores"
     options = EmbedOptions(device="cpu", layers=(-1,))

@@ -1,8 +1,8 @@
-"""One source of truth: the workflow schema and the CLI say what embedpipe/options.py says.
+"""One source of truth: the workflow schema and the CLI say what embedpipe/core/options.py says.
 
 Every enum and default of workflows/schemas/config.schema.yaml that is also a library option
 must equal the Python one, and every default of a CLI option must be the library's, so that
-changing a default or adding an allowed value in embedpipe/options.py cannot leave the
+changing a default or adding an allowed value in embedpipe/core/options.py cannot leave the
 workflow or the command line behind.
 """
 
@@ -18,9 +18,9 @@ import pytest
 import typer
 import yaml
 
-from embedpipe import options
+from embedpipe.core import options
 from embedpipe.cli import app
-from embedpipe.options import EmbedOptions, Thresholds
+from embedpipe.core.options import EmbedOptions, Thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "workflows" / "schemas" / "config.schema.yaml").read_text())
@@ -100,7 +100,7 @@ def test_schema_crosscheck_defaults_equal_the_library() -> None:
 
 
 def test_every_embed_option_has_the_library_default_on_the_command_line() -> None:
-    from embedpipe.cli import _int_list
+    from embedpipe.cli.commands import _int_list
 
     cli = _cli_defaults("embed")
     cli["layers"] = list(_int_list(cli["layers"], "--layers"))  # a comma list on the command line
@@ -121,9 +121,9 @@ def test_shard_and_crosscheck_defaults_on_the_command_line_are_the_library_ones(
 
 
 def test_library_functions_default_to_the_same_values() -> None:
-    from embedpipe.crosscheck import run_crosscheck
+    from embedpipe.crosscheck.run import run_crosscheck
     from embedpipe.model.random_checkpoint import make_test_model
-    from embedpipe.shard import shard_fasta
+    from embedpipe.shard.passes import shard_fasta
 
     def defaults(func: Any) -> dict[str, Any]:
         return {name: p.default for name, p in inspect.signature(func).parameters.items()
@@ -141,7 +141,7 @@ def test_library_functions_default_to_the_same_values() -> None:
 
 
 def test_the_precision_module_defines_exactly_the_named_policies() -> None:
-    from embedpipe.precision import POLICIES
+    from embedpipe.runtime.precision import POLICIES
 
     assert tuple(POLICIES) == options.POLICY_NAMES
     assert tuple(name for name, policy in POLICIES.items() if policy.fp32_islands) == options.FP32_ISLAND_POLICIES

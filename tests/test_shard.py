@@ -1,4 +1,4 @@
-"""embedpipe.shard: dedupe, length sort, token-budget shards, manifest (issue 2, sections 4-7)."""
+"""embedpipe.shard.passes: dedupe, length sort, token-budget shards, manifest (issue 2, sections 4-7)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedpipe.errors import EmbedpipeError, InputError, StoreError
-from embedpipe.fasta import iter_fasta, read_sequences
-from embedpipe.manifest import DIALECT, MANIFEST_COLUMNS, iter_manifest, quote, quote_all
-from embedpipe.shard import ShardSummary, plan_shards, shard_fasta
+from embedpipe.core.errors import EmbedpipeError, InputError, StoreError
+from embedpipe.inputs.fasta import iter_fasta, read_sequences
+from embedpipe.shard.manifest import DIALECT, MANIFEST_COLUMNS, iter_manifest, quote, quote_all
+from embedpipe.shard.passes import ShardSummary, plan_shards, shard_fasta
 from shard_helpers import manifest, write
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swissprot100.fasta"
@@ -389,9 +389,9 @@ def test_cr_line_endings_keep_every_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_size: int | None, on_invalid: str
 ) -> None:
     if block_size is not None:
-        import embedpipe.shard_index
+        import embedpipe.shard.index
 
-        monkeypatch.setattr(embedpipe.shard_index, "iter_fasta", functools.partial(iter_fasta, block_size=block_size))
+        monkeypatch.setattr(embedpipe.shard.index, "iter_fasta", functools.partial(iter_fasta, block_size=block_size))
     good = write(tmp_path / "good.fa", ">g1\nMKVLLA\n")
     cr3 = tmp_path / "cr3.fa"
     cr3.write_bytes(CR_ONLY)
@@ -486,7 +486,7 @@ def test_manifest_round_trip_with_odd_paths_and_ids(tmp_path: Path) -> None:
     expected = io.StringIO()
     csv.writer(expected, **{**DIALECT, "lineterminator": "\r\n"}).writerows([list(MANIFEST_COLUMNS), *want])
     assert text == expected.getvalue().replace("\r\n", "\n")
-    # and three readers agree: csv, embedpipe.manifest, pandas
+    # and three readers agree: csv, embedpipe.shard.manifest, pandas
     assert [list(r.values()) for r in manifest(out)] == want
     assert [list(r.values()) for _, r in iter_manifest(out / "manifest.tsv")] == want
     pandas = pytest.importorskip("pandas")
@@ -526,7 +526,7 @@ def test_manifest_reader_names_bad_lines(tmp_path: Path) -> None:
 
 
 def test_sigterm_removes_the_spool_and_restores_the_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import embedpipe.shard
+    import embedpipe.shard.passes
 
     src = write(tmp_path / "in.fa", ">P1\nMK\n")
     seen: list[Path] = []
@@ -539,7 +539,7 @@ def test_sigterm_removes_the_spool_and_restores_the_handler(tmp_path: Path, monk
             pass
         raise AssertionError("SIGTERM did not stop the run")
 
-    monkeypatch.setattr(embedpipe.shard, "_run", killed)
+    monkeypatch.setattr(embedpipe.shard.passes, "_run", killed)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exc:
         shard_fasta([src], out=tmp_path / "out", tokens_per_shard=10, quiet=True)
@@ -550,14 +550,14 @@ def test_sigterm_removes_the_spool_and_restores_the_handler(tmp_path: Path, monk
 
 
 def test_stale_spools_of_dead_processes_are_removed(tmp_path: Path) -> None:
-    import embedpipe.shard_output
+    import embedpipe.shard.output
 
     dead = subprocess.run(["true"], check=True)  # noqa: S603, S607
     proc = subprocess.Popen(["true"])  # noqa: S603, S607
     proc.wait()
     dead_pid, live_pid = proc.pid, os.getppid()
     del dead
-    host = embedpipe.shard_output.host_tag()
+    host = embedpipe.shard.output.host_tag()
     stale = [f".out.tmp-{dead_pid}-{host}-0a1b2c3d", f".out.tmp-{dead_pid}-deadbeef"]  # new and old names
     kept = [
         f".out.tmp-{live_pid}-{host}-0a1b2c3d",  # a live run

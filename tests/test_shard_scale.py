@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import embedpipe.shard_index
-import embedpipe.shard_spill
-from embedpipe.errors import InputError
-from embedpipe.shard import shard_fasta
+import embedpipe.shard.index
+import embedpipe.shard.spill
+from embedpipe.core.errors import InputError
+from embedpipe.shard.passes import shard_fasta
 from shard_helpers import write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_thousands_of_shards_under_a_low_open_file_limit(tmp_path: Path) -> None
         import resource, sys
         from pathlib import Path
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        from embedpipe.shard import shard_fasta
+        from embedpipe.shard.passes import shard_fasta
         summary = shard_fasta([Path({str(src)!r})], out=Path({str(tmp_path / 'out')!r}), tokens_per_shard=1, quiet=True)
         print(summary.n_shards)
     """)
@@ -80,18 +80,18 @@ def test_small_chunks_and_colliding_first_words_change_nothing(tmp_path: Path, m
     plain = tmp_path / "plain"
     shard_fasta([src], out=plain, tokens_per_shard=97, on_invalid="skip", quiet=True)
 
-    monkeypatch.setattr(embedpipe.shard_spill, "CHUNK", 7)
-    monkeypatch.setattr(embedpipe.shard_index, "CHUNK", 7)
-    monkeypatch.setattr(embedpipe.shard_index, "MANIFEST_ROWS", 5)
+    monkeypatch.setattr(embedpipe.shard.spill, "CHUNK", 7)
+    monkeypatch.setattr(embedpipe.shard.index, "CHUNK", 7)
+    monkeypatch.setattr(embedpipe.shard.index, "MANIFEST_ROWS", 5)
     chunked = tmp_path / "chunked"
     shard_fasta([src], out=chunked, tokens_per_shard=97, on_invalid="skip", quiet=True)
     assert outputs(chunked) == outputs(plain)
 
     def same_first_word(index: object):  # every record a candidate: only the full digest tells them apart
-        for block in embedpipe.shard_spill.Spill.chunks(index.spill, "digest", index.n):  # type: ignore[attr-defined]
+        for block in embedpipe.shard.spill.Spill.chunks(index.spill, "digest", index.n):  # type: ignore[attr-defined]
             yield np.zeros(len(block), dtype=np.uint64)
 
-    monkeypatch.setattr(embedpipe.shard_index, "_first_words", same_first_word)
+    monkeypatch.setattr(embedpipe.shard.index, "_first_words", same_first_word)
     colliding = tmp_path / "colliding"
     shard_fasta([src], out=colliding, tokens_per_shard=97, on_invalid="skip", quiet=True)
     assert outputs(colliding) == outputs(plain)
@@ -100,7 +100,7 @@ def test_small_chunks_and_colliding_first_words_change_nothing(tmp_path: Path, m
 def test_colliding_id_hashes_are_not_duplicate_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ID check compares the text of records whose 64-bit hashes repeat."""
     src = write(tmp_path / "in.fa", ">A\nMK\n>B\nMKV\n>C\nMKVL\n")
-    monkeypatch.setattr(embedpipe.shard_index, "hash", lambda _rid: 7, raising=False)
+    monkeypatch.setattr(embedpipe.shard.index, "hash", lambda _rid: 7, raising=False)
     summary = shard_fasta([src], out=tmp_path / "out", tokens_per_shard=100, quiet=True)
     assert summary.records == summary.unique == 3
 

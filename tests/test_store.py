@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embed_helpers import flip_byte_in_chunk
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -543,7 +543,7 @@ def test_mean_check_skips_single_run_stores_from_before_store_uuid(tmp_path):
 def test_real_stores_pass_the_mean_check(tmp_path, tiny_model_path, precision, storage, long_sequences):
     from embed_helpers import random_sequences, write_fasta
 
-    from embedpipe.embed import EmbedOptions, embed_fasta
+    from embedpipe.embed.run import EmbedOptions, embed_fasta
 
     records = random_sequences(6, (5, 300), seed=3) + random_sequences(1, [1400], seed=4)
     fasta = write_fasta(tmp_path / "in.fasta", [(f"r{i}", s) for i, (_, s) in enumerate(records)])

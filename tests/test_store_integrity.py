@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 import pytest
 
-from embedpipe.errors import InputError, StoreError
-from embedpipe.fasta import iter_fasta
+from embedpipe.core.errors import InputError, StoreError
+from embedpipe.inputs.fasta import iter_fasta
 from embedpipe.store import merge_stores, open_store, store_info, validate_store
 from test_merge import results  # noqa: F401 - the merged-store fixture
 from test_store import synthetic, write_store
@@ -190,7 +190,7 @@ def test_aliases_are_not_ids_and_resolve_on_their_own(results):
 
 PERMISSION_CHILD = textwrap.dedent("""
     import os, pwd, sys
-    from embedpipe.errors import StoreError  # imports first: nobody may not read site-packages
+    from embedpipe.core.errors import StoreError  # imports first: nobody may not read site-packages
     from embedpipe.store.reader import open_store
     from embedpipe.store.validate import validate_store
     os.setgid(pwd.getpwnam("nobody").pw_gid); os.setuid(pwd.getpwnam("nobody").pw_uid)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import embedpipe
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store import merge_stores, validate_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -63,7 +63,7 @@ def sizes(tmp_path_factory):
 def test_merge_and_validate_peak_does_not_grow_with_the_records(sizes, monkeypatch):
     """Traced peak allocation at 48,000 records stays below 1.6x that at 12,000 (4x the records;
     before, every ID was a dict entry and a list item: the peak grew ~4x)."""
-    monkeypatch.setattr("embedpipe.external_sort.CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr("embedpipe.core.external_sort.CHUNK_BYTES", 1 << 20)
     merged, checked = {}, {}
     for k, (paths, manifest) in sizes.items():
         out = paths[0].parents[1] / "embeddings.h5"

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.store import open_store, validate_store
 from test_store import synthetic, write_store
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import embedpipe
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, merge_stores, validate_store
 from embedpipe.store.columns import COLUMNS, STR, Column
 from test_merge import synthetic, write

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import embedpipe
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, StoreWriter, merge_stores, validate_store
 from embedpipe.store.idindex import BLOCK_ROWS, IdIndex, encode_ids, index_keys, write_id_index
 from embedpipe.store.reader import UnknownIdError

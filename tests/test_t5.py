@@ -18,12 +18,12 @@ import torch
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import describe, load_model
 from embedpipe.model.base import ESM2_LAYOUT
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.t5 import T5_LAYOUT
-from embedpipe.precision import POLICIES, forward_context
+from embedpipe.runtime.precision import POLICIES, forward_context
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 CPU = torch.device("cpu")

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from embed_helpers import random_sequences, read_store, write_fasta
-from embedpipe.embed import embed_fasta
+from embedpipe.embed.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
-from embedpipe.worker import EmbedOptions
+from embedpipe.embed.engine import EmbedOptions
 from test_t5 import hf_inputs, overflowing
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

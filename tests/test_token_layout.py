@@ -21,11 +21,11 @@ from typer.testing import CliRunner
 import fake_family_layout as fake
 from embed_helpers import random_sequences, read_store, write_fasta
 from embedpipe.cli import app
-from embedpipe.embed import embed_fasta
+from embedpipe.embed.run import embed_fasta
 from embedpipe.model import registry
 from embedpipe.model.plugins import ENV
 from embedpipe.store import validate_store
-from embedpipe.worker import EmbedOptions, Embedder
+from embedpipe.embed.engine import EmbedOptions, Embedder
 
 SPEC = fake.PREFIX + "toy"
 TESTS = Path(__file__).resolve().parent

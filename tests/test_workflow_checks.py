@@ -1,4 +1,4 @@
-"""embedpipe.workflow_checks without Snakemake (the workflow tests run them end to end):
+"""embedpipe.workflow.checks without Snakemake (the workflow tests run them end to end):
 shard paths stay inside the shard directory, symlinks included; input paths must exist; the
 report's facts come from the store."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from embedpipe.workflow_checks import StoreFacts, WorkflowCheckError, input_paths, shard_paths
+from embedpipe.workflow.checks import StoreFacts, WorkflowCheckError, input_paths, shard_paths
 
 
 @pytest.mark.parametrize("bad", ["/etc/passwd", "../outside.fasta", "sub/../../outside.fasta", "link.fasta",

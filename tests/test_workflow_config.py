@@ -1,4 +1,4 @@
-"""embedpipe.workflow_config: --config overrides coerced to the schema's types, one-line errors."""
+"""embedpipe.workflow.config: --config overrides coerced to the schema's types, one-line errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from embedpipe.workflow_config import ConfigError, check, check_outdir, coerce, load_schema, normalise, unknown_keys
+from embedpipe.workflow.config import ConfigError, check, check_outdir, coerce, load_schema, normalise, unknown_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "workflows" / "schemas" / "config.schema.yaml"

@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe.atomic import check_output_path
-from embedpipe.output_guard import guard_outputs
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core.atomic import check_output_path
+from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.export.h5_per_id import write_h5_per_id
 from embedpipe.export.npy import companions, write_npy
 from embedpipe.export.parquet import write_parquet
-from embedpipe.options import EXPORT_FORMATS
-from embedpipe.progress import progress_bar
+from embedpipe.core.options import EXPORT_FORMATS
+from embedpipe.core.progress import progress_bar
 from embedpipe.store import Store, open_store
 
 FORMATS = EXPORT_FORMATS

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe.atomic import atomic_paths
+from embedpipe.core.atomic import atomic_paths
 from embedpipe.export.blocks import ExportBlock
 
 

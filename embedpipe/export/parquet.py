@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embedpipe.atomic import atomic_path
+from embedpipe.core.atomic import atomic_path
 from embedpipe.export.blocks import ExportBlock
 
 _ARROW_TYPES = {np.dtype(np.float32): pa.float32(), np.dtype(np.float16): pa.float16()}

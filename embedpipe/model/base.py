@@ -1,6 +1,6 @@
 """The interface between embedpipe and a model family (docs/architecture.md).
 
-The worker (:mod:`embedpipe.worker`), cross-check and workflow use a model only through
+The worker (:mod:`embedpipe.embed.engine`), cross-check and workflow use a model only through
 :class:`EmbeddingModel` and the :class:`Runner` it prepares. A family implements both in one
 module and is registered in :mod:`embedpipe.model.registry`.
 """
@@ -15,7 +15,7 @@ import torch
 
 from embedpipe.model.facts import MemoryEstimate
 from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout  # re-exported: families import them here
-from embedpipe.precision import Policy
+from embedpipe.runtime.precision import Policy
 
 #: Forward implementations a family may offer: ``sdpa`` (fused attention), ``math``
 #: (explicit scores, fp32 softmax) and ``fair-esm`` (the reference library's own forward).
@@ -35,7 +35,7 @@ class Runner(Protocol):
     """A model prepared for one policy on one device.
 
     A runner may also offer ``packed(batch: PackedTokens, layers) -> ForwardOutput`` for the
-    packed layout (:mod:`embedpipe.packed`; hidden states (N, D)); the worker uses padded
+    packed layout (:mod:`embedpipe.runtime.packed`; hidden states (N, D)); the worker uses padded
     batches with runners that do not.
     """
 
@@ -69,7 +69,7 @@ class EmbeddingModel(Protocol):
 
     def prepare(self, policy: Policy, device: torch.device, attention: str, *, attention_inputs: str = "fp32") -> Runner:
         """A runner for ``policy`` on ``device``; the fp32 model stays usable as the fallback.
-        ``attention_inputs`` (``fp32`` or ``compute``): see :func:`embedpipe.precision.attention_dtype`."""
+        ``attention_inputs`` (``fp32`` or ``compute``): see :func:`embedpipe.runtime.precision.attention_dtype`."""
         ...
 
     def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:

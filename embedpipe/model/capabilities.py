@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model.layout import layout_of
 
 

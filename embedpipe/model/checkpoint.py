@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.serialization as ts
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model.esm2_spec import valid_names
-from embedpipe.model.sources import one_line
+from embedpipe.model.downloads import one_line
 
 #: The only non-tensor type a checkpoint may contain (real checkpoints' ``cfg["model"]``).
 SAFE_GLOBALS: tuple[type, ...] = (argparse.Namespace,)

@@ -3,7 +3,7 @@
 :func:`load` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
 for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`.
 What policies do to the weights (which tensors stay fp32, the rotary caches) is ESM-2
-specific and lives here; the policies themselves are in :mod:`embedpipe.precision`.
+specific and lives here; the policies themselves are in :mod:`embedpipe.runtime.precision`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch
 from esm.model.esm2 import ESM2
 from torch.overrides import TorchFunctionMode
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import esm2_spec
 from embedpipe.model.base import ESM2_LAYOUT, TokenLayout
 from embedpipe.model.checkpoint import (CONTACT_KEYS, checkpoint_info, load_checkpoint_safely,
                                         upgrade_state_dict)
 from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
-from embedpipe.model.sources import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
-from embedpipe.precision import Policy
+from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
+from embedpipe.runtime.precision import Policy
 
 #: Protein letters with their own ESM-2 token; any other byte maps to <unk>.
 PROTEIN_LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"

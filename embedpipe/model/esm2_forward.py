@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embedpipe import cuda
-from embedpipe.attention_choice import packed_kernel
+from embedpipe.runtime import cuda
+from embedpipe.runtime.attention import packed_kernel
 from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.model.packed_linear import PackedLinear, pack_linear
-from embedpipe.options import ATTENTION_IMPLEMENTATIONS
-from embedpipe.packed import PackedTokens, per_sequence_attention, token_max_abs
-from embedpipe.precision import Policy, attention_dtype
+from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
+from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, token_max_abs
+from embedpipe.runtime.precision import Policy, attention_dtype
 
 
 class RotaryTables:

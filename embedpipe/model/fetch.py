@@ -2,7 +2,7 @@
 
 ``embedpipe fetch-model`` and the workflow (``workflows/rules/common.smk``) ask here, not a
 family's module: a fair-esm name is downloaded into the torch hub cache
-(:mod:`embedpipe.model.sources`); a Hugging Face hub name is only looked up in the local hub
+(:mod:`embedpipe.model.downloads`); a Hugging Face hub name is only looked up in the local hub
 cache (:mod:`embedpipe.model.hf_sources`: embedpipe never downloads one). The family's
 module is imported only when asked (the fair-esm one imports torch).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import registry
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
 
@@ -157,7 +157,7 @@ def weight_files(directory: Path) -> list[Path]:
 
 def weights_sha256(files: list[Path]) -> str:
     """One file: its sha256. Several: sha256 of their ``sha256sum``-style listing, sorted by name."""
-    from embedpipe.checksums import file_sha256
+    from embedpipe.core.checksums import file_sha256
 
     try:
         digests = [(file_sha256(f, cache=True), f.name) for f in files]

@@ -16,7 +16,7 @@ from typing import Any
 import esm
 import torch
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights, validate_shape
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet

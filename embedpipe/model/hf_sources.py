@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
 
 

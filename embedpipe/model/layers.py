@@ -1,13 +1,13 @@
 """Which hidden states a run stores: ``--layers`` resolved against the model's depth.
 
-Torch-free; :mod:`embedpipe.worker` re-exports it.
+Torch-free; :mod:`embedpipe.embed.engine` re-exports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError
 
 
 def resolve_layers(requested: Sequence[int], num_layers: int) -> list[int]:

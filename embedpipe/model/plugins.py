@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 
 ENV = "EMBEDPIPE_MODEL_FAMILIES"
 

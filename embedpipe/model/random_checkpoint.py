@@ -16,13 +16,13 @@ import torch
 from esm.model.esm2 import ESM2
 
 from embedpipe import __version__
-from embedpipe.atomic import atomic_paths, check_output_path
-from embedpipe.output_guard import guard_outputs
-from embedpipe.errors import ModelError
+from embedpipe.core.atomic import atomic_paths, check_output_path
+from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.errors import ModelError
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, validate_shape
 from embedpipe.model.esm2 import esm2_alphabet
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
-from embedpipe.model.sources import companion_path
+from embedpipe.model.downloads import companion_path
 
 #: State-dict key prefix of fair-esm's released checkpoints.
 KEY_PREFIX = "encoder.sentence_encoder."

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from embedpipe import __version__
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model.checkpoint import validate_shape
 from embedpipe.model.hf_checkpoint import MARKER_KEY, require
 from embedpipe.model.t5_vocab import LETTERS

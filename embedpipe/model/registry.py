@@ -48,7 +48,7 @@ FAMILIES: list[Family] = [
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
            "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources"),
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
-           "embedpipe.model.sources"),
+           "embedpipe.model.downloads"),
 ]
 
 

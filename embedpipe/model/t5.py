@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model import t5_vocab
 from embedpipe.model import layout
 from embedpipe.model.layout import TokenLayout
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.t5_forward import T5Forward, T5Shape
-from embedpipe.precision import Policy
+from embedpipe.runtime.precision import Policy
 
 #: T5: no BOS, one ``</s>`` after the residues; no hard window (see t5_vocab.T5_MAX_RESIDUES).
 T5_LAYOUT = layout.T5_LAYOUT

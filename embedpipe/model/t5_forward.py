@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.precision import Policy, attention_dtype
+from embedpipe.runtime.precision import Policy, attention_dtype
 
 
 @dataclass(frozen=True)

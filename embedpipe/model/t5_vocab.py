@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from embedpipe.errors import ModelError
+from embedpipe.core.errors import ModelError
 
 #: Residues one T5 forward window takes (docs/models.md, "Limits"). T5 has no hard window
 #: (relative position buckets), but attention memory is quadratic: the score matrix of one
 #: record is heads x L^2 x 4 bytes per layer, 2.1 GiB for ProtT5-XL (32 heads) at 4096.
 T5_MAX_RESIDUES = 4096
 
-#: Letters embedpipe lets through (embedpipe.residues); any other maps to <unk>.
+#: Letters embedpipe lets through (embedpipe.inputs.residue_rules); any other maps to <unk>.
 LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
 #: ProtT5's recipe: ``re.sub(r"[UZOB]", "X", sequence)``.
 PROT_T5_RARE = "UZOB"

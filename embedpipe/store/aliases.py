@@ -5,7 +5,7 @@ alias IDs to other sequences). docs/store-format.md, "Merged stores" and "Shard 
 
 Memory does not grow with the records (docs/benchmarks.md, "Merge and validate at scale"):
 the stored records (ID, row, sequence digest) and the manifest rows (ID or ``duplicate_of``,
-line, claimed digest) are rows of one :class:`~embedpipe.external_sort.ExternalSort` by ID;
+line, claimed digest) are rows of one :class:`~embedpipe.core.external_sort.ExternalSort` by ID;
 one pass over it checks each ID's group and hands the resolved aliases and the skipped IDs
 to the ID index's sort (:mod:`embedpipe.store.idsort`), which drops repeats and refuses
 conflicts. Duplicate rows without ``duplicate_of`` are resolved by a second sort, by digest.
@@ -25,9 +25,9 @@ from typing import IO, Protocol
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
-from embedpipe.external_sort import ExternalSort, group_starts
-from embedpipe.manifest import iter_manifest
+from embedpipe.core.errors import StoreError
+from embedpipe.core.external_sort import ExternalSort, group_starts
+from embedpipe.shard.manifest import iter_manifest
 from embedpipe.store.idsort import ALIAS, SKIP, entries, id_rows
 from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import iter_sequence_blocks

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.format import POOLINGS, attr_to_python, layer_names
 
 #: a chunk larger than this is not one the writer makes (~4 MiB target): reading it would

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import h5py
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import (
     ALIASES,

@@ -27,8 +27,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
-from embedpipe.options import POOLINGS, STORAGE_DTYPES
+from embedpipe.core.errors import StoreError
+from embedpipe.core.options import POOLINGS, STORAGE_DTYPES
 
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 2

@@ -18,8 +18,8 @@ from typing import Any
 
 import h5py
 
-from embedpipe.atomic import commit, temp_path_for, write_error
-from embedpipe.errors import EmbedpipeError
+from embedpipe.core.atomic import commit, temp_path_for, write_error
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.store.info import human_bytes
 
 

@@ -21,7 +21,7 @@ import h5py
 from h5py import h5s
 import numpy as np
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, decode_strings, string_dtype, tag
 
 GROUP = "id_index"

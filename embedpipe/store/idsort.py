@@ -2,7 +2,7 @@
 
 ``merge`` writes ``id_index/`` (docs/store-format.md, "ID index") and ``validate`` checks it;
 both used to hold every ID in memory. Here every record ID, alias ID and skipped ID is one
-row of :mod:`embedpipe.external_sort` (key, tag, row, line, the alias's target ID), sorted
+row of :mod:`embedpipe.core.external_sort` (key, tag, row, line, the alias's target ID), sorted
 bytewise; one pass over the sorted blocks finds IDs that occur twice, drops an alias that
 names its own record or repeats another, and streams the index's keys and rows to disk
 (:class:`IndexWriter`) or compares them with the stored index block by block
@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from embedpipe.external_sort import ExternalSort, group_starts
+from embedpipe.core.external_sort import ExternalSort, group_starts
 from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, string_dtype, tag
 from embedpipe.store.idindex import BLOCK_ROWS, GROUP
 

@@ -11,8 +11,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
-from embedpipe.metrics import aggregate
+from embedpipe.core.errors import StoreError
+from embedpipe.crosscheck.metrics import aggregate
 from embedpipe.store.sources import source_problems
 from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
 

@@ -31,9 +31,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.atomic import check_output_path
-from embedpipe.output_guard import guard_outputs
-from embedpipe.errors import StoreError
+from embedpipe.core.atomic import check_output_path
+from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.errors import StoreError
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns

@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 from dask.base import tokenize
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.encoding import check_encodings

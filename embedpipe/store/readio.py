@@ -11,7 +11,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.format import open_h5
 from embedpipe.store.residues import ShardRows
 

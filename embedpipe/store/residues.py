@@ -24,7 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, iter_row_blocks
 
 #: shard stores kept open at once by one reader

@@ -16,7 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import check_offsets, check_steps
 from embedpipe.store.format import (
     OFFSETS,

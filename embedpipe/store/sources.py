@@ -21,8 +21,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.checksums import file_sha256
-from embedpipe.errors import StoreError
+from embedpipe.core.checksums import file_sha256
+from embedpipe.core.errors import StoreError
 from embedpipe.store.residues import is_resource_error, open_error
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, read_strings
 

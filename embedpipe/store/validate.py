@@ -10,7 +10,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.errors import StoreError
+from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import layout_problems
 from embedpipe.store.columns import COLUMNS, required_columns
 from embedpipe.store.encoding import encoding_problems

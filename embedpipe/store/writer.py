@@ -18,8 +18,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.atomic import commit, temp_path_for
-from embedpipe.errors import StoreError
+from embedpipe.core.atomic import commit, temp_path_for
+from embedpipe.core.errors import StoreError
 from embedpipe.store.columns import COLUMNS, EmbeddedRecord, write_column
 from embedpipe.store.format import (
     FORMAT,

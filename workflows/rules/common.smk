@@ -15,7 +15,8 @@ from snakemake.utils import validate
 if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
 from embedpipe import model as embedpipe_model
-from embedpipe import workflow_checks, workflow_config
+from embedpipe.workflow import checks as workflow_checks
+from embedpipe.workflow import config as workflow_config
 from embedpipe.model import fetch as model_fetch
 
 
@@ -72,7 +73,7 @@ if MODEL_KIND == "name" and not workflow.remote_exec:
 # A group marker whose stores were deleted or changed since it was written is removed before
 # the DAG is built, with embeddings.h5, which pins those stores (Snakemake does not rerun a
 # job for a missing intermediate file while the final one is up to date). By the main process
-# only, a stat per store (embedpipe.group_marker; docs/cluster.md, "Resuming, rerunning").
+# only, a stat per store (embedpipe.embed.group_marker; docs/cluster.md, "Resuming, rerunning").
 if not workflow.remote_exec:
     for _problem in workflow_checks.stale_markers(OUTDIR, remove=True):
         print(f"embedpipe: {_problem}", file=sys.stderr)

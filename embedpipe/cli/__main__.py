@@ -1,0 +1,5 @@
+"""``python -m embedpipe.cli``: the console script."""
+
+from embedpipe.cli import run
+
+run()

@@ -1,0 +1,398 @@
+"""The `embedpipe` command line: typer commands that parse options and call library functions.
+
+No logic lives here. Defaults, and the allowed values the help lists, come from
+:mod:`embedpipe.core.options` (plain Python). Heavy imports (torch, h5py) happen inside each
+command so that `embedpipe --help` stays fast. Every user-facing failure is an ``EmbedpipeError`` and is
+printed as one line on stderr with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from embedpipe.core import options
+from embedpipe.cli.exit import run_app, user_errors
+from embedpipe.core.errors import EmbedpipeError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    # plain help: option names never cut, on/off flags as --x/--no-x, wrapped to the terminal
+    rich_markup_mode=None,
+    help="Batch protein embeddings with ESM-2: shard, embed, merge, cross-check.",
+)
+
+DEVICE_HELP = "auto, cpu, cuda or cuda:N."
+#: defaults of the commands' options, from the library (embedpipe/core/options.py)
+EMBED = options.EmbedOptions()
+THRESHOLDS = options.Thresholds()
+
+
+def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
+    """Help text listing the allowed values: ``a (note), b or c``."""
+    notes = notes or {}
+    shown = [f"{name} ({notes[name]})" if name in notes else name for name in names]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+
+# the embed command's longer help texts
+TOKENS_PER_BATCH_HELP = (
+    f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
+    f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}.")
+ATTENTION_HELP = _one_of(options.ATTENTION_IMPLEMENTATIONS, {
+    "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward"}) + "."
+FALLBACK_DEVICE_HELP = "Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
+    "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."
+BATCH_LAYOUT_HELP = "How a batch's tokens are laid out: " + _one_of(options.BATCH_LAYOUTS, {
+    "auto": "packed where the varlen kernel runs, else padded", "packed": "no padding",
+    "padded": "with a mask"}) + ". See docs/precision.md."
+ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(
+    options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from embedpipe import __version__
+
+        print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """embedpipe: FASTA -> length-sorted shards -> ESM-2 embeddings (HDF5) -> fp32 cross-check."""
+
+
+@app.command()
+@user_errors
+def shard(
+    inputs: list[Path] = typer.Argument(..., help="FASTA files, plain or gzip."),
+    out: Path = typer.Option(..., "--out", help="Output directory for shards and manifest."),
+    tokens_per_shard: int = typer.Option(
+        options.TOKENS_PER_SHARD, "--tokens-per-shard", min=1,
+        help="Token budget per shard (residues plus the model's special tokens per record: 2 for ESM-2)."
+    ),
+    on_invalid: str = typer.Option(
+        options.ON_INVALID_DEFAULT, "--on-invalid",
+        help=_one_of(options.ON_INVALID, {"error": "stop at the first invalid record",
+                                          "skip": "record it as skipped"}) + ".",
+    ),
+    max_jobs: int = typer.Option(
+        options.MAX_JOBS, "--max-jobs", min=1, help="Most embed jobs: shards.json groups the shards into at most this many."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="The model the shards are for: its family's special tokens count per record "
+                              "(default: ESM-2's BOS and EOS). Described only, never loaded."),
+) -> None:
+    """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
+    from embedpipe.shard.passes import TOKENS_PER_RECORD, shard_fasta
+
+    per_record = TOKENS_PER_RECORD
+    if model is not None:
+        from embedpipe.model import describe
+
+        per_record = describe(model).token_layout.extra_tokens
+    summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
+                          max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
+    """``--layers 0,-1`` and ``--layers 0 --layers -1`` alike: integers, in the order given."""
+    try:
+        return tuple(int(part) for value in values for part in value.split(",") if part.strip())
+    except ValueError:
+        raise EmbedpipeError(f"{flag} takes integers, one per flag or a comma list (e.g. {flag} 0,-1), "
+                             f"not {' '.join(values)!r}") from None
+
+
+@app.command()
+@user_errors
+def embed(
+    fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
+    model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or checkpoint (.pt), a Hugging Face "
+                              "model directory, or a hub name in the local hub cache (docs/models.md)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "
+                                "shard, model and options that pass validate are kept; each store is locked "
+                                "for the job (a second job on it is refused)."),
+    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores with "
+                                        "their size, mtime and uuid, written last."),
+    precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
+    layers: list[str] = typer.Option(
+        [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
+        help="Layers to store (0 = token embedding, -1 = last): a comma list, or the flag repeated.",
+    ),
+    per_residue: bool = typer.Option(EMBED.per_residue, "--per-residue/--no-per-residue",
+                                     help="Also store per-residue vectors."),
+    pooling: list[str] = typer.Option(
+        list(EMBED.pooling), "--pooling", metavar="NAME",
+        help=f"Pooled vectors to store: {_one_of(options.POOLINGS, {'bos': 'the BOS token'})}; repeatable. "
+             "The mean is always stored.",
+    ),
+    tokens_per_batch: str = typer.Option(
+        str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
+        help=TOKENS_PER_BATCH_HELP),
+    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
+    storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
+                                      help=_one_of(options.STORAGE_DTYPES) + "."),
+    long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences",
+                                       help=f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."),
+    attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
+    overflow_margin: Optional[float] = typer.Option(
+        EMBED.overflow_margin, "--overflow-margin",
+        help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
+    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    fallback_device: str = typer.Option(
+        EMBED.fallback_device, "--fallback-device",
+        help=FALLBACK_DEVICE_HELP),
+    batch_layout: str = typer.Option(
+        EMBED.batch_layout, "--batch-layout",
+        help=BATCH_LAYOUT_HELP),
+    attention_inputs: str = typer.Option(
+        EMBED.attention_inputs, "--attention-inputs",
+        help=ATTENTION_INPUTS_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
+    from embedpipe.embed.run import embed_command
+
+    chosen = options.EmbedOptions(
+        precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
+        tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
+        attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
+        batch_layout=batch_layout, attention_inputs=attention_inputs,
+    )
+    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+@app.command()
+@user_errors
+def merge(
+    stores: Optional[list[Path]] = typer.Argument(None, help="Shard stores to merge."),
+    out: Path = typer.Option(..., "--out", help="Merged store (.h5), written atomically."),
+    manifest: Optional[Path] = typer.Option(
+        None, "--manifest", help="shards/manifest.tsv: adds aliases so every input ID resolves."
+    ),
+    stores_from: Optional[Path] = typer.Option(
+        None, "--stores-from", help="A file of shard stores, one path per line, merged after any given as "
+                                    "arguments (for more stores than a command line holds)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Merge shard stores into one store (virtual datasets over the shard files)."""
+    from embedpipe.store import merge_stores
+    from embedpipe.store.merge import stores_from as read_stores
+
+    listed = read_stores(stores_from) if stores_from is not None else []
+    summary = merge_stores([*(stores or []), *listed], out=out, manifest=manifest)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+# --labels and its companions (docs/crosscheck.md, "Downstream: your own labels")
+LABELS_HELP = ("id<TAB>label file (header first; IDs may be aliases): sample the labelled records and fit the same "
+               "model on the stored and on the fp32 vectors (docs/crosscheck.md).")
+LABEL_KIND_HELP = (f"{' | '.join(options.LABEL_KINDS)}: classes (logistic regression, accuracy) or numbers (ridge, "
+                   "R2); auto reads numbers when most labels are numbers and not all integers.")
+FOLDS_HELP = "Folds of the downstream fit; each class needs at least this many labelled records."
+UNKNOWN_IDS_HELP = "Leave out label IDs that are not in the store (listed in crosscheck.json) instead of refusing the file."
+TOLERANCE_HELP = "Pass needs the 95% interval of each layer's score difference (stored - fp32) within +- this."
+
+
+@app.command()
+@user_errors
+def crosscheck(
+    store: Path = typer.Argument(..., help="Store to check."),
+    out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
+    sample: int = typer.Option(
+        options.CROSSCHECK_SAMPLE, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."
+    ),
+    seed: int = typer.Option(options.CROSSCHECK_SEED, "--seed", help="Sampling seed."),
+    device: str = typer.Option(options.DEFAULT_DEVICE, "--device", help=DEVICE_HELP),
+    model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint); its sha256 must match."),
+    allow_model_mismatch: bool = typer.Option(
+        False, "--allow-model-mismatch", help="Compare even when the model's sha256 differs from the store's (verdict at best warn)."
+    ),
+    pass_cosine: float = typer.Option(
+        THRESHOLDS.pass_cosine, "--pass-cosine", "--min-cosine", help="Pass needs every sampled pooled cosine to fp32 at or above this."
+    ),
+    fail_cosine: float = typer.Option(THRESHOLDS.fail_cosine, "--fail-cosine", help="Any pooled cosine below this fails."),
+    pass_overlap: float = typer.Option(
+        THRESHOLDS.pass_overlap, "--pass-overlap", help="Pass needs each layer's median overlap@k at or above this."
+    ),
+    residue_cosine: float = typer.Option(
+        THRESHOLDS.residue_cosine, "--residue-cosine", help="With per-residue vectors: any residue cosine below this warns."
+    ),
+    determinism_cosine: float = typer.Option(
+        THRESHOLDS.determinism_cosine, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
+    ),
+    k: int = typer.Option(options.CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
+    labels: Optional[Path] = typer.Option(None, "--labels", help=LABELS_HELP),
+    label_kind: str = typer.Option(options.LABEL_KINDS[0], "--label-kind", help=LABEL_KIND_HELP),
+    folds: int = typer.Option(options.CROSSCHECK_FOLDS, "--folds", min=2, help=FOLDS_HELP),
+    ignore_unknown_ids: bool = typer.Option(False, "--ignore-unknown-ids", help=UNKNOWN_IDS_HELP),
+    downstream_tolerance: float = typer.Option(THRESHOLDS.downstream_tolerance, "--downstream-tolerance",
+                                               help=TOLERANCE_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Re-embed a sample in fp32 and report how far the store is from fp32 (with --labels: on your own task too)."""
+    from embedpipe.crosscheck.run import LabelOptions, run_crosscheck
+
+    report = run_crosscheck(
+        store,
+        out=out,
+        sample=sample,
+        seed=seed,
+        device=device,
+        model=model,
+        thresholds=options.Thresholds(
+            pass_cosine=pass_cosine, fail_cosine=fail_cosine, pass_overlap=pass_overlap, residue_cosine=residue_cosine,
+            determinism_cosine=determinism_cosine, downstream_tolerance=downstream_tolerance),
+        k=k,
+        labels=labels and LabelOptions(labels, kind=label_kind, folds=folds, ignore_unknown_ids=ignore_unknown_ids),
+        allow_model_mismatch=allow_model_mismatch,
+        threads=threads,
+        quiet=quiet,
+    )
+    if not quiet:
+        print(report.render(), file=sys.stderr)
+    if fail_on_threshold and report.verdict == "fail":
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def info(
+    store: Path = typer.Argument(..., help="Store to describe."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Provenance, counts and sizes of a store; exits 1 when a merged store's sources are
+    missing, unreadable or changed since the merge."""
+    from embedpipe.store import render_info, store_info
+
+    data = store_info(store)
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        print(render_info(data))
+    if data.get("source_problems"):  # a merged store whose shard stores are missing or changed
+        print(f"embedpipe: error: {store}: {data['source_problems'][0]}"
+              + (f" (and {len(data['source_problems']) - 1} more)" if len(data["source_problems"]) > 1 else ""),
+              file=sys.stderr)
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
+    """Exit 0 only for a complete, consistent, checksummed, finite store."""
+    from embedpipe.store import validate_store
+
+    problems = validate_store(store)
+    if problems:
+        for problem in problems:
+            print(f"{store}: {problem}", file=sys.stderr)
+        print(f"embedpipe: error: {store} is not valid ({len(problems)} problem(s))", file=sys.stderr)
+        raise typer.Exit(1)
+    print(f"{store}: ok")
+
+
+@app.command("fetch-model")
+@user_errors
+def fetch_model(
+    name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D (downloaded); a Hugging "
+                               "Face hub name is only looked up in the local hub cache."),
+    dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
+) -> None:
+    """Download a model ahead of time, for compute nodes without internet."""
+    from embedpipe.model.fetch import fetch_model as _fetch
+
+    path = _fetch(name, dest=dest)
+    print(path)
+
+
+@app.command("make-test-model")
+@user_errors
+def make_test_model(
+    out: Path = typer.Argument(..., help="Checkpoint path to write (.pt), or the directory to write for a Hugging Face family."),
+    layers: int = typer.Option(2, "--layers", min=1, help="Transformer layers."),
+    dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads)."),
+    heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
+    family: str = typer.Option("esm2", "--family", help="esm2 (a fair-esm .pt), or a Hugging Face directory: "
+                               "prot-t5, ankh, hf-esm (needs the hf extra; docs/models.md)."),
+) -> None:
+    """Write a random-weight (untrained) test model: an ESM-2 checkpoint in fair-esm's format, or a
+    Hugging Face model directory (--family)."""
+    if family != "esm2":
+        from embedpipe.model.random_hf import make_hf_test_model
+
+        print(make_hf_test_model(out, family=family, layers=layers, dim=dim, heads=heads, seed=seed))
+        return
+    from embedpipe.model.random_checkpoint import make_test_model as _make
+
+    path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed)
+    print(path)
+
+
+@app.command()
+@user_errors
+def export(
+    store: Path = typer.Argument(..., help="Store to export (a merged store exports every input ID, aliases too)."),
+    fmt: str = typer.Option(..., "--format", help="h5-per-id (one dataset per ID), parquet, or npy (matrix + IDs)."),
+    out: Path = typer.Option(..., "--out", help="Output file (npy: OUT.npy plus OUT.ids.txt, OUT.provenance.json)."),
+    layer: int = typer.Option(-1, "--layer", help="Stored layer to export (-1 = the highest stored)."),
+    per_residue: bool = typer.Option(False, "--per-residue", help="Per-residue vectors instead of pooled ones."),
+    pooling: str = typer.Option("mean", "--pooling", help=f"Pooled vectors to export: {_one_of(options.POOLINGS)} (if stored)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Write a store in the layout downstream tools read (docs/exports.md)."""
+    from embedpipe.export import export_store
+
+    summary = export_store(store, fmt=fmt, out=out, layer=layer, per_residue=per_residue, pooling=pooling,
+                           quiet=quiet)
+    if not quiet:
+        print(summary.render(), file=sys.stderr)
+
+
+@app.command("model-info")
+@user_errors
+def model_info(
+    spec: str = typer.Argument(..., help="Model name or checkpoint path."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
+) -> None:
+    """Facts about a model without loading its weights (the workflow's mem_mb comes from here)."""
+    from embedpipe.model import inspect
+
+    data = inspect(spec).to_dict()
+    if as_json:
+        print(json.dumps(data, sort_keys=True))
+    else:
+        for key, value in data.items():
+            print(f"{key}: {value}")
+
+
+def run() -> None:
+    """Console entry point: ``app()`` with every failure, usage errors included, one line on
+    stderr and a shell-like exit code (:mod:`embedpipe.cli.exit`)."""
+    run_app(app)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

@@ -1,0 +1,160 @@
+"""How the `embedpipe` command ends: every failure as one line on stderr and a shell-like exit code.
+
+One job: a library ``EmbedpipeError``, an unforeseen ``OSError``, a reader that went away
+(``embedpipe info --json | head``), Ctrl-C during the command or while the interpreter shuts
+down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (or
+``embedpipe: interrupted``) and 1, 2, 130 or 141. SIGTERM (``kill``, ``scancel``, a SLURM
+time limit) is handled as Ctrl-C is, the temporaries removed by the same ``finally`` and
+``except`` blocks, and ends with 143. The commands themselves are in :mod:`embedpipe.cli.commands`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from embedpipe.core.errors import EmbedpipeError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for `kill`
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that every
+    cleanup written for an interrupt (temporary files, the writer thread) runs for it too."""
+
+    exit_code = EXIT_TERMINATED
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _interrupt_code(exc: BaseException) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM."""
+    return getattr(exc, "exit_code", EXIT_INTERRUPTED)
+
+
+def _os_error_message(exc: OSError, out: Any) -> str:
+    """One line for an OSError the library did not foresee, naming a path: the file the error
+    names, else (for a write failure such as a full disk) the command's ``--out``."""
+    from embedpipe.core.atomic import WRITE_ERRNOS
+
+    reason = exc.strerror or str(exc)
+    if getattr(exc, "filename", None):
+        return f"{reason}: {exc.filename}"
+    if out is not None and exc.errno in WRITE_ERRNOS:
+        return f"cannot write {out}: {reason}"
+    return reason
+
+
+def _stdout_gone() -> None:
+    """Stdout's reader has gone (``embedpipe info --json | head -c 10``): end quietly as `cat`
+    does. Pointing stdout at /dev/null keeps the interpreter's final flush from failing again."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+
+
+def user_errors(func: F) -> F:
+    """Turn EmbedpipeError into `embedpipe: error: ...` on stderr and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except EmbedpipeError as exc:
+            print(f"embedpipe: error: {exc}", file=sys.stderr)
+            raise typer.Exit(1) from None
+        except BrokenPipeError:
+            _stdout_gone()
+            raise typer.Exit(EXIT_BROKEN_PIPE) from None
+        except OSError as exc:  # a file-system failure the library did not foresee: still one line
+            print(f"embedpipe: error: {_os_error_message(exc, kwargs.get('out'))}", file=sys.stderr)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt as exc:
+            print("embedpipe: interrupted", file=sys.stderr)
+            raise typer.Exit(_interrupt_code(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _Interrupts:
+    """Ctrl-C that Python could only report as ``Exception ignored in: ...`` (it landed in a
+    weakref callback or ``__del__``, where it cannot propagate) is remembered instead, and the
+    run ends as interrupted."""
+
+    swallowed = False
+    code = EXIT_INTERRUPTED
+
+    @classmethod
+    def hook(cls, args: Any) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
+            cls.swallowed = True
+            cls.code = getattr(args.exc_type, "exit_code", EXIT_INTERRUPTED)
+            return
+        sys.__unraisablehook__(args)
+
+
+def _interrupted_while_exiting(signum: int, frame: Any) -> None:
+    """SIGINT after the command has returned (while files close and the interpreter shuts
+    down): the same one line as during the command, not ``Exception ignored ...``."""
+    with contextlib.suppress(Exception):
+        print("embedpipe: interrupted", file=sys.stderr, flush=True)
+    os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+
+
+def finish(code: int) -> None:
+    """Exit with ``code`` once stdout is flushed; a reader that went away ends it quietly."""
+    signal.signal(signal.SIGINT, _interrupted_while_exiting)
+    signal.signal(signal.SIGTERM, _interrupted_while_exiting)
+    if _Interrupts.swallowed and code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        print("embedpipe: interrupted", file=sys.stderr)
+        code = _Interrupts.code
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_gone()
+        code = EXIT_BROKEN_PIPE
+    sys.exit(code)
+
+
+def run_app(app: Any) -> None:
+    """Run the typer ``app`` as the console entry point: like ``app()``, but usage errors are
+    one line on stderr too.
+
+    Typer vendors its own click, so its exceptions are recognised by what they carry
+    (``format_message`` and ``exit_code``), not by class.
+    """
+    sys.unraisablehook = _Interrupts.hook
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        result = app(standalone_mode=False)
+    except BrokenPipeError:
+        _stdout_gone()
+        finish(EXIT_BROKEN_PIPE)
+    except Exception as exc:
+        if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":  # plain `embedpipe`: the help, not an error
+            print(exc.format_message())
+            finish(0)
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
+        finish(exc.exit_code)
+    except KeyboardInterrupt as exc:
+        print("embedpipe: interrupted", file=sys.stderr)
+        finish(_interrupt_code(exc))
+    finish(result if isinstance(result, int) else 0)

@@ -1,0 +1,257 @@
+"""Every option default and every allowed value, defined once.
+
+The library validates against these, the CLI takes its defaults and the choices in its help
+from them, and tests/test_schema_matches_library.py checks that the workflow's
+``workflows/schemas/config.schema.yaml`` says the same. Plain Python only (no torch, numpy or
+h5py): ``embedpipe --help`` imports this module. What each policy computes in
+(torch dtypes) lives in :mod:`embedpipe.runtime.precision`, which checks at import that its policies
+are exactly :data:`POLICY_NAMES`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from embedpipe.core.errors import EmbedpipeError
+
+# ------------------------------------------------------------------------------ allowed values
+
+#: precision policies, the fp32 reference first (docs/precision.md)
+POLICY_NAMES = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed")
+#: policies that keep rotary tables, attention softmax, layer norms and the residual stream in fp32
+FP32_ISLAND_POLICIES = ("fp16-mixed", "bf16-mixed")
+#: dtypes of the stored vectors (docs/store-format.md)
+STORAGE_DTYPES = ("float32", "float16")
+#: what happens to sequences longer than the model's trained window
+LONG_SEQUENCE_MODES = ("chunk", "truncate", "error", "full")
+#: attention implementations of the forward pass
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
+#: how a batch's tokens are laid out (docs/precision.md, "Batch layout"): packed = the
+#: sequences' tokens concatenated, no padding (varlen flash attention on CUDA, a per-sequence
+#: SDPA stand-in elsewhere); padded = a (B, T) batch with a mask; auto = packed where the
+#: varlen kernel runs (CUDA, compute capability 8.0+, 16-bit attention inputs), else padded
+BATCH_LAYOUTS = ("auto", "packed", "padded")
+#: dtype of q, k and v at the attention kernel under the fp32-island policies (rotary tables
+#: and the rotation are fp32 either way): fp32; compute = cast to the policy's compute dtype
+#: after the rotation (tensor-core kernels, which accumulate scores and softmax in fp32);
+#: auto = compute on CUDA, fp32 elsewhere (docs/precision.md, "Attention inputs")
+ATTENTION_INPUTS = ("auto", "fp32", "compute")
+#: where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
+#: fp32 model does not fit there beside the low-precision one; same = the main device or fail;
+#: cpu = always the CPU. Memory each needs: docs/precision.md.
+FALLBACK_DEVICES = ("auto", "same", "cpu")
+#: pooled vectors a store can hold besides per-residue ones; the mean is always stored
+#: (docs/store-format.md, "Pooling")
+POOLINGS = ("mean", "bos")
+#: formats of ``embedpipe export`` and the workflow key ``exports`` (docs/exports.md)
+EXPORT_FORMATS = ("h5-per-id", "parquet", "npy")
+#: what ``shard`` does with an invalid FASTA record: stop, or list it as skipped in the manifest
+ON_INVALID = ("error", "skip")
+
+# ------------------------------------------------------------------------------ shard
+
+#: token budget per shard (residues plus the model family's special tokens per record, 2 for
+#: ESM-2): the unit of length sorting and of resume;
+#: an embed job embeds a group of shards (:data:`MAX_JOBS`)
+TOKENS_PER_SHARD = 1_000_000
+#: the default of ``--on-invalid``
+ON_INVALID_DEFAULT = "error"
+#: most embed jobs a run has: ``shard`` groups consecutive shards into at most this many
+#: groups, one embed job each, so the job graph stays this size whatever the input
+#: (docs/cluster.md, "A UniRef50-sized run"; docs/benchmarks.md, "Workflow overhead")
+MAX_JOBS = 1000
+
+# ------------------------------------------------------------------------------ embed
+
+#: the smallest batch budget: one residue plus up to two special tokens (ESM-2's BOS and EOS,
+#: the most a model family's token layout has); a window longer than the budget runs alone
+MIN_TOKENS_PER_BATCH = 3
+#: ``--tokens-per-batch auto``: sized from free device memory on CUDA, :data:`CPU_TOKENS_PER_BATCH`
+#: on the CPU (docs/precision.md, "Batch size")
+AUTO = "auto"
+CPU_TOKENS_PER_BATCH = 4096
+#: ``auto`` = CUDA when available, else the CPU
+DEFAULT_DEVICE = "auto"
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """How the worker embeds; every field is stored in the store's ``config``.
+
+    What is computed: ``precision``, ``layers``, ``per_residue``, ``pooling`` (what is
+    stored besides the mean, which always is), ``storage_dtype``, ``long_sequences``,
+    ``attention``, ``overflow_margin`` (which records fall back), ``device`` and ``tokens_per_batch`` (rounding differs with the hardware and with the
+    padding of low-precision batches). How it runs, not what: ``threads`` and
+    ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
+    """
+
+    precision: str = "fp32"
+    layers: tuple[int, ...] = (-1,)
+    per_residue: bool = False
+    pooling: tuple[str, ...] = ("mean",)
+    tokens_per_batch: int | str = AUTO
+    device: str = DEFAULT_DEVICE
+    storage_dtype: str = "float32"
+    long_sequences: str = "chunk"
+    attention: str = "sdpa"
+    overflow_margin: float | None = None
+    threads: int | None = None
+    fallback_device: str = "auto"
+    batch_layout: str = "auto"
+    attention_inputs: str = "auto"
+
+    def validate(self) -> None:
+        """One-line ``EmbedpipeError`` for the first option outside its allowed values."""
+        if self.precision not in POLICY_NAMES:
+            raise EmbedpipeError(
+                f"unknown precision policy {self.precision!r}; choose one of: {', '.join(POLICY_NAMES)}"
+            )
+        check_choice("--fallback-device", self.fallback_device, FALLBACK_DEVICES)
+        for pooling in self.pooling:
+            check_choice("--pooling", pooling, POOLINGS)
+        check_choice("--storage-dtype", self.storage_dtype, STORAGE_DTYPES)
+        check_choice("--long-sequences", self.long_sequences, LONG_SEQUENCE_MODES)
+        check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        check_choice("--batch-layout", self.batch_layout, BATCH_LAYOUTS)
+        check_choice("--attention-inputs", self.attention_inputs, ATTENTION_INPUTS)
+        if self.batch_layout == "packed" and self.attention != "sdpa":
+            raise EmbedpipeError(
+                f"--batch-layout packed attends with sdpa; --attention {self.attention} runs padded batches only")
+        if self.attention == "fair-esm" and self.precision in FP32_ISLAND_POLICIES:
+            raise EmbedpipeError(
+                f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "
+                "forward cannot do; use --attention sdpa or math"
+            )
+        if self.tokens_per_batch == AUTO:
+            pass
+        elif isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int):
+            raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {self.tokens_per_batch!r}")
+        elif self.tokens_per_batch < MIN_TOKENS_PER_BATCH:
+            raise EmbedpipeError(f"--tokens-per-batch must be at least {MIN_TOKENS_PER_BATCH} "
+                                 "(one residue and a model's special tokens: ESM-2's BOS and EOS)")
+        margin = self.overflow_margin
+        if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
+            raise EmbedpipeError(f"--overflow-margin must be a number in (0, 1], not {margin!r}")
+
+
+# ------------------------------------------------------------------------------ crosscheck
+
+#: records re-embedded in fp32 (all when the store has fewer)
+CROSSCHECK_SAMPLE = 64
+#: sampling seed
+CROSSCHECK_SEED = 0
+#: neighbours per query for overlap@k (fewer when the store holds fewer other records)
+CROSSCHECK_K = 10
+#: folds of the downstream fit on the user's labels (``--labels``); also the fewest labelled
+#: records a class must have (docs/crosscheck.md, "Downstream: your own labels")
+CROSSCHECK_FOLDS = 5
+#: bootstrap resamples of the paired score difference (its 95% interval)
+CROSSCHECK_BOOTSTRAP = 2000
+#: what the labels are: ``auto`` decides from the values (docs/crosscheck.md), ``classes``
+#: (logistic regression, accuracy) or ``numbers`` (ridge regression, R² and Spearman)
+LABEL_KINDS = ("auto", "classes", "numbers")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Verdict thresholds of the cross-check (docs/crosscheck.md, "Verdict").
+
+    * ``pass_cosine``: every sampled record's pooled cosine to fp32, in every stored layer,
+      must be at least this for ``pass`` (below it: ``warn``).
+    * ``fail_cosine``: any pooled cosine below this is ``fail``.
+    * ``pass_overlap``: each layer's median overlap@k must be at least this for ``pass``
+      (below it: ``warn``).
+    * ``residue_cosine``: with per-residue vectors stored, any sampled residue whose cosine
+      to fp32 is below this makes the verdict at least ``warn``.
+    * ``determinism_cosine``: for a store computed in fp32 (a determinism check) the pass
+      threshold is ``max(pass_cosine, determinism_cosine)``.
+    * ``downstream_tolerance``: with ``--labels``, the 95% bootstrap interval of each layer's
+      paired score difference (stored minus fp32: accuracy, or R²) must lie within
+      ``±downstream_tolerance`` for ``pass`` (0.01: one point); an interval that only reaches
+      past it is ``warn``, one wholly outside it is ``fail``.
+    """
+
+    pass_cosine: float = 0.999
+    fail_cosine: float = 0.99
+    pass_overlap: float = 0.9
+    residue_cosine: float = 0.99
+    determinism_cosine: float = 0.99999
+    downstream_tolerance: float = 0.01
+
+    def validate(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not -1.0 <= value <= 1.0:
+                raise EmbedpipeError(f"threshold {name} must be a number in [-1, 1], not {value!r}")
+        if self.fail_cosine > self.pass_cosine:
+            raise EmbedpipeError(
+                f"the fail cosine ({self.fail_cosine}) must not exceed the pass cosine ({self.pass_cosine})"
+            )
+        if not 0.0 <= self.pass_overlap <= 1.0:
+            raise EmbedpipeError(f"the pass overlap must be in [0, 1], not {self.pass_overlap}")
+        if not 0.0 <= self.downstream_tolerance <= 1.0:
+            raise EmbedpipeError(f"the downstream tolerance must be in [0, 1], not {self.downstream_tolerance}")
+
+    def pass_cosine_for(self, determinism: bool) -> float:
+        return max(self.pass_cosine, self.determinism_cosine) if determinism else self.pass_cosine
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def check_choice(option: str, value: object, allowed: Sequence[str],
+                 error: type[EmbedpipeError] = EmbedpipeError) -> None:
+    """Raise ``error`` ("--option must be one of a, b, not 'x'") unless ``value`` is allowed."""
+    if value not in allowed:
+        raise error(f"{option} must be one of {', '.join(allowed)}, not {value!r}")
+
+
+def parse_tokens_per_batch(text: str) -> int | str:
+    """``--tokens-per-batch`` as typed: :data:`AUTO` or a whole number (its minimum is checked by
+    :meth:`EmbedOptions.validate`, with the reason)."""
+    word = text.strip()
+    if word == AUTO:
+        return AUTO
+    try:
+        return int(word, 10)
+    except ValueError:
+        raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {text!r}") from None
+
+
+def check_same_names(what: str, names: Sequence[str], expected: Sequence[str]) -> None:
+    """At import: a module that keeps its own table of named things (``precision.POLICIES``)
+    must list exactly the names defined here, in the same order."""
+    if tuple(names) != tuple(expected):
+        raise RuntimeError(f"{what} lists {tuple(names)}, but embedpipe.core.options defines {tuple(expected)}")
+
+
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "ATTENTION_INPUTS",
+    "AUTO",
+    "BATCH_LAYOUTS",
+    "CPU_TOKENS_PER_BATCH",
+    "CROSSCHECK_BOOTSTRAP",
+    "CROSSCHECK_FOLDS",
+    "CROSSCHECK_K",
+    "CROSSCHECK_SAMPLE",
+    "CROSSCHECK_SEED",
+    "DEFAULT_DEVICE",
+    "EmbedOptions",
+    "FALLBACK_DEVICES",
+    "FP32_ISLAND_POLICIES",
+    "LABEL_KINDS",
+    "LONG_SEQUENCE_MODES",
+    "MAX_JOBS",
+    "MIN_TOKENS_PER_BATCH",
+    "ON_INVALID",
+    "ON_INVALID_DEFAULT",
+    "POLICY_NAMES",
+    "STORAGE_DTYPES",
+    "TOKENS_PER_SHARD",
+    "Thresholds",
+    "check_choice",
+    "check_same_names",
+    "parse_tokens_per_batch",
+]

@@ -1,0 +1,108 @@
+"""Before any work: no output of a command may be one of its inputs, another of its outputs,
+or a source that a merged store it reads pins (docs/store-format.md, "Atomic writes").
+
+Every command calls :func:`guard_outputs` once with what it reads and what it will write.
+Paths are compared as the file system sees them: symlinks resolved, and existing files by
+device and inode, so a hard link to an input is refused too. An atomic rename would replace
+only the directory entry, but the old file is then no longer where the user keeps it (a
+FASTA turned into HDF5 under its own name), and a merged store would read a changed shard.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedpipe.core.errors import EmbedpipeError, InputError
+from embedpipe.inputs.fasta import display_path as _d
+
+#: first bytes of an HDF5 file whose superblock is at offset 0 (every store embedpipe writes)
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a path lands: its resolved name, and (dev, inode) when it exists."""
+
+    real: Path
+    inode: tuple[int, int] | None
+
+    def same(self, other: _Where) -> bool:
+        return self.real == other.real or (self.inode is not None and self.inode == other.inode)
+
+
+def _where(path: Path) -> _Where:
+    path = Path(path).expanduser()
+    try:
+        st = os.stat(path)
+        inode: tuple[int, int] | None = (st.st_dev, st.st_ino)
+    except OSError:
+        inode = None
+    return _Where(path.resolve(), inode)
+
+
+def _how(out: Path, other: Path) -> str:
+    """Why two spellings are one file: the same name, a symlink, or a hard link."""
+    if Path(out).resolve() == Path(other).resolve():
+        return "" if os.path.abspath(out) == os.path.abspath(other) else " (through a symlink)"
+    return " (a hard link to it)"
+
+
+def pinned_sources(store: Path) -> list[Path]:
+    """The source stores a merged store reads through (``merged_from``/``merged_sources``);
+    empty for anything that is not a readable merged store (a FASTA, a shard store)."""
+    try:
+        with open(store, "rb") as fh:
+            if fh.read(len(_HDF5_MAGIC)) != _HDF5_MAGIC:
+                return []
+        import h5py
+
+        from embedpipe.store.format import attr_to_python
+        from embedpipe.store.sources import recorded_sources, resolve_source
+
+        with h5py.File(store, "r") as f:
+            names = [str(attr_to_python(v) or "") for v in (attr_to_python(f.attrs.get("merged_from")) or [])]
+            names += [rel for rel in recorded_sources(f) if rel not in names]
+    except (OSError, ValueError, TypeError, EmbedpipeError):
+        return []  # the reader says what is wrong with the store itself
+    base = Path(store).resolve().parent
+    return [resolve_source(base, rel) for rel in names if rel]
+
+
+def guard_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Iterable[Path] = (), *,
+                  stores: Iterable[Path] = (), directories: Iterable[tuple[str, Path]] = ()) -> None:
+    """Refuse, in one line naming both paths, an output that is an input, another output, or a
+    source pinned by one of the merged ``stores`` read; and an input inside one of the
+    ``directories`` the command replaces. ``outputs`` and ``directories`` are (label, path)
+    pairs, the label being how the user named it (``--out``, ``--done``, ``store``)."""
+    ins = [(Path(p), _where(Path(p))) for p in inputs if p is not None]
+    for label, directory in directories:
+        real = Path(directory).resolve()
+        for inp, there in ins:
+            if there.real.is_relative_to(real):
+                raise InputError(f"{_d(inp)}: lies inside {label} {_d(directory)}, which {command} replaces; "
+                                 f"move the input elsewhere or choose another {label}")
+    seen: list[tuple[str, Path, _Where]] = []
+    for label, out in outputs:
+        here = _where(Path(out))
+        for inp, there in ins:
+            if here.same(there):
+                raise EmbedpipeError(f"{label} {_d(out)} is the input {_d(inp)}{_how(out, inp)}; "
+                                     f"{command} never writes over its inputs: choose another output path")
+        for other_label, other, there in seen:
+            if here.same(there):
+                raise EmbedpipeError(f"{label} {_d(out)} is also {other_label} {_d(other)}{_how(out, other)}; "
+                                     "each output needs a path of its own")
+        seen.append((label, Path(out), here))
+    for store in stores:
+        for source in pinned_sources(Path(store)):
+            there = _where(source)
+            for label, out, here in seen:
+                if here.same(there):
+                    raise EmbedpipeError(f"{label} {_d(out)} is {_d(source)}, a source store that the merged store "
+                                         f"{_d(store)} pins (it reads from it); choose another output path")
+
+
+__all__ = ["guard_outputs", "pinned_sources"]

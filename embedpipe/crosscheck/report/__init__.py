@@ -1,0 +1,1 @@
+"""The cross-check's HTML page (``page``) and its inline SVG figures (``figures``)."""

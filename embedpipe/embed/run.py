@@ -1,0 +1,362 @@
+"""``embedpipe embed``: one FASTA (a shard) into one store, or a group of shards into one
+store each, with the worker and provenance.
+
+A group is one embed job of the workflow (docs/cluster.md, "A UniRef50-sized run"): the model
+is loaded once, and a shard whose store is already complete for the same shard content,
+model and options is kept, so a retried or rerun job resumes at shard granularity. The
+worker itself is :mod:`embedpipe.embed.engine`; the model comes from :mod:`embedpipe.model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import torch
+
+from embedpipe import __version__
+from embedpipe.core.atomic import check_output_path, write_text_atomic
+from embedpipe.embed.writer_thread import BackgroundWriter
+from embedpipe.core.checksums import file_sha256
+from embedpipe.core.devices import claim_device
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.inputs.fasta import read_sequences
+from embedpipe.embed.group_marker import write_marker
+from embedpipe.core.host_memory import keep_freed_memory
+from embedpipe.core.locks import holding
+from embedpipe.model import load_model
+from embedpipe.model.base import EmbeddingModel
+from embedpipe.core.options import AUTO
+from embedpipe.core.output_guard import guard_outputs
+from embedpipe.runtime.precision import Policy, dtype_name
+from embedpipe.core.progress import say
+from embedpipe.store import StoreWriter, utc_now
+from embedpipe.store.format import is_complete, read_root_attrs
+from embedpipe.store.validate import validate_store
+from embedpipe.embed.engine import EmbedOptions, Embedder
+
+#: options that change how a job runs, not its numbers' identity for resuming: a retry's smaller
+#: batches, threads, where fallback records run (docs/cluster.md, "Resuming, rerunning")
+_HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device")
+
+@dataclass
+class EmbedSummary:
+    out: Path
+    records: int
+    residues: int
+    seconds: float
+    precision: str
+    device: str
+    fallback: dict[str, int]
+    padding_efficiency: float
+    tokens_per_batch: int  # the budget the batches were planned with
+    tokens_per_batch_auto: bool  # sized by --tokens-per-batch auto, not given
+
+    def render(self) -> str:
+        rate = self.residues / self.seconds if self.seconds > 0 else float("nan")
+        fell = sum(self.fallback.values())
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"
+        budget = f"tokens per batch {self.tokens_per_batch}" + (f" ({AUTO})" if self.tokens_per_batch_auto else "")
+        lines = [
+            f"embedded {self.records} records ({self.residues} residues) in {self.seconds:.1f}s "
+            f"({rate:,.0f} residues/s) with {self.precision} on {self.device} -> {self.out}",
+            f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}; "
+            f"{budget}",
+        ]
+        return "\n".join(lines)
+
+
+def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, policy: Policy,
+               layers: list[int], source: Path | None) -> dict:
+    """Root attributes: which weights, which numerics, where, with what."""
+    islands = "float32" if policy.fp32_islands else ("per-op (autocast)" if policy.autocast else dtype_name(policy.compute_dtype))
+    config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
+    return {
+        "model_name": loaded.name,
+        "model_family": str(getattr(loaded, "family", "esm2")),
+        "model_source": loaded.source,
+        "model_sha256": loaded.sha256,
+        "model_trained": bool(loaded.trained),
+        "model_num_layers": loaded.num_layers,
+        "precision_policy": policy.name,
+        "weight_dtype": dtype_name(policy.weight_dtype),
+        "compute_dtype": dtype_name(policy.compute_dtype),
+        "island_dtype": islands,
+        "fallback_dtype": "float32",
+        "attention": options.attention,
+        "long_sequences": options.long_sequences,
+        "trained_window_residues": loaded.trained_window,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        **loaded.provenance,
+        "embedpipe_version": __version__,
+        "config": json.dumps(config, sort_keys=True),
+    }
+
+
+def batching_attrs(embedder: Embedder) -> dict[str, Any]:
+    """Root attributes of how the batches ran (docs/store-format.md): the resolved token budget
+    (``config`` keeps ``auto`` as given), the layout, attention path and q/k/v dtype. Read once
+    the forward has run, when the embedder's choices are final."""
+    return {
+        "tokens_per_batch": int(embedder.tokens_per_batch),
+        "batch_layout": embedder.batch_layout,
+        "attention_path": embedder.attention_path,
+        "attention_inputs": embedder.attention_inputs,
+    }
+
+
+@contextlib.contextmanager
+def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
+    """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    with claim_device(options.device) as device:
+        if device.type == "cpu":
+            keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
+        yield load_model(model), device
+
+
+def _model_file(model: str) -> list[Path]:
+    """The checkpoint file of ``--model`` when it names one: an input no output may replace."""
+    path = Path(model).expanduser()
+    if path.is_dir():  # a Hugging Face directory: every file in it
+        return sorted(p for p in path.iterdir() if p.is_file())
+    return [path] if path.is_file() else []
+
+
+def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str) -> None:
+    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input or
+    another output, ``--done`` can be written, and no shard is empty."""
+    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
+    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model)])
+    if done is not None:
+        check_output_path(Path(done))
+    for fasta in fastas:
+        with contextlib.closing(read_sequences(Path(fasta))) as records:
+            empty = next(records, None) is None
+        if empty:
+            raise EmbedpipeError(f"{fasta}: no records to embed")
+
+
+def _read_records(fasta: Path) -> list[tuple[str, str]]:
+    records = list(read_sequences(Path(fasta)))
+    if not records:
+        raise EmbedpipeError(f"{fasta}: no records to embed")
+    return records
+
+
+def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False) -> EmbedSummary:
+    """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
+    options.validate()
+    started = time.perf_counter()
+    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model)])
+    records = _read_records(fasta)
+    check_output_path(Path(out))
+    with _model_on(model, options) as (loaded, device):
+        return _embed_records(_embedder(loaded, options, device, quiet), records, Path(fasta), Path(out), started,
+                              {"input_sha256": file_sha256(Path(fasta))}, quiet)
+
+
+def _embedder(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, quiet: bool) -> Embedder:
+    """The job's one embedder (its prepared models serve every input), its warnings said once."""
+    embedder = Embedder(loaded, options, device)
+    for note in embedder.notes:
+        say(f"warning: {note}", quiet=quiet)
+    return embedder
+
+
+def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
+                   extra: dict[str, str], quiet: bool) -> EmbedSummary:
+    """``records`` (read from ``fasta``) into the store ``out`` with the job's embedder."""
+    loaded, options, device = embedder.loaded, embedder.options, embedder.device
+    embedder.new_input()
+    plan = embedder.plan(records)
+    attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
+    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)}
+    with StoreWriter(
+        out,
+        ids=[r for r, _ in records],
+        sequences=[s for _, s in records],
+        residue_rows=plan.rows if options.per_residue else None,
+        layers=embedder.layers,
+        dim=loaded.embed_dim,
+        storage_dtype=options.storage_dtype,
+        attrs=attrs,
+        pooling=embedder.pooling,
+    ) as writer:
+        # HDF5 writes on a thread of their own; it is joined before the writer finalizes or
+        # aborts (any failure leaves no store), and the generator is closed either way
+        with BackgroundWriter(writer.write) as background, \
+                contextlib.closing(embedder.embed(records, plan, quiet=quiet)) as results:
+            for index, record in results:
+                background.put(index, record)
+        fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
+        writer.set_attrs(
+            fallback_count=int(embedder.stats["fallback"]),
+            fallback_reasons=json.dumps(fallback, sort_keys=True),
+            padding_efficiency=plan.padding_efficiency,
+            fallback_device=embedder.fallback_device or "none",
+            **batching_attrs(embedder),
+            finished_utc=utc_now(),
+        )
+    return EmbedSummary(
+        out=out,
+        records=len(records),
+        residues=sum(len(s) for _, s in records),
+        seconds=time.perf_counter() - started,
+        precision=options.precision,
+        device=str(device),
+        fallback=fallback,
+        padding_efficiency=plan.padding_efficiency,
+        tokens_per_batch=embedder.tokens_per_batch,
+        tokens_per_batch_auto=options.tokens_per_batch == AUTO,
+    )
+
+
+# ------------------------------------------------------------------------------ groups of shards
+
+
+def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str],
+                   layers: Sequence[int] | None = None) -> str:
+    """What makes a shard store's numbers: the model's bytes, every option except how the
+    job ran (:data:`_HOW_IT_RUNS`), and what the ``auto`` options resolved to on this job's
+    device (``Embedder.computed_as``: a store computed packed on a GPU is not the one a CPU
+    job would compute). A store with another identity is embedded again.
+
+    Resolved values, not spellings: ``layers`` (the resolved, non-negative indices, so
+    ``--layers -1`` and ``--layers 2`` of a 2-layer model agree) replaces the option, and the
+    device is only the type actually used (``computed_as``), so ``--device auto`` and
+    ``--device cpu`` agree on the CPU. Without ``layers``: the identity stores written before
+    this change carry (:func:`legacy_identity`)."""
+    chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
+    if layers is not None:
+        chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
+    return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
+
+
+def legacy_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
+    """The identity of stores written before it held resolved values: the options as spelt. A
+    store carrying it is kept when this run spells its options the same way."""
+    return embed_identity(options, model_sha256, computed_as)
+
+
+def store_is_current(store: Path, identity: str, input_sha256: str, *also: str) -> bool:
+    """True for a complete store of the same shard content, model and options; False for a
+    missing, unreadable, incomplete or different one."""
+    try:
+        with h5py.File(store, "r") as f:
+            if not is_complete(f):
+                return False
+            attrs = read_root_attrs(f)
+    except (OSError, ValueError):
+        return False
+    return attrs.get("embed_identity") in (identity, *also) and attrs.get("input_sha256") == input_sha256
+
+
+@dataclass
+class GroupSummary:
+    """What one group job did: a store per shard, embedded now or kept from an earlier run."""
+
+    out_dir: Path
+    embedded: list[EmbedSummary] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def render(self) -> str:
+        lines = [s.render() for s in self.embedded]
+        lines.append(f"group of {len(self.embedded) + len(self.kept)} shard(s) -> {self.out_dir}: "
+                     f"{len(self.embedded)} embedded, {len(self.kept)} kept (complete for the same shard, "
+                     f"model and options) in {self.seconds:.1f}s")
+        return "\n".join(lines)
+
+
+def _group_outputs(fastas: Sequence[Path], out_dir: Path) -> list[Path]:
+    """``out_dir/STEM.h5`` per shard: the workflow's ``stores/shard-NNNNN.h5``."""
+    stores = [out_dir / f"{Path(f).stem}.h5" for f in fastas]
+    if len(set(stores)) != len(stores):
+        raise EmbedpipeError("two shards of the group have the same file name; each shard needs a store of its own")
+    for store in stores:
+        check_output_path(store)
+    return stores
+
+
+def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: EmbedOptions,
+                 done: Path | None = None, quiet: bool = False) -> GroupSummary:
+    """Embed each shard into ``out_dir/STEM.h5`` with one model load; keep current stores.
+
+    Each store is locked for the whole job (a second job on the same stores is refused), a
+    store is kept only when its checksums and checks pass, and ``done`` (the workflow's output
+    of the job) is written last, after every store's identity is checked once more: it exists
+    only once every shard of the group has its store (embedpipe.embed.group_marker).
+    """
+    options.validate()
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stores = _group_outputs(fastas, out_dir)
+    _check_group(fastas, stores, done, model)
+    digests = [file_sha256(Path(f)) for f in fastas]
+    summary = GroupSummary(out_dir=out_dir)
+    with holding([(_lock_path(s), str(s)) for s in stores]), _model_on(model, options) as (loaded, device):
+        embedder = _embedder(loaded, options, device, quiet)  # one per group: models prepared once
+        identity = embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
+        legacy = legacy_identity(options, loaded.sha256, embedder.computed_as)
+        for fasta, store, digest in zip(fastas, stores, digests):
+            if _keep(store, identity, digest, quiet, legacy):
+                summary.kept.append(store)
+                continue
+            summary.embedded.append(_embed_records(
+                embedder, _read_records(Path(fasta)), Path(fasta), store, time.perf_counter(),
+                {"input_sha256": digest}, quiet))
+        if done is not None:
+            _check_still_current(stores, digests, identity, legacy)
+            write_marker(Path(done), json.loads(identity), fastas, stores, digests)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _lock_path(store: Path) -> Path:
+    """The lock of a shard store: a hidden file beside it (the store itself is replaced by rename)."""
+    return store.parent / f".{store.name}.lock"
+
+
+def _keep(store: Path, identity: str, digest: str, quiet: bool, *also: str) -> bool:
+    """Keep a store that is current and passes ``validate`` (checksums of every chunk included:
+    a store complete but corrupt is embedded again; cost in docs/benchmarks.md)."""
+    if not store_is_current(store, identity, digest, *also):
+        return False
+    problems = validate_store(store)
+    if problems:
+        say(f"{store}: complete but fails validation ({problems[0]}); embedding it again", quiet=quiet)
+        return False
+    say(f"{store}: complete for this shard, model and options, checksums verified; kept", quiet=quiet)
+    return True
+
+
+def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identity: str, *also: str) -> None:
+    """Before the marker: every store still has this job's identity (another writer that
+    bypassed the locks would otherwise leave a marker that lies)."""
+    for store, digest in zip(stores, digests):
+        if not store_is_current(store, identity, digest, *also):
+            raise EmbedpipeError(f"{store}: replaced by another writer during this job (it no longer has this "
+                                 f"job's shard, model and options); no marker written, rerun the job")
+
+
+def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_dir: Path | None,
+                  done: Path | None, options: EmbedOptions, quiet: bool = False) -> EmbedSummary | GroupSummary:
+    """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number."""
+    if out_dir is None:
+        if out is None or len(fastas) != 1 or done is not None:
+            raise EmbedpipeError("give one FASTA with --out STORE.h5, or any number with --out-dir DIR [--done FILE]")
+        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet)
+    if out is not None:
+        raise EmbedpipeError("--out and --out-dir exclude each other: --out names the store of one FASTA")
+    return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet)

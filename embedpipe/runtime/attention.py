@@ -1,0 +1,43 @@
+"""Which batch layout and attention kernel a run uses, from its options, policy and device.
+
+One place for the decision that the worker records in the store (``batch_layout``,
+``attention_path``, ``attention_inputs``, the resume identity) and that the ESM-2 runner acts
+on, so the two can never disagree (docs/precision.md, "Batch layout" and "Attention inputs").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embedpipe.runtime import cuda
+from embedpipe.core.options import EmbedOptions
+from embedpipe.runtime.precision import Policy, attention_dtype, resolve_attention_inputs
+
+
+def packed_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a packed batch attends with: ``varlen-flash`` where it runs for ``dtype``
+    q/k/v on ``device``, else the per-sequence SDPA stand-in (:mod:`embedpipe.runtime.packed`)."""
+    return "varlen-flash" if cuda.varlen_available(device, dtype) else "sdpa-per-sequence"
+
+
+def qkv_dtype(options: EmbedOptions, policy: Policy, device: torch.device) -> torch.dtype:
+    """dtype of q, k and v at the attention kernel (``--attention-inputs`` resolved for ``device``)."""
+    return attention_dtype(policy, resolve_attention_inputs(options.attention_inputs, device))
+
+
+def batch_layout(options: EmbedOptions, policy: Policy, device: torch.device) -> str:
+    """``--batch-layout``: ``auto`` packs where the varlen kernel runs (embedpipe's own sdpa
+    forward only) and pads elsewhere."""
+    if options.batch_layout != "auto":
+        return options.batch_layout
+    if options.attention == "sdpa" and packed_kernel(device, qkv_dtype(options, policy, device)) == "varlen-flash":
+        return "packed"
+    return "padded"
+
+
+def attention_path(options: EmbedOptions, policy: Policy, device: torch.device) -> str:
+    """As recorded in the store: ``packed-varlen-flash``, ``packed-sdpa-per-sequence``, or
+    ``padded-`` plus ``--attention``."""
+    if batch_layout(options, policy, device) == "packed":
+        return "packed-" + packed_kernel(device, qkv_dtype(options, policy, device))
+    return f"padded-{options.attention}"

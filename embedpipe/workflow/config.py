@@ -1,0 +1,137 @@
+"""The workflow's config, checked before Snakemake's own schema validation.
+
+``snakemake --config KEY=VALUE`` parses a list or mapping value with YAML's BaseLoader, which
+keeps every scalar inside it a string (``layers=[0,-1]`` gives ``['0', '-1']``). ``coerce``
+converts such strings to the types the schema declares, so a command-line override works as
+the same value in a config file does. ``check`` turns schema errors into one line naming the
+key (and, for a misspelled key, the nearest valid one) instead of a dump of the schema.
+The Snakefile side is a few lines in workflows/rules/common.smk.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from embedpipe.core.errors import EmbedpipeError
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_TRUE = {"true", "yes", "on"}
+_FALSE = {"false", "no", "off"}
+_NULL = {"null", "~", ""}
+
+
+class ConfigError(EmbedpipeError):
+    """A workflow config value the schema refuses; the message is one line."""
+
+
+def load_schema(path: Path | str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def coerce(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` with strings converted to the scalar types ``schema`` declares, recursively
+    through arrays, objects and ``oneOf``/``anyOf``; values that do not convert stay as they are
+    (validation then names them)."""
+    for combinator in ("oneOf", "anyOf"):
+        if combinator in schema:
+            for branch in schema[combinator]:
+                converted = coerce(value, branch)
+                if _has_type(converted, branch.get("type")):
+                    return converted
+            return value
+    kind = schema.get("type")
+    if isinstance(value, list) and kind == "array" and isinstance(schema.get("items"), dict):
+        return [coerce(item, schema["items"]) for item in value]
+    if isinstance(value, dict) and kind == "object":
+        properties = schema.get("properties", {})
+        return {key: coerce(item, properties[key]) if key in properties else item for key, item in value.items()}
+    if isinstance(value, str):
+        return _coerce_scalar(value, kind)
+    return value
+
+
+def _coerce_scalar(text: str, kind: Any) -> Any:
+    word = text.strip()
+    if kind == "integer" and _INTEGER.fullmatch(word):
+        return int(word)
+    if kind == "number":
+        try:
+            return int(word) if _INTEGER.fullmatch(word) else float(word)
+        except ValueError:
+            return text
+    if kind == "boolean" and word.lower() in _TRUE | _FALSE:
+        return word.lower() in _TRUE
+    if kind == "null" and word.lower() in _NULL:
+        return None
+    return text
+
+
+def _has_type(value: Any, kind: Any) -> bool:
+    checks = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "string": lambda v: isinstance(v, str),
+        "array": lambda v: isinstance(v, list),
+        "object": lambda v: isinstance(v, dict),
+    }
+    return kind is None or (kind in checks and checks[kind](value))
+
+
+def unknown_keys(config: Any, schema: dict[str, Any], prefix: str = "") -> list[tuple[str, list[str]]]:
+    """(dotted key, nearest valid keys) for every key a closed object of the schema does not have."""
+    found: list[tuple[str, list[str]]] = []
+    if not isinstance(config, dict):
+        return found
+    for branch in schema.get("oneOf", []) + schema.get("anyOf", []):
+        if branch.get("type") == "object":
+            return unknown_keys(config, branch, prefix)
+    properties = schema.get("properties", {})
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if key in properties:
+            found += unknown_keys(value, properties[key], f"{name}.")
+        elif schema.get("additionalProperties") is False:
+            found.append((name, difflib.get_close_matches(str(key), list(properties), n=1, cutoff=0.6)))
+    return found
+
+
+def check(config: dict[str, Any], schema: dict[str, Any], schema_name: str = "the config schema") -> None:
+    """Raise ``ConfigError`` (one line) for the first problem the schema finds in ``config``."""
+    for key, near in unknown_keys(config, schema):
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"config: unknown key {key!r}{hint} (validated against {schema_name})")
+    defaults = {key: spec["default"] for key, spec in schema.get("properties", {}).items() if "default" in spec}
+    validator = jsonschema.Draft202012Validator(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(defaults | config))  # as Snakemake fills them
+    if error is not None:
+        where = ".".join(str(part) for part in error.absolute_path) or "(top level)"
+        raise ConfigError(f"config: invalid value for {where!r}: {_one_line(error.message)} (validated against {schema_name})")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def normalise(config: dict[str, Any], schema: dict[str, Any], schema_name: str = "the config schema") -> None:
+    """Coerce ``config`` in place to the schema's types, then ``check`` it."""
+    coerced = coerce(config, schema)
+    config.clear()
+    config.update(coerced)
+    check(config, schema, schema_name)
+
+
+def check_outdir(outdir: str) -> None:
+    """``outdir`` must be a directory, or not exist yet."""
+    path = Path(outdir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"config 'outdir': {outdir} exists and is not a directory; choose another outdir")
