@@ -21,7 +21,8 @@ from embedpipe.errors import EmbedpipeError
 #: precision policies, the fp32 reference first (docs/precision.md): name -> (kind, dtype of the
 #: matmuls). The one list of their names: :mod:`embedpipe.precision` builds the policy objects
 #: from it (kind plain: everything in that dtype; autocast: fp32 weights under torch.autocast;
-#: mixed: 16-bit weights and matmuls with fp32 islands)
+#: mixed: 16-bit weights and matmuls with fp32 islands; int8: the linear layers in int8 with
+#: fp32 islands, CPU only)
 POLICY_KINDS = {
     "fp32": ("plain", "float32"),
     "fp16": ("plain", "float16"),
@@ -30,6 +31,7 @@ POLICY_KINDS = {
     "amp-bf16": ("autocast", "bfloat16"),
     "fp16-mixed": ("mixed", "float16"),
     "bf16-mixed": ("mixed", "bfloat16"),
+    "int8-mixed": ("int8", "int8"),
 }
 POLICY_NAMES = tuple(POLICY_KINDS)
 #: policies that keep rotary tables, attention softmax, layer norms and the residual stream in fp32

@@ -25,6 +25,10 @@ from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.precision import Policy
 
 
+#: names of the bias-free linear layers in a block (attention, feed-forward)
+LINEARS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")
+
+
 @dataclass(frozen=True)
 class T5Shape:
     """What config.json says about a T5 encoder."""
@@ -63,11 +67,14 @@ class T5Forward:
         # the policy decides: fp32 under autocast and the islands, the weights' dtype under a plain cast
         self.residual_dtype = self.bias_dtype = policy.stream_dtype
         self.attn_dtype = policy.attention_dtype(attention_inputs)
+        #: linear layers the policy prepares its own way (int8-mixed: int8 copies); none otherwise
+        self.packed = {name: policy.pack(w, None) for name, w in weights.items()
+                       if name.rsplit(".", 1)[-1] in LINEARS} if policy.packs(False) else {}
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A bias-free projection as the policy runs a linear (the input cast to the weights'
         dtype; under autocast, PyTorch picks per op)."""
-        return self.policy.linear(x, self.w[name])
+        return self.policy.linear(x, self.w[name], None, self.packed.get(name))
 
     def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """T5's RMS norm: fp32 variance; cast to the weight's dtype when that is 16-bit."""
