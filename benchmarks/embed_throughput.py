@@ -13,7 +13,12 @@ Optional peers: Hugging Face transformers' EsmModel with SDPA attention on the s
 (benchmarks/hf_esm_peer.py), in fp32 (hf-transformers) and cast to bf16 (hf-transformers-bf16,
 the peer a CPU user after speed would pick), when `transformers` is installed
 (`pip install transformers`). With the bf16 peer in the run, the table has a column of
-ratios to it.
+ratios to it. esm.cpp (PyPI ``esm-cpp``, benchmarks/esm_cpp_peer.py) when it is installed:
+its fp32 path (esm-cpp) and, where the CPU has VNNI or AMX, its int8 path (esm-cpp-int8).
+
+``--repeat-input 2`` doubles the input (the second copy reversed, new IDs): swissprot100
+becomes the 200-protein real-length input of docs/benchmarks.md. The CPU's flags that
+decide the policies (native bf16/fp16, int8 dot products) are printed with the table.
 
 The fair-esm recipe reproduces the logic of scripts/extract.py from the fair-esm repository:
 FastaBatchedDataset, length-sorted batches of at most 4096 tokens, truncation at 1022
@@ -39,7 +44,8 @@ from embedpipe.core.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "throughput"
-DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers", "hf-transformers-bf16")  # one .pt per sequence (extract.py's format)
+DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers", "hf-transformers-bf16", "esm-cpp", "esm-cpp-int8")  # one .pt per sequence
+ESM_CPP_SYSTEMS = {"esm-cpp": "float32", "esm-cpp-int8": "int8"}  # system -> its matmul dtype
 HF_SYSTEMS = {"hf-transformers": "float32", "hf-transformers-bf16": "bfloat16"}  # system -> the peer's --dtype
 POLICIES = list(POLICY_NAMES)
 #: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
@@ -111,6 +117,9 @@ def system_command(system: str, model: Path, fasta: Path, target: Path, threads:
     if system in HF_SYSTEMS:
         return [sys.executable, str(ROOT / "benchmarks" / "hf_esm_peer.py"), str(model), str(fasta), str(target),
                 "--threads", str(threads), "--dtype", HF_SYSTEMS[system]]
+    if system in ESM_CPP_SYSTEMS:
+        return [sys.executable, str(ROOT / "benchmarks" / "esm_cpp_peer.py"), str(model), str(fasta), str(target),
+                "--threads", str(threads), *(["--int8"] if system == "esm-cpp-int8" else [])]
     return [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
             "--precision", system, "--long-sequences", "truncate", "--attention", attention,
             "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet"]
@@ -125,6 +134,12 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) 
     from embedpipe.model.packed_linear import pack_linear
 
     torch.set_num_threads(threads)
+    if dtype_name == "int8":  # embedpipe's int8 matmul (int8-mixed), quantization excluded
+        from embedpipe.runtime.int8_linear import Int8Linear
+
+        layer, xq = Int8Linear(torch.randn(n, n), None), torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        layer.scaled_matmul(xq)
+        return 2 * n**3 / best_of(repeats, lambda: layer.scaled_matmul(xq))
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
@@ -186,7 +201,9 @@ def parse_args() -> argparse.Namespace:
     add_input_arguments(parser)
     parser.add_argument("--max-records", type=int, default=None,
                         help="use the first N records only (fp16 is emulated on most CPUs: keep its runs short)")
-    parser.add_argument("--systems", nargs="+", default=["fair-esm", *HF_SYSTEMS, *POLICIES])
+    parser.add_argument("--systems", nargs="+", default=["fair-esm", *HF_SYSTEMS, *ESM_CPP_SYSTEMS, *POLICIES])
+    parser.add_argument("--repeat-input", type=int, default=1,
+                        help="the input N times, copies after the first reversed with new IDs (2: 200 proteins)")
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system N times, interleaved (system order per round), and report the "
@@ -202,9 +219,39 @@ def system_commands(args: argparse.Namespace, model: Path) -> dict[str, tuple[li
         if system in HF_SYSTEMS and importlib.util.find_spec("transformers") is None:
             print(f"  {system} skipped: transformers not installed", file=sys.stderr)
             continue
+        if system in ESM_CPP_SYSTEMS and not esm_cpp_runs(system):
+            continue
         target = OUT / system if system in DIRECTORY_SYSTEMS else OUT / f"{system}.h5"
         commands[system] = (system_command(system, model, args.fasta, target, args.threads, args.attention), target)
     return commands
+
+
+def esm_cpp_runs(system: str) -> bool:
+    """esm.cpp peers run where ``esm_cpp`` (and transformers, for the export) is installed; its
+    int8 path only where the CPU has VNNI or AMX int8."""
+    missing = [m for m in ("esm_cpp", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"  {system} skipped: {', '.join(missing)} not installed (pip install esm-cpp)", file=sys.stderr)
+        return False
+    from embedpipe.runtime.cpu_features import INT8_DOT, detect
+
+    if system == "esm-cpp-int8" and not any(flag in detect().flags for flag in INT8_DOT[:3]):
+        print(f"  {system} skipped: no VNNI or AMX-INT8 on this CPU", file=sys.stderr)
+        return False
+    return True
+
+
+def repeat_input(fasta: Path, times: int) -> Path:
+    """``fasta`` ``times`` over (copies after the first reversed, IDs suffixed), under benchmarks/out/."""
+    from embedpipe.inputs.fasta import read_sequences
+
+    records = list(read_sequences(fasta))
+    out = OUT / f"x{times}-{fasta.name}"
+    lines = [f">{rid}\n{seq}\n" for rid, seq in records]
+    for copy in range(1, times):
+        lines += [f">{rid.split()[0]}_rev{copy}\n{seq[::-1]}\n" for rid, seq in records]
+    out.write_text("".join(lines))
+    return out
 
 
 def run_rounds(commands: dict[str, tuple[list[str], Path]], rounds: int,
@@ -238,7 +285,8 @@ def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, li
 
             with h5py.File(target, "r") as f:
                 padding = float(f.attrs.get("padding_efficiency", float("nan")))
-        peak_dtype = {"fp32": "float32", "fair-esm": "float32", **HF_SYSTEMS}.get(system, "float16" if "fp16" in system else "bfloat16")
+        peak_dtype = {"fp32": "float32", "fair-esm": "float32", "int8-mixed": "int8", **HF_SYSTEMS,
+                      **ESM_CPP_SYSTEMS}.get(system, "float16" if "fp16" in system else "bfloat16")
         rows.append({"system": system, "seconds": wall, "all_seconds": walls[system], "residues_per_s": residues / wall,
                      "padding_efficiency": padding, "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype,
                      "peak_rss_mib": rss[system], "path": target})
@@ -284,6 +332,8 @@ def main() -> None:
     from embedpipe.inputs.fasta import read_sequences
 
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.repeat_input > 1:
+        args.fasta = repeat_input(args.fasta, args.repeat_input)
     if args.max_records:
         subset = OUT / f"first{args.max_records}-{args.fasta.name}"
         records = list(read_sequences(args.fasta))[: args.max_records]
@@ -292,7 +342,7 @@ def main() -> None:
     model = bench_model(args)
     lengths = [len(s) for _, s in read_sequences(args.fasta)]
     residues = sum(min(n, 1022) for n in lengths)
-    peaks = {d: matmul_peak(d, args.threads) for d in ("float32", "bfloat16", "float16")}
+    peaks = {d: matmul_peak(d, args.threads) for d in ("float32", "bfloat16", "float16", "int8")}
     commands = system_commands(args, model)
     walls, rss = run_rounds(commands, args.rounds, dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     rows = result_rows(commands, walls, rss, residues, model_flops(lengths, args.layers, args.dim), peaks)
@@ -300,7 +350,11 @@ def main() -> None:
     print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
           f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}; "
           f"median of {args.rounds} interleaved round(s)")
-    print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
+    print("matmul peak (GFLOP/s; int8: GOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
+    from embedpipe.runtime.cpu_features import detect
+
+    cpu = detect()
+    print(f"CPU: {cpu.cpu_class} (flags: {cpu.named()}; torch kernels {cpu.torch_capability})")
     print_table(rows, ref, args.layers)
     (OUT / "results.json").write_text(json.dumps(rows, indent=2))
 

@@ -13,7 +13,7 @@ from embedpipe.model.esm2 import prepare_model
 from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.model.packed_linear import pack_linear
-from embedpipe.runtime.precision import get_policy
+from embedpipe.runtime.precision import forward_context, get_policy
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # oneDNN packs bf16 weights only on CPUs with AVX512-BF16-class instructions (or AVX-NE-CONVERT);
@@ -115,7 +115,7 @@ def test_forward_prepacks_where_it_can_and_matches_unpacked(tiny_model_path, pre
     tokens = torch.randint(4, 24, (3, 40), generator=torch.Generator().manual_seed(5))
     tokens[:, 0], tokens[:, -1] = 0, 2
     tokens[2, 30:] = 1  # padding
-    with torch.inference_mode():
+    with forward_context(policy, torch.device("cpu")):  # amp runs under autocast
         a, b = packed(tokens, [1, 2]), plain(tokens, [1, 2])
     tolerance = 1e-5 if precision == "fp32" else 5e-2
     for layer in (1, 2):

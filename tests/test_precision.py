@@ -17,6 +17,7 @@ from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.engine import Embedder
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model import load_model
+from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.precision import POLICIES, check_policy_on_device, get_policy
 from embedpipe.embed.engine import EmbedOptions, Embedder
 
@@ -159,10 +160,10 @@ def test_rotary_cache_from_one_dtype_never_leaks_into_another(tiny_model_path):
 
 
 def test_device_checks(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: False)
-    notes = check_policy_on_device(get_policy("fp16-mixed"), torch.device("cpu"))
-    assert notes and "bf16" in notes[0]
-    assert check_policy_on_device(get_policy("bf16"), torch.device("cpu")) == []
+    avx512_bf16 = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_bf16"}))  # native bf16, emulated fp16
+    notes = check_policy_on_device(get_policy("fp16-mixed"), torch.device("cpu"), avx512_bf16)
+    assert notes and "bf16-mixed" in notes[0]
+    assert check_policy_on_device(get_policy("bf16"), torch.device("cpu"), avx512_bf16) == []
     # What current torch answers on a V100: bf16 "supported" (emulated), compute capability 7.0.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 0))

@@ -4,8 +4,8 @@ The library validates against these, the CLI takes its defaults and the choices 
 from them, and tests/test_schema_matches_library.py checks that the workflow's
 ``workflows/schemas/config.schema.yaml`` says the same. Plain Python only (no torch, numpy or
 h5py): ``embedpipe --help`` imports this module. What each policy computes in
-(torch dtypes) lives in :mod:`embedpipe.runtime.precision`, which checks at import that its policies
-are exactly :data:`POLICY_NAMES`.
+(torch dtypes) lives in :mod:`embedpipe.runtime.precision`, which builds its policies from
+:data:`POLICY_KINDS`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,24 @@ from embedpipe.core.errors import EmbedpipeError
 
 # ------------------------------------------------------------------------------ allowed values
 
-#: precision policies, the fp32 reference first (docs/precision.md)
-POLICY_NAMES = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed")
+#: precision policies, the fp32 reference first (docs/precision.md): name -> (kind, dtype of the
+#: matmuls). The one list of their names: :mod:`embedpipe.runtime.precision` builds the policy objects
+#: from it (kind plain: everything in that dtype; autocast: fp32 weights under torch.autocast;
+#: mixed: 16-bit weights and matmuls with fp32 islands; int8: the linear layers in int8 with
+#: fp32 islands, CPU only)
+POLICY_KINDS = {
+    "fp32": ("plain", "float32"),
+    "fp16": ("plain", "float16"),
+    "bf16": ("plain", "bfloat16"),
+    "amp-fp16": ("autocast", "float16"),
+    "amp-bf16": ("autocast", "bfloat16"),
+    "fp16-mixed": ("mixed", "float16"),
+    "bf16-mixed": ("mixed", "bfloat16"),
+    "int8-mixed": ("int8", "int8"),
+}
+POLICY_NAMES = tuple(POLICY_KINDS)
 #: policies that keep rotary tables, attention softmax, layer norms and the residual stream in fp32
-FP32_ISLAND_POLICIES = ("fp16-mixed", "bf16-mixed")
+FP32_ISLAND_POLICIES = tuple(name for name, (kind, _) in POLICY_KINDS.items() if kind in ("mixed", "int8"))
 #: dtypes of the stored vectors (docs/store-format.md)
 STORAGE_DTYPES = ("float32", "float16")
 #: what happens to sequences longer than the model's trained window
@@ -219,13 +233,6 @@ def parse_tokens_per_batch(text: str) -> int | str:
         raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {text!r}") from None
 
 
-def check_same_names(what: str, names: Sequence[str], expected: Sequence[str]) -> None:
-    """At import: a module that keeps its own table of named things (``precision.POLICIES``)
-    must list exactly the names defined here, in the same order."""
-    if tuple(names) != tuple(expected):
-        raise RuntimeError(f"{what} lists {tuple(names)}, but embedpipe.core.options defines {tuple(expected)}")
-
-
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
     "ATTENTION_INPUTS",
@@ -247,11 +254,11 @@ __all__ = [
     "MIN_TOKENS_PER_BATCH",
     "ON_INVALID",
     "ON_INVALID_DEFAULT",
+    "POLICY_KINDS",
     "POLICY_NAMES",
     "STORAGE_DTYPES",
     "TOKENS_PER_SHARD",
     "Thresholds",
     "check_choice",
-    "check_same_names",
     "parse_tokens_per_batch",
 ]

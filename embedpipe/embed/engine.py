@@ -367,7 +367,7 @@ class Embedder:
             return "overflow"
         margin = self.options.overflow_margin
         if margin is not None and not policy.is_reference:
-            limit = margin * float(torch.finfo(policy.compute_dtype).max)
+            limit = margin * policy.overflow_limit
             if result.max_abs > limit:
                 return "overflow-margin"
         return ""

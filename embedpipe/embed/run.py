@@ -21,7 +21,7 @@ import h5py
 import torch
 
 from embedpipe import __version__
-from embedpipe.core.atomic import check_output_path, write_text_atomic
+from embedpipe.core.atomic import check_output_path
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.devices import claim_device
@@ -34,7 +34,7 @@ from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.core.options import AUTO
 from embedpipe.core.output_guard import guard_outputs
-from embedpipe.runtime.precision import Policy, dtype_name
+from embedpipe.runtime.precision import Policy
 from embedpipe.core.progress import say
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
@@ -75,7 +75,6 @@ class EmbedSummary:
 def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, policy: Policy,
                layers: list[int], source: Path | None) -> dict:
     """Root attributes: which weights, which numerics, where, with what."""
-    islands = "float32" if policy.fp32_islands else ("per-op (autocast)" if policy.autocast else dtype_name(policy.compute_dtype))
     config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
     return {
         "model_name": loaded.name,
@@ -84,10 +83,7 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
         "model_sha256": loaded.sha256,
         "model_trained": bool(loaded.trained),
         "model_num_layers": loaded.num_layers,
-        "precision_policy": policy.name,
-        "weight_dtype": dtype_name(policy.weight_dtype),
-        "compute_dtype": dtype_name(policy.compute_dtype),
-        "island_dtype": islands,
+        **policy.provenance(),  # precision_policy, weight/compute/island dtypes (int8: its scheme)
         "fallback_dtype": "float32",
         "attention": options.attention,
         "long_sequences": options.long_sequences,

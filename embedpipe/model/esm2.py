@@ -2,14 +2,13 @@
 
 :func:`load` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
 for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`.
-What policies do to the weights (which tensors stay fp32, the rotary caches) is ESM-2
-specific and lives here; the policies themselves are in :mod:`embedpipe.runtime.precision`.
+Which tensors are ESM-2's fp32 islands and the rotary caches are ESM-2 specific and live
+here; the policies themselves, and how they cast a copy, are in :mod:`embedpipe.runtime.precision`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -88,11 +87,9 @@ class Esm2Model:
                           attention_inputs=attention_inputs)
 
     def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
-        kind = "autocast" if policy.autocast else "plain"
-        if policy.fp32_islands:
-            kind = "fp32-islands" if attention_inputs == "compute" else "fp32-islands-fp32-attention"
         return esm2_spec.estimate_memory(self.num_layers, self.embed_dim, self.attention_heads,
-                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize, kind=kind)
+                                         policy.weight_dtype.itemsize, policy.compute_dtype.itemsize,
+                                         kind=policy.memory_kind(attention_inputs))
 
 
 # --------------------------------------------------------------------------- loading
@@ -259,10 +256,10 @@ def prepare_model(model: torch.nn.Module, policy: Policy, device: torch.device, 
     error propagates: it is never left split across devices.
     """
     reset_rotary_caches(model)
-    if policy.weight_dtype == torch.float32 and not private:
+    if not policy.copies_weights and not private:
         prepared = _move(model, device)
-    else:
-        prepared = _cast_copy(model, policy, device)
+    else:  # the policy's weight preparation, with ESM-2's island tensors
+        prepared = policy.cast_copy(model, device, fp32_tensor_ids(model))
     reset_rotary_caches(prepared)
     prepared.eval()
     for param in prepared.parameters():
@@ -280,8 +277,9 @@ def _move(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         raise
 
 
-def _fp32_tensor_ids(model: torch.nn.Module) -> set[int]:
-    """Tensors the mixed policies keep in fp32: layer-norm weights and rotary ``inv_freq``."""
+def fp32_tensor_ids(model: torch.nn.Module) -> set[int]:
+    """ESM-2's islands, the tensors the mixed policies keep in fp32: layer-norm weights and
+    rotary ``inv_freq`` (see :meth:`embedpipe.runtime.precision.Policy.cast_copy`)."""
     ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, torch.nn.LayerNorm):
@@ -289,24 +287,3 @@ def _fp32_tensor_ids(model: torch.nn.Module) -> set[int]:
         if hasattr(module, "inv_freq"):
             ids.add(id(module.inv_freq))
     return ids
-
-
-def _cast_copy(model: torch.nn.Module, policy: Policy, device: torch.device) -> torch.nn.Module:
-    """Copy ``model`` with its tensors already in their target dtypes, on ``device``.
-
-    Casting while copying (through ``deepcopy``'s memo) never holds a second fp32 copy of the
-    weights: for a 15B model that is 60 GB of host memory saved; each tensor is made on
-    ``device`` directly. A plain cast converts everything, as ``.half()`` would.
-    """
-    fp32_ids = _fp32_tensor_ids(model) if policy.fp32_islands else set()
-    memo: dict[int, torch.Tensor] = {}
-    for param in model.parameters():
-        dtype = torch.float32 if id(param) in fp32_ids else policy.weight_dtype
-        memo[id(param)] = torch.nn.Parameter(param.detach().to(device, dtype, copy=True), requires_grad=False)
-    for buffer in model.buffers():
-        if buffer.is_floating_point():
-            dtype = torch.float32 if id(buffer) in fp32_ids else policy.weight_dtype
-            memo[id(buffer)] = buffer.detach().to(device, dtype, copy=True)
-        else:
-            memo[id(buffer)] = buffer.detach().to(device, copy=True)
-    return copy.deepcopy(model, memo).to(device)  # any tensor not listed above

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from embedpipe.runtime import cuda
 from embedpipe.runtime.attention import packed_kernel
 from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.model.packed_linear import PackedLinear, pack_linear
 from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, token_max_abs
-from embedpipe.runtime.precision import Policy, attention_dtype
+from embedpipe.runtime.precision import Packed, Policy
 
 
 class RotaryTables:
@@ -139,8 +138,9 @@ class EsmForward:
 
     def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True,
                  attention_inputs: str = "fp32") -> None:
-        """``prepack``: on CPU, run the projections and FFN with oneDNN-prepacked weights
-        (see :mod:`embedpipe.model.packed_linear`); ignored elsewhere and under autocast.
+        """``prepack``: on CPU, run the projections and FFN with weights the policy prepares once
+        (:meth:`Policy.pack`: oneDNN-prepacked, see :mod:`embedpipe.model.packed_linear`); ignored
+        elsewhere and where the policy does not pack (autocast).
         ``attention_inputs``: under the fp32-island policies, ``fp32`` attends with fp32 q/k/v,
         ``compute`` casts them (after the fp32 rotation) to the policy's compute dtype."""
         if attention not in ATTENTION_IMPLEMENTATIONS:
@@ -158,12 +158,12 @@ class EsmForward:
         self.rotary = RotaryTables()
         self.padding_idx = model.padding_idx
         self.num_layers = model.num_layers
-        self._packed: dict[int, PackedLinear] = {}  # id(module) -> packed weights (qkv: id(attn))
+        self._packed: dict[int, Packed] = {}  # id(module) -> packed weights (qkv: id(attn))
         self._interleaved: set[int] = set()  # id(attn) whose packed q/k rows are in pair order
         if attention != "fair-esm":
             for layer in model.layers:
                 fuse_qkv(layer.self_attn)
-            if prepack and not policy.autocast:
+            if policy.packs(prepack):
                 self._prepack()
 
     def _prepack(self) -> None:
@@ -185,7 +185,7 @@ class EsmForward:
             targets = [(attn, weight, bias)]
             targets += [(linear, linear.weight, linear.bias) for linear in (attn.out_proj, layer.fc1, layer.fc2)]
             for module, w, b in targets:
-                packed = pack_linear(w, b)
+                packed = self.policy.pack(w, b)
                 if packed is None:
                     self._packed.clear()
                     self._interleaved.clear()
@@ -203,13 +203,13 @@ class EsmForward:
 
     @property
     def prepacked(self) -> bool:
-        """Whether the projections run with oneDNN-prepacked weights."""
+        """Whether the projections run with weights the policy prepared (oneDNN-prepacked)."""
         return bool(self._packed)
 
     @property
     def attention_dtype(self) -> torch.dtype:
         """dtype of q, k and v at the attention kernel (under autocast: the dtype it casts to)."""
-        return attention_dtype(self.policy, self.attention_inputs)
+        return self.policy.attention_dtype(self.attention_inputs)
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """A padded (B, T) batch: hidden states (B, T, D)."""
@@ -237,7 +237,7 @@ class EsmForward:
         tokens = batch.tokens
         # Residual stream dtype: fp32 for the mixed policies, otherwise the weights' dtype
         # (under autocast the weights are fp32 and PyTorch decides per op).
-        stream_dtype = torch.float32 if self.policy.fp32_islands else model.embed_tokens.weight.dtype
+        stream_dtype = self.policy.stream_dtype
         wanted = set(layers)
         hidden: dict[int, torch.Tensor] = {}
 
@@ -265,25 +265,15 @@ class EsmForward:
         return ForwardOutput(hidden=hidden, max_abs=max_abs)
 
     def _layer_norm(self, norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        if self.policy.fp32_islands:
-            return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
-        return norm(x)
+        return self.policy.layer_norm(norm, x)
 
     def _linear(self, linear: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, *, gelu: bool = False) -> torch.Tensor:
         """``linear``'s projection (or ``weight``/``bias`` stored under ``linear``, as the fused
-        q/k/v are), GELU'd when asked; packed on CPU, ``F.linear`` elsewhere."""
+        q/k/v are), GELU'd when asked, as the policy runs a linear (:meth:`Policy.linear`)."""
         if weight is None:
             weight, bias = linear.weight, linear.bias
-        if self.policy.fp32_islands:
-            x = x.to(weight.dtype)
-        packed = self._packed.get(id(linear))
-        if packed is not None:
-            return packed(x, gelu=gelu)
-        # Unfused GELU runs in the matmul dtype: PyTorch evaluates it in fp32 internally and
-        # rounds once, where an fp32 GELU's output would be rounded anyway before fc2.
-        h = F.linear(x, weight, bias)
-        return F.gelu(h) if gelu else h
+        return self.policy.linear(x, weight, bias, self._packed.get(id(linear)), gelu=gelu)
 
     def _layer(self, layer: torch.nn.Module, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
         residual = x
@@ -300,7 +290,7 @@ class EsmForward:
     def _table_dtype(self, attn: torch.nn.Module) -> torch.dtype:
         """Mixed policies: rotary tables built in fp32 (scores and softmax in fp32 too). A
         plain cast builds them in the weights' dtype, as fair-esm does after ``.half()``."""
-        return torch.float32 if self.policy.fp32_islands else attn.rot_emb.inv_freq.dtype
+        return self.policy.table_dtype(attn.rot_emb.inv_freq.dtype)
 
     def _rotation_dtype(self, attn: torch.nn.Module, projection_dtype: torch.dtype) -> torch.dtype:
         """The dtype q, k and v are rotated and attended in; under autocast the fp32 tables
@@ -335,10 +325,7 @@ class EsmForward:
         # v goes straight to the dtype it is attended in (one cast at most, none under the
         # plain policies or with compute-dtype inputs): it is never rotated
         v = qkv[..., 2, :, :].to(self.attention_dtype)
-        if self.policy.fp32_islands and self.attention_inputs == "compute":
-            # rotated in fp32, attended in the compute dtype: tensor-core kernels, which
-            # accumulate scores and softmax in fp32 (docs/precision.md, "Attention inputs")
-            q, k = (t.to(self.policy.compute_dtype) for t in (q, k))
+        q, k = self.policy.attention_qk(q, k, self.attention_inputs)  # mixed, compute inputs: cast
         if isinstance(batch, PackedTokens):
             out = self._attend_packed(q, k, v, batch)
         else:
@@ -360,8 +347,7 @@ class EsmForward:
 
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedTokens) -> torch.Tensor:
         """(N, H, d) attention within each sequence of ``batch``, q pre-scaled."""
-        if self.policy.autocast:  # SDPA would cast under autocast; the varlen kernel does not
-            q, k, v = (t.to(self.policy.compute_dtype) for t in (q, k, v))
+        q, k, v = self.policy.kernel_inputs(q, k, v)  # autocast: cast, as SDPA would under it
         if self.packed_attention == "varlen-flash":  # flash needs only the last dim contiguous
             return cuda.varlen_attention(*(_last_dim_contiguous(t) for t in (q, k, v)), batch.offsets, batch.max_len)
         return per_sequence_attention(q, k, v, batch.host_offsets)

@@ -88,11 +88,7 @@ class T5Model:
 
 def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device: torch.device) -> dict[str, torch.Tensor]:
     """``weights`` in the policy's dtypes on ``device`` (the islands in fp32 for mixed policies)."""
-    out = {}
-    for name, tensor in weights.items():
-        keep_fp32 = policy.fp32_islands and name.endswith(FP32_ISLAND_SUFFIXES)
-        out[name] = tensor.to(device, torch.float32 if keep_fp32 else policy.weight_dtype)
-    return out
+    return policy.cast_weights(weights, device, lambda name: name.endswith(FP32_ISLAND_SUFFIXES))
 
 
 def shape_of(config: Mapping[str, Any], where: str) -> T5Shape:

@@ -22,7 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.runtime.precision import Policy, attention_dtype
+from embedpipe.runtime.precision import Policy
+
+
+#: names of the bias-free linear layers in a block (attention, feed-forward)
+LINEARS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,17 @@ class T5Forward:
                  attention_inputs: str = "fp32") -> None:
         self.w, self.shape, self.policy, self.pad_id = weights, shape, policy, pad_id
         self.device = weights["embed"].device
-        plain_cast = not policy.autocast and not policy.fp32_islands
-        self.residual_dtype = policy.weight_dtype if plain_cast else torch.float32
-        self.bias_dtype = policy.weight_dtype if plain_cast else torch.float32
-        self.attn_dtype = attention_dtype(policy, attention_inputs)
-        self.matmul_dtype = None if policy.autocast else policy.compute_dtype  # autocast picks per op
+        # the policy decides: fp32 under autocast and the islands, the weights' dtype under a plain cast
+        self.residual_dtype = self.bias_dtype = policy.stream_dtype
+        self.attn_dtype = policy.attention_dtype(attention_inputs)
+        #: linear layers the policy prepares its own way (int8-mixed: int8 copies); none otherwise
+        self.packed = {name: policy.pack(w, None) for name, w in weights.items()
+                       if name.rsplit(".", 1)[-1] in LINEARS} if policy.packs(False) else {}
 
-    def _cast(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.matmul_dtype is None else x.to(self.matmul_dtype)
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A bias-free projection as the policy runs a linear (the input cast to the weights'
+        dtype; under autocast, PyTorch picks per op)."""
+        return self.policy.linear(x, self.w[name], None, self.packed.get(name))
 
     def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """T5's RMS norm: fp32 variance; cast to the weight's dtype when that is 16-bit."""
@@ -87,21 +94,19 @@ class T5Forward:
         """Self-attention of block ``i``: no 1/sqrt(d) scaling (T5 folds it into the weights)."""
         b, t, _ = h.shape
         heads, d_kv = self.shape.num_heads, self.shape.d_kv
-        q, k, v = (F.linear(self._cast(h), self.w[f"{i}.{n}"]).view(b, t, heads, d_kv).transpose(1, 2)
-                   for n in ("q", "k", "v"))
+        q, k, v = (self._linear(h, f"{i}.{n}").view(b, t, heads, d_kv).transpose(1, 2) for n in ("q", "k", "v"))
         q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
         scores = torch.matmul(q, k.transpose(-1, -2)).to(bias.dtype) + bias
         probs = F.softmax(scores.float(), dim=-1).to(v.dtype)
         context = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, heads * d_kv)
-        return F.linear(self._cast(context), self.w[f"{i}.o"])
+        return self._linear(context, f"{i}.o")
 
     def feed_forward(self, h: torch.Tensor, i: int) -> torch.Tensor:
-        h = self._cast(h)
         if self.shape.gated:
-            inner = F.gelu(F.linear(h, self.w[f"{i}.wi_0"]), approximate="tanh") * F.linear(h, self.w[f"{i}.wi_1"])
+            inner = F.gelu(self._linear(h, f"{i}.wi_0"), approximate="tanh") * self._linear(h, f"{i}.wi_1")
         else:
-            inner = F.relu(F.linear(h, self.w[f"{i}.wi"]))
-        return F.linear(self._cast(inner), self.w[f"{i}.wo"])
+            inner = F.relu(self._linear(h, f"{i}.wi"))
+        return self._linear(inner, f"{i}.wo")
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """Hidden states of ``layers`` (0 = embeddings, N = after the final norm), (B, T, D), and

@@ -1,58 +1,272 @@
-"""Precision policies: which dtype the weights live in, which dtype each op computes in.
+"""Precision policies as objects: each owns its capability check, its weight preparation
+and its linear layer (docs/precision.md).
 
-The policy names are a contract (docs/precision.md). What a policy does to a model's
-weights is the model family's business (:meth:`embedpipe.model.base.EmbeddingModel.prepare`);
-this module holds the policies and the contexts a forward pass runs in.
+Why objects: the forward passes (``model/esm2_forward.py``, ``model/t5_forward.py``) ask the
+policy what to do (which dtype the residual stream lives in, how a norm or a linear runs,
+what q/k/v are attended in) instead of branching on fields, so a new policy is one class
+here. The names come from ``options.POLICY_KINDS``, the one list of them; which tensors of
+a model are "islands" (kept fp32 by the mixed policies) is the model family's business.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
+from embedpipe.runtime import cpu_features
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import FP32_ISLAND_POLICIES, POLICY_NAMES, check_same_names
+from embedpipe.model.packed_linear import pack_linear
+from embedpipe.core.options import POLICY_KINDS
+
+#: Native arithmetic on CUDA, by compute capability. bfloat16 starts with Ampere (8.0):
+#: current torch's ``torch.cuda.is_bf16_supported()`` answers True on older GPUs too, where
+#: bfloat16 is emulated (slowly, through fp32), so it cannot be the test. fp16: 5.3.
+CUDA_CAPABILITY = {torch.bfloat16: (8, 0), torch.float16: (5, 3)}
+BF16_CAPABILITY = CUDA_CAPABILITY[torch.bfloat16]
+
+#: a linear layer as a policy prepared it (``y = x W^T + b``, GELU'd when asked)
+Packed = Callable[..., torch.Tensor]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """How one precision policy runs the model.
+    """A plain policy: weights, matmuls and everything else in ``weight_dtype`` (fp32, or a
+    plain cast as ``.half()`` does). The other kinds override what they change.
 
-    ``weight_dtype``: dtype of the model copy's weights.
-    ``compute_dtype``: dtype of the matmuls (projections, feed-forward).
-    ``autocast``: run under ``torch.autocast(compute_dtype)`` with fp32 weights (PyTorch picks per op).
-    ``fp32_islands``: rotary tables, attention scores and softmax, layer norms, the residual
-    stream and pooling stay in fp32 while weights and matmuls are low precision.
+    ``weight_dtype``: dtype of the model copy's weights. ``compute_dtype``: dtype of the
+    matmuls (projections, feed-forward).
     """
 
     name: str
     weight_dtype: torch.dtype
     compute_dtype: torch.dtype
-    autocast: bool = False
-    fp32_islands: bool = False
+
+    #: rotary tables, attention softmax, layer norms, the residual stream and pooling in fp32
+    fp32_islands: ClassVar[bool] = False
 
     @property
     def is_reference(self) -> bool:
         """fp32 is the reference: no fallback is ever needed for it."""
         return self.compute_dtype == torch.float32
 
+    # -- capability ------------------------------------------------------------------------
+    def check_device(self, device: torch.device, cpu: cpu_features.CpuFeatures | None = None) -> list[str]:
+        """Refuse what cannot work on ``device``; return warnings for what is merely slow.
+        ``cpu``: the CPU's features (detected when not given; tests pass mocked ones)."""
+        if device.type == "cuda":
+            self._check_cuda(device)
+        elif device.type == "cpu" and self.compute_dtype in cpu_features.SIXTEEN_BIT:
+            note = cpu_features.emulation_note(self.name, self.compute_dtype, cpu or cpu_features.detect())
+            return [note] if note else []
+        return []
 
-POLICIES: dict[str, Policy] = {
-    "fp32": Policy("fp32", torch.float32, torch.float32),
-    "fp16": Policy("fp16", torch.float16, torch.float16),
-    "bf16": Policy("bf16", torch.bfloat16, torch.bfloat16),
-    "amp-fp16": Policy("amp-fp16", torch.float32, torch.float16, autocast=True),
-    "amp-bf16": Policy("amp-bf16", torch.float32, torch.bfloat16, autocast=True),
-    "fp16-mixed": Policy("fp16-mixed", torch.float16, torch.float16, fp32_islands=True),
-    "bf16-mixed": Policy("bf16-mixed", torch.bfloat16, torch.bfloat16, fp32_islands=True),
-}
-check_same_names("precision.POLICIES", POLICIES, POLICY_NAMES)
-check_same_names("fp32-island policies", [n for n, p in POLICIES.items() if p.fp32_islands], FP32_ISLAND_POLICIES)
+    def _check_cuda(self, device: torch.device) -> None:
+        need = CUDA_CAPABILITY.get(self.compute_dtype)
+        if need is None:
+            return
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < need:
+            name, low = torch.cuda.get_device_name(device), dtype_name(self.compute_dtype)
+            era = "pre-Ampere GPU" if self.compute_dtype == torch.bfloat16 else "GPU older than compute capability 5.3"
+            other = "fp16-mixed or fp32" if self.compute_dtype == torch.bfloat16 else "fp32"
+            raise EmbedpipeError(
+                f"precision {self.name!r} needs {low}, which {name} (compute capability "
+                f"{major}.{minor}) does not support natively ({era}); use {other}"
+            )
+
+    # -- provenance ------------------------------------------------------------------------
+    def provenance(self) -> dict[str, str]:
+        """Root attributes of a store made with this policy (docs/store-format.md)."""
+        return {"precision_policy": self.name, "weight_dtype": dtype_name(self.weight_dtype),
+                "compute_dtype": dtype_name(self.compute_dtype), "island_dtype": self.island_name}
+
+    @property
+    def island_name(self) -> str:
+        """dtype of rotary tables, attention, norms and the residual stream, in words."""
+        return "float32" if self.fp32_islands else dtype_name(self.compute_dtype)
+
+    @property
+    def overflow_limit(self) -> float:
+        """The largest value the low-precision activations can hold (``--overflow-margin``)."""
+        return float(torch.finfo(self.compute_dtype).max)
+
+    def memory_kind(self, attention_inputs: str) -> str:
+        """Which activation estimate of ``model/esm2_spec.py`` applies."""
+        return "plain"
+
+    # -- weight preparation ----------------------------------------------------------------
+    @property
+    def copies_weights(self) -> bool:
+        """Whether the model runs on a cast copy (otherwise on the fp32 model itself)."""
+        return self.weight_dtype != torch.float32
+
+    def tensor_dtype(self, island: bool) -> torch.dtype:
+        """dtype of one weight tensor; ``island``: the family marks it as kept fp32 by mixed policies."""
+        return torch.float32 if island and self.fp32_islands else self.weight_dtype
+
+    def cast_copy(self, model: torch.nn.Module, device: torch.device, islands: set[int]) -> torch.nn.Module:
+        """Copy ``model`` with its tensors already in their target dtypes, on ``device``;
+        ``islands``: ids of the tensors the family keeps fp32 under the mixed policies.
+
+        Casting while copying (through ``deepcopy``'s memo) never holds a second fp32 copy of
+        the weights: for a 15B model that is 60 GB of host memory saved; each tensor is made on
+        ``device`` directly. A plain cast converts everything, as ``.half()`` would.
+        """
+        memo: dict[int, torch.Tensor] = {}
+        for param in model.parameters():
+            dtype = self.tensor_dtype(id(param) in islands)
+            memo[id(param)] = torch.nn.Parameter(param.detach().to(device, dtype, copy=True), requires_grad=False)
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                memo[id(buffer)] = buffer.detach().to(device, self.tensor_dtype(id(buffer) in islands), copy=True)
+            else:
+                memo[id(buffer)] = buffer.detach().to(device, copy=True)
+        return copy.deepcopy(model, memo).to(device)  # any tensor not listed above
+
+    def cast_weights(self, weights: Mapping[str, torch.Tensor], device: torch.device,
+                     island: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+        """Named ``weights`` in the policy's dtypes on ``device`` (the islands in fp32 for mixed policies)."""
+        return {name: tensor.to(device, self.tensor_dtype(island(name))) for name, tensor in weights.items()}
+
+    # -- the forward -------------------------------------------------------------------------
+    def context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """What a forward pass runs inside (inference mode; autocast for the amp policies)."""
+        return torch.inference_mode()
+
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        """dtype of the residual stream (fp32 under the islands; the weights' under a plain cast)."""
+        return torch.float32 if self.fp32_islands else self.weight_dtype
+
+    def table_dtype(self, weights_dtype: torch.dtype) -> torch.dtype:
+        """dtype rotary tables are built in: the weights' under a plain cast (as fair-esm does
+        after ``.half()``), fp32 under the islands."""
+        return torch.float32 if self.fp32_islands else weights_dtype
+
+    def layer_norm(self, norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def attention_dtype(self, attention_inputs: str) -> torch.dtype:
+        """dtype of q, k and v at the attention kernel (under autocast: the dtype autocast casts
+        to). ``attention_inputs`` (resolved: ``fp32`` or ``compute``) matters to mixed policies only."""
+        return self.weight_dtype
+
+    def attention_qk(self, q: torch.Tensor, k: torch.Tensor, attention_inputs: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k after the rotation, as they enter the attention kernel."""
+        return q, k
+
+    def kernel_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q/k/v as a kernel that ignores autocast (the varlen kernel) must get them."""
+        return tensors
+
+    def packs(self, prepack: bool) -> bool:
+        """Whether the forward prepares its linear layers with :meth:`pack` (on the CPU)."""
+        return prepack
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
+        """A linear layer prepared once (oneDNN's blocked layout), or None: use ``F.linear``."""
+        return pack_linear(weight, bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
+        """How a linear layer runs under this policy: the input in the weights' dtype (a no-op
+        except at an fp32 island's edge), through ``packed`` when there is one."""
+        x = x.to(weight.dtype)
+        if packed is not None:
+            return packed(x, gelu=gelu)
+        # Unfused GELU runs in the matmul dtype: PyTorch evaluates it in fp32 internally and
+        # rounds once, where an fp32 GELU's output would be rounded anyway before the next matmul.
+        h = F.linear(x, weight, bias)
+        return F.gelu(h) if gelu else h
+
+
+@dataclass(frozen=True)
+class AutocastPolicy(Policy):
+    """fp32 weights under ``torch.autocast(compute_dtype)``: PyTorch picks the dtype per op."""
+
+    @property
+    def island_name(self) -> str:
+        return "per-op (autocast)"
+
+    def memory_kind(self, attention_inputs: str) -> str:
+        return "autocast"
+
+    def context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            ctx = torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+        stack.enter_context(ctx)
+        return stack
+
+    def attention_dtype(self, attention_inputs: str) -> torch.dtype:
+        return self.compute_dtype
+
+    def kernel_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # SDPA would cast under autocast; the varlen kernel does not
+        return tuple(t.to(self.compute_dtype) for t in tensors)
+
+    def packs(self, prepack: bool) -> bool:
+        return False
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
+        h = F.linear(x, weight, bias)  # autocast casts
+        return F.gelu(h) if gelu else h
+
+
+@dataclass(frozen=True)
+class MixedPolicy(Policy):
+    """16-bit weights and matmuls with fp32 islands (rotary, attention, norms, residual stream)."""
+
+    fp32_islands: ClassVar[bool] = True
+
+    def memory_kind(self, attention_inputs: str) -> str:
+        return "fp32-islands" if attention_inputs == "compute" else "fp32-islands-fp32-attention"
+
+    def layer_norm(self, norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+
+    def attention_dtype(self, attention_inputs: str) -> torch.dtype:
+        return self.compute_dtype if attention_inputs == "compute" else torch.float32
+
+    def attention_qk(self, q: torch.Tensor, k: torch.Tensor, attention_inputs: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # rotated in fp32, attended in the compute dtype: tensor-core kernels, which accumulate
+        # scores and softmax in fp32 (docs/precision.md, "Attention inputs")
+        if attention_inputs == "compute":
+            return q.to(self.compute_dtype), k.to(self.compute_dtype)
+        return q, k
+
+
+def _int8_policy() -> type[Policy]:
+    from embedpipe.runtime.int8_policy import Int8MixedPolicy  # the int8 kernels, CPU only
+
+    return Int8MixedPolicy
+
+
+_KINDS: dict[str, Callable[[], type[Policy]]] = {
+    "plain": lambda: Policy, "autocast": lambda: AutocastPolicy, "mixed": lambda: MixedPolicy, "int8": _int8_policy}
+
+
+def _build(name: str, kind: str, low: str) -> Policy:
+    dtype = getattr(torch, low)
+    weights = torch.float32 if kind in ("autocast", "int8") else dtype
+    return _KINDS[kind]()(name, weights, dtype)
+
+
+POLICIES: dict[str, Policy] = {name: _build(name, kind, low) for name, (kind, low) in POLICY_KINDS.items()}
 FP32 = POLICIES["fp32"]
 
 
@@ -64,18 +278,8 @@ def resolve_attention_inputs(option: str, device: torch.device) -> str:
 
 
 def attention_dtype(policy: Policy, attention_inputs: str) -> torch.dtype:
-    """dtype of q, k and v at the attention kernel (under autocast: the dtype autocast casts to).
-
-    Only the fp32-island policies have a choice (``attention_inputs``, resolved: ``fp32`` or
-    ``compute``); the plain casts attend in their weights' dtype (docs/precision.md).
-    """
-    if policy.autocast or (policy.fp32_islands and attention_inputs == "compute"):
-        return policy.compute_dtype
-    return torch.float32 if policy.fp32_islands else policy.weight_dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """dtype of q, k and v at the attention kernel (see :meth:`Policy.attention_dtype`)."""
+    return policy.attention_dtype(attention_inputs)
 
 
 def get_policy(name: str) -> Policy:
@@ -89,37 +293,14 @@ def get_policy(name: str) -> Policy:
 
 
 def cpu_has_native_fp16() -> bool:
-    """True when the CPU advertises native fp16 arithmetic (AVX512-FP16 or AMX-FP16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_fp16" in flags or "amx_fp16" in flags
+    """True when the CPU advertises native fp16 arithmetic (AVX512-FP16, AMX-FP16, ARM FP16)."""
+    return cpu_features.detect().native_fp16
 
 
-# Native bfloat16 arithmetic starts with Ampere (compute capability 8.0). Current torch's
-# ``torch.cuda.is_bf16_supported()`` also answers True for older GPUs, where bfloat16 is
-# emulated (slowly, through fp32), so it cannot be the test.
-BF16_CAPABILITY = (8, 0)
-
-
-def check_policy_on_device(policy: Policy, device: torch.device) -> list[str]:
+def check_policy_on_device(policy: Policy, device: torch.device,
+                           cpu: cpu_features.CpuFeatures | None = None) -> list[str]:
     """Refuse combinations that cannot work; return warnings for ones that are merely slow."""
-    notes: list[str] = []
-    if device.type == "cuda" and policy.compute_dtype == torch.bfloat16:
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < BF16_CAPABILITY:
-            name = torch.cuda.get_device_name(device)
-            raise EmbedpipeError(
-                f"precision {policy.name!r} needs bfloat16, which {name} (compute capability "
-                f"{major}.{minor}) does not support natively (pre-Ampere GPU); use fp16-mixed or fp32"
-            )
-    if device.type == "cpu" and policy.compute_dtype == torch.float16 and not cpu_has_native_fp16():
-        notes.append(
-            f"precision {policy.name!r} on a CPU without native fp16 is emulated and several times "
-            "slower than bf16; consider --precision bf16-mixed"
-        )
-    return notes
+    return policy.check_device(device, cpu)
 
 
 @contextlib.contextmanager
@@ -145,17 +326,10 @@ def true_fp32_matmuls() -> Iterator[None]:
 
 @contextlib.contextmanager
 def forward_context(policy: Policy, device: torch.device) -> Iterator[None]:
-    """Inference mode, and autocast for the amp policies. Run inside :func:`true_fp32_matmuls`,
-    which keeps the reference (and every fp32 island) in true fp32."""
-    with torch.inference_mode():
-        if policy.autocast:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                ctx = torch.autocast(device_type=device.type, dtype=policy.compute_dtype)
-            with ctx:
-                yield
-        else:
-            yield
+    """The policy's context (inference mode, autocast for the amp policies). Run inside
+    :func:`true_fp32_matmuls`, which keeps the reference (and every fp32 island) in true fp32."""
+    with policy.context(device):
+        yield
 
 
 @contextlib.contextmanager

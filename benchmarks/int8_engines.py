@@ -1,0 +1,102 @@
+"""The int8 engines torch offers on this CPU, on the feed-forward block of the 35M shape.
+
+480 -> 1920 (GELU) -> 480 on 4,096 tokens, one process, rounds interleaved, median per
+engine, time relative to embedpipe's fp32 (oneDNN-prepacked). Engines:
+
+* fp32 / bf16: oneDNN-prepacked ``F.linear`` (what the fp32 and bf16-mixed policies run);
+* ao-dynamic-{fbgemm,x86,onednn}: ``torch.ops.quantized.linear_dynamic`` with per-channel
+  weights, but one activation scale per *tensor* (a record would depend on its batch-mates);
+* int8-onednn: embedpipe's :class:`~embedpipe.runtime.int8_linear.Int8Linear` (per-token scales,
+  ``torch.ops.onednn.qlinear_pointwise``), quantization of the activations included;
+* int8-int_mm: the same through ``torch._int_mm``;
+* w8a16-int8pack: ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, bf16 activations).
+
+    python benchmarks/int8_engines.py [--rounds 5] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from embedpipe.runtime.int8_linear import Int8Linear
+from embedpipe.model.packed_linear import pack_linear
+
+
+def engines(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+            b2: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """engine -> one pass of the feed-forward block."""
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    p1, p2 = pack_linear(w1, b1), pack_linear(w2, b2)
+    out["fp32"] = lambda: p2(p1(x, gelu=True))
+    q1, q2 = pack_linear(w1.bfloat16(), b1.bfloat16()), pack_linear(w2.bfloat16(), b2.bfloat16())
+    out["bf16"] = lambda: q2(q1(x.bfloat16(), gelu=True)).float()
+    for engine in ("fbgemm", "x86", "onednn"):
+        if engine not in torch.backends.quantized.supported_engines:
+            continue
+        torch.backends.quantized.engine = engine
+        packs = []
+        for w, b in ((w1, b1), (w2, b2)):
+            scale = (w.abs().amax(1) / 127).double()
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+            packs.append(torch.ops.quantized.linear_prepack(qw, b))
+        out[f"ao-dynamic-{engine}"] = (lambda a, c: lambda: torch.ops.quantized.linear_dynamic(
+            F.gelu(torch.ops.quantized.linear_dynamic(x, a, True)), c, True))(*packs)
+    for engine in ("onednn", "int_mm"):
+        l1, l2 = Int8Linear(w1, b1, engine=engine), Int8Linear(w2, b2, engine=engine)
+        out[f"int8-{engine}"] = (lambda a, c: lambda: c(a(x, gelu=True)))(l1, l2)
+    try:
+        i1, s1 = Int8Linear(w1, None).qweight, Int8Linear(w1, None).weight_scale.bfloat16()
+        i2, s2 = Int8Linear(w2, None).qweight, Int8Linear(w2, None).weight_scale.bfloat16()
+        xb = x.bfloat16()
+        torch.ops.aten._weight_int8pack_mm(xb[:2], i1, s1)
+        out["w8a16-int8pack"] = lambda: torch.ops.aten._weight_int8pack_mm(
+            F.gelu(torch.ops.aten._weight_int8pack_mm(xb, i1, s1) + b1.bfloat16()), i2, s2) + b2.bfloat16()
+    except (RuntimeError, AttributeError):
+        pass
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=480)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    g = torch.Generator().manual_seed(0)
+    d = args.dim
+    x = torch.randn(args.tokens, d, generator=g)
+    w1, b1 = torch.randn(4 * d, d, generator=g) / d**0.5, torch.randn(4 * d, generator=g) * 0.1
+    w2, b2 = torch.randn(d, 4 * d, generator=g) / (4 * d) ** 0.5, torch.randn(d, generator=g) * 0.1
+    runs = engines(x, w1, b1, w2, b2)
+    ref = runs["fp32"]().double()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()  # warm-up
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    from embedpipe.runtime.cpu_features import detect
+
+    cpu = detect()
+    print(f"CPU {cpu.cpu_class} ({cpu.named()}), {torch.get_num_threads()} threads, {args.tokens} tokens, "
+          f"{d} -> {4 * d} -> {d}, median of {args.rounds} interleaved rounds\n")
+    print("| engine | ms | time / fp32 | min row cosine to fp32 |\n|---|---|---|---|")
+    base = statistics.median(times["fp32"])
+    for name, run in runs.items():
+        ms = statistics.median(times[name])
+        cos = F.cosine_similarity(run().double(), ref, dim=1).min().item()
+        print(f"| {name} | {ms * 1e3:.1f} | {ms / base:.2f} | {cos:.6f} |")
+
+
+if __name__ == "__main__":
+    main()

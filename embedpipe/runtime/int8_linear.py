@@ -1,0 +1,94 @@
+"""An int8 linear layer for the CPU: int8 weights with one scale per output channel, int8
+activations with one scale per token, int32 accumulation (W8A8; docs/precision.md, "int8-mixed").
+
+Why these scales: a token's activations and a channel's weights each get the full int8 range
+(absmax / 127, symmetric), so one outlier token or channel costs only its own precision. The
+int32 sums are exact; the only rounding is the quantization of x and W and the fp32 rescale
+``y = acc * s_x[token] * s_w[channel] + b``.
+
+The engine is oneDNN's int8 matmul (``torch.ops.onednn.qlinear_pointwise``: VNNI/AMX-INT8
+where the CPU has them, AVX2's int8 dot products otherwise), with the per-channel weight
+scales applied in its epilogue; the per-token scale and the bias follow in one fp32 pass.
+``torch._int_mm`` is the fallback where that op is missing. Both are private or
+not-quite-public PyTorch API, so each layer is probed against the exact (float64)
+computation when it is made; the engines measured against each other are in
+docs/benchmarks.md ("int8 engines").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: symmetric int8 range used for weights and activations (-128 is never used)
+QMAX = 127.0
+#: scale floor: an all-zero row (padding) quantizes to zeros, not to NaN
+TINY = 1e-30
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 (M, K) weights, fp32 (M,) scales): each output channel by its own absmax / 127."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(TINY)
+    return torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 (N, K), fp32 (N, 1) scales) of a 2-D fp32 ``x``: each row by its own absmax / 127.
+
+    A NaN or inf row gets a NaN/inf scale, so the layer's output row is NaN/inf too: a
+    broken record stays visible to the per-record checks and falls back to fp32.
+    """
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)
+    q = torch.mul(x, QMAX / amax.clamp_min(TINY)).round_().to(torch.int8)
+    return q, amax / QMAX
+
+
+#: int8 matmul engines, fastest first (docs/benchmarks.md, "int8 engines")
+ENGINES = ("onednn", "int_mm")
+
+
+class Int8Linear:
+    """``y = x W^T + b`` (optionally GELU'd) for fp32 ``x`` of any leading shape, in int8."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: str = "auto") -> None:
+        self.qweight, self.weight_scale = quantize_weight(weight)
+        self.bias = None if bias is None else bias.detach().float()
+        self.out_features, self.in_features = self.qweight.shape
+        tried = ENGINES if engine == "auto" else (engine,)
+        if not any(self._use(name) for name in tried):
+            raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
+
+    def _use(self, engine: str) -> bool:
+        """Set up ``engine`` and probe it against the exact int32 matmul; False on any failure."""
+        self.engine = engine
+        try:
+            if engine == "onednn":
+                self._packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+                self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+            else:
+                self._weight_t = self.qweight.t().contiguous()
+            g = torch.Generator().manual_seed(0)
+            probe = torch.randint(-127, 128, (17, self.in_features), generator=g, dtype=torch.int8)
+            want = (probe.double() @ self.qweight.double().t()) * self.weight_scale.double()
+            got = self.scaled_matmul(probe)
+        except (RuntimeError, AttributeError, TypeError):
+            return False
+        return got.shape == want.shape and bool(torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6))
+
+    def scaled_matmul(self, xq: torch.Tensor) -> torch.Tensor:
+        """fp32 (N, M) ``(xq @ qweight^T) * weight_scale`` of int8 (N, K) ``xq``, summed in int32."""
+        if self.engine == "onednn":
+            return torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, 0, self._packed, self.weight_scale, self._zero_points, None, 1.0, 0,
+                torch.float32, "none", [], "")
+        return torch._int_mm(xq, self._weight_t).float().mul_(self.weight_scale)
+
+    def __call__(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xq, scale = quantize_per_token(x.reshape(-1, self.in_features).float())
+        out = self.scaled_matmul(xq)
+        out = out.mul_(scale) if self.bias is None else torch.addcmul(self.bias, out, scale)
+        if gelu:  # exact (erf) GELU in fp32, as F.gelu's default
+            out = F.gelu(out)
+        return out.view(*lead, self.out_features)

@@ -1,0 +1,68 @@
+"""``int8-mixed``: the linear layers in int8, everything else an fp32 island (CPU only).
+
+What runs in int8: q/k/v, the attention's out projection and the feed-forward (fc1, fc2),
+as :class:`embedpipe.runtime.int8_linear.Int8Linear` (int8 weights per output channel, int8
+activations per token, int32 sums). What stays fp32: layer norms, the residual stream,
+rotary tables and the rotation, attention scores and softmax, pooling. Per-token scales
+(not one scale per batch) keep a record's numbers independent of its batch-mates. The
+weights are quantized from the fp32 model when it is prepared, so the fp32 fallback shares
+that model (docs/precision.md, "int8-mixed").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embedpipe.runtime import cpu_features
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.runtime.int8_linear import Int8Linear
+from embedpipe.runtime.precision import MixedPolicy, Packed
+
+#: root attributes of an int8-mixed store (docs/store-format.md)
+SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127), activations per token "
+          "(absmax/127, dynamic), int32 sums rescaled in fp32; q/k/v, out projection, fc1, fc2")
+SCALES = ("weights: the checkpoint's fp32 weights when the model is prepared; activations: each "
+          "token's own values at run time; no smoothing")
+
+
+@dataclass(frozen=True)
+class Int8MixedPolicy(MixedPolicy):
+    """fp32 weights and islands; the linear layers through their int8 copies."""
+
+    def check_device(self, device: torch.device, cpu: cpu_features.CpuFeatures | None = None) -> list[str]:
+        if device.type != "cpu":
+            raise EmbedpipeError(
+                f"precision {self.name!r} runs on the CPU only (oneDNN's int8 kernels); on {device.type} "
+                "use bf16-mixed or fp16-mixed")
+        return []
+
+    def provenance(self) -> dict[str, str]:
+        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": SCALES}
+
+    @property
+    def overflow_limit(self) -> float:
+        # the activations live in fp32; the int8 scales are per token, so nothing saturates
+        return float(torch.finfo(torch.float32).max)
+
+    def memory_kind(self, attention_inputs: str) -> str:
+        return "fp32"
+
+    def attention_dtype(self, attention_inputs: str) -> torch.dtype:
+        return torch.float32  # attention is an island: there is no int8 attention
+
+    def attention_qk(self, q: torch.Tensor, k: torch.Tensor, attention_inputs: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def packs(self, prepack: bool) -> bool:
+        return True  # the int8 copies are how this policy runs a linear, not an optimisation
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
+        return Int8Linear(weight, bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
+        if packed is None:
+            raise RuntimeError(f"{self.name}: a linear layer without its int8 copy (the forward did not pack it)")
+        return packed(x.float(), gelu=gelu)
