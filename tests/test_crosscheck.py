@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
-from embedpipe.crosscheck.run import metrics
+from embedpipe.crosscheck import metrics
 from embedpipe.crosscheck.run import Thresholds, run_crosscheck
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.crosscheck.report.page import render_html

@@ -17,7 +17,7 @@ import torch
 from esm.model.esm2 import ESM2
 
 from fake_cuda import fake_cuda
-from embedpipe.embed.run import budget as batch_budget
+from embedpipe.embed import budget as batch_budget
 from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
 from embedpipe.core.options import POLICY_KINDS, POLICY_NAMES, EmbedOptions
 from embedpipe.runtime.precision import get_policy, resolve_attention_inputs

@@ -146,7 +146,7 @@ def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model
     import contextlib
 
     from embed_helpers import random_sequences, write_fasta
-    from embedpipe.crosscheck.run import run as crosscheck
+    from embedpipe.crosscheck import run as crosscheck
     from embedpipe.crosscheck.run import run_crosscheck
     from embedpipe.embed.run import EmbedOptions, embed_fasta
 
