@@ -155,3 +155,87 @@ def test_open_store_opens_no_source_and_checks_a_pin_when_the_source_is_read(tmp
             st.per_residue(rid)
     assert "shard-00001.h5" in str(err.value) and "\n" not in str(err.value)
     assert any("shard-00001.h5" in p for p in validate_store(out))
+
+
+# --------------------------------------------------------------------------------------------
+# the column checks of validate and the offsets of merge, in blocks (issue 24 §2, second half)
+
+#: every block size made small, so that both sizes below are many blocks long
+SMALL_BLOCKS = {"embedpipe.external_sort.CHUNK_BYTES": 1 << 20, "embedpipe.store.format.READ_BLOCK_BYTES": 1 << 20,
+                "embedpipe.store.sequences.READ_BLOCK_BYTES": 1 << 20, "embedpipe.store.sequences.SEQUENCE_ROWS": 8192,
+                "embedpipe.store.validate.COLUMN_ROWS": 8192, "embedpipe.store.validate.ID_ROWS": 8192,
+                "embedpipe.store.meancheck.OFFSET_ROWS": 8192}
+
+
+def _small_blocks(monkeypatch) -> None:
+    for target, value in SMALL_BLOCKS.items():
+        monkeypatch.setattr(target, value, raising=False)
+    monkeypatch.setattr("store_scale.CHUNK_BYTES", 256 << 10)  # the synthetic stores' chunks
+
+
+def test_validate_column_checks_peak_does_not_grow_with_the_records(tmp_path, monkeypatch):
+    """One store of 70,000 and one of 280,000 records (more than the hard-wired 65,536-ID blocks
+    of the index check): validate's traced peak grows by less than 1.25x (measured 1.0x).
+    Before, ``length``, ``embedded_length``, the sequence lengths and the offsets (also the mean
+    check's) were whole int64 arrays, and ``long_handling`` and the sequences of a format-1
+    store blocks of a million Python strings: 3.2x."""
+    _small_blocks(monkeypatch)
+    rng = np.random.default_rng(5)
+    peaks = {}
+    for n in (70_000, 280_000):
+        path = tmp_path / f"s{n}.h5"
+        write_shard(path, 0, n, rng, long_record=False)
+        problems: list[str] = []
+        peaks[n] = _peak(lambda: problems.extend(validate_store(path)))
+        assert problems == []
+    assert peaks[280_000] < 1.25 * peaks[70_000], peaks
+
+
+def _edit(path: Path, name: str, row: int, change) -> None:
+    with h5py.File(path, "r+") as f:
+        value = f[name][row]
+        f[name][row] = change(value)
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (("per_residue/offsets", 16, lambda v: 0), "per_residue/offsets not monotonic (first drop after row 15)"),
+    (("embedded_length", 21, lambda v: v - 1), "record 'UniRef50_000000021': "),
+    (("length", 9, lambda v: v + 1), "record 'UniRef50_000000009': length "),
+    (("mean/layer_1", 33, lambda v: v + 0.5), "record 'UniRef50_000000033' (row 33) layer 1: stored mean differs"),
+])
+def test_validate_in_small_blocks_reports_what_it_reports_in_one(tmp_path, monkeypatch, edit, expected):
+    """A problem on a block boundary (offsets row 16 with blocks of 8 records) or inside a later
+    block is reported in the same words with blocks of 8 records and offsets as in one block."""
+    path = tmp_path / "s.h5"
+    write_shard(path, 0, 40, np.random.default_rng(3), long_record=False)
+    _edit(path, *edit)
+    whole = validate_store(path)
+    assert any(p.startswith(expected) for p in whole), whole
+    for rows in (1, 3, 8):
+        monkeypatch.setattr("embedpipe.store.validate.COLUMN_ROWS", rows)
+        monkeypatch.setattr("embedpipe.store.meancheck.OFFSET_ROWS", rows)
+        assert validate_store(path) == whole, rows
+
+
+def test_mean_check_reads_the_offsets_dataset_in_windows(tmp_path, monkeypatch):
+    """The mean check reads offsets as its blocks advance: any window size and any block split
+    name the same first record and count."""
+    from embedpipe.store.meancheck import MeanCheck
+
+    path = tmp_path / "s.h5"
+    write_shard(path, 0, 60, np.random.default_rng(4), long_record=False)
+    _edit(path, "mean/layer_1", 17, lambda v: v + 0.5)
+    _edit(path, "mean/layer_1", 41, lambda v: v - 0.5)
+    results = set()
+    with h5py.File(path, "r") as f:
+        ids = [i.decode() for i in f["ids"][()]]
+        data = f["per_residue/layer_1"][()]
+        for window in (1, 2, 5, 1 << 16):
+            monkeypatch.setattr("embedpipe.store.meancheck.OFFSET_ROWS", window)
+            for size in (1, 4, 13, len(data)):
+                check = MeanCheck(f["mean/layer_1"], f["per_residue/offsets"], ids, 1)
+                for start in range(0, len(data), size):
+                    check.feed(slice(start, min(start + size, len(data))), data[start : start + size])
+                results.add(check.problem())
+    (problem,) = results
+    assert problem.startswith("record 'UniRef50_000000017' (row 17) layer 1:") and "2 record(s)" in problem

@@ -359,8 +359,10 @@ def is_complete(f: h5py.File) -> bool:
     return bool(attr_to_python(f.attrs.get("complete", False)))
 
 
-def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int = READ_BLOCK_BYTES) -> Iterator[slice]:
-    """Row slices covering ``ds`` with about ``block_bytes`` each, aligned to its chunks."""
+def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int | None = None) -> Iterator[slice]:
+    """Row slices covering ``ds`` with about ``block_bytes`` (default READ_BLOCK_BYTES) each,
+    aligned to its chunks."""
+    block_bytes = block_bytes or READ_BLOCK_BYTES
     n = ds.shape[0] if ds.shape else 0
     row_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)) if ds.shape else 1
     rows = max(1, block_bytes // max(1, row_bytes))
