@@ -196,12 +196,14 @@ def poolings_of(f: h5py.File) -> list[str]:
     return [str(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def create_per_residue_group(f: h5py.File, offsets: np.ndarray) -> h5py.Group:
-    """``per_residue/`` with its ``offsets`` (N+1,) written; the caller adds ``layer_{k}``."""
+def create_per_residue_group(f: h5py.File, offsets: np.ndarray | int) -> h5py.Group:
+    """``per_residue/`` with its ``offsets``: (N+1,) written, or that many rows (an int) the
+    caller writes (``merge``, block by block); the caller adds ``layer_{k}``."""
     pr = f.create_group("per_residue")
     tag(pr, RAGGED)
-    create_array_dataset(pr, "offsets", shape=offsets.shape, dtype=np.int64, data=offsets,
-                         rows=chunk_rows(8, len(offsets), target=SMALL_CHUNK_BYTES), compress=True, encoding=OFFSETS)
+    rows = offsets if isinstance(offsets, int) else len(offsets)
+    create_array_dataset(pr, "offsets", shape=(rows,), dtype=np.int64, data=None if isinstance(offsets, int) else offsets,
+                         rows=chunk_rows(8, rows, target=SMALL_CHUNK_BYTES), compress=True, encoding=OFFSETS)
     return pr
 
 
