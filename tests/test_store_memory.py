@@ -274,3 +274,67 @@ def test_merge_peak_besides_the_id_sort_does_not_grow_with_the_records(tmp_path,
             with h5py.File(paths[-1], "r") as last:
                 assert np.array_equal(st.offsets[-5001:] - st.offsets[-5001], last["per_residue/offsets"][()])
     assert peaks[32] < 1.25 * peaks[8], peaks
+
+
+def _old_h5_per_id(path: Path, blocks) -> None:
+    """The former writer (h5py's high-level API, ~1 ms per ID): the reference."""
+    from embedpipe.export.keys import encode_key
+
+    with h5py.File(path, "w") as f:
+        for block in blocks:
+            for j, record_id in enumerate(block.ids):
+                ds = f.create_dataset(encode_key(record_id), data=block.record_rows(j))
+                i = int(block.source[j])
+                ds.attrs["original_id"] = record_id
+                ds.attrs["precision_used"] = block.table["precision_used"][i]
+                ds.attrs["fallback_reason"] = block.table["fallback_reason"][i]
+                if block.alias_of[j]:
+                    ds.attrs["alias_of"] = block.alias_of[j]
+
+
+def _h5_objects(path: Path) -> dict:
+    """Every dataset: data, dtype, layout, and each attribute's value, string type and charset."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        for name in f:
+            ds = f[name]
+            attrs = {}
+            for key in ds.attrs:
+                t = ds.attrs.get_id(key).get_type()
+                attrs[key] = (ds.attrs[key], ds.attrs.get_id(key).shape, t.is_variable_str(), t.get_cset())
+            out[name] = (ds[()].tobytes(), ds.dtype, ds.shape, ds.id.get_create_plist().get_layout(), attrs)
+    return out
+
+
+@pytest.mark.parametrize("per_residue", [False, True])
+def test_h5_per_id_writes_what_the_high_level_api_wrote(tmp_path, per_residue):
+    """The low-level writer's datasets and attributes equal the former writer's, for IDs that
+    need escaping, a non-ASCII one and aliases."""
+    from embedpipe.export import export_store
+    from embedpipe.export.blocks import iter_blocks
+
+    paths = [tmp_path / f"shard-{k}.h5" for k in range(2)]
+    for k, path in enumerate(paths):
+        write_shard(path, k * 30, 30, np.random.default_rng(k), long_record=False)
+    with h5py.File(paths[1], "r+") as f:  # IDs to escape, one non-ASCII, and a record without rows
+        ids = f["ids"].asstr()[()].tolist()
+        ids[:3] = ["sp|P1|A/B", ".hidden", "Ünïcode%"]
+        del f["ids"]
+        f.create_dataset("ids", data=np.array([i.encode() for i in ids], dtype=h5py.string_dtype("utf-8", 20)),
+                         fletcher32=True, chunks=True).attrs.update({"encoding-type": "fixed-utf8-array", "encoding-version": "1"})
+    out = tmp_path / "merged.h5"
+    merge_stores(paths, out=out)
+    with h5py.File(out, "r+") as f:  # two aliases, as a manifest's duplicates make them
+        g = f.create_group("aliases")
+        g.attrs.update({"encoding-type": "aliases", "encoding-version": "2"})
+        for name, values in (("id", [b"dupA", b"dup/B"]), ("of", [b"UniRef50_000000004", ids[2].encode()])):
+            ds = g.create_dataset(name, data=np.array(values, dtype=h5py.string_dtype("utf-8", 20)), fletcher32=True, chunks=True)
+            ds.attrs.update({"encoding-type": "fixed-utf8-array", "encoding-version": "2"})
+        del f["id_index"]
+    new = tmp_path / "new.h5"
+    export_store(out, fmt="h5-per-id", out=new, per_residue=per_residue, quiet=True)
+    reference = tmp_path / "reference.h5"
+    with embedpipe.open_store(out) as st:
+        _old_h5_per_id(reference, iter_blocks(st, layer=1, per_residue=per_residue))
+    got, want = _h5_objects(new), _h5_objects(reference)
+    assert len(want) == 62 and got == want
