@@ -338,3 +338,29 @@ def test_h5_per_id_writes_what_the_high_level_api_wrote(tmp_path, per_residue):
         _old_h5_per_id(reference, iter_blocks(st, layer=1, per_residue=per_residue))
     got, want = _h5_objects(new), _h5_objects(reference)
     assert len(want) == 62 and got == want
+
+
+def test_open_store_parses_the_per_source_attributes_when_first_asked(tmp_path, monkeypatch):
+    """``shard_provenance`` (every source's root attributes: ~1-2 KB per source) is not parsed
+    at open; ``provenance`` parses it when asked, also once the store is closed."""
+    import json
+
+    from embedpipe.store import format as store_format
+
+    paths = [tmp_path / f"shard-{k}.h5" for k in range(3)]
+    for k, path in enumerate(paths):
+        write_shard(path, k * 20, 20, np.random.default_rng(k), long_record=False)
+    out = tmp_path / "merged.h5"
+    merge_stores(paths, out=out)
+    parsed: list[str] = []
+    loads = json.loads
+    monkeypatch.setattr(store_format.json, "loads", lambda s, *a, **k: parsed.append(s) or loads(s, *a, **k))
+    st = embedpipe.open_store(out)
+    assert not any("shard-1.h5" in s and "model_sha256" in s for s in parsed)  # merged_sources is parsed: the pins
+    with st:
+        assert st.mean_vector("UniRef50_000000025").shape == (8,)
+    prov = st.provenance
+    assert [p["path"] for p in prov["shard_provenance"]] == [p.name for p in paths]
+    assert [p["path"] for p in prov["merged_sources"]] == [p.name for p in paths] and prov["model_sha256"] == "0" * 64
+    with h5py.File(out, "r") as f:
+        assert prov == store_format.read_root_attrs(f)

@@ -281,9 +281,18 @@ def write_root_attrs(obj: h5py.HLObject, attrs: Mapping[str, Any]) -> None:
     obj.attrs["json_attrs"] = sorted(json_names)
 
 
-def read_root_attrs(obj: h5py.HLObject) -> dict[str, Any]:
-    """All attributes as plain Python; JSON-encoded ones (``json_attrs``, ``config``) parsed."""
-    out = {key: attr_to_python(obj.attrs[key]) for key in obj.attrs}
+#: root attributes of a merged store that grow with its sources (~1-2 KB each: 16,000 sources
+#: took most of ``open_store``): readers parse them when first asked (docs/benchmarks.md)
+PER_SOURCE_ATTRS = ("shard_provenance", "merged_sources")
+
+
+def read_root_attrs(obj: h5py.HLObject, *, skip: Sequence[str] = (), only: Sequence[str] | None = None) -> dict[str, Any]:
+    """All attributes (except ``skip``; or ``only`` those) as plain Python; JSON-encoded ones
+    (``json_attrs``, ``config``) parsed."""
+    keys = [key for key in obj.attrs if key not in skip and (only is None or key in only)]
+    out = {key: attr_to_python(obj.attrs[key]) for key in keys}
+    if only is not None and "json_attrs" in obj.attrs:
+        out["json_attrs"] = attr_to_python(obj.attrs["json_attrs"])
     json_names = set(out.pop("json_attrs", []) or [])
     json_names.add("config")
     for key in json_names:
