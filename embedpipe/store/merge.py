@@ -71,6 +71,11 @@ from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
 
+#: the writer's options with a chunk cache of 8 MiB per dataset: merge writes each dataset in
+#: order (two 4 MiB chunks suffice), and fills ~10 per-record datasets at once; the writer's
+#: 32 MiB each grew to ~320 MiB of cached chunks at 10M records (docs/benchmarks.md)
+MERGE_WRITE_OPTIONS = {**WRITE_OPTIONS, "rdcc_nbytes": 8 << 20}
+
 #: shard attributes that must be identical for stores to be merged
 MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue", "pooling")
 #: attributes describing one file, never carried over as merged provenance
@@ -409,7 +414,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     shards = [_read_shard(p, out_dir) for p in paths]
     _check_agreement(shards)
     merge = _Merge(shards, Path(manifest) if manifest is not None else None)
-    with atomic_h5(out) as target, target.create(**WRITE_OPTIONS) as f:
+    with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
         merge.write(f, out_dir)
     return MergeSummary(
         out=out,
