@@ -39,13 +39,18 @@ def write_store(path: Path, n: int, dim: int, seed: int = 0) -> None:
         for i in range(n):
             writer.write(i, EmbeddedRecord(id=ids[i], sequence="MKV", precision_used="fp32",
                                            mean={6: vectors[i]}, max_abs_activation=1.0, embedded_length=3))
+    from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+
     aliases = rng.choice(n, size=n // 20, replace=False)
+    pairs = [(f"A{i:08d}", ids[j]) for i, j in enumerate(aliases.tolist())]
     with h5py.File(path, "r+") as f:
         group = f.create_group("aliases")
         group.attrs["encoding-type"], group.attrs["encoding-version"] = "aliases", "1"
-        for name, values in (("id", [f"A{i:08d}" for i in range(len(aliases))]), ("of", [ids[i] for i in aliases])):
+        for name, values in (("id", [a for a, _ in pairs]), ("of", [b for _, b in pairs])):
             ds = group.create_dataset(name, data=np.array([v.encode() for v in values]), fletcher32=True, chunks=True)
             ds.attrs["encoding-type"], ds.attrs["encoding-version"] = "fixed-utf8-array", "1"
+        del f["id_index"]  # the index holds the aliases too (docs/store-format.md, "ID index")
+        write_id_index(f, *index_keys(encode_ids(ids), pairs))
 
 
 _PEAK = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"

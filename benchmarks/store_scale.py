@@ -40,18 +40,20 @@ ROOT = HERE.parent
 AA = np.frombuffer(b"ACDEFGHIKLMNPQRSTVWY", dtype=np.uint8)
 DIM = 8
 LONG = 35_000
+#: chunk size of the synthetic datasets (the writer's target; tests make it smaller)
+CHUNK_BYTES = 4 << 20
 
 
 def _strings(f: h5py.Group, name: str, values: list[bytes]) -> None:
     width = max(1, max((len(v) for v in values), default=1))
-    rows = max(1, min(len(values), 65536, (4 << 20) // width))  # chunks of <= 4 MiB, as the writer makes
+    rows = max(1, min(len(values), 65536, CHUNK_BYTES // width))  # chunks of <= 4 MiB, as the writer makes
     ds = f.create_dataset(name, data=np.array(values, dtype=h5py.string_dtype("utf-8", width)), chunks=(rows,),
                           compression="gzip", fletcher32=True)
     ds.attrs["encoding-type"], ds.attrs["encoding-version"] = "fixed-utf8-array", "1"
 
 
 def _array(f: h5py.Group, name: str, data: np.ndarray, encoding: str = "array") -> None:
-    rows = max(1, min(len(data), (4 << 20) // max(1, data[:1].nbytes)))
+    rows = max(1, min(len(data), CHUNK_BYTES // max(1, data[:1].nbytes)))
     ds = f.create_dataset(name, data=data, chunks=(rows, *data.shape[1:]), fletcher32=True)
     ds.attrs["encoding-type"], ds.attrs["encoding-version"] = encoding, "1"
 

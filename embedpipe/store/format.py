@@ -196,12 +196,14 @@ def poolings_of(f: h5py.File) -> list[str]:
     return [str(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def create_per_residue_group(f: h5py.File, offsets: np.ndarray) -> h5py.Group:
-    """``per_residue/`` with its ``offsets`` (N+1,) written; the caller adds ``layer_{k}``."""
+def create_per_residue_group(f: h5py.File, offsets: np.ndarray | int) -> h5py.Group:
+    """``per_residue/`` with its ``offsets``: (N+1,) written, or that many rows (an int) the
+    caller writes (``merge``, block by block); the caller adds ``layer_{k}``."""
     pr = f.create_group("per_residue")
     tag(pr, RAGGED)
-    create_array_dataset(pr, "offsets", shape=offsets.shape, dtype=np.int64, data=offsets,
-                         rows=chunk_rows(8, len(offsets), target=SMALL_CHUNK_BYTES), compress=True, encoding=OFFSETS)
+    rows = offsets if isinstance(offsets, int) else len(offsets)
+    create_array_dataset(pr, "offsets", shape=(rows,), dtype=np.int64, data=None if isinstance(offsets, int) else offsets,
+                         rows=chunk_rows(8, rows, target=SMALL_CHUNK_BYTES), compress=True, encoding=OFFSETS)
     return pr
 
 
@@ -279,9 +281,18 @@ def write_root_attrs(obj: h5py.HLObject, attrs: Mapping[str, Any]) -> None:
     obj.attrs["json_attrs"] = sorted(json_names)
 
 
-def read_root_attrs(obj: h5py.HLObject) -> dict[str, Any]:
-    """All attributes as plain Python; JSON-encoded ones (``json_attrs``, ``config``) parsed."""
-    out = {key: attr_to_python(obj.attrs[key]) for key in obj.attrs}
+#: root attributes of a merged store that grow with its sources (~1-2 KB each: 16,000 sources
+#: took most of ``open_store``): readers parse them when first asked (docs/benchmarks.md)
+PER_SOURCE_ATTRS = ("shard_provenance", "merged_sources")
+
+
+def read_root_attrs(obj: h5py.HLObject, *, skip: Sequence[str] = (), only: Sequence[str] | None = None) -> dict[str, Any]:
+    """All attributes (except ``skip``; or ``only`` those) as plain Python; JSON-encoded ones
+    (``json_attrs``, ``config``) parsed."""
+    keys = [key for key in obj.attrs if key not in skip and (only is None or key in only)]
+    out = {key: attr_to_python(obj.attrs[key]) for key in keys}
+    if only is not None and "json_attrs" in obj.attrs:
+        out["json_attrs"] = attr_to_python(obj.attrs["json_attrs"])
     json_names = set(out.pop("json_attrs", []) or [])
     json_names.add("config")
     for key in json_names:
@@ -359,8 +370,10 @@ def is_complete(f: h5py.File) -> bool:
     return bool(attr_to_python(f.attrs.get("complete", False)))
 
 
-def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int = READ_BLOCK_BYTES) -> Iterator[slice]:
-    """Row slices covering ``ds`` with about ``block_bytes`` each, aligned to its chunks."""
+def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int | None = None) -> Iterator[slice]:
+    """Row slices covering ``ds`` with about ``block_bytes`` (default READ_BLOCK_BYTES) each,
+    aligned to its chunks."""
+    block_bytes = block_bytes or READ_BLOCK_BYTES
     n = ds.shape[0] if ds.shape else 0
     row_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)) if ds.shape else 1
     rows = max(1, block_bytes // max(1, row_bytes))

@@ -229,7 +229,7 @@ def _compare(f: h5py.File, blocks: Iterator[tuple[np.ndarray, np.ndarray, np.nda
     at, same, fences = 0, True, []
     try:
         for keys, rows, _ in blocks:
-            fences.append(keys[-at % block :: block])
+            fences.append(keys[-at % block :: block].copy())  # a view would keep every block alive
             hi = at + len(keys)
             if same and (hi > keys_ds.shape[0] or not np.array_equal(np.asarray(keys_ds[at:hi]), keys)
                          or not np.array_equal(np.asarray(rows_ds[at:hi]), rows)):

@@ -6,6 +6,8 @@ validate``; see docs/store-format.md ("Checking a store", check 7).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import h5py
 import numpy as np
 
@@ -26,48 +28,80 @@ def mean_tolerance(stored_mean: np.ndarray, abs_mean: np.ndarray, rows: np.ndarr
     return 2.0 * (u_s * (np.abs(stored_mean) + abs_mean) + rows[:, None] * u32 * abs_mean) + atol
 
 
+#: offsets read at a time by the mean check (8 B each): memory independent of N
+OFFSET_ROWS = 1 << 16
+
+
 class MeanCheck:
     """Streams one layer's per-residue rows, in order and in any blocks, and compares each
-    record's mean with its stored ``mean/layer_k`` row. Holds one partial record at a time."""
+    record's mean with its stored ``mean/layer_k`` row. Holds one partial record and the
+    offsets of the records the current block touches (read from ``offsets``, a dataset or an
+    array, as the blocks advance), never all N+1 of them."""
 
-    def __init__(self, mean: h5py.Dataset, offsets: np.ndarray, ids: list[str], layer: int) -> None:
+    def __init__(self, mean: h5py.Dataset, offsets: h5py.Dataset | np.ndarray, ids: Sequence[str] | None,
+                 layer: int) -> None:
         self.mean, self.offsets, self.ids, self.layer = mean, offsets, ids, layer
         self.dtype = np.dtype(mean.dtype)
         dim = int(mean.shape[1])
         self._sum = np.zeros(dim, dtype=np.float64)  # the record left open by the last block
         self._abs = np.zeros(dim, dtype=np.float64)
         self._open: int | None = None
+        self._lo, self._buf = 0, np.asarray(offsets[0:1], dtype=np.int64)  # offsets[_lo : _lo + len(_buf)]
+        self.broken = False  # offsets decrease: the offsets check reports it, nothing to compare
         self.failed = 0
         self.first: str | None = None
 
+    def _window(self, s: int, e: int) -> tuple[int, np.ndarray]:
+        """(lo, offsets[lo:...]) from the record holding row ``s`` through the first offset at or
+        past ``e`` (or the last); offsets before are dropped. Blocks arrive in row order."""
+        end = int(self.offsets.shape[0])
+        k = max(0, int(np.searchsorted(self._buf, s, side="right")) - 1)
+        lo, parts = self._lo + k, [self._buf[k:]]
+        top = lo + len(parts[0])
+        while int(parts[-1][-1]) < e and top < end:
+            try:
+                nxt = np.asarray(self.offsets[top : top + OFFSET_ROWS], dtype=np.int64)
+            except OSError:  # the checksum pass over per_residue/offsets reports it
+                self.broken = True
+                break
+            if nxt[0] < parts[-1][-1] or (np.diff(nxt) < 0).any():
+                self.broken = True
+            parts.append(nxt)
+            top += len(nxt)
+        self._lo, self._buf = lo, parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return lo, self._buf
+
     def feed(self, sl: slice, block: np.ndarray) -> None:
         s, e = sl.start, sl.stop
-        off = self.offsets
+        lo, off = self._window(s, e)
+        if self.broken:
+            return
         r0 = int(np.searchsorted(off[1:], s, side="right"))  # first record ending after s
         r1 = int(np.searchsorted(off[:-1], e, side="left"))  # records starting before e
-        recs = np.arange(r0, r1)
+        local = np.arange(r0, r1)
         starts = np.clip(off[r0:r1], s, e) - s
         ends = np.clip(off[r0 + 1 : r1 + 1], s, e) - s
         keep = ends > starts
-        recs, starts = recs[keep], starts[keep]
-        if not recs.size:
+        local, starts = local[keep], starts[keep]
+        if not local.size:
             return
+        recs = lo + local
         b = block.astype(np.float64)
         sums = np.add.reduceat(b, starts, axis=0)
         abss = np.add.reduceat(np.abs(b), starts, axis=0)
         if self._open == int(recs[0]):
             sums[0] += self._sum
             abss[0] += self._abs
-        done = off[recs + 1] <= e
+        done = off[local + 1] <= e
         if not done[-1]:
             self._open, self._sum, self._abs = int(recs[-1]), sums[-1], abss[-1]
         else:
             self._open = None
         if done.any():
-            self._compare(recs[done], sums[done], abss[done])
+            rows = (off[local + 1] - off[local])[done].astype(np.float64)
+            self._compare(recs[done], rows, sums[done], abss[done])
 
-    def _compare(self, recs: np.ndarray, sums: np.ndarray, abss: np.ndarray) -> None:
-        rows = (self.offsets[recs + 1] - self.offsets[recs]).astype(np.float64)
+    def _compare(self, recs: np.ndarray, rows: np.ndarray, sums: np.ndarray, abss: np.ndarray) -> None:
         try:
             stored = self.mean[int(recs[0]) : int(recs[-1]) + 1][recs - recs[0]].astype(np.float64)
         except OSError:
@@ -88,7 +122,7 @@ class MeanCheck:
 
     def problem(self) -> str | None:
         """One line naming the first failing record, or None."""
-        if self.first is None:
+        if self.first is None or self.broken:
             return None
         more = f"; {self.failed} record(s) in this layer fail" if self.failed > 1 else ""
         return f"{self.first}: pooled vectors and per-residue rows come from different runs or were edited{more}"
@@ -100,20 +134,22 @@ def mean_check_applies(f: h5py.File) -> bool:
     return "per_residue" in f and (STORE_UUID_ATTR in f.attrs or "merged_from" in f.attrs)
 
 
-def mean_checks(f: h5py.File, ids: list[str] | None) -> dict[str, MeanCheck]:
+def mean_checks(f: h5py.File, ids: Sequence[str] | None) -> dict[str, MeanCheck]:
     """per_residue/layer_k -> its mean check, when the check applies and the layout is sound
-    (layout problems are reported by the structural checks; then there is nothing to compare)."""
+    (layout problems are reported by the structural checks; then there is nothing to compare).
+    Reads two offsets here; each check reads the rest as its blocks advance."""
     if not mean_check_applies(f) or ids is None:
         return {}
     pr = f["per_residue"]
     n = len(ids)
     if "offsets" not in pr or pr["offsets"].shape != (n + 1,):
         return {}
+    offsets = pr["offsets"]
     try:
-        offsets = pr["offsets"][:].astype(np.int64)
+        first, total = int(offsets[0]), int(offsets[n])
     except OSError:
         return {}
-    if offsets[0] != 0 or (np.diff(offsets) < 0).any():
+    if first != 0 or total < 0:
         return {}
     checks: dict[str, MeanCheck] = {}
     for k in stored_layers(f):
@@ -121,6 +157,6 @@ def mean_checks(f: h5py.File, ids: list[str] | None) -> dict[str, MeanCheck]:
         if name not in f or mean_name not in f:
             continue
         ds, mean = f[name], f[mean_name]
-        if ds.ndim == 2 and mean.ndim == 2 and ds.shape == (offsets[-1], mean.shape[1]) and mean.shape[0] == n:
+        if ds.ndim == 2 and mean.ndim == 2 and ds.shape == (total, mean.shape[1]) and mean.shape[0] == n:
             checks[name] = MeanCheck(mean, offsets, ids, k)
     return checks

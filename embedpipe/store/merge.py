@@ -71,6 +71,11 @@ from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
 
+#: the writer's options with a chunk cache of 8 MiB per dataset: merge writes each dataset in
+#: order (two 4 MiB chunks suffice), and fills ~10 per-record datasets at once; the writer's
+#: 32 MiB each grew to ~320 MiB of cached chunks at 10M records (docs/benchmarks.md)
+MERGE_WRITE_OPTIONS = {**WRITE_OPTIONS, "rdcc_nbytes": 8 << 20}
+
 #: shard attributes that must be identical for stores to be merged
 MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue", "pooling")
 #: attributes describing one file, never carried over as merged provenance
@@ -281,58 +286,63 @@ class _Merge:
     def write(self, f: h5py.File, work: Path) -> None:
         self.write_ids(f, work)  # first: a duplicate ID or a manifest problem stops the merge early
         write_header(f, self.header())
-        for column in COLUMNS.values():
-            if column.name == "sequence":
-                self.write_sequences(f)
-            elif any(column.name in s.widths for s in self.shards):
-                self.write_column(f, column)
+        self.write_records(f)
         for pooling in self.pooling:
             g = create_pooled_group(f, pooling)
             for k in self.layers:
                 dst = create_array_dataset(g, f"layer_{k}", shape=(self.n, self.dim), dtype=self.storage)
                 for shard, start in zip(self.shards, self.record_rows[:-1]):
-                    _copy_rows(shard.path, f"{pooling}/layer_{k}", dst, int(start), self.storage, check_finite=True)
+                    with h5py.File(shard.path, "r") as src:
+                        _copy_rows(src, shard.path, f"{pooling}/layer_{k}", dst, int(start), self.storage,
+                                   check_finite=True)
                 dst.flush()
         if self.per_residue:
             self.write_per_residue(f)
         mark_complete(f)
 
-    def write_column(self, f: h5py.File, column: Column) -> None:
-        """Copied block by block (checksums verified on read); rows of shards that lack the
-        column get its default."""
-        lacking = any(column.name not in s.widths for s in self.shards)
-        if column.dtype == STR:
-            default_width = len(str(column.default).encode("utf-8")) if lacking else 1
-            width = max([default_width] + [s.widths[column.name] for s in self.shards if column.name in s.widths])
-            dst, cast = create_column(f, column, self.n, width=width), string_dtype(width)
-        else:
-            dst, cast = create_column(f, column, self.n), np.dtype(column.dtype)
-        for shard, start in zip(self.shards, self.record_rows[:-1]):
-            if column.name in shard.widths:
-                _copy_rows(shard.path, column.name, dst, int(start), cast, check_finite=False)
-            elif shard.count:
-                values = column.buffer(shard.count)
-                dst[int(start) : int(start) + shard.count] = encode_strings(values) if column.dtype == STR else values
-        dst.flush()  # a full disk surfaces here, not when ``dst`` is garbage collected
-
-    def write_sequences(self, f: h5py.File) -> None:
-        """Ragged (format 2), copied shard by shard in ~64 MiB blocks: no padding to the longest
-        protein (docs/store-format.md, "Datasets")."""
-        sink = SequenceSink(f, self.n)
-        for shard in self.shards:
+    def write_records(self, f: h5py.File) -> None:
+        """Per-record columns, the sequences and the per-residue offsets in one pass over the
+        shard stores, each opened once for all of them, each copied in blocks: memory
+        independent of N (no whole column, no whole offsets array)."""
+        columns = [c for c in COLUMNS.values() if c.name != "sequence" and any(c.name in s.widths for s in self.shards)]
+        dsts = {c.name: self.create_column(f, c) for c in columns}
+        sequences = SequenceSink(f, self.n)
+        offsets = create_per_residue_group(f, self.n + 1)["offsets"] if self.per_residue else None
+        if offsets is not None:
+            offsets[0:1] = 0
+        for shard, start, base in zip(self.shards, self.record_rows[:-1], self.residue_rows[:-1]):
+            start = int(start)
             with h5py.File(shard.path, "r") as g:
+                for column in columns:
+                    dst, cast = dsts[column.name]
+                    if column.name in shard.widths:
+                        _copy_rows(g, shard.path, column.name, dst, start, cast, check_finite=False)
+                    elif shard.count:
+                        values = column.buffer(shard.count)
+                        dst[start : start + shard.count] = encode_strings(values) if column.dtype == STR else values
                 for _, block in iter_sequence_blocks(g, shard.path):
-                    sink.append(block)
-        sink.close()
+                    sequences.append(block)
+                if offsets is not None:  # one store's offsets at a time (checked when read)
+                    offsets[start + 1 : start + 1 + shard.count] = _shard_offsets(g, shard.path)[1:] + base
+        for dst, _ in dsts.values():
+            dst.flush()  # a full disk surfaces here, not when ``dst`` is garbage collected
+        sequences.close()
+        if offsets is not None:
+            offsets.flush()
+
+    def create_column(self, f: h5py.File, column: Column) -> tuple[h5py.Dataset, Any]:
+        """The merged column and the type its rows are cast to (strings: the widest shard's
+        width, or the default's for shards that lack the column)."""
+        if column.dtype != STR:
+            return create_column(f, column, self.n), np.dtype(column.dtype)
+        lacking = any(column.name not in s.widths for s in self.shards)
+        default_width = len(str(column.default).encode("utf-8")) if lacking else 1
+        width = max([default_width] + [s.widths[column.name] for s in self.shards if column.name in s.widths])
+        return create_column(f, column, self.n, width=width), string_dtype(width)
 
     def write_per_residue(self, f: h5py.File) -> None:
-        """Offsets recomputed over all shards; ``layer_{k}`` virtual over the shards' rows."""
-        pr = create_per_residue_group(f, np.zeros(self.n + 1, dtype=np.int64))
-        for shard, start, base in zip(self.shards, self.record_rows[:-1], self.residue_rows[:-1]):
-            with h5py.File(shard.path, "r") as g:  # one store's offsets at a time (checked when read)
-                off = _shard_offsets(g, shard.path)
-            pr["offsets"][int(start) + 1 : int(start) + 1 + shard.count] = off[1:] + base
-        pr["offsets"].flush()
+        """``layer_{k}`` virtual over the shards' rows (the offsets: :meth:`write_records`)."""
+        pr = f["per_residue"]
         total = int(self.residue_rows[-1])
         for k in self.layers:
             name = f"layer_{k}"
@@ -415,7 +425,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     shards = [_read_shard(p, out_dir) for p in paths]
     _check_agreement(shards)
     merge = _Merge(shards, Path(manifest) if manifest is not None else None)
-    with atomic_h5(out) as target, target.create(**WRITE_OPTIONS) as f:
+    with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
         merge.write(f, out_dir)
     return MergeSummary(
         out=out,
@@ -430,11 +440,12 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     )
 
 
-def _copy_rows(src_path: Path, name: str, dst: h5py.Dataset, start: int, cast: Any, *, check_finite: bool) -> None:
-    with h5py.File(src_path, "r") as g:
-        for sl, block in read_blocks(g[name], name, src_path):
-            if check_finite and not np.isfinite(block).all():
-                raise StoreError(f"{src_path}: dataset {name} holds non-finite values; run embedpipe validate")
-            with contextlib.suppress(AttributeError):
-                block = block.astype(cast, copy=False)
-            dst[start + sl.start : start + sl.stop] = block
+def _copy_rows(g: h5py.File, src_path: Path, name: str, dst: h5py.Dataset, start: int, cast: Any, *,
+               check_finite: bool) -> None:
+    """Dataset ``name`` of the open shard store ``g`` into ``dst`` from row ``start``, in blocks."""
+    for sl, block in read_blocks(g[name], name, src_path):
+        if check_finite and not np.isfinite(block).all():
+            raise StoreError(f"{src_path}: dataset {name} holds non-finite values; run embedpipe validate")
+        with contextlib.suppress(AttributeError):
+            block = block.astype(cast, copy=False)
+        dst[start + sl.start : start + sl.stop] = block

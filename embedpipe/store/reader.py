@@ -39,6 +39,7 @@ from embedpipe.store.format import (
     is_complete,
     open_h5,
     poolings_of,
+    PER_SOURCE_ATTRS,
     read_root_attrs,
     stored_layers,
 )
@@ -83,7 +84,8 @@ class Store:
             if not is_complete(f):
                 raise StoreError(f"{self.path}: incomplete store (the writer did not finish); refusing to read")
             check_encodings(f, self.path)
-            self._provenance = read_root_attrs(f)
+            self._provenance = read_root_attrs(f, skip=PER_SOURCE_ATTRS)  # those parsed when asked for
+            self._deferred = [k for k in PER_SOURCE_ATTRS if k in f.attrs]
             self._check_sources(f)
             self._layers = stored_layers(f)
             self._pooling = poolings_of(f)
@@ -185,6 +187,10 @@ class Store:
     @property
     def provenance(self) -> dict[str, Any]:
         """Root attributes as plain Python (``config`` parsed from JSON)."""
+        if self._deferred:
+            with h5py.File(self.path, "r") as f:
+                self._provenance.update(read_root_attrs(f, only=self._deferred))
+            self._deferred = []
         return dict(self._provenance)
 
     @property

@@ -31,6 +31,8 @@ from embedpipe.store.format import (
 )
 
 NAME = "sequence"
+#: at most this many sequences per block read
+SEQUENCE_ROWS = 1 << 16
 
 
 def _create(f: h5py.Group, n: int, total: int | None) -> tuple[h5py.Dataset, h5py.Dataset]:
@@ -132,8 +134,9 @@ def iter_sequence_blocks(f: h5py.Group, path: Path | str | None = None) -> Itera
     a failed read (checksum mismatch) is one StoreError naming the column and rows."""
     obj = f[NAME]
     n = sequence_count(f) or 0
-    if isinstance(obj, h5py.Dataset):
-        blocks = ((sl.start, sl.stop) for sl in iter_row_blocks(obj))
+    if isinstance(obj, h5py.Dataset):  # at most SEQUENCE_ROWS: short padded values are many Python objects
+        blocks = ((lo, min(sl.stop, lo + SEQUENCE_ROWS)) for sl in iter_row_blocks(obj)
+                  for lo in range(sl.start, sl.stop, SEQUENCE_ROWS))
     else:
         blocks = _ragged_blocks(obj["offsets"], n)
     for lo, hi in blocks:
@@ -146,7 +149,7 @@ def iter_sequence_blocks(f: h5py.Group, path: Path | str | None = None) -> Itera
 
 def _ragged_blocks(offsets: h5py.Dataset, n: int) -> Iterator[tuple[int, int]]:
     """Row ranges of about READ_BLOCK_BYTES of sequence each (offsets read block by block)."""
-    step = 1 << 16
+    step = SEQUENCE_ROWS
     lo = 0
     while lo < n:
         off = offsets[lo : min(n, lo + step) + 1]

@@ -39,6 +39,11 @@ from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
 from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.sources import validate_sources
 
+#: rows of an integer column read at a time (2 MiB of int64): validate's memory independent of N
+COLUMN_ROWS = 1 << 18
+#: IDs decoded at a time (Python strings: ~70 B each)
+ID_ROWS = 1 << 16
+
 
 def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: list[str], *, check_finite: bool,
               check: MeanCheck | None = None) -> None:
@@ -90,7 +95,7 @@ class _Validation:
         self.layers = stored_layers(f)
         self.n = 0
         self.ids: LazyIds | None = None  # read block by block, never held (docs/benchmarks.md)
-        self.embedded: np.ndarray | None = None
+        self.embedded_ok = False  # embedded_length is usable for the offsets check
 
     def label(self, i: int) -> str:
         return repr(self.ids[i] if self.ids else i)
@@ -154,8 +159,8 @@ class _Validation:
                 continue
             ds = self.f[name]
             try:
-                for lo in range(0, ds.shape[0], 1 << 16):
-                    values = decode_strings(ds[lo : lo + (1 << 16)])
+                for lo in range(0, ds.shape[0], ID_ROWS):
+                    values = decode_strings(ds[lo : lo + ID_ROWS])
                     if (bad := bad_id_message(values, f"dataset {name}: id")) is not None:
                         self.problems.append(bad)
                         break
@@ -204,47 +209,70 @@ class _Validation:
             if self.storage in STORAGE_DTYPES and ds.dtype != np.dtype(self.storage):
                 self.problems.append(f"dataset {name} has dtype {ds.dtype}, storage_dtype says {self.storage}")
 
-    def _column(self, name: str, read: Any) -> Any:
-        """``read(dataset)`` of a column with N rows; None when absent, misshapen or unreadable."""
-        if name not in self.f or self.f[name].shape != (self.n,):
-            return None
+    def _usable(self, name: str) -> bool:
+        """A per-record column present with N rows (its shape problem is reported elsewhere)."""
+        return name in self.f and self.f[name].shape == (self.n,)
+
+    def _ints(self, name: str, lo: int, hi: int) -> np.ndarray | None:
+        """Rows ``lo:hi`` of an integer column as int64; None (and one problem) when unreadable."""
         try:
-            return read(self.f[name])
+            return self.f[name][lo:hi].astype(np.int64)
         except OSError as exc:
             self.problems.append(f"dataset {name}: checksum mismatch or read error ({exc})")
             return None
 
     def lengths(self) -> None:
-        """``embedded_length`` within 0..``length``, ``length == len(sequence)``, known ``long_handling``."""
-        lengths = self._column("length", lambda ds: ds[:].astype(np.int64))
-        self.embedded = self._column("embedded_length", lambda ds: ds[:].astype(np.int64))
-        if lengths is not None and self.embedded is not None:
-            emb = self.embedded
-            if (emb < 0).any() or (emb > lengths).any():
-                i = int(np.argmax((emb < 0) | (emb > lengths)))
-                self.problems.append(f"record {self.label(i)}: embedded_length {emb[i]} outside 0..length {lengths[i]}")
-        seq_lengths = self.sequence_lengths() if lengths is not None else None
-        if seq_lengths is not None:
-            if not np.array_equal(seq_lengths, lengths):
-                i = int(np.argmax(seq_lengths != lengths))
-                self.problems.append(f"record {self.label(i)}: length {lengths[i]} != len(sequence) {seq_lengths[i]}")
-        handling = self._column("long_handling", lambda ds: {v for sl in iter_row_blocks(ds) for v in decode_strings(ds[sl])})
-        bad = sorted(set(handling or ()) - set(LONG_HANDLING))
-        if bad:
-            self.problems.append(f"long_handling has unknown value(s) {bad}")
+        """``embedded_length`` within 0..``length``, ``length == len(sequence)``, known
+        ``long_handling``; block by block (memory independent of N)."""
+        use_len, use_emb = self._usable("length"), self._usable("embedded_length")
+        for lo in range(0, self.n if use_len and use_emb else 0, COLUMN_ROWS):
+            hi = min(self.n, lo + COLUMN_ROWS)
+            lengths = self._ints("length", lo, hi) if use_len else None
+            emb = self._ints("embedded_length", lo, hi) if use_emb else None
+            use_len, use_emb = lengths is not None, emb is not None
+            if lengths is None or emb is None:
+                continue
+            if (bad := (emb < 0) | (emb > lengths)).any():
+                i = int(np.argmax(bad))
+                self.problems.append(f"record {self.label(lo + i)}: embedded_length {emb[i]} outside 0..length "
+                                     f"{lengths[i]}")
+                break
+        self.embedded_ok = use_emb and self._usable("embedded_length")
+        if use_len:
+            self.sequence_lengths()
+        handling = self._usable("long_handling") and self._handling()
+        bad_handling = sorted(set(handling or ()) - set(LONG_HANDLING))
+        if bad_handling:
+            self.problems.append(f"long_handling has unknown value(s) {bad_handling}")
 
-    def sequence_lengths(self) -> np.ndarray | None:
-        """Characters of each stored sequence (either layout), read block by block."""
-        if sequence_count(self.f) != self.n or any(d.startswith("sequence") for d in self.untrusted):
+    def _handling(self) -> set[str] | None:
+        """The distinct values, from the stored bytes block by block (decoding every value of a
+        64 MiB block to Python strings cost ~100 B per record)."""
+        ds = self.f["long_handling"]
+        try:
+            return {v for lo in range(0, self.n, COLUMN_ROWS)
+                    for v in decode_strings(np.unique(ds[lo : lo + COLUMN_ROWS]))}
+        except OSError as exc:
+            self.problems.append(f"dataset long_handling: checksum mismatch or read error ({exc})")
             return None
-        out = np.zeros(self.n, dtype=np.int64)
+
+    def sequence_lengths(self) -> None:
+        """``length == len(sequence)`` (characters, either layout), block by block."""
+        if sequence_count(self.f) != self.n or any(d.startswith("sequence") for d in self.untrusted):
+            return
         try:
             for lo, block in iter_sequence_blocks(self.f):
-                out[lo : lo + len(block)] = [len(b.decode("utf-8", "replace")) for b in block]
+                chars = np.array([len(b.decode("utf-8", "replace")) for b in block], dtype=np.int64)
+                lengths = self._ints("length", lo, lo + len(block))
+                if lengths is None:
+                    return
+                if not np.array_equal(chars, lengths):
+                    i = int(np.argmax(chars != lengths))
+                    self.problems.append(f"record {self.label(lo + i)}: length {lengths[i]} != len(sequence) "
+                                         f"{chars[i]}")
+                    return
         except StoreError as exc:
             self.problems.append(str(exc))
-            return None
-        return out
 
     def per_residue(self) -> None:
         on = attr_to_python(self.attrs.get("per_residue", "per_residue" in self.f))
@@ -262,29 +290,46 @@ class _Validation:
             self.problems.append(f"dataset per_residue/offsets has shape {pr['offsets'].shape}, expected ({self.n + 1},)")
         else:
             try:
-                offsets = pr["offsets"][:].astype(np.int64)
+                last = self.offsets(pr["offsets"])
             except OSError as exc:
                 self.problems.append(f"dataset per_residue/offsets: checksum mismatch or read error ({exc})")
                 return
-            self.offsets(offsets, pr, pr_layers)
+            self.residue_shapes(pr, pr_layers, last)
 
-    def offsets(self, offsets: np.ndarray, pr: h5py.Group, pr_layers: list[int]) -> None:
-        """Start at 0, monotonic, steps equal ``embedded_length``, the last is the row count."""
-        if offsets[0] != 0:
-            self.problems.append(f"per_residue/offsets[0] is {offsets[0]}, not 0")
-        steps = np.diff(offsets)
-        if (steps < 0).any():
-            self.problems.append(f"per_residue/offsets not monotonic (first drop after row {int(np.argmax(steps < 0))})")
-        elif self.embedded is not None and not np.array_equal(steps, self.embedded):
-            i = int(np.argmax(steps != self.embedded))
-            self.problems.append(
-                f"record {self.label(i)}: {steps[i]} per-residue rows but embedded_length {self.embedded[i]}"
-            )
+    def offsets(self, ds: h5py.Dataset) -> int:
+        """Start at 0, monotonic, steps equal ``embedded_length``; read in blocks of
+        COLUMN_ROWS (+1 shared with the next). Returns the last offset (the row count)."""
+        first = int(ds[0])
+        if first != 0:
+            self.problems.append(f"per_residue/offsets[0] is {first}, not 0")
+        mismatch: str | None = None  # reported only when the offsets never drop (as one check)
+        prev = first
+        for lo in range(0, self.n, COLUMN_ROWS):
+            hi = min(self.n, lo + COLUMN_ROWS)
+            off = ds[lo : hi + 1].astype(np.int64)
+            steps = np.diff(off)
+            if (steps < 0).any():
+                self.problems.append(f"per_residue/offsets not monotonic (first drop after row {lo + int(np.argmax(steps < 0))})")
+                return int(ds[self.n])
+            prev = int(off[-1])
+            if mismatch is None and self.embedded_ok:
+                emb = self._ints("embedded_length", lo, hi)
+                self.embedded_ok = emb is not None
+                if emb is not None and not np.array_equal(steps, emb):
+                    i = int(np.argmax(steps != emb))
+                    mismatch = (f"record {self.label(lo + i)}: {steps[i]} per-residue rows but embedded_length "
+                                f"{emb[i]}")
+        if mismatch:
+            self.problems.append(mismatch)
+        return prev
+
+    def residue_shapes(self, pr: h5py.Group, pr_layers: list[int], total: int) -> None:
+        """Each ``per_residue/layer_k`` is (offsets[N], D)."""
         for k in pr_layers:
             ds = pr[f"layer_{k}"]
-            if ds.ndim != 2 or ds.shape[0] != offsets[-1] or (self.dim is not None and ds.shape[1] != self.dim):
+            if ds.ndim != 2 or ds.shape[0] != total or (self.dim is not None and ds.shape[1] != self.dim):
                 self.problems.append(
-                    f"dataset per_residue/layer_{k} has shape {ds.shape}, expected ({offsets[-1]}, {self.dim})"
+                    f"dataset per_residue/layer_{k} has shape {ds.shape}, expected ({total}, {self.dim})"
                 )
 
     def aliases_and_skipped(self) -> None:

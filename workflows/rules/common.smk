@@ -209,7 +209,7 @@ def shard_stores(wildcards):
 SHARD_MEM_BASE_MB = 256  # measured: 66 MiB at 0 records (fit over 1M, 3M, 10M)
 SHARD_MEM_BYTES_PER_RECORD = 64  # measured: 55.5 B/record (596 MiB at 10M records)
 MERGE_MEM_BASE_MB = 512
-MERGE_MEM_BYTES_PER_RECORD = 32  # measured (issue 24): 211 MiB at 1M, 264 MiB at 3M records (27 B/record)
+MERGE_MEM_BYTES_PER_RECORD = 8  # measured (issue 24): 202, 265, 281 MiB at 1M, 3M, 10M records (2.4 B/record past 3M)
 FASTA_BYTES_PER_RECORD = 200  # shorter than UniProt's average (~350 B): over-counts records
 GZIP_RATIO = 4  # a gzipped FASTA holds up to ~4x its size
 MANIFEST_BYTES_PER_ROW = 100  # a manifest row is ~100-200 bytes (a 64-hex digest, the source)
