@@ -161,7 +161,7 @@ def test_open_store_opens_no_source_and_checks_a_pin_when_the_source_is_read(tmp
 # the column checks of validate and the offsets of merge, in blocks (issue 24 §2, second half)
 
 #: every block size made small, so that both sizes below are many blocks long
-SMALL_BLOCKS = {"embedpipe.external_sort.CHUNK_BYTES": 1 << 20, "embedpipe.store.format.READ_BLOCK_BYTES": 1 << 20,
+SMALL_BLOCKS = {"embedpipe.core.external_sort.CHUNK_BYTES": 1 << 20, "embedpipe.store.format.READ_BLOCK_BYTES": 1 << 20,
                 "embedpipe.store.sequences.READ_BLOCK_BYTES": 1 << 20, "embedpipe.store.sequences.SEQUENCE_ROWS": 8192,
                 "embedpipe.store.validate.COLUMN_ROWS": 8192, "embedpipe.store.validate.ID_ROWS": 8192,
                 "embedpipe.store.meancheck.OFFSET_ROWS": 8192}
