@@ -49,7 +49,6 @@ from embedpipe.store.format import (
     create_fixed_string_dataset,
     create_per_residue_group,
     create_pooled_group,
-    create_string_dataset,
     decode_strings,
     encode_strings,
     is_complete,

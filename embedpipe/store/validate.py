@@ -22,13 +22,11 @@ from embedpipe.store.format import (
     check_format,
     decode_strings,
     is_complete,
-    iter_row_blocks,
     layer_names,
     open_h5,
     poolings_of,
     read_blocks,
     read_root_attrs,
-    read_strings,
     stored_layers,
 )
 from embedpipe.store.idindex import LazyIds
