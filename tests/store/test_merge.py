@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from helpers.embed_helpers import flip_byte_in_chunk
+from helpers.stores import FROM_RECORDS, write_store
 import embedpipe
 from embedpipe.core.errors import StoreError
-from embedpipe.store import EmbeddedRecord, StoreWriter, merge_stores, store_info, validate_store
+from embedpipe.store import EmbeddedRecord, merge_stores, store_info, validate_store
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 ATTRS = {"model_name": "esm2_t", "model_sha256": "cd" * 32, "precision_policy": "fp16", "device": "cpu",
@@ -42,17 +43,11 @@ def synthetic(prefix: str, n: int, *, start_len: int, dim: int = 8, layers=(1, 2
     return records
 
 
-def write(path: Path, records, *, layers=(1, 2), dim: int = 8, storage_dtype: str = "float32",
-          per_residue: bool = True, attrs=None) -> Path:
-    order = list(range(len(records)))
-    random.Random(3).shuffle(order)
-    with StoreWriter(path, ids=[r.id for r in records], sequences=[r.sequence for r in records],
-                     residue_rows=[len(r.sequence) for r in records] if per_residue else None,
-                     layers=list(layers), dim=dim, storage_dtype=storage_dtype,
-                     attrs={**ATTRS, "config": {"out": str(path), "layers": list(layers)}, **(attrs or {})}) as w:
-        for i in order:
-            w.write(i, records[i])
-    return path
+def write(path: Path, records, *, per_residue: bool = True, attrs=None, **kw) -> Path:
+    """A shard store with the merge tests' provenance; its ``config`` names its own ``out``."""
+    layers = list(kw.get("layers") or records[0].mean)
+    attrs = {**ATTRS, "config": {"out": str(path), "layers": layers}, **(attrs or {})}
+    return write_store(path, records, FROM_RECORDS if per_residue else None, attrs=attrs, **kw)
 
 
 def sha(seq: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.embed_helpers import flip_byte_in_chunk
+from helpers.stores import ATTRS, write_store
 from embedpipe.core.errors import StoreError
 from embedpipe.store import (
     FORMAT,
@@ -74,39 +74,6 @@ def synthetic(n: int, *, dim: int = 4, layers=(0, 2), seed: int = 0, per_residue
         )
         rows.append(emb)
     return records, (rows if per_residue else None)
-
-
-ATTRS = {
-    "model_name": "esm2_test",
-    "model_sha256": "0" * 64,
-    "model_trained": False,
-    "precision_policy": "fp16-mixed",
-    "device": "cpu",
-    "torch_version": "2.x",
-    "fair_esm_version": "2.0.0",
-    "embedpipe_version": "0.1.0",
-    "config": {"tokens_per_batch": 4096, "layers": [-1]},
-}
-
-
-def write_store(path: Path, records, rows, *, layers=(0, 2), dim: int = 4, storage_dtype: str = "float32",
-                attrs=None, shuffle_seed: int = 1) -> Path:
-    order = list(range(len(records)))
-    random.Random(shuffle_seed).shuffle(order)
-    with StoreWriter(
-        path,
-        ids=[r.id for r in records],
-        sequences=[r.sequence for r in records],
-        residue_rows=rows,
-        layers=list(layers),
-        dim=dim,
-        storage_dtype=storage_dtype,
-        attrs=dict(ATTRS if attrs is None else attrs),
-    ) as writer:
-        for i in order:
-            writer.write(i, records[i])
-        writer.set_attrs(fallback_count=sum(1 for r in records if r.fallback_reason))
-    return path
 
 
 @pytest.fixture
@@ -282,7 +249,7 @@ def test_attribute_types_round_trip(tmp_path):
 KILL_SCRIPT = textwrap.dedent(
     """
     import os, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {helpers!r}]
     from test_store import synthetic, ATTRS
     from embedpipe.store import StoreWriter
     records, rows = synthetic(6)
@@ -298,7 +265,8 @@ KILL_SCRIPT = textwrap.dedent(
 
 def test_killed_writer_leaves_only_temp_file(tmp_path):
     out = tmp_path / "k.h5"
-    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), helpers=str(Path(__file__).resolve().parents[1]),
+                                out=str(out))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
@@ -326,7 +294,7 @@ def test_round_trip_property(tmp_path_factory, n, seed, dtype):
 
 
 def test_empty_store(tmp_path):
-    path = write_store(tmp_path / "e.h5", [], [])
+    path = write_store(tmp_path / "e.h5", [], [], layers=(0, 2), dim=4)
     assert validate_store(path) == []
     assert store_info(path)["counts"]["records"] == 0
 

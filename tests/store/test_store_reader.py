@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-import random
 from pathlib import Path
 
 import h5py
@@ -12,9 +11,10 @@ import numpy as np
 import pytest
 
 from helpers.embed_helpers import flip_byte_in_chunk
+from helpers.stores import write_store
 import embedpipe
 from embedpipe.core.errors import StoreError
-from embedpipe.store import EmbeddedRecord, Store, StoreWriter, UnknownIdError
+from embedpipe.store import EmbeddedRecord, Store, UnknownIdError
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
@@ -45,22 +45,14 @@ def synthetic(n: int, *, dim: int = 5, layers=(0, 3), seed: int = 0, per_residue
     return records, (rows if per_residue else None)
 
 
-def write(path: Path, records, rows, *, layers=(0, 3), dim: int = 5, storage_dtype: str = "float32") -> Path:
-    order = list(range(len(records)))
-    random.Random(7).shuffle(order)
-    with StoreWriter(path, ids=[r.id for r in records], sequences=[r.sequence for r in records], residue_rows=rows,
-                     layers=list(layers), dim=dim, storage_dtype=storage_dtype,
-                     attrs={"model_name": "m", "model_sha256": "ab" * 32, "precision_policy": "bf16",
-                            "config": {"storage_dtype": storage_dtype}}) as w:
-        for i in order:
-            w.write(i, records[i])
-    return path
+ATTRS = {"model_name": "m", "model_sha256": "ab" * 32, "precision_policy": "bf16",
+         "config": {"storage_dtype": "float32"}}
 
 
 @pytest.fixture
 def store_path(tmp_path):
     records, rows = synthetic(23)
-    return write(tmp_path / "s.h5", records, rows), records
+    return write_store(tmp_path / "s.h5", records, rows, attrs=ATTRS), records
 
 
 def _sum_in_child(arr, queue):  # module level: picklable for multiprocessing
@@ -160,7 +152,8 @@ def test_records_table(store_path):
 
 def test_float16_reads_float16_or_upcast(tmp_path):
     records, rows = synthetic(6)
-    path = write(tmp_path / "h.h5", records, rows, storage_dtype="float16")
+    path = write_store(tmp_path / "h.h5", records, rows, storage_dtype="float16",
+                       attrs={**ATTRS, "config": {"storage_dtype": "float16"}})
     with embedpipe.open_store(path) as store:
         assert store.dtype == np.float16 and store.mean().dtype == np.float16
         up = store.mean(0, dtype=np.float32).compute()
@@ -173,7 +166,7 @@ def test_float16_reads_float16_or_upcast(tmp_path):
 
 def test_no_per_residue(tmp_path):
     records, rows = synthetic(4, per_residue=False)
-    with embedpipe.open_store(write(tmp_path / "n.h5", records, rows)) as store:
+    with embedpipe.open_store(write_store(tmp_path / "n.h5", records, rows, attrs=ATTRS)) as store:
         assert not store.has_per_residue and store.offsets is None
         with pytest.raises(StoreError, match="no per-residue"):
             store.per_residue("id0_1")

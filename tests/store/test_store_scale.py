@@ -16,9 +16,10 @@ import pytest
 
 import embedpipe
 from embedpipe.core.errors import StoreError
-from embedpipe.store import EmbeddedRecord, StoreWriter, merge_stores, validate_store
+from embedpipe.store import EmbeddedRecord, merge_stores, validate_store
 from embedpipe.store.idindex import BLOCK_ROWS, IdIndex, encode_ids, index_keys, write_id_index
 from embedpipe.store.reader import UnknownIdError
+from helpers.stores import write_store
 
 ROOT = Path(__file__).resolve().parents[2]
 V2 = Path(__file__).resolve().parents[1] / "data" / "store-v2-example.h5"
@@ -34,15 +35,6 @@ def _records(prefix: str, lengths: list[int], dim: int, seed: int) -> list[Embed
                                   precision_used="fp32", mean={1: rows.mean(axis=0)}, per_residue={1: rows},
                                   embedded_length=len(rows), long_handling="truncated" if n > 6 else "none"))
     return out
-
-
-def _write(path: Path, records: list[EmbeddedRecord], dim: int, per_residue: bool = True) -> Path:
-    with StoreWriter(path, ids=[r.id for r in records], sequences=[r.sequence for r in records],
-                     residue_rows=[len(r.per_residue[1]) for r in records] if per_residue else None,
-                     layers=[1], dim=dim, storage_dtype="float32", attrs=ATTRS) as w:
-        for i, r in enumerate(records):
-            w.write(i, r if per_residue else EmbeddedRecord(**{**r.__dict__, "per_residue": None}))
-    return path
 
 
 def test_index_lookup_equals_a_dict_including_aliases_skipped_and_misses(tmp_path):
@@ -64,7 +56,7 @@ def test_index_lookup_equals_a_dict_including_aliases_skipped_and_misses(tmp_pat
 
 def test_store_lookups_ids_sequence_and_misses(tmp_path):
     records = _records("r", [3] * (BLOCK_ROWS + 50), dim=2, seed=1)
-    path = _write(tmp_path / "s.h5", records, 2, per_residue=False)
+    path = write_store(tmp_path / "s.h5", records, None, attrs=ATTRS)
     with embedpipe.open_store(path) as store:
         ids = store.ids
         assert len(ids) == len(records) and ids[0] == "r0" and ids[-1] == records[-1].id
@@ -83,8 +75,8 @@ def test_store_lookups_ids_sequence_and_misses(tmp_path):
 
 def test_ragged_sequences_round_trip_with_a_35000_residue_record(tmp_path):
     records = _records("a", [5, 35_000, 7, 1], dim=3, seed=3)
-    a = _write(tmp_path / "a.h5", records[:2], 3)
-    b = _write(tmp_path / "b.h5", records[2:], 3)
+    a = write_store(tmp_path / "a.h5", records[:2], attrs=ATTRS)
+    b = write_store(tmp_path / "b.h5", records[2:], attrs=ATTRS)
     merged = merge_stores([a, b], out=tmp_path / "m.h5").out
     for path in (a, merged):
         assert validate_store(path) == []
@@ -109,7 +101,7 @@ def _many_shards(tmp_path: Path, count: int) -> tuple[Path, list[EmbeddedRecord]
     paths = []
     for s in range(count):
         recs = _records(f"s{s}_", [2, 4], dim=2, seed=s)
-        paths.append(_write(stores / f"shard-{s:04d}.h5", recs, 2))
+        paths.append(write_store(stores / f"shard-{s:04d}.h5", recs, attrs=ATTRS))
         records += recs
     return merge_stores(paths, out=tmp_path / "m.h5").out, records
 
