@@ -170,9 +170,9 @@ def overflow_records(count: int) -> list[tuple[str, str]]:
 
 def overflow_model(directory: Path, dims: tuple[int, int, int]) -> Path:
     """A random checkpoint whose 'C' embedding row is 7e4: inf in fp16 (max 65504), finite in
-    fp32; edited by the tests' own helper (tests/embed_helpers.py)."""
+    fp32; edited by the tests' own helper (tests/helpers/embed_helpers.py)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from embed_helpers import edit_test_checkpoint
+    from helpers.embed_helpers import edit_test_checkpoint
 
     return edit_test_checkpoint(checkpoint(directory, dims, seed=21), token_row_overrides={"C": 7e4})
 

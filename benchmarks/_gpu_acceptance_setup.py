@@ -1,7 +1,7 @@
 """Inputs and measuring tools of benchmarks/gpu_acceptance.py: shapes, devices, random
 records of a human-like length distribution, random-weight checkpoints, memory and FLOPs.
 
-A module, not a script: tests/test_benchmark_scripts.py runs only the scripts (no leading _).
+A module, not a script: tests/benchmarks/test_benchmark_scripts.py runs only the scripts (no leading _).
 """
 
 from __future__ import annotations

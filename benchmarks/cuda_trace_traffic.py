@@ -1,5 +1,5 @@
 """Bytes each op of a 650M packed forward moves outside the GEMMs and attention, per token per
-layer, traced on a faked GPU (tests/fake_cuda.py: no GPU, no weights), and the MFU ceiling
+layer, traced on a faked GPU (tests/helpers/fake_cuda.py: no GPU, no weights), and the MFU ceiling
 that traffic implies in eager mode (docs/benchmarks.md, "The eager-mode MFU ceiling").
 
 Traffic of an op = bytes of its device inputs plus outputs (views excluded): an upper bound
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fake_cuda import fake_cuda  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime"))
+from helpers.fake_cuda import fake_cuda  # noqa: E402
 from test_cuda_memory import fake_model  # noqa: E402
 
 from embedpipe.core.options import EmbedOptions  # noqa: E402

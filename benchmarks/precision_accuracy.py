@@ -7,7 +7,7 @@ Random-weight checkpoint, random sequences of 700-1022 residues (rotary position
 policy: mean per-residue relative L2 error of the last layer against embedpipe's fp32
 output, and min pooled cosine. The mixed policies keep rotary tables, attention and layer
 norms in fp32 and should sit clearly below the plain casts of the same dtype
-(tests/test_precision.py asserts it on a smaller sample). The mixed policies run twice: with
+(tests/runtime/test_precision.py asserts it on a smaller sample). The mixed policies run twice: with
 fp32 attention inputs (the CPU default) and with ``--attention-inputs compute`` (rotated in
 fp32, then q/k/v cast to the compute dtype: the CUDA default, for tensor-core kernels), with
 residues/s of each run on this machine (docs/precision.md, "Attention inputs").
@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from embed_helpers import random_sequences  # noqa: E402
+from helpers.embed_helpers import random_sequences  # noqa: E402
 
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402

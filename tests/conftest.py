@@ -66,7 +66,7 @@ def session_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def model_factory(session_models_dir: Path) -> Callable[..., Path]:
     """``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides) -> Path``, cached."""
-    from embed_helpers import edit_test_checkpoint
+    from helpers.embed_helpers import edit_test_checkpoint
 
     from embedpipe.model.random_checkpoint import make_test_model
 
@@ -128,7 +128,7 @@ def overflow_model(model_factory):
 
 @pytest.fixture(scope="session")
 def overflow_records():
-    from embed_helpers import random_sequences  # here, not at the top: test_ci_skips copies this file alone
+    from helpers.embed_helpers import random_sequences  # here, not at the top: test_ci_skips copies this file alone
 
     no_c = np.array(list("ADEFGHIKLMNPQRSTVWY"))
     plain = random_sequences(6, (20, 80), seed=8, alphabet=no_c)

@@ -1,7 +1,7 @@
 """Every option default and every allowed value, defined once.
 
 The library validates against these, the CLI takes its defaults and the choices in its help
-from them, and tests/test_schema_matches_library.py checks that the workflow's
+from them, and tests/core/test_schema_matches_library.py checks that the workflow's
 ``workflows/schemas/config.schema.yaml`` says the same. Plain Python only (no torch, numpy or
 h5py): ``embedpipe --help`` imports this module. What each policy computes in
 (torch dtypes) lives in :mod:`embedpipe.runtime.precision`, which builds its policies from

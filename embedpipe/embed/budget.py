@@ -79,7 +79,7 @@ def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Seque
     - pooling: every stored hidden state, plus fp32 copies of those not already fp32 (all of
       them with per-residue output, held until the rows leave the device; one at a time
       otherwise).
-    Checked against a traced forward at the 650M and 3B shapes (tests/test_cuda_memory.py).
+    Checked against a traced forward at the 650M and 3B shapes (tests/runtime/test_cuda_memory.py).
     ``attention_inputs``: resolved ``--attention-inputs`` (``compute`` is CUDA's default)."""
     estimate = loaded.estimate_memory(policy, attention_inputs=attention_inputs)
     hidden = loaded.embed_dim * estimate.hidden_itemsize

@@ -72,7 +72,7 @@ def describe(spec: str) -> ModelFacts:
 
 
 #: forward working memory per token, in units of D bytes, per kind of policy: the live peak of
-#: a traced forward (tests/test_cuda_memory.py: the 650M and 3B shapes on a faked GPU, no
+#: a traced forward (tests/runtime/test_cuda_memory.py: the 650M and 3B shapes on a faked GPU, no
 #: weights), which includes the hidden state of the layer in flight
 ACTIVATION_D_BYTES = {"fp32": 44, "plain": 22, "fp32-islands": 30, "fp32-islands-fp32-attention": 36, "autocast": 28}
 

@@ -3,7 +3,7 @@
 A comma-separated list of importable modules, each defining ``FAMILY`` (a
 :class:`~embedpipe.model.registry.Family`). They are registered the first time a spec is
 looked up, in every process (``embedpipe`` commands, Snakemake's jobs), so a family living in
-its own module (a lab's, or the fake one of tests/fake_family_layout.py) runs through the CLI
+its own module (a lab's, or the fake one of tests/helpers/fake_family_layout.py) runs through the CLI
 and the workflow with no change to embedpipe. Importing such a module should stay torch-free
 (its ``describe`` runs while Snakemake parses the rules).
 """

@@ -7,7 +7,7 @@ a NaN/inf check never sees it, and whether a record is clamped depends on its ba
 Here nothing is clamped: an overflow is inf/NaN (or a residual past 65504 under the mixed
 policies, whose residual stream is fp32), and each record's ``max_abs`` says so.
 
-The computation is transformers' (tests/test_t5.py checks fp32 equality on every layer):
+The computation is transformers' (tests/model/test_t5.py checks fp32 equality on every layer):
 RMS norm with an fp32 variance, no attention scaling, a bidirectional relative-position
 bias computed by block 0 and shared by every layer, softmax in fp32, ``relu`` or gated
 ``gelu_new`` feed-forward. Layer 0 is the embedding, layer N the final norm's output.

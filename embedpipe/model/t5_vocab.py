@@ -10,7 +10,7 @@ through the vocabulary directly (torch-free):
 
 The vocabulary comes from ``tokenizer.json`` (read as JSON) when the directory has one; a
 directory with only ``spiece.model`` is read through transformers' tokenizer (which needs
-sentencepiece: the ``hf`` extra). tests/test_t5.py checks the ids against transformers'.
+sentencepiece: the ``hf`` extra). tests/model/test_t5.py checks the ids against transformers'.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def free_memory(device: torch.device) -> int:
 def host_side() -> Iterator[None]:
     """A block of host-only tensor work inside the launch path: tokens and offsets built on
     the host, results read back from a :class:`HostCopy`. A no-op; it names the boundary
-    between host and device work, which the fake-CUDA trace (tests/fake_cuda.py) runs on
+    between host and device work, which the fake-CUDA trace (tests/helpers/fake_cuda.py) runs on
     real tensors while everything else runs on a faked GPU."""
     yield
 

@@ -1,0 +1,176 @@
+"""The store writer thread (embedpipe.embed.writer_thread, used by `embedpipe embed`).
+
+Every record reaches the writer, in order; a writer failure reaches the caller as the same
+exception and leaves no store; the thread is joined whatever ends the block. No timing: the
+tests only check what was written and that the thread is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from helpers.embed_helpers import random_sequences, write_fasta
+from embedpipe.embed.writer_thread import BackgroundWriter
+from embedpipe.embed.run import embed_fasta
+from embedpipe.model import load_model
+from embedpipe.core.options import EmbedOptions
+from embedpipe.store import StoreWriter
+from embedpipe.embed.engine import Embedder
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "embedpipe-store-writer"]
+
+
+class Failing:
+    """A writer that raises on its ``fail_at``-th call (1-based) and records the calls before."""
+
+    def __init__(self, fail_at: int, exc: BaseException) -> None:
+        self.fail_at, self.exc, self.written = fail_at, exc, []
+
+    def __call__(self, index: int, value: object) -> None:
+        if len(self.written) + 1 == self.fail_at:
+            raise self.exc
+        self.written.append((index, value))
+
+
+def test_every_item_is_written_in_order_through_a_small_queue():
+    written: list[tuple[int, str]] = []
+    with BackgroundWriter(lambda i, v: written.append((i, v)), maxsize=2) as background:
+        for i in range(500):
+            background.put(i, f"record {i}")
+    assert written == [(i, f"record {i}") for i in range(500)]
+    assert not _writer_threads()
+
+
+def test_a_writer_failure_is_raised_in_the_caller_as_the_same_exception_and_stops_writing():
+    failing = Failing(3, ValueError("disk on fire at record 3"))
+    with pytest.raises(ValueError, match="disk on fire at record 3") as info:
+        with BackgroundWriter(failing, maxsize=4) as background:
+            for i in range(200):
+                background.put(i, i)
+    assert info.value is failing.exc
+    assert failing.written == [(0, 0), (1, 1)]  # nothing after the failure
+    assert not _writer_threads()
+
+
+def test_a_failure_on_the_last_item_is_raised_at_the_end():
+    failing = Failing(3, OSError(28, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        with BackgroundWriter(failing) as background:
+            for i in range(3):
+                background.put(i, i)
+    assert len(failing.written) == 2 and not _writer_threads()
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("forward failed"), KeyboardInterrupt()])
+def test_a_failure_in_the_caller_joins_the_thread_and_propagates(exc):
+    written: list[int] = []
+    with pytest.raises(type(exc)):
+        with BackgroundWriter(lambda i, v: written.append(i)) as background:
+            for i in range(10):
+                background.put(i, i)
+            raise exc
+    assert not _writer_threads()
+    assert written == list(range(len(written)))  # a prefix, in order: the rest was dropped
+
+
+def test_a_caller_failure_notes_an_earlier_writer_failure():
+    failing = Failing(1, ValueError("bad record"))
+    with pytest.raises(RuntimeError, match="forward failed") as info:
+        with BackgroundWriter(failing) as background:
+            background.put(0, 0)
+            background._queue.join()  # the writer has taken (and failed on) the item
+            raise RuntimeError("forward failed")
+    assert info.value.__notes__ == ["the store writer had failed too: ValueError: bad record"]
+    assert not _writer_threads()
+
+
+# ------------------------------------------------------------------------------ with a real store
+
+
+def _datasets(path) -> dict[str, np.ndarray]:
+    out = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset) and not name.startswith("id_index"):
+                out[name] = obj[()]
+        f.visititems(visit)
+    return out
+
+
+def test_a_store_written_through_the_thread_equals_one_written_directly(tmp_path, tiny_model_path):
+    loaded = load_model(str(tiny_model_path))
+    records = random_sequences(40, (5, 80), seed=31)
+    options = EmbedOptions(per_residue=True, layers=(0, -1), pooling=("mean", "bos"), tokens_per_batch=200)
+    embedder = Embedder(loaded, options, torch.device("cpu"))
+    plan = embedder.plan(records)
+    results = list(embedder.embed(records, plan))
+
+    def store(path, through_thread: bool):
+        with StoreWriter(path, ids=[r for r, _ in records], sequences=[s for _, s in records],
+                         residue_rows=plan.rows, layers=embedder.layers, dim=loaded.embed_dim,
+                         storage_dtype="float32", attrs={"model_name": "x"}, pooling=embedder.pooling) as writer:
+            if through_thread:
+                with BackgroundWriter(writer.write, maxsize=3) as background:
+                    for index, record in results:
+                        background.put(index, record)
+            else:
+                for index, record in results:
+                    writer.write(index, record)
+
+    store(tmp_path / "direct.h5", False)
+    store(tmp_path / "thread.h5", True)
+    direct, thread = _datasets(tmp_path / "direct.h5"), _datasets(tmp_path / "thread.h5")
+    assert sorted(direct) == sorted(thread) and "per_residue/layer_2" in direct and "bos/layer_0" in direct
+    for name in direct:
+        np.testing.assert_array_equal(direct[name], thread[name], err_msg=name)
+
+
+def test_a_failing_store_write_during_embed_leaves_no_store(tmp_path, tiny_model_path, monkeypatch):
+    records = random_sequences(12, (10, 40), seed=32)
+    fasta = write_fasta(tmp_path / "in.fasta", records)
+    out = tmp_path / "store.h5"
+    real = StoreWriter.write
+    calls = []
+
+    def third_fails(self, index, record):
+        calls.append(index)
+        if len(calls) == 3:
+            raise OSError(28, f"No space left on device (injected at {record.id})")
+        real(self, index, record)
+
+    monkeypatch.setattr(StoreWriter, "write", third_fails)
+    with pytest.raises(OSError, match=r"No space left on device \(injected at rec\d+\)"):
+        embed_fasta(fasta, model=str(tiny_model_path), out=out, options=EmbedOptions(tokens_per_batch=60), quiet=True)
+    assert len(calls) == 3  # nothing written after the failure
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]  # no temp file left
+    assert not _writer_threads()
+
+
+def test_a_failing_forward_during_embed_joins_the_writer_and_leaves_no_store(tmp_path, tiny_model_path, monkeypatch):
+    records = random_sequences(12, (10, 40), seed=33)
+    fasta = write_fasta(tmp_path / "in.fasta", records)
+    out = tmp_path / "store.h5"
+    real = Embedder.embed
+    yielded = []
+
+    def interrupted(self, records, plan=None, *, quiet=True):  # Ctrl-C after 5 records were handed over
+        for item in real(self, records, plan, quiet=quiet):
+            if len(yielded) == 5:
+                raise KeyboardInterrupt
+            yielded.append(item[0])
+            yield item
+
+    monkeypatch.setattr(Embedder, "embed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        embed_fasta(fasta, model=str(tiny_model_path), out=out, options=EmbedOptions(tokens_per_batch=60), quiet=True)
+    assert len(yielded) == 5
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]
+    assert not _writer_threads()

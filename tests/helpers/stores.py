@@ -1,0 +1,54 @@
+"""The one store-writing helper of the store tests: synthetic records into a store.
+
+Each test module keeps its own records and provenance attributes (they are its data); how
+they are written is here. Records are written in a shuffled order (the writer takes any
+order), and the root attribute ``fallback_count`` is set as ``embed`` sets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from embedpipe.store import EmbeddedRecord, StoreWriter
+
+#: the provenance a store gets when a test gives none (what ``embed`` records, made up)
+ATTRS: dict[str, Any] = {
+    "model_name": "esm2_test",
+    "model_sha256": "0" * 64,
+    "model_trained": False,
+    "precision_policy": "fp16-mixed",
+    "device": "cpu",
+    "torch_version": "2.x",
+    "fair_esm_version": "2.0.0",
+    "embedpipe_version": "0.1.0",
+    "config": {"tokens_per_batch": 4096, "layers": [-1]},
+}
+
+#: ``rows`` not given: the per-residue row count of each record (none when it has no rows)
+FROM_RECORDS: Any = object()
+
+
+def write_store(path: Path, records: Sequence[EmbeddedRecord], rows: Sequence[int] | None = FROM_RECORDS, *,
+                attrs: Mapping[str, Any] = ATTRS, layers: Sequence[int] | None = None, dim: int | None = None,
+                storage_dtype: str = "float32", shuffle_seed: int = 1) -> Path:
+    """Write ``records`` to ``path``; ``layers`` and ``dim`` default to the first record's.
+
+    ``rows=None`` writes no per-residue data, whatever the records hold."""
+    layers = list(layers if layers is not None else records[0].mean)
+    dim = dim if dim is not None else len(records[0].mean[layers[0]])
+    if rows is FROM_RECORDS:
+        rows = None if records and records[0].per_residue is None else [len(r.per_residue[layers[0]]) for r in records]
+    order = list(range(len(records)))
+    random.Random(shuffle_seed).shuffle(order)
+    with StoreWriter(path, ids=[r.id for r in records], sequences=[r.sequence for r in records],
+                     residue_rows=rows, layers=layers, dim=dim, storage_dtype=storage_dtype,
+                     attrs=dict(attrs)) as writer:
+        for i in order:
+            record = records[i] if rows is not None else dataclasses.replace(records[i], per_residue=None)
+            writer.write(i, record)
+        writer.set_attrs(fallback_count=sum(1 for r in records if r.fallback_reason))
+    return path

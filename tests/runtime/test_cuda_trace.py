@@ -1,0 +1,171 @@
+"""The CUDA branches of ``Embedder.embed``, executed on a CPU-only torch (issue 20, §1).
+
+Each policy runs the real worker, model preparation, forward, pooling and read-back on a
+faked Hopper GPU (tests/helpers/fake_cuda.py). The model is prepared first (its weights go to the
+device with blocking copies: that is preparation, not the launch path), the trace is cleared,
+then the records are embedded. What the launch path must never do, and what flash's varlen
+kernel needs of its inputs, is asserted in :func:`problems`; the planted defects at the end
+show that the trace catches each of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.fake_cuda import SEAM_NAME, Trace, fake_cuda, is_fake_cuda
+from embedpipe.runtime import cuda as ep_cuda
+from embedpipe.model import load_model
+from embedpipe.core.options import EmbedOptions
+from embedpipe.runtime.precision import FP32
+from embedpipe.embed.engine import Embedder
+
+CUDA = torch.device("cuda", 0)
+LENGTHS = [30, 75, 120, 200, 41, 1500]  # the 1500 one is cut into windows
+
+
+def _records() -> list[tuple[str, str]]:
+    rng = np.random.default_rng(0)
+    amino = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+    return [(f"r{i}", "".join(rng.choice(amino, n))) for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def model_path(model_factory):
+    return model_factory(layers=2, dim=64, heads=4, seed=1)  # head_dim 16: flash's multiple of 8
+
+
+class NanAnswer:
+    """The device's answer: zeros, with NaN as the largest activation of summary row ``row``
+    of the first batch read back (the record's check fails, so it is re-run in fp32)."""
+
+    def __init__(self, row: int | None) -> None:
+        self.row = row
+
+    def __call__(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(shape, dtype=dtype)
+        if self.row is not None and len(shape) == 2:
+            out[self.row, -1] = float("nan")
+            self.row = None
+        return out
+
+
+def trace_embed(model_path, *, nan_row: int | None = None, **options) -> tuple[Embedder, dict, Trace, dict]:
+    """Embed the records on the faked GPU: (embedder, results, trace of the launch path, facts
+    read while the GPU was faked)."""
+    loaded = load_model(str(model_path))
+    options = EmbedOptions(device="cuda", per_residue=True, pooling=("mean", "bos"), layers=(1, -1), **options)
+    with fake_cuda(answer=NanAnswer(nan_row)) as trace:
+        embedder = Embedder(loaded, options, CUDA)
+        embedder.runner(embedder.policy)
+        if nan_row is not None:
+            embedder.runner(FP32)  # the fallback model: preparation too
+        preparation = list(trace.syncs)
+        trace.clear()
+        results = dict(embedder.embed(_records()))
+        facts = {"preparation": preparation, "attention_path": embedder.attention_path, "fallback_device": embedder.fallback_device,
+                 "runner_devices": {name: sorted({str(p.fake_device) if is_fake_cuda(p) else str(p.device)
+                                                  for p in runner.model.parameters()})
+                                    for name, runner in embedder._runners.items()}}
+    return embedder, results, trace, facts
+
+
+def problems(trace: Trace) -> list[str]:
+    """Everything the launch path must not do, as lines (empty: all is well)."""
+    out = [f"host sync: {what} at {where}" for what, where in trace.syncs]
+    out += [f"device-to-host copy outside {SEAM_NAME}'s HostCopy (blocking={b}) at {w}"
+            for _, b, w in trace.d2h_outside_seam()]
+    out += [f"blocking host-to-device copy at {w}" for _, _, w in trace.blocking_h2d()]
+    out += [f"varlen contract: {what} at {where}" for what, where in trace.violations]
+    out += [f"device mismatch: {what} at {where}" for what, where in trace.mismatches]
+    return out
+
+
+CASES = {
+    "bf16-mixed": (dict(precision="bf16-mixed"), "packed-varlen-flash"),
+    "fp16-mixed": (dict(precision="fp16-mixed"), "packed-varlen-flash"),
+    "fp16": (dict(precision="fp16"), "packed-varlen-flash"),
+    "amp-bf16": (dict(precision="amp-bf16"), "packed-varlen-flash"),
+    "fp32": (dict(precision="fp32"), "padded-sdpa"),
+    "fp32-packed": (dict(precision="fp32", batch_layout="packed"), "packed-sdpa-per-sequence"),
+    "bf16-mixed-padded": (dict(precision="bf16-mixed", batch_layout="padded"), "padded-sdpa"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_launch_path_makes_no_sync_and_meets_the_varlen_contract(model_path, case):
+    options, path = CASES[case]
+    embedder, results, trace, facts = trace_embed(model_path, **options)
+    assert facts["attention_path"] == path
+    assert sorted(results) == list(range(len(LENGTHS)))
+    assert problems(trace) == []
+    d2h = [t for t in trace.transfers if t[0] == "D2H"]
+    assert d2h and all(SEAM_NAME in where and not blocking for _, blocking, where in d2h)
+    assert any("synchronize" in e and SEAM_NAME in e for e in trace.events)  # the read-back point waits
+    assert facts["runner_devices"][options["precision"]] == ["cuda:0"]
+    # preparing the runner itself copies nothing from the host (only the weights' move does),
+    # and the largest-activation checks read each hidden state once: no |x| copy on the device
+    assert [s for s in facts["preparation"] if "esm2_forward.py" in s[1]] == []
+    assert "aten.abs.default" not in trace.ops
+    windows = sum(1 for _ in embedder.plan(_records()).batches for _ in _)
+    if path == "packed-varlen-flash":
+        assert len(trace.varlen_calls) == embedder.stats["batches"] * 2  # one per layer
+        assert all(c["offsets"] == torch.int32 and type(c["max_seqlen"]) is int for c in trace.varlen_calls)
+        assert "aten._scaled_dot_product_flash_attention.default" not in trace.ops
+        assert "aten.clone.default" not in trace.ops  # q/k/v passed as strided views: flash needs only stride(-1) == 1
+    else:
+        assert trace.varlen_calls == []
+    assert windows > len(LENGTHS)  # the long record ran as windows through the same path
+
+
+def test_a_record_whose_check_fails_is_rerun_in_fp32_on_the_device(model_path):
+    embedder, results, trace, facts = trace_embed(model_path, precision="fp16", nan_row=1)
+    assert problems(trace) == []
+    assert embedder.stats["fallback"] == 1 and embedder.stats["fallback:nonfinite"] == 1
+    assert facts["fallback_device"] == "cuda:0"
+    assert facts["runner_devices"] == {"fp16": ["cuda:0"], "fp32": ["cuda:0"]}
+    assert sum(1 for r in results.values() if r.precision_used == "fp32") == 1
+    fp32_matmuls = sum(n for (op, dtype), n in trace.matmul_dtypes.items() if dtype == torch.float32)
+    assert fp32_matmuls > 0  # the fp32 re-run computed on the (faked) device
+    assert len(trace.varlen_calls) >= 2  # the fp16 batches still took the varlen kernel
+
+
+# -- planted defects: the trace must catch each -------------------------------------------------
+
+def _plant(monkeypatch, change) -> None:
+    """Wrap the varlen call of the forward (embedpipe.runtime.cuda's seam) with ``change``."""
+    original = ep_cuda.varlen_attention
+
+    def planted(q, k, v, cu_seqlens, max_len):
+        return original(*change(q, k, v, cu_seqlens, max_len))
+
+    monkeypatch.setattr(ep_cuda, "varlen_attention", planted)
+
+
+def _nan_check(q, k, v, cu, m):
+    if bool(torch.isnan(q).any()):  # a host sync inside the forward, once per layer
+        raise RuntimeError("nan")
+    return q, k, v, cu, m
+
+
+def _round_trip(q, k, v, cu, m):
+    return q.cpu().to(q.device), k, v, cu, m  # a device-to-host copy and back inside the forward
+
+
+def _int64_offsets(q, k, v, cu, m):
+    return q, k, v, cu.long(), m
+
+
+@pytest.mark.parametrize("plant, expected, at", [
+    (_nan_check, "host sync: is_nonzero", "esm2_forward.py"),
+    (_round_trip, "device-to-host copy outside", "esm2_forward.py"),
+    (_int64_offsets, "varlen contract: cu_seqlens_q dtype torch.int64", "cuda.py"),
+], ids=["host-sync", "device-to-host-round-trip", "int64-offsets"])
+def test_the_trace_catches_a_planted_defect(model_path, monkeypatch, plant, expected, at):
+    _plant(monkeypatch, plant)
+    *_, trace, _facts = trace_embed(model_path, precision="bf16-mixed")
+    found = problems(trace)
+    caught = [line for line in found if line.startswith(expected)]
+    assert caught, "\n".join(found)
+    assert all(at in line for line in caught), caught  # located where it was planted (the kernel's call for the offsets)
