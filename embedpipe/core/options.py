@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.export import formats as export_formats  # import-light: names, files, modules
 
 # ------------------------------------------------------------------------------ allowed values
 
@@ -60,7 +61,7 @@ FALLBACK_DEVICES = ("auto", "same", "cpu")
 #: (docs/store-format.md, "Pooling")
 POOLINGS = ("mean", "bos")
 #: formats of ``embedpipe export`` and the workflow key ``exports`` (docs/exports.md)
-EXPORT_FORMATS = ("h5-per-id", "parquet", "npy")
+EXPORT_FORMATS = export_formats.NAMES  # defined with their files and modules in export/formats.py
 #: what ``shard`` does with an invalid FASTA record: stop, or list it as skipped in the manifest
 ON_INVALID = ("error", "skip")
 

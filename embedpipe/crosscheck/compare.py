@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe import Store
+from embedpipe.crosscheck.measures import POOLED, RESIDUE
 from embedpipe.crosscheck.metrics import compare_pooled, compare_residues, knn_overlap, top_k_neighbours
 from embedpipe.core.progress import progress_bar
 
@@ -46,10 +47,7 @@ def compare_records(st: Store, sampled: list[dict], fp32: dict[int, Any],
                 "precision_used": s["precision_used"],
                 "fallback_reason": s["fallback_reason"],
                 "long_handling": s["long_handling"],
-                "pooled_cosine": pooled["cosine"],
-                "pooled_max_abs_diff": pooled["max_abs_diff"],
-                "pooled_mean_abs_diff": pooled["mean_abs_diff"],
-                "pooled_rel_l2": pooled["rel_l2"],
+                **{m.key: pooled[m.source] for m in POOLED},
                 "stored_finite": bool(np.all(np.isfinite(stored))),
             }
             if st.has_per_residue and ref.per_residue is not None:
@@ -61,11 +59,10 @@ def compare_records(st: Store, sampled: list[dict], fp32: dict[int, Any],
                         f"record {s['id']!r} layer {layer}: {stored_res.shape[0]} stored residue rows, "
                         f"{ref_res.shape[0]} in the fp32 re-run"
                     )
-                    residues = {"min_cosine": math.nan, "mean_cosine": math.nan, "max_abs_diff": math.nan,
-                                "mean_abs_diff": math.nan, "rel_l2": math.nan}
+                    residues = {m.source: math.nan for m in RESIDUE}
                 else:
                     residues = compare_residues(stored_res, ref_res)
-                rec.update({f"residue_{key}": value for key, value in residues.items()})
+                rec.update({m.key: residues[m.source] for m in RESIDUE})
             records.append(rec)
     return records, problems
 

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from embedpipe.crosscheck.formatting import format_cosine
+from embedpipe.crosscheck.measures import (MEASURES, POOLED_COSINE, POOLED_MAX_ABS_DIFF, POOLED_REL_L2,
+                                           RESIDUE_MIN_COSINE)
 from embedpipe.crosscheck.metrics import aggregate, is_finite_number, wilson_interval
 from embedpipe.crosscheck.downstream import downstream_rules
 from embedpipe.core.options import Thresholds
@@ -36,23 +38,19 @@ def judge(records: list[dict], layers: list[int], bins: list[dict], t: Threshold
 
 def record_status(rec: dict, t: Thresholds, pass_cos: float) -> str:
     """pass, warn or fail for one record and layer (docs/crosscheck.md, "Verdict")."""
-    values = [rec[k] for k in ("pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2")]
-    if "residue_min_cosine" in rec:
-        values += [rec["residue_min_cosine"], rec["residue_max_abs_diff"]]
+    values = [rec[m.key] for m in MEASURES if m.must_be_finite and (m.scope == "pooled" or RESIDUE_MIN_COSINE in rec)]
     if not rec.get("stored_finite", True) or not all(is_finite_number(v) for v in values):
         return "fail"
-    if rec["pooled_cosine"] < t.fail_cosine:
+    if rec[POOLED_COSINE] < t.fail_cosine:
         return "fail"
-    if rec["pooled_cosine"] < pass_cos:
+    if rec[POOLED_COSINE] < pass_cos:
         return "warn"
-    if "residue_min_cosine" in rec and rec["residue_min_cosine"] < t.residue_cosine:
+    if RESIDUE_MIN_COSINE in rec and rec[RESIDUE_MIN_COSINE] < t.residue_cosine:
         return "warn"
     return "pass"
 
 
-_METRICS = ("pooled_cosine", "pooled_max_abs_diff", "pooled_mean_abs_diff", "pooled_rel_l2",
-            "residue_min_cosine", "residue_mean_cosine", "residue_max_abs_diff", "residue_mean_abs_diff",
-            "residue_rel_l2")
+_METRICS = tuple(m.key for m in MEASURES)
 
 
 def _metric_aggregates(recs: list[dict]) -> dict[str, Any]:
@@ -72,7 +70,7 @@ def summarise(records: list[dict], layers: list[int], bins: list[dict], pass_cos
     for layer in layers:
         recs = [r for r in records if r["layer"] == layer]
         n = len(recs)
-        above = sum(1 for r in recs if is_finite_number(r["pooled_cosine"]) and r["pooled_cosine"] >= pass_cos)
+        above = sum(1 for r in recs if is_finite_number(r[POOLED_COSINE]) and r[POOLED_COSINE] >= pass_cos)
         lo, hi = wilson_interval(above, n)
         entry = _metric_aggregates(recs)
         entry["n"] = n
@@ -89,17 +87,17 @@ def summarise(records: list[dict], layers: list[int], bins: list[dict], pass_cos
             in_bin = [r for r in recs if r["length_bin"] == b["bin"]]
             entry["by_length_bin"].append({
                 "bin": b["bin"], "min_length": b["min_length"], "max_length": b["max_length"], "n": len(in_bin),
-                "pooled_cosine": aggregate([r["pooled_cosine"] for r in in_bin]),
-                "pooled_rel_l2": aggregate([r["pooled_rel_l2"] for r in in_bin]),
-                "pooled_max_abs_diff": aggregate([r["pooled_max_abs_diff"] for r in in_bin]),
+                POOLED_COSINE: aggregate([r[POOLED_COSINE] for r in in_bin]),
+                POOLED_REL_L2: aggregate([r[POOLED_REL_L2] for r in in_bin]),
+                POOLED_MAX_ABS_DIFF: aggregate([r[POOLED_MAX_ABS_DIFF] for r in in_bin]),
             })
         entry["by_precision_used"] = {
-            used: aggregate([r["pooled_cosine"] for r in recs if r["precision_used"] == used])
+            used: aggregate([r[POOLED_COSINE] for r in recs if r["precision_used"] == used])
             for used in sorted({r["precision_used"] for r in recs})
         }
         per_layer[str(layer)] = entry
     overall = _metric_aggregates(records)
-    above = sum(1 for r in records if is_finite_number(r["pooled_cosine"]) and r["pooled_cosine"] >= pass_cos)
+    above = sum(1 for r in records if is_finite_number(r[POOLED_COSINE]) and r[POOLED_COSINE] >= pass_cos)
     lo, hi = wilson_interval(above, len(records))
     overall["fraction_above_pass"] = {
         "threshold": pass_cos, "count": above, "n": len(records),
@@ -122,7 +120,7 @@ def decide_verdict(summary: dict, records: list[dict], t: Thresholds, pass_cos: 
     if model_info.get("expected_sha256") and not model_info.get("sha256_matches"):
         fired.append((1, "the reference model is not the store's model (sha256 mismatch, --allow-model-mismatch)"))
     if not fired:
-        per_residue = any("residue_min_cosine" in r for r in records)
+        per_residue = any(RESIDUE_MIN_COSINE in r for r in records)
         return VERDICTS[0], [f"pass: {'; '.join(applied_rules(t, pass_cos, k, per_residue, downstream))}"]
     level = max(new for new, _ in fired)
     return VERDICTS[level], [f"{VERDICTS[new]}: {reason}" for new, reason in fired]
@@ -135,13 +133,13 @@ def _layer_rules(layer: str, entry: dict, recs: list[dict], t: Thresholds, pass_
     nonfinite = [r["id"] for r in recs if r["status"] == "fail" and not _all_finite(r)]
     if nonfinite:
         fired.append((2, f"layer {layer}: non-finite values for {len(nonfinite)} record(s) ({', '.join(nonfinite[:5])})"))
-    cos = entry["pooled_cosine"]
+    cos = entry[POOLED_COSINE]
     if cos["min"] is not None and cos["min"] < pass_cos:
         bound, level = (t.fail_cosine, 2) if cos["min"] < t.fail_cosine else (pass_cos, 1)
-        low = sum(1 for r in recs if is_finite_number(r["pooled_cosine"]) and r["pooled_cosine"] < bound)
+        low = sum(1 for r in recs if is_finite_number(r[POOLED_COSINE]) and r[POOLED_COSINE] < bound)
         fired.append((level, f"layer {layer}: {low} record(s) with pooled cosine below {bound} "
                              f"(min {format_cosine(cos['min'])})"))
-    res = entry.get("residue_min_cosine")
+    res = entry.get(RESIDUE_MIN_COSINE)
     if res and res["min"] is not None and res["min"] < t.residue_cosine:
         fired.append((1, f"layer {layer}: per-residue cosine down to {format_cosine(res['min'])} "
                          f"(below {t.residue_cosine})"))

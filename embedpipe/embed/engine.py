@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
-from embedpipe.runtime import attention as attention_choice
-from embedpipe.runtime import cuda
+from embedpipe.runtime import attention as attention_choice, cuda
 from embedpipe.runtime.cuda import BusyTimer, HostCopy
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model.base import EmbeddingModel, Runner

@@ -1,131 +1,25 @@
 """``embedpipe export``: a store in the layouts downstream tools read (docs/exports.md).
 
-Formats: ``h5-per-id`` (one dataset per input ID: bio_embeddings, ProtT5 embedder,
-protspace, LightAttention, TMbed), ``parquet`` (pandas, polars, DuckDB, Hugging Face
-``datasets``), ``npy`` (a memory-mappable matrix plus IDs: scikit-learn, FAISS). Every input
-ID of the store is exported, aliases resolved; reading is streamed block by block, so memory
-is bounded by a block whatever the store's size, and every output is written atomically.
+* ``formats``: the registry (names, workflow files, modules), import-light
+* ``run``: ``export_store`` (checks, attributes, the stream of blocks to the format's module)
+* ``blocks``: the store as blocks of input IDs; ``keys``: HDF5 names
+* ``h5_per_id``, ``parquet``, ``npy``: one module per format
+
+Names are exported lazily, so the workflow's start-up reads the format list without h5py or
+pyarrow.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
+import importlib
 from typing import Any
 
-import numpy as np
-
-from embedpipe.core.atomic import check_output_path
-from embedpipe.core.output_guard import guard_outputs
-from embedpipe.core.errors import EmbedpipeError
-from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
-from embedpipe.export.h5_per_id import write_h5_per_id
-from embedpipe.export.npy import companions, write_npy
-from embedpipe.export.parquet import write_parquet
-from embedpipe.core.options import EXPORT_FORMATS
-from embedpipe.core.progress import progress_bar
-from embedpipe.store import Store, open_store
-
-FORMATS = EXPORT_FORMATS
-
-
-@dataclass
-class ExportSummary:
-    out: Path
-    format: str
-    layer: int
-    per_residue: bool
-    pooling: str
-    records: int
-    aliases: int
-    skipped: int
-    seconds: float
-
-    def render(self) -> str:
-        what = "per-residue rows" if self.per_residue else f"{self.pooling} vectors"
-        text = (f"exported {self.records + self.aliases} input IDs ({self.records} records, {self.aliases} aliases) "
-                f"as {self.format} -> {self.out}: layer {self.layer} {what} in {self.seconds:.1f} s")
-        if self.skipped:
-            text += f"\n  {self.skipped} input IDs were skipped when sharding and have no vector (see the store's skipped table)"
-        return text
-
-
-def export_attrs(store: Store, fmt: str, layer: int, per_residue: bool, counts: dict[str, int],
-                 pooling: str = "mean") -> dict[str, Any]:
-    """Root attributes / metadata of an export: the store's provenance plus what was exported."""
-    attrs = {k: v for k, v in store.provenance.items() if k not in ("complete", "json_attrs")}
-    attrs.update(
-        export_format=fmt, export_source=str(store.path), export_layer=layer,
-        export_per_residue=per_residue, export_counts=counts,
-    )
-    if not per_residue:
-        attrs["export_pooling"] = pooling
-    return attrs
-
-
-def _check(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -> None:
-    if fmt not in FORMATS:
-        raise EmbedpipeError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    if per_residue and pooling != "mean":
-        raise EmbedpipeError("--pooling chooses a pooled vector; it does not apply with --per-residue")
-    if not per_residue and pooling not in store.pooling:
-        raise EmbedpipeError(f"{store.path}: has no {pooling} vectors (stored: {', '.join(store.pooling)}); "
-                             "BOS vectors need embedpipe embed --pooling bos")
-    if per_residue and not store.has_per_residue:
-        raise EmbedpipeError(f"{store.path}: has no per-residue vectors (embedded without --per-residue)")
-    if Path(out).resolve() == store.path.resolve():
-        raise EmbedpipeError(f"{out}: the export would overwrite the store it reads")
-    extra = [(f"the {role} file", p) for role, p in companions(out, per_residue).items()] if fmt == "npy" else []
-    guard_outputs("export", [("--out", out), *extra], [store.path], stores=[store.path])
-    check_output_path(out)
-    for _, path in extra:
-        check_output_path(path)
-
-
-def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_residue: bool = False,
-                 pooling: str = "mean", quiet: bool = False, block_bytes: int = BLOCK_BYTES) -> ExportSummary:
-    """Export every input ID of the store at ``store_path`` to ``out`` in format ``fmt`` (the
-    ``pooling`` vectors, or per-residue rows), reading about ``block_bytes`` of vectors at a time."""
-    started = time.perf_counter()
-    out = Path(out)
-    with open_store(store_path) as store:
-        _check(store, fmt, out, per_residue, pooling)
-        absolute = store.layer(layer)
-        counts = {"records": len(store), "aliases": len(store.aliases), "skipped": len(store.skipped)}
-        attrs = export_attrs(store, fmt, absolute, per_residue, counts, pooling)
-        blocks = iter_blocks(store, layer=absolute, per_residue=per_residue, pooling=pooling,
-                             block_bytes=block_bytes)
-        with progress_bar(quiet=quiet, total=counts["records"] + counts["aliases"], unit="id",
-                          unit_scale=True, desc=f"export {fmt}") as bar:
-            def advance(block: ExportBlock) -> None:
-                bar.update(len(block.ids))
-
-            _write(fmt, out, store, blocks, attrs, per_residue, advance)
-    return ExportSummary(out, fmt, absolute, per_residue, pooling, counts["records"], counts["aliases"],
-                         counts["skipped"], time.perf_counter() - started)
-
-
-def _write(fmt: str, out: Path, store: Store, blocks: Iterable[ExportBlock], attrs: dict[str, Any],
-           per_residue: bool, advance: Callable[[ExportBlock], None]) -> None:
-    if fmt == "h5-per-id":
-        write_h5_per_id(out, blocks, attrs, advance)
-    elif fmt == "parquet":
-        write_parquet(out, blocks, attrs, dim=store.dim, dtype=store.dtype, per_residue=per_residue, on_block=advance)
-    else:
-        outputs = len(store) + len(store.aliases)
-        rows = _npy_rows(store) if per_residue else outputs
-        write_npy(out, blocks, attrs, rows=rows, dim=store.dim, dtype=store.dtype, per_residue=per_residue,
-                  outputs=outputs, on_block=advance)
-
-
-def _npy_rows(store: Store) -> int:
-    """Per-residue rows of all input IDs: each record's rows, once more for each alias."""
-    offsets = store.offsets
-    lengths = np.diff(offsets)
-    alias_rows = np.fromiter((store.index(of) for of in store.aliases.values()), dtype=np.int64)
-    return int(offsets[-1] + lengths[alias_rows].sum())
-
+_MODULE_OF = {"ExportSummary": "run", "export_store": "run", "export_attrs": "run", "FORMATS": "run"}
 
 __all__ = ["FORMATS", "ExportSummary", "export_store"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'embedpipe.export' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"embedpipe.export.{_MODULE_OF[name]}"), name)

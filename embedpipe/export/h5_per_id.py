@@ -68,3 +68,9 @@ def write_h5_per_id(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str
                 if block.alias_of[j]:
                     writer.attr(d, "alias_of", block.alias_of[j])
             on_block(block)
+
+
+def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,
+           on_block: Callable[[ExportBlock], None]) -> None:
+    """The registry's entry point (``formats.py``)."""
+    write_h5_per_id(out, blocks, attrs, on_block)

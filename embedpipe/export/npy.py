@@ -58,3 +58,20 @@ def write_npy(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any]
         tmp["provenance"].write_text(json.dumps(dict(attrs), indent=1, sort_keys=True, default=str) + "\n",
                                      encoding="utf-8")
         out.unlink(missing_ok=True)
+
+
+def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,
+           on_block: Callable[[ExportBlock], None]) -> None:
+    """The registry's entry point (``formats.py``): one row per input ID, or its residues."""
+    outputs = len(store) + len(store.aliases)
+    rows = _per_residue_rows(store) if per_residue else outputs
+    write_npy(out, blocks, attrs, rows=rows, dim=store.dim, dtype=store.dtype, per_residue=per_residue,
+              outputs=outputs, on_block=on_block)
+
+
+def _per_residue_rows(store: Any) -> int:
+    """Per-residue rows of all input IDs: each record's rows, once more for each alias."""
+    offsets = store.offsets
+    lengths = np.diff(offsets)
+    alias_rows = np.fromiter((store.index(of) for of in store.aliases.values()), dtype=np.int64)
+    return int(offsets[-1] + lengths[alias_rows].sum())

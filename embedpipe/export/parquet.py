@@ -63,3 +63,9 @@ def write_parquet(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, 
             for block in blocks:
                 writer.write_table(_table(block, schema_, dim))
                 on_block(block)
+
+
+def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,
+           on_block: Callable[[ExportBlock], None]) -> None:
+    """The registry's entry point (``formats.py``)."""
+    write_parquet(out, blocks, attrs, dim=store.dim, dtype=store.dtype, per_residue=per_residue, on_block=on_block)

@@ -29,6 +29,7 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.options import POOLINGS, STORAGE_DTYPES
+from embedpipe.store import filters
 
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 2
@@ -125,9 +126,7 @@ def create_fixed_string_dataset(group: h5py.Group, name: str, n: int, width: int
         dtype=dtype,
         chunks=(rows,),
         maxshape=(None,) if n == 0 else None,
-        compression="gzip",
-        compression_opts=4,
-        fletcher32=True,
+        **filters.TEXT,
     )
     tag(ds, STRINGS)
     return ds
@@ -163,9 +162,7 @@ def create_array_dataset(
         dtype=dtype,
         chunks=(rows, *shape[1:]),
         maxshape=(None, *shape[1:]) if shape[0] == 0 else None,
-        compression="gzip" if compress else None,
-        shuffle=compress,
-        fletcher32=True,
+        **filters.numbers(compress),
     )
     if data is not None and shape[0]:
         ds[...] = data

@@ -22,6 +22,7 @@ from h5py import h5s
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.store import filters
 from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, decode_strings, string_dtype, tag
 
 GROUP = "id_index"
@@ -41,8 +42,7 @@ def encode_ids(values: Sequence[str] | np.ndarray) -> np.ndarray:
 
 def _dataset(g: h5py.Group, name: str, data: np.ndarray, encoding: str, compress: bool) -> None:
     ds = g.create_dataset(name, data=data, chunks=(max(1, min(BLOCK_ROWS, len(data))),),
-                          maxshape=(None,) if not len(data) else None, compression="gzip" if compress else None,
-                          shuffle=compress, fletcher32=True)
+                          maxshape=(None,) if not len(data) else None, **filters.numbers(compress))
     tag(ds, encoding)
 
 

@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.external_sort import ExternalSort, group_starts
+from embedpipe.store import filters
 from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, string_dtype, tag
 from embedpipe.store.idindex import BLOCK_ROWS, GROUP
 
@@ -102,7 +103,7 @@ def sorted_index(sort: ExternalSort, stores: Callable[[int], str],
 
 def _resizable(g: h5py.Group, name: str, dtype: np.dtype, encoding: str) -> h5py.Dataset:
     ds = g.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(BLOCK_ROWS,),
-                          compression="gzip", shuffle=True, fletcher32=True)
+                          **filters.NUMBERS)
     tag(ds, encoding)
     return ds
 
@@ -138,8 +139,8 @@ class IndexWriter:
     def close(self) -> None:
         fences = np.concatenate(self.fences) if self.fences else np.zeros(0, self.dtype)
         ds = self.g.create_dataset("fences", data=fences, chunks=(max(1, min(BLOCK_ROWS, len(fences))),),
-                                   maxshape=(None,) if not len(fences) else None, compression="gzip",
-                                   shuffle=True, fletcher32=True)
+                                   maxshape=(None,) if not len(fences) else None,
+                                   **filters.NUMBERS)
         tag(ds, STRINGS)
         self.keys.flush()
         self.rows.flush()

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.store import filters
 from embedpipe.store.checks import check_offsets, check_steps
 from embedpipe.store.format import (
     OFFSETS,
@@ -41,11 +42,11 @@ def _create(f: h5py.Group, n: int, total: int | None) -> tuple[h5py.Dataset, h5p
     tag(g, RAGGED_STRINGS)
     size = 0 if total is None else total
     data = g.create_dataset("data", shape=(size,), dtype=np.uint8, chunks=(chunk_rows(1, max(size, 1 << 20), target=SMALL_CHUNK_BYTES),),
-                            maxshape=(None,), compression="gzip", compression_opts=4, fletcher32=True)
+                            maxshape=(None,), **filters.TEXT)
     tag(data, ARRAY)
     offsets = g.create_dataset("offsets", shape=(n + 1,), dtype=np.int64,
                                chunks=(chunk_rows(8, n + 1, target=SMALL_CHUNK_BYTES),),
-                               compression="gzip", shuffle=True, fletcher32=True)
+                               **filters.NUMBERS)
     tag(offsets, OFFSETS)
     return data, offsets
 

@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the child: the embed forward (or the export's block reader) never ends, then the real CLI
 CHILD = """
 import sys, time
-import embedpipe.embed.engine, embedpipe.export
+import embedpipe.embed.engine, embedpipe.export.run
 def endless(*args, **kwargs):
     while True:
         time.sleep(0.02)
         yield from ()
 embedpipe.embed.engine.Embedder.embed = endless
-embedpipe.export.iter_blocks = endless
+embedpipe.export.run.iter_blocks = endless
 sys.argv = ["embedpipe", *sys.argv[1:]]
 from embedpipe.cli import run
 run()

@@ -146,14 +146,14 @@ def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model
     import contextlib
 
     from helpers.embed_helpers import random_sequences, write_fasta
-    from embedpipe.crosscheck import run as crosscheck
+    from embedpipe.crosscheck import reference
     from embedpipe.crosscheck.run import run_crosscheck
     from embedpipe.embed.run import EmbedOptions, embed_fasta
 
     fasta = write_fasta(tmp_path / "in.fasta", random_sequences(4, (10, 30), seed=3))
     embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "s.h5", options=EmbedOptions(), quiet=True)
     events: list[str] = []
-    real_load = crosscheck.load_model
+    real_load = reference.load_model
 
     @contextlib.contextmanager
     def claim(spec):
@@ -165,7 +165,7 @@ def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model
         events.append("load")
         return real_load(spec)
 
-    monkeypatch.setattr(crosscheck, "claim_device", claim)
-    monkeypatch.setattr(crosscheck, "load_model", load)
+    monkeypatch.setattr(reference, "claim_device", claim)
+    monkeypatch.setattr(reference, "load_model", load)
     run_crosscheck(tmp_path / "s.h5", out=tmp_path / "cc", sample=2, device="cuda", quiet=True)
     assert events == ["claim", "load", "release"]

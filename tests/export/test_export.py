@@ -223,7 +223,7 @@ def test_a_failed_export_leaves_no_file_and_keeps_the_old_one(merged, tmp_path, 
         yield from ()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("embedpipe.export.iter_blocks", broken)
+    monkeypatch.setattr("embedpipe.export.run.iter_blocks", broken)
     with pytest.raises(EmbedpipeError, match="No space left on device"):
         export_store(merged, fmt="npy", out=out, quiet=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temp files left

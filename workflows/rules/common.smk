@@ -18,6 +18,7 @@ from embedpipe import model as embedpipe_model
 from embedpipe.workflow import checks as workflow_checks
 from embedpipe.workflow import config as workflow_config
 from embedpipe.model import fetch as model_fetch
+from embedpipe.export import formats as export_formats
 
 
 def fail(message):
@@ -307,7 +308,8 @@ def crosscheck_options():
 # ---------------------------------------------------------------- targets
 
 
-EXPORT_NAMES = {"h5-per-id": "embeddings.h5", "parquet": "embeddings.parquet", "npy": "embeddings.npy"}
+#: format -> the file the export rule writes, from the registry (embedpipe/export/formats.py)
+EXPORT_NAMES = export_formats.workflow_files()
 
 
 def export_path(fmt):

@@ -14,7 +14,7 @@ rule export:
     params:
         fmt=export_format,
     wildcard_constraints:
-        ext="h5|parquet|npy",
+        ext=export_formats.ext_pattern(),
     resources:
         mem_mb=2048,
         runtime=120,

@@ -17,6 +17,7 @@ from embedpipe.crosscheck.formatting import format_cosine as _cos
 from embedpipe.crosscheck.formatting import format_count
 from embedpipe.crosscheck.formatting import format_number as _num
 from embedpipe.crosscheck.formatting import format_percent as _pct
+from embedpipe.crosscheck import measures
 from embedpipe.crosscheck.report.figures import activation_histogram, cosine_histogram, error_scatter, fold_scores, overlap_bars
 
 __all__ = ["VERDICT_COLOURS", "render_html"]
@@ -96,9 +97,9 @@ def _verdict_section(data: dict) -> str:
     k = data["neighbours"]["k"]
     fb = data["store_figures"]["fallback"]
     cards = [
-        (_cos(overall["pooled_cosine"]["min"]), "min pooled cosine"),
-        (_cos(overall["pooled_cosine"]["median"]), "median pooled cosine"),
-        (_num(overall["pooled_max_abs_diff"]["max"]), "max |difference| (pooled)"),
+        (_cos(overall[measures.POOLED_COSINE]["min"]), "min pooled cosine"),
+        (_cos(overall[measures.POOLED_COSINE]["median"]), "median pooled cosine"),
+        (_num(overall[measures.POOLED_MAX_ABS_DIFF]["max"]), "max |difference| (pooled)"),
         (f"{_pct(frac['fraction'])} [{_pct(frac['ci95'][0])}, {_pct(frac['ci95'][1])}]",
          f"cosine >= {frac['threshold']:g} (95% CI)"),
         (_num(overall["overlap"]["median"]) if k else "n/a", f"median overlap@{k}"),
@@ -129,12 +130,12 @@ def _layer_table(data: dict) -> str:
     rows = []
     for layer in data["store"]["layers"]:
         e = data["summary"]["layers"][str(layer)]
-        c, f = e["pooled_cosine"], e["fraction_above_pass"]
+        c, f = e[measures.POOLED_COSINE], e["fraction_above_pass"]
         row = [_e(layer), _e(e["n"]), _cos(c["min"]), _cos(c["p1"]), _cos(c["p5"]), _cos(c["median"]), _cos(c["max"]),
-               _num(e["pooled_max_abs_diff"]["max"]), _num(e["pooled_rel_l2"]["median"]), _num(e["pooled_rel_l2"]["max"]),
+               _num(e[measures.POOLED_MAX_ABS_DIFF]["max"]), _num(e[measures.POOLED_REL_L2]["median"]), _num(e[measures.POOLED_REL_L2]["max"]),
                _e(f"{f['count']}/{f['n']} [{100 * f['ci95'][0]:.1f}, {100 * f['ci95'][1]:.1f}]%")]
         if per_residue:
-            row += [_cos((e.get("residue_min_cosine") or {}).get("min"))]
+            row += [_cos((e.get(measures.RESIDUE_MIN_COSINE) or {}).get("min"))]
         if k:
             row += [_num(e["overlap"]["median"])]
         s = e["status"]
@@ -151,9 +152,9 @@ def _length_bin_table(data: dict) -> str:
             info = data["length_bins"][b["bin"]]
             close = "]" if info["closed_right"] else ")"
             rows.append([str(layer), f"[{format_count(b['min_length'])}, {format_count(b['max_length'])}{close}", f"{info['records']:,}",
-                         str(b["n"]), _cos(b["pooled_cosine"]["min"]), _cos(b["pooled_cosine"]["median"]),
-                         _num(b["pooled_rel_l2"]["median"]), _num(b["pooled_rel_l2"]["max"]),
-                         _num(b["pooled_max_abs_diff"]["max"])])
+                         str(b["n"]), _cos(b[measures.POOLED_COSINE]["min"]), _cos(b[measures.POOLED_COSINE]["median"]),
+                         _num(b[measures.POOLED_REL_L2]["median"]), _num(b[measures.POOLED_REL_L2]["max"]),
+                         _num(b[measures.POOLED_MAX_ABS_DIFF]["max"])])
     return _table(["layer", "length bin", "records in store", "sampled", "min cos", "median cos", "median rel L2",
                    "max rel L2", "max |diff|"], rows, text_cols=(0, 1))
 
@@ -170,23 +171,19 @@ def _overlap_table(data: dict) -> str:
 
 def _worst_table(data: dict, limit: int = 12) -> str:
     def key(r: dict) -> float:
-        c = r["pooled_cosine"]
+        c = r[measures.POOLED_COSINE]
         return -math.inf if c is None else c
 
     worst = sorted(data["records"], key=lambda r: (key(r), r["row"], r["layer"]))[:limit]
     per_residue = data["store"]["per_residue"]
-    header = ["id", "layer", "length", "precision used", "pooled cos", "max |diff|", "rel L2"]
-    if per_residue:
-        header += ["min residue cos"]
-    header += ["overlap@k", "status"]
+    columns = measures.shown(per_residue)
+    header = ["id", "layer", "length", "precision used", *(m.column for m in columns), "overlap@k", "status"]
     rows = []
     for r in worst:
         row = [_e(r["id"]), _e(r["layer"]), _e(r["length"]),
                _e(r["precision_used"] + (f" ({r['fallback_reason']})" if r.get("fallback_reason") else "")),
-               _cos(r["pooled_cosine"]), _num(r["pooled_max_abs_diff"]), _num(r["pooled_rel_l2"])]
-        if per_residue:
-            row += [_cos(r.get("residue_min_cosine"))]
-        row += [_num(r.get("overlap_at_k")), _status(r["status"])]
+               *((_cos if m.cosine else _num)(r.get(m.key)) for m in columns),
+               _num(r.get("overlap_at_k")), _status(r["status"])]
         rows.append(row)
     return _table(header, rows, text_cols=(0, 3), raw=True)
 

@@ -1,0 +1,52 @@
+"""The export formats, defined once: the ``--format`` name, the workflow's file, the module.
+
+Import-light (no numpy, h5py or pyarrow): ``core/options.py`` takes the names from here, and
+the workflow (``workflows/rules/common.smk``, ``export.smk``) derives its file names and its
+wildcard constraint from it at start-up. A format module is imported only when it is used and
+provides ``export(out, store, blocks, attrs, per_residue, on_block)``, and, when it writes more
+than ``out``, ``companions(out, per_residue) -> {role: path}`` (checked as outputs too).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One format: ``name`` (``--format``, the config key ``exports``), ``file`` (what the
+    workflow writes under ``{outdir}/exports/``) and the ``module`` that writes it."""
+
+    name: str
+    file: str
+    module: str
+
+    @property
+    def ext(self) -> str:
+        """The workflow's ``{ext}`` wildcard: ``file`` after ``embeddings.``."""
+        return self.file.split(".", 1)[1]
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+FORMATS: tuple[ExportFormat, ...] = (
+    ExportFormat("h5-per-id", "embeddings.h5", "embedpipe.export.h5_per_id"),
+    ExportFormat("parquet", "embeddings.parquet", "embedpipe.export.parquet"),
+    ExportFormat("npy", "embeddings.npy", "embedpipe.export.npy"),
+)
+#: the ``--format`` names, in the order the help lists them
+NAMES: tuple[str, ...] = tuple(f.name for f in FORMATS)
+BY_NAME: dict[str, ExportFormat] = {f.name: f for f in FORMATS}
+
+
+def workflow_files() -> dict[str, str]:
+    """Format name -> the file the workflow's export rule writes (``common.smk``)."""
+    return {f.name: f.file for f in FORMATS}
+
+
+def ext_pattern() -> str:
+    """The export rule's wildcard constraint for ``{ext}``: ``h5|parquet|npy``."""
+    return "|".join(f.ext.replace(".", r"\.") for f in FORMATS)
