@@ -305,6 +305,23 @@ def crosscheck_options():
     )
 
 
+def crosscheck_labels():
+    """The label file as an input (a changed file re-runs the cross-check), or none."""
+    labels = config["crosscheck"].get("labels")
+    return [labels] if labels else []
+
+
+def crosscheck_label_options():
+    """--labels and its companions from the `crosscheck` config key ("" without labels)."""
+    cc = config["crosscheck"]
+    if not cc.get("labels"):
+        return ""
+    words = ["--labels", cc["labels"], "--label-kind", cc.get("label_kind", "auto")]
+    if cc.get("ignore_unknown_ids"):
+        words.append("--ignore-unknown-ids")
+    return _join(words)
+
+
 # ---------------------------------------------------------------- targets
 
 

@@ -4,23 +4,6 @@
 # result on those labels is compared too (docs/crosscheck.md, "Downstream: your own labels").
 
 
-def crosscheck_labels():
-    """The label file as an input (a changed file re-runs the cross-check), or none."""
-    labels = config["crosscheck"].get("labels")
-    return [labels] if labels else []
-
-
-def crosscheck_label_options():
-    """--labels and its companions from the `crosscheck` config key ("" without labels)."""
-    cc = config["crosscheck"]
-    if not cc.get("labels"):
-        return ""
-    words = ["--labels", cc["labels"], "--label-kind", cc.get("label_kind", "auto")]
-    if cc.get("ignore_unknown_ids"):
-        words.append("--ignore-unknown-ids")
-    return _join(words)
-
-
 rule crosscheck:
     input:
         store=f"{OUTDIR}/embeddings.h5",
