@@ -69,16 +69,8 @@ def make_test_model(
         token_dropout=token_dropout,
         max_positions=TRAINED_RESIDUES + 2,
     )
-    marker = {
-        "trained": False,
-        "seed": int(seed),
-        "created_by": "embedpipe make-test-model",
-        "embedpipe_version": __version__,
-        "torch_version": str(torch.__version__),
-        "init": "fair-esm default; constant-initialised layer-norm scales and biases randomised",
-    }
     main_state = {KEY_PREFIX + k: v for k, v in state.items() if k not in CONTACT_KEYS}
-    checkpoint = {"model": main_state, "cfg": {"model": cfg}, MARKER_KEY: marker}
+    checkpoint = {"model": main_state, "cfg": {"model": cfg}, MARKER_KEY: _untrained_marker(seed)}
     regression = {"model": {k: v.clone() for k, v in state.items() if k in CONTACT_KEYS}}
     if companion:
         # both written before either is renamed into place: a failure leaves neither behind
@@ -89,6 +81,18 @@ def make_test_model(
         with atomic_paths(out) as (tmp,):
             save(checkpoint, tmp)
     return out
+
+
+def _untrained_marker(seed: int) -> dict[str, object]:
+    """What the checkpoint says of itself: untrained (stores say ``model_trained = false``)."""
+    return {
+        "trained": False,
+        "seed": int(seed),
+        "created_by": "embedpipe make-test-model",
+        "embedpipe_version": __version__,
+        "torch_version": str(torch.__version__),
+        "init": "fair-esm default; constant-initialised layer-norm scales and biases randomised",
+    }
 
 
 def _random_esm2(layers: int, dim: int, heads: int, seed: int, token_dropout: bool) -> ESM2:

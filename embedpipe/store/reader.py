@@ -33,16 +33,8 @@ from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.encoding import check_encodings
-from embedpipe.store.format import (
-    check_format,
-    decode_strings,
-    is_complete,
-    open_h5,
-    poolings_of,
-    PER_SOURCE_ATTRS,
-    read_root_attrs,
-    stored_layers,
-)
+from embedpipe.store.format import (PER_SOURCE_ATTRS, check_format, decode_strings, is_complete, open_h5, poolings_of,
+                                    read_root_attrs, stored_layers)
 from embedpipe.store.idindex import IdIndex, LazyIds
 from embedpipe.store.readio import H5Rows, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
 from embedpipe.store.residues import ShardRows
@@ -408,12 +400,8 @@ class Store:
         row = self._lookup(record_id)
         canonical = self._ids[row]
         f = self._h5
-        out: dict[str, Any] = {
-            "id": record_id,
-            "record_id": canonical,
-            "alias_of": canonical if canonical != record_id else None,
-            "row": row,
-        }
+        out: dict[str, Any] = {"id": record_id, "record_id": canonical,
+                               "alias_of": canonical if canonical != record_id else None, "row": row}
         for name, column in COLUMNS.items():
             if name == "ids":
                 continue
