@@ -30,11 +30,16 @@ INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm")
 
 #: The fastest policy per CPU class, and its measured wall time against fp32 (fp32 time /
 #: its time; docs/precision.md, "Which policy on which CPU"; None where not measured).
+#: amx: 2-vCPU Xeon (AMX, AVX512-BF16/FP16), 35M shape, 200 proteins, median of 3 interleaved
+#: rounds (docs/benchmarks.md, issue 23); avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s);
+#: avx2: the AVX2-only EPYC, where bf16-mixed was 4x slower than fp32 and int8-mixed was not
+#: measured (on the AMX Xeon it was 0.85x fp32: its per-token quantization costs more than
+#: the int8 matmul saves), so fp32 stays the advice there
 FASTEST: dict[str, tuple[str, float | None]] = {
-    "amx": ("bf16-mixed", None),
-    "avx512_bf16": ("bf16-mixed", None),
-    "int8-dot": ("int8-mixed", None),
-    "avx2": ("int8-mixed", None),
+    "amx": ("bf16-mixed", 1.19),
+    "avx512_bf16": ("bf16-mixed", 1.37),
+    "int8-dot": ("fp32", None),
+    "avx2": ("fp32", None),
     "other": ("fp32", None),
 }
 
@@ -130,7 +135,7 @@ def emulation_note(policy: str, dtype: torch.dtype, cpu: CpuFeatures) -> str:
         return ""
     low = "fp16" if dtype == torch.float16 else "bf16"
     best, factor = fastest_policy(cpu)
-    measured = f", {factor:.1f}x fp32's speed as measured" if factor else ""
+    measured = f", {factor:.2f}x fp32's speed as measured" if factor else ""
     return (f"precision {policy!r} on a CPU without native {low} arithmetic (no {' or '.join(NATIVE[dtype][:2])}) "
             f"is emulated and slower than fp32; the fastest policy on this CPU ({cpu.cpu_class}) is "
             f"{best}{measured} (docs/precision.md, \"Which policy on which CPU\")")
