@@ -5,7 +5,7 @@ This module is itself a (fake) model family: it defines ``load`` and ``inspect``
 family's module must, and a deterministic toy model implementing ``EmbeddingModel``. The
 worker, the store writer and ``embed_fasta`` run it end to end without knowing about it. Its
 token layout has no special tokens at all (the worker follows the declared layout, so the
-family need not copy ESM-2's BOS and EOS); tests/test_token_layout.py takes a family with
+family need not copy ESM-2's BOS and EOS); tests/model/test_token_layout.py takes a family with
 another layout through shard, workflow and CLI.
 """
 
