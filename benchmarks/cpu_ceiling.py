@@ -44,7 +44,7 @@ def main() -> None:
     from embedpipe.embed.engine import EmbedOptions, Embedder
     from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
-    from embedpipe.model.packed_linear import pack_linear
+    from embedpipe.runtime.packed_linear import pack_linear
 
     torch.set_num_threads(args.threads)
     model_path = bench_model(args)

@@ -131,7 +131,7 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) 
     import torch
     import torch.nn.functional as F
 
-    from embedpipe.model.packed_linear import pack_linear
+    from embedpipe.runtime.packed_linear import pack_linear
 
     torch.set_num_threads(threads)
     if dtype_name == "int8":  # embedpipe's int8 matmul (int8-mixed), quantization excluded

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.runtime.int8_linear import Int8Linear
-from embedpipe.model.packed_linear import pack_linear
+from embedpipe.runtime.packed_linear import pack_linear
 
 
 def engines(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,

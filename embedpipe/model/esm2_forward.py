@@ -139,7 +139,7 @@ class EsmForward:
     def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True,
                  attention_inputs: str = "fp32") -> None:
         """``prepack``: on CPU, run the projections and FFN with weights the policy prepares once
-        (:meth:`Policy.pack`: oneDNN-prepacked, see :mod:`embedpipe.model.packed_linear`); ignored
+        (:meth:`Policy.pack`: oneDNN-prepacked, see :mod:`embedpipe.runtime.packed_linear`); ignored
         elsewhere and where the policy does not pack (autocast).
         ``attention_inputs``: under the fp32-island policies, ``fp32`` attends with fp32 q/k/v,
         ``compute`` casts them (after the fp32 rotation) to the policy's compute dtype."""

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from embedpipe.runtime import cpu_features
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.model.packed_linear import pack_linear
+from embedpipe.runtime.packed_linear import pack_linear
 from embedpipe.core.options import POLICY_KINDS
 
 #: Native arithmetic on CUDA, by compute capability. bfloat16 starts with Ampere (8.0):

@@ -1,4 +1,4 @@
-"""embedpipe.model.packed_linear: oneDNN-prepacked projections equal F.linear; anything odd falls back."""
+"""embedpipe.runtime.packed_linear: oneDNN-prepacked projections equal F.linear; anything odd falls back."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from embedpipe.model import packed_linear
+from embedpipe.runtime import packed_linear
 from embedpipe.model.esm2 import prepare_model
 from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.core.host_memory import keep_freed_memory
-from embedpipe.model.packed_linear import pack_linear
+from embedpipe.runtime.packed_linear import pack_linear
 from embedpipe.runtime.precision import forward_context, get_policy
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
