@@ -3,7 +3,8 @@
 Each runs in its own child process (``family_throughput.py --run-recipe FAMILY MODEL FASTA OUT``)
 and writes what ProtTrans' ``prott5_embedder.py --per_protein 1`` writes: one HDF5 file with
 one dataset per sequence id holding its mean embedding (fp32), plus the attribute
-``padding_efficiency`` (real tokens / computed tokens).
+``padding_efficiency`` (real tokens / computed tokens) and ``attention`` (transformers' attention
+implementation: its default, ``sdpa``, for T5 and ESM alike in transformers 5).
 
 * **prot-t5**: ``prott5_embedder.py``'s logic. ``T5EncoderModel`` and ``T5Tokenizer``
   (``do_lower_case=False``; transformers' tokenizers-backed class reads ``tokenizer.json``),
@@ -65,7 +66,10 @@ def load(family: str, model_dir: Path):
     """(model, tokenizer) as the family's recipe loads them: fp32, eval mode."""
     import torch
     from transformers import AutoTokenizer, EsmModel, T5EncoderModel, T5Tokenizer
+    from transformers.utils import logging
 
+    logging.set_verbosity_error()  # EsmForMaskedLM -> EsmModel lists the unused lm_head
+    logging.disable_progress_bar()
     if family == "hf-esm":
         model = EsmModel.from_pretrained(str(model_dir), add_pooling_layer=False)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -111,6 +115,7 @@ def run_recipe(family: str, model_dir: Path, fasta: Path, out: Path, threads: in
         for sid, mean in means.items():
             f.create_dataset(sid, data=mean)
         f.attrs["padding_efficiency"] = real / computed
+        f.attrs["attention"] = str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
 def read_recipe(path: Path) -> dict:

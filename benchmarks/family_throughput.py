@@ -16,8 +16,8 @@ table shows the median seconds, residues/s, the ratio to the family's recipe (an
 padding efficiency, peak RSS and the pooled cosine of each system's means to the recipe's.
 
 Models are random-weight directories (``make-test-model --family``), scaled down from the real
-shapes so a run fits a 2-core machine: see SHAPES. Input: the first ``--max-records``
-records of ``--fasta``, each cut to ``--max-length`` residues.
+shapes so a run fits a 2-core machine: see SHAPES. Input: ``--max-records`` records
+evenly spaced through ``--fasta`` (its length distribution), each cut to ``--max-length``.
 
     python benchmarks/family_throughput.py                 # about 10 minutes on 2 busy cores
     python benchmarks/family_throughput.py --quick         # tiny shapes, seconds of work: a smoke run
@@ -62,7 +62,9 @@ POLICIES = ("fp32", "bf16-mixed", "bf16")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fasta", type=Path, default=ROOT / "examples" / "swissprot100.fasta")
-    parser.add_argument("--max-records", type=int, default=100, help="first N records (default 100)")
+    parser.add_argument("--max-records", type=int, default=34,
+                        help="N records evenly spaced through --fasta, so their lengths follow the file's "
+                             "(default 34: every third of the bundled 100, median length 338 against 344)")
     parser.add_argument("--max-length", type=int, default=512,
                         help="cut each record to N residues (default 512; at most 1000, so no system windows)")
     parser.add_argument("--families", nargs="+", choices=recipes.FAMILIES, default=list(recipes.FAMILIES))
@@ -83,8 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write_input(args: argparse.Namespace) -> tuple[Path, list[int]]:
-    """The benchmark's input FASTA (first records, cut to --max-length) and its lengths."""
-    records = list(recipes.read_fasta(args.fasta).items())[: args.max_records]
+    """The benchmark's input FASTA (records evenly spaced, cut to --max-length) and its lengths."""
+    records = list(recipes.read_fasta(args.fasta).items())
+    if args.max_records < len(records):
+        records = [records[i] for i in np.linspace(0, len(records) - 1, args.max_records).round().astype(int)]
     path = args.out_dir / "input.fasta"
     path.write_text("".join(f">{rid}\n{seq[: args.max_length]}\n" for rid, seq in records))
     return path, [min(len(seq), args.max_length) for _, seq in records]
@@ -147,13 +151,14 @@ def means_of(system: str, target: Path, layer: int) -> dict[str, np.ndarray]:
     return read_means("fair-esm" if system == "fair-esm" else "fp32", target, layer)
 
 
-def padding_of(system: str, target: Path) -> float:
+def stats_of(system: str, target: Path) -> tuple[float, str]:
+    """(padding efficiency, attention): the recipe's attrs, fair-esm's _stats.json, a store's attrs."""
     if system == "fair-esm":
-        return float(json.loads((target / "_stats.json").read_text())["padding_efficiency"])
+        return float(json.loads((target / "_stats.json").read_text())["padding_efficiency"]), "fair-esm"
     import h5py
 
     with h5py.File(target, "r") as f:
-        return float(f.attrs.get("padding_efficiency", float("nan")))
+        return float(f.attrs.get("padding_efficiency", float("nan"))), str(f.attrs.get("attention", "-"))
 
 
 def cosines(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[float]:
@@ -173,10 +178,11 @@ def family_rows(family: str, systems: dict, walls: dict, rss: dict, residues: in
     for system, (_, target) in systems.items():
         cos = cosines(means_of(system, target, layer), reference)
         seconds = float(np.median(walls[system]))
+        padding, attention = stats_of(system, target)
         rows.append({"family": family, "system": system, "seconds": seconds, "all_seconds": walls[system],
                      "residues_per_s": residues / seconds, "ratio": float(np.median(recipe_walls)) / seconds,
                      "round_ratios": [r / s for r, s in zip(recipe_walls, walls[system])],
-                     "padding_efficiency": padding_of(system, target), "peak_rss_mib": rss[system],
+                     "padding_efficiency": padding, "attention": attention, "peak_rss_mib": rss[system],
                      "min_cosine": min(cos), "median_cosine": float(np.median(cos)), "records": len(cos)})
     return rows
 
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
-    print(f"\ninput: {fasta} ({len(lengths)} records of {args.fasta.name}, cut to {args.max_length} residues: "
+    print(f"\ninput: {fasta} ({len(lengths)} records evenly spaced through {args.fasta.name}, cut to {args.max_length} residues: "
           f"{sum(lengths)} residues, median length {int(np.median(lengths))}); threads {args.threads}; "
           f"median of {args.rounds} interleaved round(s); torch {torch.__version__}, transformers {transformers.__version__}")
     print(machine)
@@ -240,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         family_rows_ = family_rows(family, systems, walls, rss, sum(lengths), shapes[family]["layers"])
         print_family(family_rows_)
         rows += family_rows_
+    print("\nrecipes' attention (transformers' attn_implementation): "
+          + ", ".join(f"{r['family']} {r['attention']}" for r in rows if r["system"].endswith(" recipe")))
     if args.rounds > 1:
         print("\nper round, recipe seconds / system seconds (same round):")
         for r in rows:
