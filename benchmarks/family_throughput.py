@@ -141,7 +141,8 @@ def family_systems(args: argparse.Namespace, family: str, models: dict[str, Path
             embedpipe_command(models["fair-esm"], fasta, pt_store, "fp32", args.threads), pt_store)
     for policy in args.policies:
         target = out / f"{family}-embedpipe-{policy}.h5"
-        systems[f"{family} embedpipe {policy}"] = (embedpipe_command(model, fasta, target, policy, args.threads), target)
+        command = embedpipe_command(model, fasta, target, policy, args.threads)
+        systems[f"{family} embedpipe {policy}"] = (command, target)
     return systems
 
 
@@ -233,9 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
-    print(f"\ninput: {fasta} ({len(lengths)} records evenly spaced through {args.fasta.name}, cut to {args.max_length} residues: "
-          f"{sum(lengths)} residues, median length {int(np.median(lengths))}); threads {args.threads}; "
-          f"median of {args.rounds} interleaved round(s); torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"\ninput: {fasta} ({len(lengths)} records evenly spaced through {args.fasta.name}, cut to "
+          f"{args.max_length} residues: {sum(lengths)} residues, median length {int(np.median(lengths))}); "
+          f"threads {args.threads}; median of {args.rounds} interleaved round(s); torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
     print(machine)
     print("shapes (random weights): " + "; ".join(f"{f} {shapes[f]}" for f in args.families))
     print("\n| family | system | seconds | residues/s | x recipe | padding eff. | peak RSS MiB | "

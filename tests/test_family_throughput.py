@@ -59,3 +59,21 @@ def test_quick_run_agrees_with_the_recipes(tmp_path: Path) -> None:
         assert row["residues_per_s"] > 0
     assert "| prot-t5 | embedpipe fp32 |" in proc.stdout
     assert "fastest embedpipe policy here: **fp32**" in proc.stdout
+
+
+def test_a_t5_test_model_takes_the_real_models_proportions(tmp_path: Path) -> None:
+    """make_hf_test_model(d_kv=, d_ff=): the benchmark's scaled-down ProtT5 keeps ProtT5-XL's
+    d_kv 128 and d_ff 16 x d_model; config.json and the weights agree, and embedpipe loads it."""
+    from safetensors.torch import load_file
+
+    from embedpipe.model import load_model
+    from embedpipe.model.random_hf import make_hf_test_model
+
+    out = make_hf_test_model(tmp_path / "t5", family="prot-t5", layers=1, dim=16, heads=2, d_kv=24, d_ff=256)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["d_kv"], config["d_ff"]) == (24, 256)
+    weights = load_file(str(out / "model.safetensors"))
+    assert tuple(weights["encoder.block.0.layer.0.SelfAttention.q.weight"].shape) == (48, 16)
+    assert tuple(weights["encoder.block.0.layer.1.DenseReluDense.wi.weight"].shape) == (256, 16)
+    shape = load_model(str(out)).shape
+    assert (shape.d_kv, shape.d_ff, shape.num_heads) == (24, 256, 2)
