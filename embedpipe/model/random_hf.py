@@ -116,10 +116,12 @@ def t5_tokenizer_files(family: str) -> tuple[dict[str, Any], int]:
                                       **specials}}, len(vocab)
 
 
-def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: int) -> dict[str, torch.Tensor]:
-    """T5EncoderModel weights drawn as T5's init scales them (norm scales around 1), in ``seed``."""
+def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: int, *,
+              d_kv: int | None = None, d_ff: int | None = None) -> dict[str, torch.Tensor]:
+    """T5EncoderModel weights drawn as T5's init scales them (norm scales around 1), in ``seed``;
+    ``d_kv`` defaults to dim / heads and ``d_ff`` to 2 x dim (small test models)."""
     gen = torch.Generator().manual_seed(seed)
-    d_kv, d_ff = dim // heads, 2 * dim
+    d_kv, d_ff = d_kv or dim // heads, d_ff or 2 * dim
 
     def draw(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return mean + std * torch.randn(*shape, generator=gen)
@@ -142,8 +144,11 @@ def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: 
 
 
 def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32, heads: int = 4,
-                       seed: int = 0) -> Path:
-    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, ankh or hf-esm)."""
+                       seed: int = 0, d_kv: int | None = None, d_ff: int | None = None) -> Path:
+    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, ankh or hf-esm).
+
+    ``d_kv`` and ``d_ff`` (T5 only; default dim / heads and 2 x dim) let benchmarks give a
+    scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
     if family not in HF_FAMILIES:
         raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, {', '.join(HF_FAMILIES)}")
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
@@ -153,11 +158,13 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
         fair = _random_esm2(layers, dim, heads, seed, True).state_dict()
         return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed))
     tokenizer, vocab = t5_tokenizer_files(family)
+    d_kv, d_ff = d_kv or dim // heads, d_ff or 2 * dim
     gated = family == "ankh"  # Ankh is T5 v1.1-style (gated-gelu); ProtT5-XL uses relu
     config = {"model_type": "t5", "architectures": ["T5EncoderModel"], "vocab_size": vocab, "d_model": dim,
-              "d_kv": dim // heads, "d_ff": 2 * dim, "num_layers": layers, "num_heads": heads,
+              "d_kv": d_kv, "d_ff": d_ff, "num_layers": layers, "num_heads": heads,
               "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
               "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6, "feed_forward_proj": "gated-gelu" if gated else "relu",
               "is_encoder_decoder": False, "use_cache": False, "pad_token_id": 0, "eos_token_id": 1,
               "decoder_start_token_id": 0, MARKER_KEY: marker(family, seed)}
-    return write_directory(out, {"config.json": config, **tokenizer}, random_t5(layers, dim, heads, vocab, gated, seed))
+    weights = random_t5(layers, dim, heads, vocab, gated, seed, d_kv=d_kv, d_ff=d_ff)
+    return write_directory(out, {"config.json": config, **tokenizer}, weights)
