@@ -17,7 +17,8 @@ import torch
 from _gpu_acceptance_setup import checkpoint, random_records, release
 
 from embedpipe.core.options import POLICY_NAMES, EmbedOptions
-from embedpipe.runtime.precision import true_fp32_matmuls
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.runtime.precision import get_policy, true_fp32_matmuls
 from embedpipe.embed.engine import Embedder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,11 +124,23 @@ def invariance_picks(records: list[tuple[str, str]]) -> list[int]:
     return list(dict.fromkeys(picks))[:INVARIANCE_RECORDS]
 
 
+def runnable_policies(device: torch.device) -> list[str]:
+    """The policies ``device`` runs (``int8-mixed`` is CPU-only: refused on CUDA), fp32 first."""
+    names = []
+    for name in POLICY_NAMES:
+        try:
+            get_policy(name).check_device(device)
+        except EmbedpipeError:
+            continue
+        names.append(name)
+    return names
+
+
 def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.device) -> dict:
     """Every policy on the same records: finite, cosine to fp32, and batch invariance (a record
     alone vs inside the full batch, same Embedder)."""
     last, section, reference = loaded.num_layers, {}, None
-    for policy in POLICY_NAMES:
+    for policy in runnable_policies(device):
         embedder = Embedder(loaded, EmbedOptions(precision=policy, device=str(device)), device)
         full = dict(embedder.embed(records))
         if policy == "fp32":  # first in POLICY_NAMES: the reference of the others

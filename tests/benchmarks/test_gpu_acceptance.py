@@ -36,7 +36,8 @@ LAYOUT = {"asked", "batch_layout", "attention_path", "attention_inputs", "tokens
           "max_abs_diff_mean_vs_fair_esm", "max_abs_diff_per_residue_vs_fair_esm", "within_tolerance"}
 POLICY = {"batch_layout", "attention_path", "attention_inputs", "tokens_per_batch", "finite", "fallback",
           "min_cosine_to_fp32", "batch_invariance"}
-POLICIES = {"fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed"}
+# every policy runs in the CPU smoke run; on CUDA the script leaves out the CPU-only int8-mixed
+POLICIES = {"fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "fp16-mixed", "bf16-mixed", "int8-mixed"}
 SYSTEMS = {"fair-esm-fp32", "fair-esm-fp16", "hf-sdpa-bf16", "embedpipe-fp32", "embedpipe-bf16",
            "embedpipe-bf16-mixed", "embedpipe-bf16-mixed-padded", "embedpipe-bf16-mixed-fp32-attention",
            "embedpipe-fp16-mixed", "embedpipe-bf16-mixed-compiled"}
@@ -332,3 +333,16 @@ def test_each_layout_ran_as_asked(results):
     # On the CPU a packed batch runs the per-sequence SDPA stand-in: it must report "packed".
     assert correctness["packed"]["batch_layout"] == "packed"
     assert results["speed"]["650M"]["systems"]["embedpipe-bf16-mixed"]["batch_layout"] == "packed"
+
+
+def test_the_cuda_run_leaves_out_cpu_only_policies(monkeypatch):
+    """On CUDA the correctness section covers only policies the device runs (int8-mixed is refused)."""
+    import torch
+
+    correctness = _module("_gpu_acceptance_correctness")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    on_cuda = correctness.runnable_policies(torch.device("cuda"))
+    assert "int8-mixed" not in on_cuda and on_cuda[0] == "fp32"
+    assert set(on_cuda) | {"int8-mixed"} == POLICIES
+    assert set(correctness.runnable_policies(torch.device("cpu"))) == POLICIES
+
