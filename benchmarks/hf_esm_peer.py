@@ -44,16 +44,8 @@ def _hf_state_dict(fair: dict[str, "torch.Tensor"], num_layers: int) -> dict[str
         "encoder.emb_layer_norm_after.weight": fair["emb_layer_norm_after.weight"],
         "encoder.emb_layer_norm_after.bias": fair["emb_layer_norm_after.bias"],
     }
-    per_layer = {
-        "self_attn.q_proj": "attention.self.query",
-        "self_attn.k_proj": "attention.self.key",
-        "self_attn.v_proj": "attention.self.value",
-        "self_attn.out_proj": "attention.output.dense",
-        "self_attn_layer_norm": "attention.LayerNorm",
-        "fc1": "intermediate.dense",
-        "fc2": "output.dense",
-        "final_layer_norm": "LayerNorm",
-    }
+    from embedpipe.model.hf_esm import PER_LAYER as per_layer  # the one fair-esm -> EsmModel name map
+
     for i in range(num_layers):
         for src, dst in per_layer.items():
             for kind in ("weight", "bias"):
