@@ -312,7 +312,8 @@ def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) ->
     config = demo_config(tmp_path, max_jobs=1)
     stores = tmp_path / "out" / "stores"
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(tmp_path),
-           "--configfile", str(config), "--cores", "1"]
+           "--configfile", str(config), "--cores", CORES]
+    # The same cores as the clean run, so the embed job runs with the same torch threads.
     log = open(tmp_path / "killed-run.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -339,7 +340,11 @@ def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) ->
     assert {p: _uuid(p) for p in finished} == finished
     assert f"{3 - len(finished)} embedded, {len(finished)} kept" in (tmp_path / "out" / "logs" / "embed" / "group-00000.log").read_text()
     assert validate(tmp_path / "out" / "embeddings.h5").returncode == 0
-    assert_same_store(tmp_path / "out" / "embeddings.h5", demo_run / "out" / "embeddings.h5")
+    # The kept store is the killed run's own (same uuid, above); the recomputed ones equal the
+    # clean run's to fp32 repeatability, not bit for bit: CPU BLAS reductions may take another
+    # path for another memory alignment (seen once in CI: 1.5e-5 on 1.7% of one record's
+    # values, after two layers of a dim-32 model), docs/cluster.md "Resuming, rerunning".
+    assert_same_store(tmp_path / "out" / "embeddings.h5", demo_run / "out" / "embeddings.h5", atol=1e-4)
     assert nothing_to_do(tmp_path, config)
 
 
