@@ -56,6 +56,32 @@ def _pins(f: h5py.File) -> dict[str, Any]:
         return {}
 
 
+def _merged_rows(f: h5py.File) -> tuple[list[str], list[int]] | None:
+    """(``merged_from``, ``merged_rows``) of a merged store with per-residue rows whose sources'
+    rows are known; None otherwise (shard stores, stores merged before ``merged_rows``)."""
+    if "per_residue/offsets" not in f:
+        return None
+    rels = [str(r) for r in (attr_to_python(f.attrs.get("merged_from")) or [])]
+    rows = [int(v) for v in (attr_to_python(f.attrs.get("merged_rows")) or [])]
+    return (rels, rows) if rels and len(rows) == len(rels) + 1 else None
+
+
+def read_from_sources(f: h5py.File) -> list[str]:
+    """The datasets whose rows embedpipe reads from the shard stores, so never opens: a merged
+    store's ``per_residue/layer_k`` (virtual datasets; opening one decodes every source's
+    mapping, ~56 MiB at 16,000 sources, and its properties copy them again). Empty for other
+    stores."""
+    try:  # the attributes' shapes only: decoding 16,000 paths is for ShardRows.of
+        sources = f.attrs.get_id("merged_from").shape
+        rows = f.attrs.get_id("merged_rows").shape
+    except KeyError:
+        return []
+    if (len(sources or ()) != 1 or not sources[0] or rows != (sources[0] + 1,) or "per_residue/offsets" not in f
+            or not isinstance(f.get("per_residue"), h5py.Group)):
+        return []
+    return [f"per_residue/{k}" for k in f["per_residue"] if k.startswith("layer_")]
+
+
 class ShardRows:
     """Where each shard store's per-residue rows lie in the merged store, and reads of them."""
 
@@ -68,10 +94,10 @@ class ShardRows:
     def of(cls, f: h5py.File, store: Path) -> ShardRows | None:
         """For a merged store with per-residue rows (None otherwise): per-residue row bounds of
         each source, read from ``merged_rows`` and ``per_residue/offsets`` (K+1 reads)."""
-        rels = [str(r) for r in (attr_to_python(f.attrs.get("merged_from")) or [])]
-        rows = [int(v) for v in (attr_to_python(f.attrs.get("merged_rows")) or [])]
-        if not rels or len(rows) != len(rels) + 1 or "per_residue/offsets" not in f:
+        merged = _merged_rows(f)
+        if merged is None:
             return None
+        rels, rows = merged
         offsets = f["per_residue/offsets"]
         if offsets.shape != (rows[-1] + 1,):
             return None
