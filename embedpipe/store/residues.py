@@ -56,16 +56,6 @@ def _pins(f: h5py.File) -> dict[str, Any]:
         return {}
 
 
-def _merged_rows(f: h5py.File) -> tuple[list[str], list[int]] | None:
-    """(``merged_from``, ``merged_rows``) of a merged store with per-residue rows whose sources'
-    rows are known; None otherwise (shard stores, stores merged before ``merged_rows``)."""
-    if "per_residue/offsets" not in f:
-        return None
-    rels = [str(r) for r in (attr_to_python(f.attrs.get("merged_from")) or [])]
-    rows = [int(v) for v in (attr_to_python(f.attrs.get("merged_rows")) or [])]
-    return (rels, rows) if rels and len(rows) == len(rels) + 1 else None
-
-
 def read_from_sources(f: h5py.File) -> list[str]:
     """The datasets whose rows embedpipe reads from the shard stores, so never opens: a merged
     store's ``per_residue/layer_k`` (virtual datasets; opening one decodes every source's
@@ -94,10 +84,10 @@ class ShardRows:
     def of(cls, f: h5py.File, store: Path) -> ShardRows | None:
         """For a merged store with per-residue rows (None otherwise): per-residue row bounds of
         each source, read from ``merged_rows`` and ``per_residue/offsets`` (K+1 reads)."""
-        merged = _merged_rows(f)
-        if merged is None:
+        rels = [str(r) for r in (attr_to_python(f.attrs.get("merged_from")) or [])]
+        rows = [int(v) for v in (attr_to_python(f.attrs.get("merged_rows")) or [])]
+        if not rels or len(rows) != len(rels) + 1 or "per_residue/offsets" not in f:
             return None
-        rels, rows = merged
         offsets = f["per_residue/offsets"]
         if offsets.shape != (rows[-1] + 1,):
             return None
