@@ -13,6 +13,7 @@ and the row. docs/store-format.md, "What readers check".
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,12 +52,16 @@ def store_dims(f: h5py.File) -> tuple[int, int | None]:
     return n, (int(ds.shape[1]) if isinstance(ds, h5py.Dataset) and ds.ndim == 2 else None)
 
 
-def size_problems(f: h5py.File, file_size: int) -> list[Problem]:
+def size_problems(f: h5py.File, file_size: int, skip: Collection[str] = ()) -> list[Problem]:
     """Datasets declaring more data than the file can hold (uncompressed, not virtual: every
-    byte is stored), or chunks larger than :data:`MAX_CHUNK_BYTES`."""
+    byte is stored), or chunks larger than :data:`MAX_CHUNK_BYTES`. The datasets ``skip`` are
+    not opened (a merged store's virtual datasets: embedpipe reads their rows from the sources)."""
     out: list[Problem] = []
 
-    def visit(name: str, obj: object) -> None:
+    def visit(name: str) -> None:
+        if name in skip or not isinstance(f.get(name, getlink=True), h5py.HardLink):
+            return
+        obj = f.get(name)
         if not isinstance(obj, h5py.Dataset) or obj.is_virtual:
             return
         declared = _declared_bytes(obj)
@@ -67,7 +72,7 @@ def size_problems(f: h5py.File, file_size: int) -> list[Problem]:
             out.append(Problem(name, f"dataset {name} has chunks of shape {obj.chunks}, larger than "
                                      f"{MAX_CHUNK_BYTES >> 20} MiB", "size"))
 
-    f.visititems(visit)
+    f.visit_links(visit)  # links only: visititems opens (and visit reads the header of) every object
     return out
 
 
@@ -81,9 +86,10 @@ def _shape(f: h5py.File, name: str, expected: tuple[int, ...], why: str) -> list
     return []
 
 
-def vector_problems(f: h5py.File, n: int, dim: int | None) -> list[Problem]:
+def vector_problems(f: h5py.File, n: int, dim: int | None, skip: Collection[str] = ()) -> list[Problem]:
     """Each ``{pooling}/layer_k`` is (N, D); per-residue offsets start at 0 and each
-    ``per_residue/layer_k`` is (offsets[N], D)."""
+    ``per_residue/layer_k`` is (offsets[N], D) (those in ``skip`` are not opened: their rows are
+    read from the shard stores, whose shapes are checked there)."""
     out: list[Problem] = []
     if dim is None or dim < 1:
         return [Problem("mean", f"root attribute dim is {attr_to_python(f.attrs.get('dim'))!r}, not a positive "
@@ -98,7 +104,9 @@ def vector_problems(f: h5py.File, n: int, dim: int | None) -> list[Problem]:
     out += problems
     if total is not None:
         for k in layer_names(f["per_residue"]):
-            out += _shape(f, f"per_residue/layer_{k}", (total, dim), f"per_residue/offsets row {n} is {total}, dim = {dim}")
+            name = f"per_residue/layer_{k}"
+            if name not in skip:
+                out += _shape(f, name, (total, dim), f"per_residue/offsets row {n} is {total}, dim = {dim}")
     return out
 
 
@@ -163,19 +171,19 @@ def column_problems(f: h5py.File, n: int, names: list[str]) -> list[Problem]:
             for p in _shape(f, name, (n,), f"N = {n} records")]
 
 
-def layout_problems(f: h5py.File, path: Path | str, columns: list[str]) -> list[Problem]:
+def layout_problems(f: h5py.File, path: Path | str, columns: list[str], skip: Collection[str] = ()) -> list[Problem]:
     """Every structural check readers make at open: cheap (shapes, attributes and a few
-    element reads), nothing proportional to the data."""
+    element reads), nothing proportional to the data; the datasets ``skip`` are not opened."""
     n, dim = store_dims(f)
     if n < 0:
         return [Problem("ids", "dataset ids is missing or not 1-D", "shape")]
-    return (size_problems(f, Path(path).stat().st_size) + vector_problems(f, n, dim) + sequence_problems(f, n)
-            + index_problems(f, n) + column_problems(f, n, columns))
+    return (size_problems(f, Path(path).stat().st_size, skip) + vector_problems(f, n, dim, skip)
+            + sequence_problems(f, n) + index_problems(f, n) + column_problems(f, n, columns))
 
 
-def check_layout(f: h5py.File, path: Path | str, columns: list[str]) -> tuple[int, int]:
+def check_layout(f: h5py.File, path: Path | str, columns: list[str], skip: Collection[str] = ()) -> tuple[int, int]:
     """(N, D) after :func:`layout_problems` found nothing; else one StoreError line."""
-    problems = layout_problems(f, path, columns)
+    problems = layout_problems(f, path, columns, skip)
     if problems:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise StoreError(f"{path}: {problems[0].message}{more}; run embedpipe validate {path}")

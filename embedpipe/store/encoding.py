@@ -11,10 +11,12 @@ dtype; objects a reader does not know are ignored (the additive rule). docs/stor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import h5py
+import numpy as np
+from h5py import h5a
 
 from embedpipe.core.errors import StoreError
 from embedpipe.store.columns import COLUMNS
@@ -61,16 +63,39 @@ def expected_encodings(f: h5py.File) -> Iterator[tuple[str, tuple[str, ...]]]:
         yield from ((f"{group}/{name}", (STRINGS,)) for name in names)
 
 
-def encoding_problem(obj: h5py.HLObject, path: Path | str, name: str, types: tuple[str, ...]) -> StoreError | None:
-    """Why a reader cannot read ``obj`` by its tags (None when it can)."""
+class AttrsByName:
+    """The attributes of the dataset ``name``, read without opening it (``H5Aopen_by_name``):
+    opening a merged store's virtual dataset decodes its whole source mapping (~56 MiB at
+    16,000 sources), which ``open_store`` never needs (docs/benchmarks.md)."""
+
+    def __init__(self, f: h5py.File, name: str) -> None:
+        self._loc, self._obj = f.id, name.encode()
+
+    def get(self, key: str, default: object = None) -> object:
+        """The raw value (bytes for strings: callers use ``attr_to_python``), or ``default``."""
+        if not h5a.exists(self._loc, key.encode(), obj_name=self._obj):
+            return default
+        attr = h5a.open(self._loc, key.encode(), obj_name=self._obj)
+        if attr.shape is None:  # an empty attribute
+            return default
+        value = np.zeros(attr.shape, dtype=attr.dtype)
+        attr.read(value)
+        return value[()]
+
+
+def encoding_problem(obj: h5py.HLObject | AttrsByName, path: Path | str, name: str,
+                     types: tuple[str, ...]) -> StoreError | None:
+    """Why a reader cannot read ``obj`` (an object, or a dataset's :class:`AttrsByName`) by its
+    tags (None when it can)."""
     what = "root group" if name == "/" else f"{'group' if isinstance(obj, h5py.Group) else 'dataset'} {name}"
-    etype = attr_to_python(obj.attrs.get("encoding-type"))
+    attrs = obj if isinstance(obj, AttrsByName) else obj.attrs
+    etype = attr_to_python(attrs.get("encoding-type"))
     if etype is not None and etype not in types:
         return StoreError(
             f"{path}: {what} has encoding-type {etype!r}, which this embedpipe does not read "
             f"(expected {' or '.join(map(repr, types))}); upgrade embedpipe"
         )
-    raw = obj.attrs.get("encoding-version")
+    raw = attrs.get("encoding-version")
     if raw is None:
         return None
     version = major_version(raw)
@@ -81,16 +106,19 @@ def encoding_problem(obj: h5py.HLObject, path: Path | str, name: str, types: tup
     return None
 
 
-def encoding_problems(f: h5py.File, path: Path | str) -> list[StoreError]:
+def encoding_problems(f: h5py.File, path: Path | str, by_name: Collection[str] = ()) -> list[StoreError]:
+    """Every tag problem of ``f``; the datasets ``by_name`` are not opened (:class:`AttrsByName`)."""
     out = []
     for name, types in expected_encodings(f):
-        if name in f and (problem := encoding_problem(f[name], path, name, types)):
-            out.append(problem)
+        if name in f:
+            obj = AttrsByName(f, name) if name in by_name else f[name]
+            if problem := encoding_problem(obj, path, name, types):
+                out.append(problem)
     return out
 
 
-def check_encodings(f: h5py.File, path: Path | str) -> None:
+def check_encodings(f: h5py.File, path: Path | str, by_name: Collection[str] = ()) -> None:
     """Raise the first encoding problem of ``f`` (readers: ``open_store``, merge)."""
-    problems = encoding_problems(f, path)
+    problems = encoding_problems(f, path, by_name)
     if problems:
         raise problems[0]

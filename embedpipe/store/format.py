@@ -212,8 +212,8 @@ def attr_to_python(value: Any) -> Any:
     """h5py attribute value -> plain Python (str, int, float, bool, list)."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    if isinstance(value, np.ndarray):
-        return [attr_to_python(v) for v in value.tolist()]
+    if isinstance(value, np.ndarray):  # bytes decoded here: 16,000 source paths, one call each
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else attr_to_python(v) for v in value.tolist()]
     if isinstance(value, (list, tuple)):
         return [attr_to_python(v) for v in value]
     if isinstance(value, np.bool_):
@@ -280,7 +280,7 @@ def write_root_attrs(obj: h5py.HLObject, attrs: Mapping[str, Any]) -> None:
 
 #: root attributes of a merged store that grow with its sources (~1-2 KB each: 16,000 sources
 #: took most of ``open_store``): readers parse them when first asked (docs/benchmarks.md)
-PER_SOURCE_ATTRS = ("shard_provenance", "merged_sources")
+PER_SOURCE_ATTRS = ("shard_provenance", "merged_sources", "merged_from", "merged_rows")
 
 
 def read_root_attrs(obj: h5py.HLObject, *, skip: Sequence[str] = (), only: Sequence[str] | None = None) -> dict[str, Any]:

@@ -24,10 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import dask.array as da
 import h5py
 import numpy as np
-from dask.base import tokenize
 
 from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
@@ -36,8 +34,8 @@ from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (PER_SOURCE_ATTRS, check_format, decode_strings, is_complete, open_h5, poolings_of,
                                     read_root_attrs, stored_layers)
 from embedpipe.store.idindex import IdIndex, LazyIds
-from embedpipe.store.readio import H5Rows, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
-from embedpipe.store.residues import ShardRows
+from embedpipe.store.readio import H5Rows, dask_array, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
+from embedpipe.store.residues import ShardRows, read_from_sources
 from embedpipe.store.sequences import read_sequences
 from embedpipe.store.sources import require_sources, require_sources_present
 
@@ -75,7 +73,10 @@ class Store:
             self._version = check_format(f, self.path)
             if not is_complete(f):
                 raise StoreError(f"{self.path}: incomplete store (the writer did not finish); refusing to read")
-            check_encodings(f, self.path)
+            # a merged store's virtual per-residue datasets are never opened: their rows are read
+            # from the shard stores, and opening one costs O(sources) (docs/benchmarks.md)
+            unopened = read_from_sources(f)
+            check_encodings(f, self.path, by_name=unopened)
             self._provenance = read_root_attrs(f, skip=PER_SOURCE_ATTRS)  # those parsed when asked for
             self._deferred = [k for k in PER_SOURCE_ATTRS if k in f.attrs]
             self._check_sources(f)
@@ -83,7 +84,7 @@ class Store:
             self._pooling = poolings_of(f)
             dataset(f, self.path, "ids")
             # shapes against N and dim, offsets' ends, the index's layout (embedpipe.store.checks)
-            self._n, _ = check_layout(f, self.path, list(COLUMNS))
+            self._n, _ = check_layout(f, self.path, list(COLUMNS), skip=unopened)
             # constant memory at open: IDs, aliases and offsets are read on demand
             self._index = IdIndex.open(f, self.path)
             self._ids = LazyIds(f["ids"], self._is_record)
@@ -92,6 +93,8 @@ class Store:
             self._offsets_ds = f["per_residue/offsets"] if "per_residue/offsets" in f else None
             self._total_rows = int(self._offsets_ds[self._n]) if self._offsets_ds is not None else 0
             self._shards = shard_rows(f, self.path, self._layers)
+            if unopened and self._shards is None:  # its rows are read through the virtual datasets
+                check_layout(f, self.path, list(COLUMNS))
             self._dsets: dict[str, h5py.Dataset] = {}
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
             self._dim = int(first.shape[1])
@@ -304,16 +307,12 @@ class Store:
     def _dask(self, name: str, label: str, dtype: Any, shards: ShardRows | None = None) -> Any:
         """Dataset ``name`` as a lazy dask array in whole HDF5 chunks, named by the file's
         path, mtime and size (a rewritten store never reuses cached chunks)."""
-        ds = dataset(self._h5, self.path, name)
-        stat = self.path.stat()
-        arr = da.from_array(
-            H5Rows(str(self.path), name, tuple(ds.shape), ds.dtype, shards),
-            chunks=(dask_rows(ds), ds.shape[1]),
-            lock=False,
-            asarray=True,
-            meta=np.empty((0, ds.shape[1]), dtype=ds.dtype),
-            name=f"embedpipe-{label}-" + tokenize(str(self.path), stat.st_mtime_ns, stat.st_size, name),
-        )
+        if shards is None:
+            ds = dataset(self._h5, self.path, name)
+            shape, dt, chunks = tuple(ds.shape), np.dtype(ds.dtype), ds.chunks
+        else:  # read from the shard stores: the virtual dataset is not opened (see _open)
+            shape, dt, chunks = (self._total_rows, self._dim), self._dtype, None
+        arr = dask_array(H5Rows(str(self.path), name, shape, dt, shards), dask_rows(shape, dt, chunks), label)
         return arr if dtype is None else arr.astype(dtype)
 
     def _pooled_name(self, pooling: str, layer: int) -> str:

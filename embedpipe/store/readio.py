@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import dask.array as da
 import h5py
 import numpy as np
+from dask.base import tokenize
 
 from embedpipe.core.errors import StoreError
 from embedpipe.store.format import open_h5
@@ -106,11 +108,20 @@ class H5Rows:
         return (H5Rows, (self.path, self.name, self.shape, self.dtype.str, self.shards))
 
 
+def dask_array(rows: H5Rows, chunk_rows: int, label: str) -> Any:
+    """``rows`` as a lazy dask array of ``chunk_rows`` per chunk, named by the file's path,
+    mtime and size (a rewritten store never reuses cached chunks)."""
+    stat = Path(rows.path).stat()
+    return da.from_array(rows, chunks=(chunk_rows, rows.shape[1]), lock=False, asarray=True,
+                         meta=np.empty((0, rows.shape[1]), dtype=rows.dtype),
+                         name=f"embedpipe-{label}-" + tokenize(rows.path, stat.st_mtime_ns, stat.st_size, rows.name))
+
+
 def shard_rows(f: h5py.File, path: Path, layers: list[int]) -> ShardRows | None:
     """Where a merged store's per-residue rows lie (None for stores whose per-residue rows
-    are their own): reads bypass the virtual datasets (embedpipe.store.residues)."""
-    name = f"per_residue/layer_{layers[-1]}"
-    if name not in f or not f[name].is_virtual:
+    are their own): reads bypass the virtual datasets, which are not even opened (a merged
+    store is known by ``merged_from`` and ``merged_rows``; embedpipe.store.residues)."""
+    if f"per_residue/layer_{layers[-1]}" not in f:
         return None
     return ShardRows.of(f, path)
 
@@ -125,10 +136,11 @@ def row_range(rows: slice | None, n: int) -> tuple[int, int]:
     return start, max(start, stop)
 
 
-def dask_rows(ds: h5py.Dataset) -> int:
-    row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
+def dask_rows(shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...] | None) -> int:
+    """Rows per dask chunk: ~64 MiB, whole HDF5 chunks (``chunks``) when the data has them."""
+    row_bytes = max(1, np.dtype(dtype).itemsize * int(np.prod(shape[1:], dtype=np.int64)))
     rows = max(1, _DASK_CHUNK_BYTES // row_bytes)
-    if ds.chunks:
-        c = ds.chunks[0]
+    if chunks:
+        c = chunks[0]
         rows = max(c, rows // c * c)
-    return max(1, min(rows, ds.shape[0])) if ds.shape[0] else 1
+    return max(1, min(rows, shape[0])) if shape[0] else 1

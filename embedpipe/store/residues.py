@@ -56,6 +56,22 @@ def _pins(f: h5py.File) -> dict[str, Any]:
         return {}
 
 
+def read_from_sources(f: h5py.File) -> list[str]:
+    """The datasets whose rows embedpipe reads from the shard stores, so never opens: a merged
+    store's ``per_residue/layer_k`` (virtual datasets; opening one decodes every source's
+    mapping, ~56 MiB at 16,000 sources, and its properties copy them again). Empty for other
+    stores."""
+    try:  # the attributes' shapes only: decoding 16,000 paths is for ShardRows.of
+        sources = f.attrs.get_id("merged_from").shape
+        rows = f.attrs.get_id("merged_rows").shape
+    except KeyError:
+        return []
+    if (len(sources or ()) != 1 or not sources[0] or rows != (sources[0] + 1,) or "per_residue/offsets" not in f
+            or not isinstance(f.get("per_residue"), h5py.Group)):
+        return []
+    return [f"per_residue/{k}" for k in f["per_residue"] if k.startswith("layer_")]
+
+
 class ShardRows:
     """Where each shard store's per-residue rows lie in the merged store, and reads of them."""
 

@@ -149,25 +149,25 @@ def require_sources_present(f: h5py.File, store_path: Path) -> None:
     by ``stat`` alone (no source is opened: ~10 s at 16,000 sources). A source whose size
     changed is opened to say why. Its ``store_uuid`` is checked when it is first read
     (:class:`embedpipe.store.residues.ShardRows`)."""
-    store_dir = Path(store_path).resolve().parent
+    store_dir = str(Path(store_path).resolve().parent)
     recorded = recorded_sources(f)
-    names = [attr_to_python(v) or "" for v in np.atleast_1d(f.attrs.get("merged_from", []))]
+    names = [v or "" for v in attr_to_python(np.atleast_1d(f.attrs.get("merged_from", [])))]
     listed = set(names)  # once: a set built per source was O(K^2), 16 s at 16,000 sources
     for rel in names + [rel for rel in recorded if rel not in listed]:
-        src = resolve_source(store_dir, rel)
+        src = os.path.join(store_dir, rel)  # resolve_source, without a Path per source (0.2 s at 16,000)
         try:
-            size = src.stat().st_size
+            size = os.stat(src).st_size
         except FileNotFoundError:
             size = None
         except PermissionError:
-            raise StoreError(f"{store_path}: {permission_denied(src, rel)}") from None
+            raise StoreError(f"{store_path}: {permission_denied(Path(src), rel)}") from None
         if size is None:
-            raise StoreError(f"{store_path}: source store {rel} is missing (looked for {src}); "
+            raise StoreError(f"{store_path}: source store {rel} is missing (looked for {Path(src)}); "
                              "merged stores read per-residue data from their shard stores")
         if not os.access(src, os.R_OK):
-            raise StoreError(f"{store_path}: {permission_denied(src, rel)}")
+            raise StoreError(f"{store_path}: {permission_denied(Path(src), rel)}")
         if rel in recorded and size != recorded[rel].get("size"):
-            why = _identity_change(src, recorded[rel], full=False)
+            why = _identity_change(Path(src), recorded[rel], full=False)
             raise StoreError(f"{store_path}: source store {rel} {why or 'changed after the merge'}: the merged "
                              "store would mix runs; re-run embedpipe merge")
 

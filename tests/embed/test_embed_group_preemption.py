@@ -1,0 +1,124 @@
+"""Issue 24 §4: a group embed job preempted on SLURM (SIGTERM: `scancel`, a time limit, a
+preemption with GraceTime) resumes shard by shard when it is requeued or resubmitted.
+
+The job is the workflow's embed command (workflows/rules/embed.smk: several shards,
+`--out-dir`, `--done`), a real subprocess of the CLI. To signal it deterministically in the
+middle of its group, the child's second shard never finishes embedding (the first is real),
+and the test sends SIGTERM once that shard's temporary exists. The same command is then run
+again, unpatched, as a requeued job would be (docs/cluster.md, "Preemption and requeue")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from helpers.embed_helpers import random_sequences, write_fasta
+from embedpipe.store import validate_store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: the child: shard number STOP (0-based, among those it embeds) never ends; then the real CLI
+CHILD = """
+import itertools, sys, time
+import embedpipe.embed.engine as engine
+STOP = int(sys.argv.pop(1))
+real, calls = engine.Embedder.embed, itertools.count()
+def endless():
+    while True:
+        time.sleep(0.02)
+        yield from ()
+def embed(self, *args, **kwargs):
+    return endless() if next(calls) == STOP else real(self, *args, **kwargs)
+engine.Embedder.embed = embed
+sys.argv = ["embedpipe", *sys.argv[1:]]
+from embedpipe.cli import run
+run()
+"""
+
+#: the unpatched CLI, as the rule's shell command runs it
+CLI = "import sys; sys.argv = ['embedpipe', *sys.argv[1:]]; from embedpipe.cli import run; run()"
+
+
+def _command(tmp: Path, model: Path, shards: list[Path], out: Path) -> list[str]:
+    """The embed rule's command line for one group (options as `embed_options()` spells them)."""
+    return ["embed", *map(str, shards), "--model", str(model), "--out-dir", str(out), "--done",
+            str(out / "group-00000.json"), "--device", "cpu", "--per-residue", "--tokens-per-batch", "200",
+            "--threads", "1", "-q"]
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _wait_for(proc: subprocess.Popen, ready) -> None:
+    """Block until ``ready()`` (a deadline only against a hang)."""
+    deadline = time.monotonic() + 300
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the job never reached its second shard")
+        time.sleep(0.05)
+
+
+def _vectors(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        out = {"ids": f["ids"][()]}
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) and "layer_" in name else None)
+    return out
+
+
+def _uuid(path: Path) -> str:
+    with h5py.File(path, "r") as f:
+        return str(f.attrs["store_uuid"])
+
+
+def test_a_group_job_sigtermed_mid_group_exits_143_and_its_rerun_embeds_only_the_rest(tmp_path, tiny_model_path):
+    shards = [write_fasta(tmp_path / f"shard-{k:05d}.fasta", random_sequences(3, (8, 40), seed=40 + k))
+              for k in range(3)]
+    out = tmp_path / "stores"
+    args = _command(tmp_path, tiny_model_path, shards, out)
+    stores = [out / f"{s.stem}.h5" for s in shards]
+    done = out / "group-00000.json"
+
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "1", *args], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(proc, lambda: stores[0].exists() and any(out.glob(f".{stores[1].name}.*.tmp")))
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "embedpipe: interrupted"
+    # the finished shard stays, complete and valid; the one being written leaves nothing
+    assert validate_store(stores[0]) == []
+    assert not stores[1].exists() and not stores[2].exists() and not done.exists()
+    assert list(out.glob("*.tmp")) == [] and list(out.glob(".*.tmp")) == []
+    kept = (_uuid(stores[0]), stores[0].stat().st_mtime_ns, stores[0].read_bytes())
+
+    rerun = subprocess.run([sys.executable, "-c", CLI, *args[:-1]], cwd=tmp_path, env=_env(),
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert ": 2 embedded, 1 kept" in rerun.stderr, rerun.stderr  # the summary line
+    assert (_uuid(stores[0]), stores[0].stat().st_mtime_ns, stores[0].read_bytes()) == kept
+    listing = json.loads(done.read_text())
+    assert [e["stamp"]["store_uuid"] for e in listing["stores"]] == [_uuid(s) for s in stores]
+
+    # independent: the same group embedded in one uninterrupted job
+    clean = tmp_path / "clean"
+    subprocess.run([sys.executable, "-c", CLI, *_command(tmp_path, tiny_model_path, shards, clean)],
+                   cwd=tmp_path, env=_env(), check=True, capture_output=True, timeout=600)
+    for store in stores:
+        resumed, whole = _vectors(store), _vectors(clean / store.name)
+        assert sorted(resumed) == sorted(whole) and len(whole) > 2
+        np.testing.assert_array_equal(resumed.pop("ids"), whole.pop("ids"))
+        for name in whole:
+            np.testing.assert_allclose(resumed[name], whole[name], rtol=0, atol=1e-4, err_msg=f"{store.name} {name}")
