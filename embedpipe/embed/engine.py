@@ -15,7 +15,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
@@ -82,8 +81,7 @@ class Embedder:
         self.layers = resolve_layers(options.layers, loaded.num_layers)
         self.pooling = stored_poolings(options.pooling)
         capabilities.check_options(loaded, options.pooling, options.batch_layout)
-        self.check = RecordCheck(options.storage_dtype, float(np.finfo(np.dtype(options.storage_dtype)).max),
-                                 options.overflow_margin)
+        self.check = RecordCheck.for_storage(options.storage_dtype, options.overflow_margin)
         self.notes = check_policy_on_device(self.policy, device)
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
         self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)

@@ -18,6 +18,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.embed.planning import Piece
 from embedpipe.embed.stitching import PieceResult, Results
 from embedpipe.runtime.precision import FP32, Policy
+from embedpipe.store.storage_dtype import storage_limits
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class RecordCheck:
     storage_dtype: str
     storage_max: float  # the largest |value| ``storage_dtype`` holds
     overflow_margin: float | None  # --overflow-margin: a fraction of the policy's limit, or off
+
+    @classmethod
+    def for_storage(cls, storage_dtype: str, overflow_margin: float | None) -> RecordCheck:
+        """The check for ``--storage-dtype``: its largest value is the dtype's own (a float's
+        ``finfo``, a signed integer's ``iinfo``; :mod:`embedpipe.store.storage_dtype`)."""
+        return cls(storage_dtype, storage_limits(storage_dtype).max_abs, overflow_margin)
 
     def reason(self, policy: Policy, result: PieceResult) -> str:
         """Why a piece's outputs cannot be stored as computed ('' when they can)."""
