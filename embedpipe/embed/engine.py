@@ -1,23 +1,26 @@
-"""The embedding worker: batch, forward under a precision policy, check, fall back, pool.
+"""The embedding engine: batches launched one ahead, read back once each, records streamed out.
 
-The worker sees the model only through :class:`~embedpipe.model.base.EmbeddingModel`. The
-model is prepared once per policy; results leave the device once per batch (one transfer
-per stored layer), so memory is bounded by a batch. Every record's stored outputs are
-checked for NaN/inf and for values the storage dtype cannot hold; such records are re-run
-alone in fp32 and tagged (docs/precision.md).
+The engine sees the model only through :class:`~embedpipe.model.base.EmbeddingModel`. Results
+leave the device once per batch (one transfer per stored layer), so memory is bounded by a
+batch; a batch that runs out of memory is split in halves. The engine orchestrates; the other
+jobs have modules of their own: the prepared models (:mod:`embedpipe.embed.preparation`), the
+checks and the per-record fp32 fallback (:mod:`embedpipe.embed.fallback`, docs/precision.md),
+a record stitched from its windows (:mod:`embedpipe.embed.stitching`), pooling
+(:mod:`embedpipe.embed.pooling`) and planning (:mod:`embedpipe.embed.planning`).
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
+from embedpipe.embed.fallback import RecordCheck
+from embedpipe.embed.preparation import Preparation
+from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
 from embedpipe.runtime import attention as attention_choice, cuda
 from embedpipe.runtime.cuda import BusyTimer, HostCopy
 from embedpipe.core.errors import EmbedpipeError
@@ -28,11 +31,13 @@ from embedpipe.runtime.packed import PackedTokens
 from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
 from embedpipe.runtime.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
-                                 get_policy, resolve_attention_inputs, true_fp32_matmuls)
+                                         get_policy, true_fp32_matmuls)
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
 from embedpipe.store.format import stored_poolings
+
+Records = Sequence[tuple[str, str]]
 
 
 @dataclass
@@ -50,15 +55,6 @@ class Plan:
 
 
 @dataclass
-class _PieceResult:
-    sums: dict[int, np.ndarray]  # layer -> (D,) float32 sum over the kept residues
-    residues: dict[int, np.ndarray] | None  # layer -> (keep_len, D) float32, when needed
-    max_abs: float
-    stored_max: float  # largest |value| over the stored outputs (NaN/inf propagate)
-    bos: dict[int, np.ndarray] | None = None  # layer -> (D,) float32 at BOS, for a first window with bos pooling
-
-
-@dataclass
 class _Launched:
     """A batch whose forward has been launched and whose outputs are on their way to the host."""
 
@@ -66,14 +62,6 @@ class _Launched:
     summary: HostCopy
     residues: dict[int, HostCopy]
     residue_starts: list[int] | None
-
-
-@dataclass
-class _Assembly:
-    """A record whose pieces are being collected."""
-
-    pieces_left: int
-    results: list[tuple[Piece, _PieceResult]] = field(default_factory=list)
 
 
 class Embedder:
@@ -88,82 +76,44 @@ class Embedder:
         options.validate()
         self.loaded = loaded
         self.options = options
-        self.device = device
         self.policy = get_policy(options.precision)
+        self.prepared = Preparation(loaded, options, self.policy, device, on_moved=self._fallback_moved)
         self.layers = resolve_layers(options.layers, loaded.num_layers)
         self.pooling = stored_poolings(options.pooling)
         capabilities.check_options(loaded, options.pooling, options.batch_layout)
-        self.storage_max = float(np.finfo(np.dtype(options.storage_dtype)).max)
+        self.check = RecordCheck.for_storage(options.storage_dtype, options.overflow_margin)
         self.notes = check_policy_on_device(self.policy, device)
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
         self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)
-        self._runners: dict[str, Runner] = {}
-        self._devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
         self.quiet = True
         self.stats = Counter()
         self._busy = BusyTimer()
         self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * options.per_residue)  # one batch's read-back
 
-    # -- model preparation (once per policy) --------------------------------------------------
+    # -- model preparation (once per policy: embed/preparation.py) ----------------------------
+    @property
+    def device(self) -> torch.device:
+        """The job's device, where the main policy runs."""
+        return self.prepared.device
+
+    @device.setter
+    def device(self, device: torch.device) -> None:
+        self.prepared.device = device
+
     def runner(self, policy: Policy) -> Runner:
-        """The forward for ``policy``, prepared once, on the device it runs on (``self._devices``).
+        """The forward for ``policy``, prepared once (:meth:`Preparation.runner`)."""
+        return self.prepared.runner(policy)
 
-        Out of memory while preparing is not a batch that is too big: for the fp32 fallback
-        under ``--fallback-device auto`` it moves the fallback to the CPU, otherwise it fails
-        with what to do. The retry runs after the ``except`` block, so the failed attempt's
-        tensors are freed first.
-        """
-        if policy.name in self._runners:
-            return self._runners[policy.name]
-        device = self._planned_device(policy)
-        try:
-            return self._prepare(policy, device)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not self._is_fallback(policy) or self.options.fallback_device != "auto" or device.type == "cpu":
-            raise EmbedpipeError(self._prepare_oom_message(policy, device))
-        cpu = torch.device("cpu")
-        say(f"warning: the fp32 fallback model of {self.loaded.name} does not fit on {device} beside the "
-            f"{self.policy.name} model; fallback records run on the CPU (slower; see docs/precision.md)",
-            quiet=self.quiet)
+    def _fallback_moved(self, message: str) -> None:
+        say(f"warning: {message}", quiet=self.quiet)
         self.stats["fallback_moved_to_cpu"] += 1
-        return self._prepare(policy, cpu)
-
-    def _is_fallback(self, policy: Policy) -> bool:
-        return policy.name != self.policy.name
-
-    def _planned_device(self, policy: Policy) -> torch.device:
-        if self._is_fallback(policy) and self.options.fallback_device == "cpu":
-            return torch.device("cpu")
-        return self.device
-
-    def _prepare(self, policy: Policy, device: torch.device) -> Runner:
-        self._runners[policy.name] = self.loaded.prepare(
-            policy, device, self.options.attention,
-            attention_inputs=resolve_attention_inputs(self.options.attention_inputs, device))
-        self._devices[policy.name] = device
-        return self._runners[policy.name]
-
-    def _prepare_oom_message(self, policy: Policy, device: torch.device) -> str:
-        if self._is_fallback(policy):
-            return (
-                f"the fp32 fallback model of {self.loaded.name} does not fit in memory on {device} beside the "
-                f"{self.policy.name} model; use --fallback-device cpu (or auto) to re-run fallback records on "
-                "the CPU, or a GPU with more memory"
-            )
-        return (
-            f"the {policy.name} model of {self.loaded.name} does not fit in memory on {device} (before any "
-            "batch ran); use a lower precision, a smaller model or a GPU with more memory"
-        )
 
     @property
     def fallback_device(self) -> str:
         """Where fp32 fallback records ran ('' when none did)."""
         if not self.stats["fallback"] or self.policy.is_reference:
             return ""
-        return str(self._devices.get(FP32.name, ""))
+        return str(self.prepared.devices.get(FP32.name, ""))
 
     @property
     def busy_seconds(self) -> float:
@@ -174,7 +124,7 @@ class Embedder:
     @property
     def batch_layout(self) -> str:
         """``packed`` or ``padded``: how the main policy's batches are laid out."""
-        return self._layout(self.policy)
+        return self.prepared.layout(self.policy)
 
     @property
     def attention_path(self) -> str:
@@ -195,20 +145,13 @@ class Embedder:
         return {"device_type": self.device.type, "batch_layout": self.batch_layout,
                 "attention_inputs": self.attention_inputs}
 
-    def _layout(self, policy: Policy) -> str:
-        """``--batch-layout`` for ``policy`` on the device its runner lives on."""
-        device = self._devices.get(policy.name) or self._planned_device(policy)
-        if not capabilities.packs(self.loaded):  # no packed runner (T5); explicit packed is refused
-            return "padded"
-        return attention_choice.batch_layout(self.options, policy, device)
-
     # -- public ---------------------------------------------------------------------------------
     def new_input(self) -> None:
         """Start the counters of a new input (a group job's next shard); the prepared models,
         the token budget and the busy time carry on."""
         self.stats = Counter()
 
-    def plan(self, records: Sequence[tuple[str, str]]) -> Plan:
+    def plan(self, records: Records) -> Plan:
         """Windows and batches for ``records``; raises for long records under --long-sequences error."""
         pieces: list[Piece] = []
         handling: list[str] = []
@@ -225,32 +168,26 @@ class Embedder:
         overhead = batch_overhead_tokens(self.device)
         return Plan(plan_batches(pieces, self.tokens_per_batch, overhead), handling, rows)
 
-    def embed(self, records: Sequence[tuple[str, str]], plan: Plan | None = None, *,
+    def embed(self, records: Records, plan: Plan | None = None, *,
               quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
         plan = plan or self.plan(records)
         self.quiet = quiet
-        batches, handling = plan.batches, plan.handling
-        pending: dict[int, _Assembly] = {}
-        for batch in batches:
-            for piece in batch:
-                pending.setdefault(piece.record, _Assembly(pieces_left=0)).pieces_left += 1
+        assemblies = Assemblies(plan.batches)
         total_residues = sum(len(s) for _, s in records)
         # No TF32 for fp32 work: process-wide flags, so set once per run (not per batch), then restored.
         with progress_bar(quiet=quiet, total=total_residues, unit="res", unit_scale=True, desc="embed") as bar, \
                 true_fp32_matmuls():
-            for piece, result in self._stream(batches, records):
-                assembly = pending[piece.record]
-                assembly.results.append((piece, result))
-                assembly.pieces_left -= 1
-                if assembly.pieces_left == 0:
-                    del pending[piece.record]
-                    record = self._finish(piece.record, records, handling, assembly.results)
-                    bar.update(len(records[piece.record][1]))
-                    bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
-                    yield piece.record, record
+            for piece, result in self._stream(plan.batches, records):
+                results = assemblies.add(piece, result)
+                if results is None:
+                    continue
+                record = self._finish(piece.record, records, plan.handling, results)
+                bar.update(len(records[piece.record][1]))
+                bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
+                yield piece.record, record
 
     # -- batches --------------------------------------------------------------------------------
-    def _stream(self, batches: list[list[Piece]], records: Sequence[tuple[str, str]]) -> Iterator[tuple[Piece, _PieceResult]]:
+    def _stream(self, batches: list[list[Piece]], records: Records) -> Iterator[tuple[Piece, PieceResult]]:
         """Every piece's result, one batch behind: batch i + 1 is tokenized and launched
         before batch i's results are read back, so on a GPU the host work (tokens, checks,
         fallback, the writer's queue) overlaps device work. A batch that runs out of memory
@@ -268,18 +205,18 @@ class Embedder:
         if pending is not None:
             yield from self._collect(pending)
 
-    def _try_launch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> _Launched | None:
+    def _try_launch(self, policy: Policy, batch: list[Piece], records: Records) -> _Launched | None:
         """``_launch``, or None when the device ran out of memory (the caller splits)."""
         self.runner(policy)  # out of memory while preparing is handled there, not as a batch
         try:
             return self._launch(policy, batch, records)
         except torch.cuda.OutOfMemoryError:
             pass
-        if self._devices[policy.name].type == "cuda":
+        if self.prepared.devices[policy.name].type == "cuda":
             torch.cuda.empty_cache()
         return None
 
-    def _run_batch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
+    def _run_batch(self, policy: Policy, batch: list[Piece], records: Records) -> Results:
         """Forward one batch now; on CUDA out-of-memory split it in halves and retry.
 
         The retry happens after leaving the ``except`` block: the exception's traceback holds
@@ -290,27 +227,28 @@ class Embedder:
             return self._collect(launched)
         return self._split_run(policy, batch, records)
 
-    def _split_run(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> list[tuple[Piece, _PieceResult]]:
+    def _split_run(self, policy: Policy, batch: list[Piece], records: Records) -> Results:
         """A batch that ran out of memory: its halves, each through :meth:`_run_batch`; a
         single piece that does not fit is an error naming the record."""
-        device = self._devices[policy.name]
+        device = self.prepared.devices[policy.name]
         if len(batch) == 1:
             piece = batch[0]
             rid, seq = records[piece.record]
             raise EmbedpipeError(
                 f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
                 f"memory on {device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
-                + (", or --fallback-device cpu for the fp32 re-run" if self._is_fallback(policy) and device.type == "cuda" else "")
+                + (", or --fallback-device cpu for the fp32 re-run"
+                   if self.prepared.is_fallback(policy) and device.type == "cuda" else "")
             )
         self.stats["oom_splits"] += 1
         middle = len(batch) // 2
         return self._run_batch(policy, batch[:middle], records) + self._run_batch(policy, batch[middle:], records)
 
-    def _launch(self, policy: Policy, batch: list[Piece], records: Sequence[tuple[str, str]]) -> _Launched:
+    def _launch(self, policy: Policy, batch: list[Piece], records: Records) -> _Launched:
         """Tokenize, forward and pool one batch, and start copying its outputs to the host."""
         runner = self.runner(policy)
-        device = self._devices[policy.name]
-        packed = self._layout(policy) == "packed"
+        device = self.prepared.devices[policy.name]
+        packed = self.prepared.layout(policy) == "packed"
         with cuda.host_side():
             tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
             host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch]) if packed else None
@@ -334,7 +272,7 @@ class Embedder:
         return _Launched(batch, HostCopy(pooled.summary, self._ring),
                          {k: HostCopy(v, self._ring) for k, v in pooled.residues.items()}, pooled.residue_starts)
 
-    def _collect(self, launched: _Launched) -> list[tuple[Piece, _PieceResult]]:
+    def _collect(self, launched: _Launched) -> Results:
         """Wait for a launched batch's outputs and split them per piece (the batch's one
         read-back point: host work, see :func:`embedpipe.runtime.cuda.host_side`)."""
         with cuda.host_side():
@@ -344,9 +282,9 @@ class Embedder:
                                      launched.residue_starts, self.layers, dim, "bos" in self.pooling)
             return [(piece, self._piece_result(host, row, piece)) for row, piece in enumerate(launched.batch)]
 
-    def _piece_result(self, host: HostPooled, row: int, piece: Piece) -> _PieceResult:
+    def _piece_result(self, host: HostPooled, row: int, piece: Piece) -> PieceResult:
         kept = (piece.keep_start - piece.start, piece.keep_end - piece.start)
-        return _PieceResult(
+        return PieceResult(
             sums={layer: host.sums[layer][row] for layer in self.layers},
             residues=host.residue_rows(row, *kept) if self.options.per_residue else None,
             max_abs=float(host.max_abs[row]),
@@ -355,88 +293,25 @@ class Embedder:
         )
 
     # -- records ----------------------------------------------------------------------------------
-    def _reason(self, policy: Policy, result: _PieceResult) -> str:
-        """Why a piece's outputs cannot be stored as computed ('' when they can)."""
-        # stored_max covers every stored output, BOS included (a NaN/inf there propagates)
-        if not math.isfinite(result.stored_max) or not math.isfinite(result.max_abs):
-            return "nonfinite"
-        if not all(np.isfinite(total).all() for total in result.sums.values()):
-            return "nonfinite"  # e.g. inf in a padding position reaching the masked sum as 0 * inf
-        if result.stored_max > self.storage_max:
-            return "overflow"
-        margin = self.options.overflow_margin
-        if margin is not None and not policy.is_reference:
-            limit = margin * policy.overflow_limit
-            if result.max_abs > limit:
-                return "overflow-margin"
-        return ""
-
-    def _reasons(self, policy: Policy, results: list[tuple[Piece, _PieceResult]]) -> str:
-        """Every reason the record's pieces cannot be stored as computed, '+'-joined ('' if none)."""
-        return "+".join(sorted({r for r in (self._reason(policy, res) for _, res in results) if r}))
-
-    def _finish(self, index: int, records: Sequence[tuple[str, str]], handling: list[str],
-                results: list[tuple[Piece, _PieceResult]]) -> EmbeddedRecord:
+    def _finish(self, index: int, records: Records, handling: list[str], results: Results) -> EmbeddedRecord:
+        """The record ``index`` from its pieces' results: checked, re-run in fp32 when the
+        check fails (embed/fallback.py), stitched (embed/stitching.py) and counted."""
         rid, seq = records[index]
         low_max_abs = max(res.max_abs for _, res in results)  # what the requested policy saw
-        precision_used, fallback_reason = self.policy.name, self._reasons(self.policy, results)
+        precision_used, fallback_reason = self.policy.name, self.check.reasons(self.policy, results)
         if fallback_reason:
             if self.policy.is_reference:
-                raise EmbedpipeError(self._fp32_failure(rid, results, fallback_reason))
-            results = self._rerun_fp32([piece for piece, _ in results], records, rid)
+                raise EmbedpipeError(self.check.failure(rid, results, fallback_reason))
+            results = self.check.rerun_fp32(rid, [piece for piece, _ in results],
+                                            lambda piece: self._run_batch(FP32, [piece], records))
             precision_used = FP32.name
             self.stats["fallback"] += 1
             self.stats[f"fallback:{fallback_reason}"] += 1
-        record = self._assemble(rid, seq, results, handling[index])
+        record = stitch(rid, seq, results, handling[index], self.layers, per_residue=self.options.per_residue,
+                        bos="bos" in self.pooling, precision=self.policy.name)
         record.precision_used = precision_used
         record.fallback_reason = fallback_reason
         record.max_abs_activation = low_max_abs
         self.stats["records"] += 1
         self.stats[f"precision:{precision_used}"] += 1
         return record
-
-    def _rerun_fp32(self, pieces: list[Piece], records: Sequence[tuple[str, str]], rid: str) -> list[tuple[Piece, _PieceResult]]:
-        """The record's own windows again, each alone, with the fp32 model."""
-        results = []
-        for piece in pieces:
-            results.extend(self._run_batch(FP32, [piece], records))
-        problems = self._reasons(FP32, results)
-        if problems:
-            raise EmbedpipeError(self._fp32_failure(rid, results, problems))
-        return results
-
-    def _fp32_failure(self, rid: str, results: list[tuple[Piece, _PieceResult]], reason: str) -> str:
-        largest = max(res.stored_max for _, res in results)
-        if reason == "overflow":
-            return (
-                f"record {rid!r}: fp32 values up to {largest:.4g} do not fit --storage-dtype "
-                f"{self.options.storage_dtype}; use --storage-dtype float32"
-            )
-        return f"record {rid!r}: the fp32 forward itself produced non-finite values ({reason}); nothing was written for it"
-
-    def _assemble(self, rid: str, seq: str, results: list[tuple[Piece, _PieceResult]], how: str) -> EmbeddedRecord:
-        results = sorted(results, key=lambda item: item[0].keep_start)
-        embedded = sum(p.keep_end - p.keep_start for p, _ in results)
-        mean = {}
-        for layer in self.layers:
-            total = np.sum([res.sums[layer] for _, res in results], axis=0, dtype=np.float64)
-            mean[layer] = (total / embedded).astype(np.float32)
-        per_residue = None
-        if self.options.per_residue:
-            per_residue = {
-                layer: np.concatenate([res.residues[layer] for _, res in results], axis=0)
-                for layer in self.layers
-            }
-        # BOS: the hidden state at token 0 of the window that starts at residue 0 (docs/store-format.md)
-        first = results[0][1]
-        return EmbeddedRecord(
-            id=rid,
-            sequence=seq,
-            precision_used=self.policy.name,
-            mean=mean,
-            per_residue=per_residue,
-            bos=first.bos if "bos" in self.pooling else None,
-            long_handling=how,
-            embedded_length=embedded,
-            windows=len(results),
-        )

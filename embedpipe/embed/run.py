@@ -1,5 +1,5 @@
 """``embedpipe embed``: one FASTA (a shard) into one store, or a group of shards into one
-store each, with the worker and provenance.
+store each, with the engine and the provenance (:mod:`embedpipe.embed.provenance`).
 
 A group is one embed job of the workflow (docs/cluster.md, "A UniRef50-sized run"): the model
 is loaded once, and a shard whose store is already complete for the same shard content,
@@ -15,12 +15,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import h5py
 import torch
 
-from embedpipe import __version__
 from embedpipe.core.atomic import check_output_path
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.core.checksums import file_sha256
@@ -34,12 +32,12 @@ from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.core.options import AUTO
 from embedpipe.core.output_guard import guard_outputs
-from embedpipe.runtime.precision import Policy
 from embedpipe.core.progress import say
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
+from embedpipe.embed.provenance import batching_attrs, provenance
 
 #: options that change how a job runs, not its numbers' identity for resuming: a retry's smaller
 #: batches, threads, where fallback records run (docs/cluster.md, "Resuming, rerunning")
@@ -70,43 +68,6 @@ class EmbedSummary:
             f"{budget}",
         ]
         return "\n".join(lines)
-
-
-def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, policy: Policy,
-               layers: list[int], source: Path | None) -> dict:
-    """Root attributes: which weights, which numerics, where, with what."""
-    config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
-    return {
-        "model_name": loaded.name,
-        "model_family": str(getattr(loaded, "family", "esm2")),
-        "model_source": loaded.source,
-        "model_sha256": loaded.sha256,
-        "model_trained": bool(loaded.trained),
-        "model_num_layers": loaded.num_layers,
-        **policy.provenance(),  # precision_policy, weight/compute/island dtypes (int8: its scheme)
-        "fallback_dtype": "float32",
-        "attention": options.attention,
-        "long_sequences": options.long_sequences,
-        "trained_window_residues": loaded.trained_window,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch_version": torch.__version__,
-        **loaded.provenance,
-        "embedpipe_version": __version__,
-        "config": json.dumps(config, sort_keys=True),
-    }
-
-
-def batching_attrs(embedder: Embedder) -> dict[str, Any]:
-    """Root attributes of how the batches ran (docs/store-format.md): the resolved token budget
-    (``config`` keeps ``auto`` as given), the layout, attention path and q/k/v dtype. Read once
-    the forward has run, when the embedder's choices are final."""
-    return {
-        "tokens_per_batch": int(embedder.tokens_per_batch),
-        "batch_layout": embedder.batch_layout,
-        "attention_path": embedder.attention_path,
-        "attention_inputs": embedder.attention_inputs,
-    }
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from embedpipe.store.format import STORE_UUID_ATTR, stored_layers
+from embedpipe.store.storage_dtype import storage_limits
 
 
 def mean_tolerance(stored_mean: np.ndarray, abs_mean: np.ndarray, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -21,10 +22,13 @@ def mean_tolerance(stored_mean: np.ndarray, abs_mean: np.ndarray, rows: np.ndarr
     mean to the storage dtype (<= u_s * |mean|) and casts each row on its own (the mean of
     the cast rows moves by <= u_s * mean|x|); float16 adds up to half its smallest subnormal
     per cast. u = eps / 2; the factor 2 covers the double rounding and the float64 re-sum.
+    The storage dtype's rounding comes from :func:`~embedpipe.store.storage_dtype.storage_limits`
+    (an integer dtype: no relative error, half a unit per cast).
     """
-    u_s = float(np.finfo(dtype).eps) / 2
-    u32 = float(np.finfo(np.float32).eps) / 2
-    atol = 2.0 * float(np.finfo(dtype).smallest_subnormal)
+    storage = storage_limits(dtype)
+    u_s = storage.relative_rounding
+    u32 = storage_limits(np.float32).relative_rounding
+    atol = 4.0 * storage.absolute_rounding  # half a unit (subnormal) per cast, two casts, doubled
     return 2.0 * (u_s * (np.abs(stored_mean) + abs_mean) + rows[:, None] * u32 * abs_mean) + atol
 
 

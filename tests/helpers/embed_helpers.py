@@ -151,3 +151,20 @@ def edit_test_checkpoint(path: Path, *, token_row_overrides: Mapping[str, float]
     data[MARKER_KEY] |= {"token_row_overrides": {k: float(v) for k, v in overrides.items()}, "edited": edit is not None}
     save(data, Path(path))
     return Path(path)
+
+
+def overflowing_prot_t5(directory: Path) -> Path:
+    """A 2-layer ProtT5 test directory whose 'C' embeds at 7e4 (inf once cast to fp16): the
+    records holding a C overflow under fp16, the others do not."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from embedpipe.model.random_hf import make_hf_test_model
+
+    make_hf_test_model(directory, family="prot-t5", layers=2, dim=32, heads=4, seed=2)
+    state = load_file(str(directory / "model.safetensors"))
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    state["shared.weight"][[p for p, _ in vocab].index("▁C")] = 7e4
+    save_file(state, str(directory / "model.safetensors"))
+    return directory

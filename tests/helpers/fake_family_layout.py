@@ -3,8 +3,9 @@
 Everything the family is lives here, as a family's module must (docs/architecture.md): its
 registration (``FAMILY``), ``describe`` (torch-free: Snakemake calls it while parsing the
 rules), ``load``/``inspect``, its "sources" (nothing to download) and a deterministic toy
-model: a token embedding, then ``LAYERS`` times tanh(x W), each token on its own, so that the
-stored vectors of any window equal :func:`reference` on the residues alone. Registered in
+model (:class:`Toy`: a token embedding, then ``LAYERS`` times tanh(x W), each token on its own), so
+that the stored vectors of any window equal :func:`reference` on the residues alone; the toy with
+another layout is also the family of tests/model/test_model_interface.py. Registered in
 any process through ``EMBEDPIPE_MODEL_FAMILIES=helpers.fake_family_layout`` (tests/ on PYTHONPATH):
 the CLI and the workflow run it with no change to embedpipe.
 """
@@ -23,37 +24,51 @@ from embedpipe.model import Family, MemoryEstimate, ModelFacts, TokenLayout
 PREFIX = "layout:"
 NAME = "fake-layout"
 LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
-PAD, EOS = 0, 1
+PAD, EOS, BOS = 0, 1, 2  # token ids; residues from 3
 DIM, LAYERS, WINDOW = 8, 2, 512
 LAYOUT = TokenLayout(bos=False, eos=True, window=WINDOW)
 
 
-def _weights() -> tuple[np.ndarray, list[np.ndarray]]:
-    rng = np.random.default_rng(7)
-    table = rng.normal(size=(2 + len(LETTERS), DIM)).astype(np.float32)
-    return table, [(rng.normal(size=(DIM, DIM)) / np.sqrt(DIM)).astype(np.float32) for _ in range(LAYERS)]
+@dataclass(frozen=True)
+class Toy:
+    """A toy family's numbers: its token layout, its letters and the seed of its weights. This
+    family is ``TOY``; tests/model/test_model_interface.py builds another (no special tokens)."""
+
+    layout: TokenLayout
+    letters: str = LETTERS
+    seed: int = 7
+
+    def weights(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        rng = np.random.default_rng(self.seed)
+        table = rng.normal(size=(3 + len(self.letters), DIM)).astype(np.float32)
+        return table, [(rng.normal(size=(DIM, DIM)) / np.sqrt(DIM)).astype(np.float32) for _ in range(LAYERS)]
+
+    def ids(self, seq: str) -> list[int]:
+        """The tokens of ``seq``: BOS and EOS where the layout puts them."""
+        return [BOS] * self.layout.bos + [3 + self.letters.index(c) for c in seq] + [EOS] * self.layout.eos
+
+    def reference(self, seq: str) -> dict[int, np.ndarray]:
+        """Per-residue vectors of every layer, in numpy, on the residues alone (no BOS/EOS row)."""
+        table, weights = self.weights()
+        x = table[[3 + self.letters.index(c) for c in seq]].astype(np.float64)
+        out = {0: x}
+        for layer, w in enumerate(weights, start=1):
+            x = np.tanh(x @ w)
+            out[layer] = x
+        return out
 
 
-def ids(seq: str) -> list[int]:
-    return [2 + LETTERS.index(c) for c in seq]
-
-
-def reference(seq: str) -> dict[int, np.ndarray]:
-    """Per-residue vectors of every layer, in numpy, on the residues alone (no EOS row)."""
-    table, weights = _weights()
-    x = table[ids(seq)].astype(np.float64)
-    out = {0: x}
-    for layer, w in enumerate(weights, start=1):
-        x = np.tanh(x @ w)
-        out[layer] = x
-    return out
+TOY = Toy(LAYOUT)
+reference = TOY.reference
 
 
 class Runner:
-    def __init__(self, policy: Any, device: Any) -> None:
+    """Token embedding, then ``LAYERS`` times tanh(x W): each token on its own."""
+
+    def __init__(self, toy: Toy, policy: Any, device: Any) -> None:
         import torch
 
-        table, weights = _weights()
+        table, weights = toy.weights()
         self.table = torch.from_numpy(table).to(device, policy.weight_dtype)
         self.weights = [torch.from_numpy(w).to(device, policy.weight_dtype) for w in weights]
 
@@ -75,34 +90,42 @@ class Runner:
 @dataclass
 class Model:
     name: str
+    toy: Toy = TOY
     source: str = "fake-layout-weights"
     sha256: str = "1" * 64
     trained: bool = False
     num_layers: int = LAYERS
     embed_dim: int = DIM
-    trained_window: int = WINDOW
-    token_layout: TokenLayout = LAYOUT
     family: str = NAME
     batch_layouts: tuple[str, ...] = ("padded",)
     provenance: dict[str, str] = field(default_factory=dict)
     seen_widths: list[int] = field(default_factory=list)  # tokenized widths, for the tests
 
+    @property
+    def token_layout(self) -> TokenLayout:
+        return self.toy.layout
+
+    @property
+    def trained_window(self) -> int:
+        return self.toy.layout.window
+
     def tokenize(self, sequences: Sequence[str]) -> Any:
-        """(B, longest + 1): the residues, EOS, then padding."""
+        """(B, longest + the layout's extra tokens): BOS, the residues, EOS, then padding."""
         import torch
 
-        width = max(map(len, sequences)) + 1
+        width = max(map(len, sequences)) + self.toy.layout.extra_tokens
         self.seen_widths.append(width)
         tokens = torch.full((len(sequences), width), PAD, dtype=torch.int64)
         for row, seq in enumerate(sequences):
-            tokens[row, : len(seq) + 1] = torch.tensor(ids(seq) + [EOS])
+            ids = self.toy.ids(seq)
+            tokens[row, : len(ids)] = torch.tensor(ids)
         return tokens
 
     def prepare(self, policy: Any, device: Any, attention: str = "sdpa", *, attention_inputs: str = "fp32") -> Runner:
-        return Runner(policy, device)
+        return Runner(self.toy, policy, device)
 
     def estimate_memory(self, policy: Any, *, attention_inputs: str = "fp32") -> MemoryEstimate:
-        parameters = (2 + len(LETTERS)) * DIM + LAYERS * DIM * DIM
+        parameters = (3 + len(self.toy.letters)) * DIM + LAYERS * DIM * DIM
         return MemoryEstimate(host_bytes=4 * parameters, weight_bytes=policy.weight_dtype.itemsize * parameters,
                               activation_bytes_per_token=4 * DIM * 2)
 

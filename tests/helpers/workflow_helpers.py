@@ -5,6 +5,7 @@ reading what a run leaves (job counts, the manifest, store values)."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -99,6 +100,15 @@ def snakemake(
 
 def run_workflow(workdir: Path, configfile: Path, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
     return snakemake(workdir, "--cores", CORES, *args, configfile=configfile, **kw)  # type: ignore[arg-type]
+
+
+def run_config(workdir: Path, config: dict[str, object], *, env: dict[str, str], timeout: float = 600) -> dict:
+    """Write ``config`` as ``workdir/config.yaml``, run the whole workflow on it and return the
+    run's ``shards.json`` (under ``config["outdir"]``), the first thing a model family's test checks."""
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_workflow(workdir, path, env=env, timeout=timeout)
+    return json.loads((workdir / str(config["outdir"]) / "shards" / "shards.json").read_text())
 
 
 def nothing_to_do(workdir: Path, configfile: Path) -> bool:

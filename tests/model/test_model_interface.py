@@ -2,8 +2,8 @@
 models without loading weights.
 
 This module is itself a (fake) model family: it defines ``load`` and ``inspect`` as a
-family's module must, and a deterministic toy model implementing ``EmbeddingModel``. The
-worker, the store writer and ``embed_fasta`` run it end to end without knowing about it. Its
+family's module must; its model implementing ``EmbeddingModel`` is the deterministic toy of
+tests/helpers/fake_family_layout.py with a layout and weights of its own. The worker, the store writer and ``embed_fasta`` run it end to end without knowing about it. Its
 token layout has no special tokens at all (the worker follows the declared layout, so the
 family need not copy ESM-2's BOS and EOS); tests/model/test_token_layout.py takes a family with
 another layout through shard, workflow and CLI.
@@ -15,93 +15,28 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
+from helpers import fake_family_layout as toy_family
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.fake_family_layout import DIM, LAYERS
 from embedpipe.cli import app
 from embedpipe.embed.run import embed_fasta
-from embedpipe.model import Family, MemoryEstimate, ModelFacts, registry
-from embedpipe.model.base import ForwardOutput, TokenLayout, masked_max_abs
-from embedpipe.runtime.precision import Policy
+from embedpipe.model import Family, ModelFacts, registry
+from embedpipe.model.base import TokenLayout
 from embedpipe.store import validate_store
 from embedpipe.embed.engine import EmbedOptions
 
 PREFIX = "fake:"
-LETTERS = "ACDEFGHIKLMNPQRSTVWY"
-PAD = 0
-DIM, LAYERS, WINDOW = 8, 2, 50
+WINDOW = 50
 LAYOUT = TokenLayout(bos=False, eos=False, window=WINDOW)  # residues only
-
-
-def _weights() -> tuple[np.ndarray, list[np.ndarray]]:
-    rng = np.random.default_rng(0)
-    table = rng.normal(size=(3 + len(LETTERS), DIM)).astype(np.float32)
-    return table, [(rng.normal(size=(DIM, DIM)) / np.sqrt(DIM)).astype(np.float32) for _ in range(LAYERS)]
-
-
-def reference(seq: str) -> dict[int, np.ndarray]:
-    """The toy model on one sequence alone, in numpy: per-residue vectors of every layer."""
-    table, weights = _weights()
-    x = table[[3 + LETTERS.index(c) for c in seq]]
-    out = {0: x}
-    for layer, w in enumerate(weights, start=1):
-        x = np.tanh(x @ w)
-        out[layer] = x
-    return out
-
-
-class FakeRunner:
-    """Token embedding, then ``LAYERS`` times tanh(x W): each token on its own."""
-
-    def __init__(self, policy: Policy, device: torch.device) -> None:
-        table, weights = _weights()
-        self.table = torch.from_numpy(table).to(device, policy.weight_dtype)
-        self.weights = [torch.from_numpy(w).to(device, policy.weight_dtype) for w in weights]
-
-    def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
-        keep = tokens.ne(PAD)
-        x = self.table[tokens]
-        hidden, max_abs = {0: x}, masked_max_abs(x, keep)
-        for layer, w in enumerate(self.weights, start=1):
-            x = torch.tanh(x @ w)
-            hidden[layer] = x
-            max_abs = torch.maximum(max_abs, masked_max_abs(x, keep))
-        return ForwardOutput(hidden={k: hidden[k] for k in layers}, max_abs=max_abs)
-
-
-@dataclass
-class FakeModel:
-    name: str
-    source: str = "fake"
-    sha256: str = "0" * 64
-    trained: bool = False
-    num_layers: int = LAYERS
-    embed_dim: int = DIM
-    trained_window: int = WINDOW
-    token_layout: TokenLayout = LAYOUT
-    provenance: dict[str, str] = field(default_factory=lambda: {"fair_esm_version": "none"})
-
-    def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
-        tokens = torch.full((len(sequences), max(map(len, sequences))), PAD, dtype=torch.int64)
-        for row, seq in enumerate(sequences):
-            tokens[row, : len(seq)] = torch.tensor([3 + LETTERS.index(c) for c in seq])
-        return tokens
-
-    def prepare(self, policy: Policy, device: torch.device, attention: str = "sdpa", *,
-                attention_inputs: str = "fp32") -> FakeRunner:
-        return FakeRunner(policy, device)
-
-    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
-        parameters = (3 + len(LETTERS)) * DIM + LAYERS * DIM * DIM
-        return MemoryEstimate(host_bytes=4 * parameters, weight_bytes=policy.weight_dtype.itemsize * parameters,
-                              activation_bytes_per_token=4 * DIM * 2)
+#: the toy model of tests/helpers/fake_family_layout.py, with this family's layout and weights
+TOY = toy_family.Toy(LAYOUT, letters="ACDEFGHIKLMNPQRSTVWY", seed=0)
+reference = TOY.reference
 
 
 def describe(spec: str) -> ModelFacts:
@@ -109,8 +44,9 @@ def describe(spec: str) -> ModelFacts:
                       trained_window=WINDOW, num_layers=LAYERS, embed_dim=DIM, trained=False, token_layout=LAYOUT)
 
 
-def load(spec: str) -> FakeModel:  # the family module's loader
-    return FakeModel(name=spec.removeprefix(PREFIX))
+def load(spec: str) -> toy_family.Model:  # the family module's loader
+    return toy_family.Model(name=spec.removeprefix(PREFIX), toy=TOY, source="fake", sha256="0" * 64, family="fake",
+                            provenance={"fair_esm_version": "none"})
 
 
 def inspect(facts: ModelFacts) -> ModelFacts:  # the family module's header reader

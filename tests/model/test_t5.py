@@ -17,6 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from helpers.embed_helpers import overflowing_prot_t5
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
 from embedpipe.model import describe, load_model
@@ -130,13 +131,7 @@ def test_fp16_overflow_surfaces_where_transformers_clamps_it(t5_dir: Path, tmp_p
 
 def test_overflow_of_a_record_does_not_depend_on_its_batch_mates(tmp_path: Path) -> None:
     """'C' embeds at 7e4 (inf once cast to fp16): exactly the records with C overflow, alone or batched."""
-    from safetensors.torch import load_file, save_file
-
-    directory = make_hf_test_model(tmp_path / "c", family="prot-t5", layers=2, dim=32, heads=4, seed=2)
-    state = load_file(str(directory / "model.safetensors"))
-    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
-    state["shared.weight"][[p for p, _ in vocab].index("▁C")] = 7e4
-    save_file(state, str(directory / "model.safetensors"))
+    directory = overflowing_prot_t5(tmp_path / "c")
     model = load_model(str(directory))
     seqs = ["MKTAYIAK", "MKCAYIAKQRQ", "GAVLIGAVLIGAVLIW", "CC", "PQRST"]
     for policy in ("fp16", "fp16-mixed"):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.embed_helpers import overflowing_prot_t5, random_sequences, read_store, write_fasta
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
@@ -115,13 +113,7 @@ def test_every_overflowing_record_falls_back_and_stores_fp32_values(policy: str,
 
 def test_a_batch_with_one_overflowing_record_falls_back_exactly_that_record(tmp_path: Path) -> None:
     """'C' embeds at 7e4 (inf in fp16): only the record with a C falls back, in one batch."""
-    from safetensors.torch import load_file, save_file
-
-    directory = make_hf_test_model(tmp_path / "c", family="prot-t5", layers=2, dim=32, heads=4, seed=2)
-    state = load_file(str(directory / "model.safetensors"))
-    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
-    state["shared.weight"][[p for p, _ in vocab].index("▁C")] = 7e4
-    save_file(state, str(directory / "model.safetensors"))
+    directory = overflowing_prot_t5(tmp_path / "c")
     records = [("clean1", "MKTAYIAK"), ("bad", "MKCAYIAKQRQ"), ("clean2", "GAVLIGAVLIW"), ("clean3", "PQRST")]
     reference = embed(directory, tmp_path, records, "fp32")
     store = embed(directory, tmp_path, records, "fp16", precision="fp16")
@@ -152,8 +144,7 @@ def test_bos_pooling_of_a_t5_is_refused_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_workflow_runs_a_t5_directory(tmp_path: Path) -> None:
     """model: a prot-t5 test directory; shards count one token per record; offline."""
-    import yaml
-    from helpers.workflow_helpers import SNAKEFILE, _env
+    from helpers.workflow_helpers import _env, run_config
 
     directory = make_hf_test_model(tmp_path / "pt5", family="prot-t5", layers=1, dim=16, heads=2, seed=4)
     records = random_sequences(10, (20, 120), seed=6)
@@ -161,13 +152,8 @@ def test_the_workflow_runs_a_t5_directory(tmp_path: Path) -> None:
     config = {"input": "in.fasta", "outdir": "out", "model": str(directory), "precision": "bf16", "layers": [-1],
               "per_residue": False, "device": "cpu", "tokens_per_batch": 1024, "tokens_per_shard": 400,
               "crosscheck": {"sample": 4, "seed": 0}, "exports": ["npy"]}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = _env(PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory",
-                           str(tmp_path), "--configfile", str(tmp_path / "config.yaml"), "--cores", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    listing = json.loads((tmp_path / "out" / "shards" / "shards.json").read_text())
+    listing = run_config(tmp_path, config, env=env)
     assert listing["tokens_per_record"] == 1 and len(listing["shards"]) > 1
     merged = tmp_path / "out" / "embeddings.h5"
     assert validate_store(merged) == []

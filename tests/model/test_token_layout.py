@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import h5py
@@ -108,23 +107,15 @@ def test_bos_pooling_is_refused_in_one_line(family, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_workflow_runs_the_family(tmp_path: Path) -> None:
     """shard (one token per record), embed, merge, crosscheck and export, offline."""
-    import yaml
-    from helpers.workflow_helpers import SNAKEFILE, _env
+    from helpers.workflow_helpers import _env, run_config
 
     records = random_sequences(12, (20, 120), seed=6) + [("long", random_sequences(1, [600], seed=7)[0][1])]
     write_fasta(tmp_path / "in.fasta", records)
     config = {"input": "in.fasta", "outdir": "out", "model": SPEC, "precision": "fp32", "layers": [-1],
               "per_residue": True, "device": "cpu", "tokens_per_batch": 1024, "tokens_per_shard": 700,
               "crosscheck": {"sample": 4, "seed": 0}, "exports": ["npy"]}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = _env(**{ENV: fake.__name__, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])})
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory",
-                           str(tmp_path), "--configfile", str(tmp_path / "config.yaml"), "--cores", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    listing = json.loads((tmp_path / "out" / "shards" / "shards.json").read_text())
+    listing = run_config(tmp_path, config, env=env)
     assert listing["tokens_per_record"] == 1 and len(listing["shards"]) > 1
     assert all(s["tokens"] == s["residues"] + s["records"] for s in listing["shards"])
     merged = tmp_path / "out" / "embeddings.h5"

@@ -67,7 +67,7 @@ def trace_embed(model_path, *, nan_row: int | None = None, **options) -> tuple[E
         facts = {"preparation": preparation, "attention_path": embedder.attention_path, "fallback_device": embedder.fallback_device,
                  "runner_devices": {name: sorted({str(p.fake_device) if is_fake_cuda(p) else str(p.device)
                                                   for p in runner.model.parameters()})
-                                    for name, runner in embedder._runners.items()}}
+                                    for name, runner in embedder.prepared.runners.items()}}
     return embedder, results, trace, facts
 
 

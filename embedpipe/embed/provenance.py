@@ -1,0 +1,54 @@
+"""What a store records about how it was made (docs/store-format.md, root attributes): the
+weights, the numerics, the device and the software, and how the batches ran."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from embedpipe import __version__
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
+from embedpipe.model.base import EmbeddingModel
+from embedpipe.runtime.precision import Policy
+
+
+def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, policy: Policy,
+               layers: list[int], source: Path | None) -> dict:
+    """Root attributes: which weights, which numerics, where, with what."""
+    config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
+    return {
+        "model_name": loaded.name,
+        "model_family": str(getattr(loaded, "family", "esm2")),
+        "model_source": loaded.source,
+        "model_sha256": loaded.sha256,
+        "model_trained": bool(loaded.trained),
+        "model_num_layers": loaded.num_layers,
+        **policy.provenance(),  # precision_policy, weight/compute/island dtypes (int8: its scheme)
+        "fallback_dtype": "float32",
+        "attention": options.attention,
+        "long_sequences": options.long_sequences,
+        "trained_window_residues": loaded.trained_window,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        **loaded.provenance,
+        "embedpipe_version": __version__,
+        "config": json.dumps(config, sort_keys=True),
+    }
+
+
+def batching_attrs(embedder: Embedder) -> dict[str, Any]:
+    """Root attributes of how the batches ran (docs/store-format.md): the resolved token budget
+    (``config`` keeps ``auto`` as given), the layout, attention path and q/k/v dtype. Read once
+    the forward has run, when the embedder's choices are final."""
+    return {
+        "tokens_per_batch": int(embedder.tokens_per_batch),
+        "batch_layout": embedder.batch_layout,
+        "attention_path": embedder.attention_path,
+        "attention_inputs": embedder.attention_inputs,
+    }
