@@ -61,6 +61,8 @@ class EmbedSummary:
     reused: int = 0  # records copied from a --reuse store, not computed
 
     def render(self) -> str:
+        if self.reused == self.records:
+            return f"reused all {self.records} records (copied from --reuse stores; nothing computed) -> {self.out}"
         rate = self.residues / self.seconds if self.seconds > 0 else float("nan")
         fell = sum(self.fallback.values())
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"

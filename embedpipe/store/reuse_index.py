@@ -14,6 +14,7 @@ the blocks its keys fall in: memory and I/O follow the job's own records.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.external_sort import ExternalSort, group_starts
+from embedpipe.core.output_guard import guard_outputs
 from embedpipe.store.format import STORE_UUID_ATTR, check_format, is_complete, open_h5, read_root_attrs
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.sequences import iter_sequence_blocks
@@ -66,6 +68,7 @@ def _sorted_entries(f: h5py.File, path: Path, work: Path | None) -> Iterable[np.
 def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
     """Write the reuse index of ``store`` to ``out`` (atomic); the number of distinct sequences."""
     store, out = Path(store), Path(out)
+    guard_outputs("reuse-index", [("--out", out)], [store])
     with open_h5(store) as f:
         check_format(f, store)
         if not is_complete(f):
@@ -132,3 +135,20 @@ class ReuseIndex:
                 rows = self._file["rows"][lo:lo + self.block]
                 out[mine[hit]] = rows[at[hit]]
         return out
+
+
+#: root attributes of a store written with ``embed --reuse`` (docs/store-format.md)
+REUSED_ATTRS = ("reused_count", "reused_sources")
+
+
+def reused_totals(attrs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The merged store's ``reused_count`` (the shards' sum) and ``reused_sources`` (their
+    union, records summed per source uuid); shards written before ``--reuse`` count 0."""
+    per: dict[str, dict[str, Any]] = {}
+    for shard in attrs:
+        listed = shard.get("reused_sources") or "[]"
+        for source in json.loads(listed) if isinstance(listed, str) else listed:
+            entry = per.setdefault(source["store_uuid"], {**source, "records": 0})
+            entry["records"] += int(source["records"])
+    return {"reused_count": sum(int(a.get("reused_count", 0)) for a in attrs),
+            "reused_sources": json.dumps(list(per.values()))}
