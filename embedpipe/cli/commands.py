@@ -117,6 +117,10 @@ def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
                              f"not {' '.join(values)!r}") from None
 
 
+REUSE_HELP = ("Copy records whose sequence this earlier store (or its reuse-index) holds, embedded with the same "
+              "model and options, instead of computing them; repeatable (docs/cluster.md, \"Release to release\").")
+
+
 @app.command()
 @user_errors
 def embed(
@@ -164,10 +168,7 @@ def embed(
     attention_inputs: str = typer.Option(
         EMBED.attention_inputs, "--attention-inputs",
         help=ATTENTION_INPUTS_HELP),
-    reuse: list[Path] = typer.Option(
-        [], "--reuse", metavar="STORE.h5",
-        help="Copy records whose sequence this earlier store (or its reuse-index) holds, embedded with the same "
-             "model and options, instead of computing them; repeatable (docs/cluster.md, \"Release to release\")."),
+    reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
@@ -179,8 +180,7 @@ def embed(
         attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
         batch_layout=batch_layout, attention_inputs=attention_inputs,
     )
-    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet,
-                            reuse=reuse)
+    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

@@ -144,8 +144,7 @@ def run_crosscheck(
         provenance, layers = st.provenance, st.layers
         table, lengths = _store_table(st)
         labelled = resolve_labels(labels, st) if labels is not None else None
-        reuse = reuse_part(table, provenance)
-        drawn = _draw_sample(st, store_path, lengths, sample, seed, labelled, labels, reuse.pop("_rows"))
+        drawn = _draw_sample(st, store_path, lengths, sample, seed, labelled, labels, computed_rows(table))
         reference = fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
                                    notes, quiet)
         records, problems = compare_records(st, drawn.records, reference.records, layers)
@@ -164,8 +163,7 @@ def run_crosscheck(
         **_store_part(store_path, provenance, len(lengths), layers, reference.dim, records, quiet),
         "model": reference.model_info,
         "reference": reference.settings,
-        **_sample_part(drawn, seed, sample),
-        "reuse": reuse,
+        **_sample_part(drawn, seed, sample), "reuse": reuse_part(table, provenance),
         "thresholds": asdict(thresholds) | {"effective_pass_cosine": pass_cos},
         "length_bins": drawn.bins,
         "neighbours": _neighbours_part(k_eff, k, len(lengths)),
@@ -235,16 +233,20 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
                    bins=describe_length_bins(edges, bin_of, rows))
 
 
-def reuse_part(table: dict[str, np.ndarray], provenance: dict[str, Any]) -> dict[str, Any]:
-    """The report's ``reuse`` entry: records copied by ``embed --reuse`` and their source stores;
-    ``_rows`` (popped by the caller) are the computed rows to sample from, or None for all."""
+def computed_rows(table: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The rows ``embed --reuse`` computed (the sample is drawn from them: the copies were
+    cross-checked with their source), or None to sample from all (none reused, or all)."""
     reused = np.asarray(table["reused_from"] != "", dtype=bool)
+    return None if not reused.any() or reused.all() else np.flatnonzero(~reused)
+
+
+def reuse_part(table: dict[str, np.ndarray], provenance: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``reuse`` entry: records copied by ``embed --reuse`` and their source stores."""
+    reused = int(np.count_nonzero(np.asarray(table["reused_from"] != "", dtype=bool)))
     listed = provenance.get("reused_sources") or "[]"
-    sample_all = not reused.any() or reused.all()
-    return {"reused_records": int(reused.sum()), "computed_records": int((~reused).sum()),
-            "sampled_from": "all records" if sample_all else "computed records only",
-            "sources": json.loads(listed) if isinstance(listed, str) else listed,
-            "_rows": None if sample_all else np.flatnonzero(~reused)}
+    return {"reused_records": reused, "computed_records": len(table["reused_from"]) - reused,
+            "sampled_from": "all records" if computed_rows(table) is None else "computed records only",
+            "sources": json.loads(listed) if isinstance(listed, str) else listed}
 
 
 def _versions() -> dict[str, Any]:
