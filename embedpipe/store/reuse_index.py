@@ -125,10 +125,15 @@ class ReuseIndex:
         if not len(q) or not len(self.fence):
             return out
         blocks = np.searchsorted(self.fence, q, side="right") - 1
-        for b in np.unique(blocks[blocks >= 0]).tolist():
-            lo = b * self.block
+        order = np.argsort(blocks, kind="stable")  # the digests of one block together: O(q log q)
+        ordered = blocks[order]
+        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        for first, last in zip(starts.tolist(), [*starts[1:].tolist(), len(ordered)]):
+            if ordered[first] < 0:  # before the first key: not in the store
+                continue
+            lo = int(ordered[first]) * self.block
             keys = self._file["keys"][lo:lo + self.block]
-            mine = np.flatnonzero(blocks == b)
+            mine = order[first:last]
             at = np.minimum(np.searchsorted(keys, q[mine]), len(keys) - 1)
             hit = keys[at] == q[mine]
             if hit.any():
