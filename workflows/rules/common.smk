@@ -270,27 +270,22 @@ def embed_options():
     return _join(args)
 
 
-def reuse_indexes():
-    """The reuse index of each `reuse` store (rule reuse_index): inputs of every embed job."""
-    return [f"{OUTDIR}/reuse/reuse-{k}.h5" for k in range(len(config["reuse"]))]
-
-
-def reuse_store(wildcards):
-    """The `reuse` store that index {k} is built from."""
-    return config["reuse"][int(wildcards.k)]
-
-
-def reuse_options(wildcards, input):
-    """`--reuse INDEX` per reuse store ("" without `reuse`)."""
-    return _join([word for index in input.reuse for word in ("--reuse", index)])
-
-
 def shard_options():
     """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's (the
     default: not passed, so existing runs stay up to date)."""
     if MODEL_LAYOUT.extra_tokens == embedpipe_model.ESM2_LAYOUT.extra_tokens:
         return ""
     return " " + _join(["--model", MODEL])
+
+
+def reuse_indexes():
+    """The sha256 index of each `reuse` store (built by reuse_index), an input of every embed job."""
+    return [f"{OUTDIR}/reuse/reuse-{k}.h5" for k in range(len(config["reuse"]))]
+
+
+def reuse_options():
+    """`--reuse INDEX` per reuse store; nothing without `reuse`."""
+    return _join([word for index in reuse_indexes() for word in ("--reuse", index)])
 
 
 def tokens_per_batch(wildcards, attempt):

@@ -35,7 +35,7 @@ rule embed:
         model=model_arg,
         options=embed_options(),
         stores=lambda wildcards, output: os.path.dirname(output[0]),
-        reuse=reuse_options,
+        reuse=reuse_options(),
     threads: 4
     retries: EMBED_RETRIES
     resources:
@@ -55,7 +55,7 @@ rule embed:
 
 rule reuse_index:
     input:
-        store=reuse_store,
+        store=lambda wildcards: config["reuse"][int(wildcards.k)],
     output:
         f"{OUTDIR}/reuse/reuse-{{k,\\d+}}.h5",
     log:
