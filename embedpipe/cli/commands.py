@@ -117,6 +117,10 @@ def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
                              f"not {' '.join(values)!r}") from None
 
 
+REUSE_HELP = ("Copy records whose sequence this earlier store (or its reuse-index) holds, embedded with the same "
+              "model and options, instead of computing them; repeatable (docs/cluster.md, \"Release to release\").")
+
+
 @app.command()
 @user_errors
 def embed(
@@ -164,6 +168,7 @@ def embed(
     attention_inputs: str = typer.Option(
         EMBED.attention_inputs, "--attention-inputs",
         help=ATTENTION_INPUTS_HELP),
+    reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
@@ -175,9 +180,21 @@ def embed(
         attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
         batch_layout=batch_layout, attention_inputs=attention_inputs,
     )
-    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet)
+    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse)
     if not quiet:
         print(summary.render(), file=sys.stderr)
+
+
+@app.command("reuse-index")
+@user_errors
+def reuse_index(
+    store: Path = typer.Argument(..., help="A shard store or merged embeddings.h5 of an earlier release."),
+    out: Path = typer.Option(..., "--out", help="The index file (written atomically), for embed --reuse."),
+) -> None:
+    """Index a store's sequences by sha256, once, so embed --reuse jobs read only what they need."""
+    from embedpipe.store.reuse_index import build_index
+
+    print(f"indexed {build_index(store, out)} distinct sequences of {store} -> {out}", file=sys.stderr)
 
 
 @app.command()

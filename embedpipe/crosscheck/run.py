@@ -62,7 +62,7 @@ CROSSCHECK_FORMAT_VERSION = 1
 DEFAULT_LENGTH_BINS = 4
 TABLE_BLOCK = 1 << 16  # rows of the per-record table read at once
 # the per-record text columns the store figures count (crosscheck_verdict.store_figures)
-COUNTED_COLUMNS = ("precision_used", "fallback_reason", "long_handling")
+COUNTED_COLUMNS = ("precision_used", "fallback_reason", "long_handling", "reused_from")
 OUTPUT_NAMES = ("crosscheck.json", "crosscheck.html")
 
 
@@ -144,7 +144,7 @@ def run_crosscheck(
         provenance, layers = st.provenance, st.layers
         table, lengths = _store_table(st)
         labelled = resolve_labels(labels, st) if labels is not None else None
-        drawn = _draw_sample(st, store_path, lengths, sample, seed, labelled, labels)
+        drawn = _draw_sample(st, store_path, lengths, sample, seed, labelled, labels, computed_rows(table))
         reference = fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
                                    notes, quiet)
         records, problems = compare_records(st, drawn.records, reference.records, layers)
@@ -163,7 +163,7 @@ def run_crosscheck(
         **_store_part(store_path, provenance, len(lengths), layers, reference.dim, records, quiet),
         "model": reference.model_info,
         "reference": reference.settings,
-        **_sample_part(drawn, seed, sample),
+        **_sample_part(drawn, seed, sample), "reuse": reuse_part(table, provenance),
         "thresholds": asdict(thresholds) | {"effective_pass_cosine": pass_cos},
         "length_bins": drawn.bins,
         "neighbours": _neighbours_part(k_eff, k, len(lengths)),
@@ -199,13 +199,17 @@ def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path,
 
 
 def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, seed: int,
-                 labelled: Labelled | None = None, labels: LabelOptions | None = None) -> _Sample:
+                 labelled: Labelled | None = None, labels: LabelOptions | None = None,
+                 candidates: np.ndarray | None = None) -> _Sample:
     """Step 1: a seeded, length-stratified sample (with labels: stratified by class, from the
-    labelled records), each record read with its stored vectors."""
+    labelled records; else from ``candidates``, the computed rows, when given), each record
+    read with its stored vectors."""
     if len(st) == 0:
         raise EmbedpipeError(f"{store_path}: the store holds no records; nothing to cross-check")
     if labelled is not None and labels is not None:
         rows = sample_labelled(labelled, sample, seed, labels.folds)
+    elif candidates is not None:  # embed --reuse: the copies were cross-checked with their source
+        rows = candidates[stratified_sample(lengths[candidates], sample, seed, n_bins=DEFAULT_LENGTH_BINS)]
     else:
         rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
     edges, bin_of = length_bins(lengths, n_bins=min(DEFAULT_LENGTH_BINS, rows.size))
@@ -227,6 +231,22 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
         })
     return _Sample(rows=rows, edges=edges, bin_of=bin_of, records=records,
                    bins=describe_length_bins(edges, bin_of, rows))
+
+
+def computed_rows(table: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The rows ``embed --reuse`` computed (the sample is drawn from them: the copies were
+    cross-checked with their source), or None to sample from all (none reused, or all)."""
+    reused = np.asarray(table["reused_from"] != "", dtype=bool)
+    return None if not reused.any() or reused.all() else np.flatnonzero(~reused)
+
+
+def reuse_part(table: dict[str, np.ndarray], provenance: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``reuse`` entry: records copied by ``embed --reuse`` and their source stores."""
+    reused = int(np.count_nonzero(np.asarray(table["reused_from"] != "", dtype=bool)))
+    listed = provenance.get("reused_sources") or "[]"
+    return {"reused_records": reused, "computed_records": len(table["reused_from"]) - reused,
+            "sampled_from": "all records" if computed_rows(table) is None else "computed records only",
+            "sources": json.loads(listed) if isinstance(listed, str) else listed}
 
 
 def _versions() -> dict[str, Any]:

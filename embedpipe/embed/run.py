@@ -38,6 +38,7 @@ from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
 from embedpipe.embed.provenance import batching_attrs, provenance
+from embedpipe.embed.reuse import Job, Reuse, predict_identity
 
 #: options that change how a job runs, not its numbers' identity for resuming: a retry's smaller
 #: batches, threads, where fallback records run (docs/cluster.md, "Resuming, rerunning")
@@ -55,8 +56,11 @@ class EmbedSummary:
     padding_efficiency: float
     tokens_per_batch: int  # the budget the batches were planned with
     tokens_per_batch_auto: bool  # sized by --tokens-per-batch auto, not given
+    reused: int = 0  # records copied from a --reuse store, not computed
 
     def render(self) -> str:
+        if self.reused == self.records:
+            return f"reused all {self.records} records (copied from --reuse stores; nothing computed) -> {self.out}"
         rate = self.residues / self.seconds if self.seconds > 0 else float("nan")
         fell = sum(self.fallback.values())
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"
@@ -67,6 +71,9 @@ class EmbedSummary:
             f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}; "
             f"{budget}",
         ]
+        if self.reused:
+            lines.append(f"reused {self.reused} of {self.records} records (copied from --reuse stores), "
+                         f"computed {self.records - self.reused}")
         return "\n".join(lines)
 
 
@@ -89,11 +96,12 @@ def _model_file(model: str) -> list[Path]:
     return [path] if path.is_file() else []
 
 
-def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str) -> None:
-    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input or
-    another output, ``--done`` can be written, and no shard is empty."""
+def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str,
+                 reuse: Sequence[Path] = ()) -> None:
+    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input
+    (a reuse store included) or another output, ``--done`` can be written, and no shard is empty."""
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
-    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model)])
+    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *map(Path, reuse)])
     if done is not None:
         check_output_path(Path(done))
     for fasta in fastas:
@@ -110,16 +118,32 @@ def _read_records(fasta: Path) -> list[tuple[str, str]]:
     return records
 
 
-def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False) -> EmbedSummary:
-    """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic)."""
+def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False,
+                reuse: Sequence[Path] = ()) -> EmbedSummary:
+    """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
+    a ``reuse`` store holds is copied (embedpipe.embed.reuse)."""
     options.validate()
     started = time.perf_counter()
-    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model)])
+    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model), *map(Path, reuse)])
     records = _read_records(fasta)
     check_output_path(Path(out))
-    with _model_on(model, options) as (loaded, device):
-        return _embed_records(_embedder(loaded, options, device, quiet), records, Path(fasta), Path(out), started,
+    with _job(model, options, reuse, quiet) as job:
+        return _embed_records(job, records, Path(fasta), Path(out), started,
                               {"input_sha256": file_sha256(Path(fasta))}, quiet)
+
+
+@contextlib.contextmanager
+def _job(model: str, options: EmbedOptions, reuse: Sequence[Path], quiet: bool) -> Iterator[Job]:
+    """The job's reuse stores and its model, claimed and loaded only when a record must be computed."""
+    with contextlib.ExitStack() as stack:
+        sources = stack.enter_context(Reuse(reuse, quiet)) if reuse else None
+
+        def load() -> tuple[Embedder, str]:
+            loaded, device = stack.enter_context(_model_on(model, options))
+            embedder = _embedder(loaded, options, device, quiet)
+            return embedder, embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
+
+        yield Job(sources, load, predict_identity(sources, model, options, embed_identity), options)
 
 
 def _embedder(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, quiet: bool) -> Embedder:
@@ -130,52 +154,64 @@ def _embedder(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devic
     return embedder
 
 
-def _embed_records(embedder: Embedder, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
+def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
                    extra: dict[str, str], quiet: bool) -> EmbedSummary:
-    """``records`` (read from ``fasta``) into the store ``out`` with the job's embedder."""
-    loaded, options, device = embedder.loaded, embedder.options, embedder.device
-    embedder.new_input()
-    plan = embedder.plan(records)
-    attrs = provenance(loaded, options, device, embedder.policy, embedder.layers, fasta)
-    attrs |= extra | {"embed_identity": embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)}
+    """``records`` (read from ``fasta``) into the store ``out``: copies of what the reuse stores
+    hold, the rest computed with the job's embedder (the model loaded when first needed)."""
+    work = job.split(records)
+    embedder = job.embedder() if work.todo else None
+    plan = None
+    if embedder is not None:
+        embedder.new_input()
+        plan = embedder.plan(work.computing)
+        attrs = provenance(embedder.loaded, embedder.options, embedder.device, embedder.policy, embedder.layers, fasta)
+    else:
+        attrs = job.reuse.provenance(work.found, fasta)  # type: ignore[union-attr]
+    options = job.options
+    layers, dim, pooling = job.layout()
     with StoreWriter(
         out,
         ids=[r for r, _ in records],
         sequences=[s for _, s in records],
-        residue_rows=plan.rows if options.per_residue else None,
-        layers=embedder.layers,
-        dim=loaded.embed_dim,
+        residue_rows=work.residue_rows(plan.rows if plan else None) if options.per_residue else None,
+        layers=layers,
+        dim=dim,
         storage_dtype=options.storage_dtype,
-        attrs=attrs,
-        pooling=embedder.pooling,
+        attrs=attrs | extra | work.counts() | {"embed_identity": job.identity},
+        pooling=pooling,
     ) as writer:
         # HDF5 writes on a thread of their own; it is joined before the writer finalizes or
         # aborts (any failure leaves no store), and the generator is closed either way
-        with BackgroundWriter(writer.write) as background, \
-                contextlib.closing(embedder.embed(records, plan, quiet=quiet)) as results:
-            for index, record in results:
+        with BackgroundWriter(writer.write) as background:
+            for index, record in work.copies():
                 background.put(index, record)
-        fallback = {k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
-        writer.set_attrs(
-            fallback_count=int(embedder.stats["fallback"]),
-            fallback_reasons=json.dumps(fallback, sort_keys=True),
-            padding_efficiency=plan.padding_efficiency,
-            fallback_device=embedder.fallback_device or "none",
-            **batching_attrs(embedder),
-            finished_utc=utc_now(),
-        )
+            if embedder is not None:
+                with contextlib.closing(embedder.embed(work.computing, plan, quiet=quiet)) as results:
+                    for j, record in results:
+                        background.put(work.todo[j], record)
+        fallback = _fallback_counts(embedder, work.fallbacks())
+        writer.set_attrs(fallback_count=sum(fallback.values()), fallback_reasons=json.dumps(fallback, sort_keys=True),
+                         finished_utc=utc_now(), **(_run_attrs(embedder, plan) if embedder is not None else {}))
     return EmbedSummary(
-        out=out,
-        records=len(records),
-        residues=sum(len(s) for _, s in records),
-        seconds=time.perf_counter() - started,
-        precision=options.precision,
-        device=str(device),
-        fallback=fallback,
-        padding_efficiency=plan.padding_efficiency,
-        tokens_per_batch=embedder.tokens_per_batch,
-        tokens_per_batch_auto=options.tokens_per_batch == AUTO,
-    )
+        out=out, records=len(records), residues=sum(len(s) for _, s in records),
+        seconds=time.perf_counter() - started, precision=options.precision,
+        device=str(embedder.device) if embedder is not None else "no device (all reused)", fallback=fallback,
+        padding_efficiency=plan.padding_efficiency if plan else 1.0,
+        tokens_per_batch=embedder.tokens_per_batch if embedder is not None else 0,
+        tokens_per_batch_auto=options.tokens_per_batch == AUTO, reused=len(work.found))
+
+
+def _fallback_counts(embedder: Embedder | None, copied: int) -> dict[str, int]:
+    """fp32 fallbacks by reason: the computed records' and, as ``reused``, the copies that carry one."""
+    fallback = {} if embedder is None else {
+        k.split(":", 1)[1]: v for k, v in embedder.stats.items() if k.startswith("fallback:")}
+    return fallback | ({"reused": copied} if copied else {})
+
+
+def _run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
+    """Root attributes of how the computed records ran."""
+    return {"padding_efficiency": plan.padding_efficiency, "fallback_device": embedder.fallback_device or "none",
+            **batching_attrs(embedder)}
 
 
 # ------------------------------------------------------------------------------ groups of shards
@@ -246,36 +282,38 @@ def _group_outputs(fastas: Sequence[Path], out_dir: Path) -> list[Path]:
 
 
 def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: EmbedOptions,
-                 done: Path | None = None, quiet: bool = False) -> GroupSummary:
+                 done: Path | None = None, quiet: bool = False, reuse: Sequence[Path] = ()) -> GroupSummary:
     """Embed each shard into ``out_dir/STEM.h5`` with one model load; keep current stores.
 
     Each store is locked for the whole job (a second job on the same stores is refused), a
     store is kept only when its checksums and checks pass, and ``done`` (the workflow's output
     of the job) is written last, after every store's identity is checked once more: it exists
-    only once every shard of the group has its store (embedpipe.embed.group_marker).
+    only once every shard of the group has its store (embedpipe.embed.group_marker). With
+    ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
     options.validate()
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = _group_outputs(fastas, out_dir)
-    _check_group(fastas, stores, done, model)
+    _check_group(fastas, stores, done, model, reuse)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
-    with holding([(_lock_path(s), str(s)) for s in stores]), _model_on(model, options) as (loaded, device):
-        embedder = _embedder(loaded, options, device, quiet)  # one per group: models prepared once
-        identity = embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
-        legacy = legacy_identity(options, loaded.sha256, embedder.computed_as)
+    with holding([(_lock_path(s), str(s)) for s in stores]), _job(model, options, reuse, quiet) as job:
+        also: tuple[str, ...] = ()
+        if job.identity is None:  # not known without the model: loaded first, as without --reuse
+            embedder = job.embedder()  # one per group: models prepared once
+            also = (legacy_identity(options, embedder.loaded.sha256, embedder.computed_as),)
         for fasta, store, digest in zip(fastas, stores, digests):
-            if _keep(store, identity, digest, quiet, legacy):
+            if _keep(store, str(job.identity), digest, quiet, *also):
                 summary.kept.append(store)
                 continue
             summary.embedded.append(_embed_records(
-                embedder, _read_records(Path(fasta)), Path(fasta), store, time.perf_counter(),
+                job, _read_records(Path(fasta)), Path(fasta), store, time.perf_counter(),
                 {"input_sha256": digest}, quiet))
         if done is not None:
-            _check_still_current(stores, digests, identity, legacy)
-            write_marker(Path(done), json.loads(identity), fastas, stores, digests)
+            _check_still_current(stores, digests, str(job.identity), *also)
+            write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -308,12 +346,13 @@ def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identit
 
 
 def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_dir: Path | None,
-                  done: Path | None, options: EmbedOptions, quiet: bool = False) -> EmbedSummary | GroupSummary:
+                  done: Path | None, options: EmbedOptions, quiet: bool = False,
+                  reuse: Sequence[Path] = ()) -> EmbedSummary | GroupSummary:
     """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number."""
     if out_dir is None:
         if out is None or len(fastas) != 1 or done is not None:
             raise EmbedpipeError("give one FASTA with --out STORE.h5, or any number with --out-dir DIR [--done FILE]")
-        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet)
+        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet, reuse=reuse)
     if out is not None:
         raise EmbedpipeError("--out and --out-dir exclude each other: --out names the store of one FASTA")
-    return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet)
+    return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet, reuse=reuse)

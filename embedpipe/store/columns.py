@@ -53,6 +53,7 @@ class EmbeddedRecord:
     long_handling: str = "none"  # none | chunked | truncated | full
     embedded_length: int = -1  # residues actually embedded (== length unless truncated)
     windows: int = 1  # forward windows used (chunked long sequences)
+    reused_from: str = ""  # store_uuid of the store it was copied from (embed --reuse); "" = computed
 
     @property
     def length(self) -> int:
@@ -117,6 +118,7 @@ COLUMNS: dict[str, Column] = {
         Column("long_handling", STR, "none"),
         Column("embedded_length", "int64", 0),
         Column("windows", "int64", 1),
+        Column("reused_from", STR, "", required_since=None),  # embed --reuse (docs/store-format.md)
     )
 }
 

@@ -66,6 +66,7 @@ from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
 from embedpipe.store.info import human_bytes
 from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
+from embedpipe.store.reuse_index import REUSED_ATTRS, reused_totals
 from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
@@ -79,7 +80,7 @@ MERGE_WRITE_OPTIONS = {**WRITE_OPTIONS, "rdcc_nbytes": 8 << 20}
 MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue", "pooling")
 #: attributes describing one file, never carried over as merged provenance
 _PER_FILE = {"created_utc", "complete", "merged_from", "merged_rows", "shard_provenance", "varying_attrs",
-             "config_varying", "alias_count", "skipped_count", MERGED_SOURCES_ATTR} | set(RESERVED_ATTRS)
+             "config_varying", "alias_count", "skipped_count", MERGED_SOURCES_ATTR, *REUSED_ATTRS} | set(RESERVED_ATTRS)
 
 
 @dataclass
@@ -280,6 +281,7 @@ class _Merge:
             "config_varying": self.config_varying,
             "alias_count": self.aliases,
             "skipped_count": self.skipped,
+            **reused_totals([s.attrs for s in self.shards]),  # embed --reuse: summed (docs/store-format.md)
         }
 
     def write(self, f: h5py.File, work: Path) -> None:
@@ -428,11 +430,9 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
         merge.write(f, out_dir)
     return MergeSummary(
         out=out,
-        stores=len(shards),
-        records=merge.n,
+        stores=len(shards), records=merge.n,
         per_residue_rows=int(merge.residue_rows[-1]) if merge.per_residue else 0,
-        aliases=merge.aliases,
-        skipped=merge.skipped,
+        aliases=merge.aliases, skipped=merge.skipped,
         skipped_by_reason=merge.skipped_by_reason,
         varying_attrs=merge.varying,
         file_size=out.stat().st_size,

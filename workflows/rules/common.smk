@@ -278,6 +278,16 @@ def shard_options():
     return " " + _join(["--model", MODEL])
 
 
+def reuse_indexes():
+    """The sha256 index of each `reuse` store (built by reuse_index), an input of every embed job."""
+    return [f"{OUTDIR}/reuse/reuse-{k}.h5" for k in range(len(config["reuse"]))]
+
+
+def reuse_options():
+    """`--reuse INDEX` per reuse store; nothing without `reuse`."""
+    return _join([word for index in reuse_indexes() for word in ("--reuse", index)])
+
+
 def tokens_per_batch(wildcards, attempt):
     """A retried embed job gets a smaller batch: tokens_per_batch // attempt. `auto` stays
     `auto`: each attempt sizes its batches from the device's free memory again, and a batch

@@ -20,6 +20,8 @@ rule embed:
         # that read a checkpoint whose outputs the rule does not take
         manifest=f"{OUTDIR}/shards/manifest.tsv",
         model=model_input(),
+        # `reuse`: each earlier store's sha256 index; a job copies what it holds (docs/cluster.md)
+        reuse=reuse_indexes(),
     output:
         f"{OUTDIR}/stores/group-{{group}}.json",
     log:
@@ -33,6 +35,7 @@ rule embed:
         model=model_arg,
         options=embed_options(),
         stores=lambda wildcards, output: os.path.dirname(output[0]),
+        reuse=reuse_options(),
     threads: 4
     retries: EMBED_RETRIES
     resources:
@@ -42,5 +45,25 @@ rule embed:
         tokens_per_batch=tokens_per_batch,
     shell:
         "embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
-        " --done {output:q} {params.options} --tokens-per-batch {resources.tokens_per_batch}"
+        " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
         " --threads {threads} > {log:q} 2>&1"
+
+
+# `reuse`: one sorted sha256 index per earlier store, built once (memory bounded by an external
+# sort), so no embed job reads the earlier store's sequences (docs/cluster.md, "Release to release").
+
+
+rule reuse_index:
+    input:
+        store=lambda wildcards: config["reuse"][int(wildcards.k)],
+    output:
+        f"{OUTDIR}/reuse/reuse-{{k,\\d+}}.h5",
+    log:
+        f"{OUTDIR}/logs/reuse_index/reuse-{{k}}.log",
+    conda:
+        "../envs/embedpipe.yaml"
+    resources:
+        mem_mb=1024,
+        runtime=120,
+    shell:
+        "embedpipe reuse-index {input.store:q} --out {output:q} > {log:q} 2>&1"

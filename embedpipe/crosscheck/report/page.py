@@ -308,6 +308,12 @@ def _provenance_section(data: dict) -> str:
                    f"seed {data['sample_seed']}, {len(data['length_bins'])} length bin(s)"],
         ["embedpipe", data["embedpipe_version"]], ["report created", data["created_utc"]],
     ]
+    reuse = data.get("reuse") or {}
+    if reuse.get("reused_records"):  # embed --reuse: copies are the source's, cross-checked there
+        rows.insert(-2, ["reused records", f"{reuse['reused_records']:,} copied, not computed (the sample is drawn "
+                                           f"from {reuse['sampled_from']}); from " + ", ".join(
+                                               f"{s['store_uuid']} ({s['path']}, {s['records']:,})"
+                                               for s in reuse["sources"])])
     table = "".join(f'<tr><th class="t">{_e(a)}</th><td class="mono">{_e(b)}</td></tr>' for a, b in rows)
     prov = "".join(f'<tr><th class="t">{_e(a)}</th><td class="mono">{_e(b)}</td></tr>'
                    for a, b in _kv_rows(data["provenance"]))

@@ -1,0 +1,343 @@
+"""``embed --reuse``: copy the records an earlier store already holds instead of computing them.
+
+A record whose ``sha256(sequence)`` is in a reuse store embedded with the same identity (the
+resume identity, :func:`embedpipe.embed.run.embed_identity`) is copied: its stored vectors
+(bit-identical: the stored values are written back in the same storage dtype) and every
+per-record column, with ``reused_from`` set to the source's ``store_uuid``. Lookups go
+through the source's reuse index (:mod:`embedpipe.store.reuse_index`), so a job reads only
+what its own records need. The identity is checked before the model is loaded
+(:func:`predicted_computed_as`): a job whose records are all reused loads no model.
+docs/cluster.md, "Release to release"; docs/store-format.md, ``reused_from``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.core.progress import say
+from embedpipe.model import registry
+from embedpipe.model.layers import resolve_layers
+from embedpipe.runtime import attention as attention_choice
+from embedpipe.runtime.precision import dtype_name, get_policy
+from embedpipe.store import EmbeddedRecord, open_store
+from embedpipe.store.columns import COLUMNS
+from embedpipe.store.format import RESERVED_ATTRS, read_root_attrs
+from embedpipe.store.reader import Store
+from embedpipe.store.reuse_index import ReuseIndex, build_index, is_index, sequence_digests
+
+#: root attributes of a source that describe that file or its run, not how the numbers were made:
+#: not carried into an all-reused store (which gets its own)
+_NOT_CARRIED = frozenset({
+    "created_utc", "finished_utc", "input", "input_sha256", "embed_identity", "fallback_count", "fallback_reasons",
+    "padding_efficiency", "reused_count", "reused_sources", "merged_from", "merged_rows", "shard_provenance",
+    "varying_attrs", "config_varying", "alias_count", "skipped_count", "merged_sources",
+    "storage_dtype", "layers", "dim", "per_residue", "pooling"}) | RESERVED_ATTRS
+
+
+def model_facts(spec: str) -> tuple[str, bool] | None:
+    """(model sha256, whether the family packs batches) from the checkpoint's files, weights
+    unread; None for a family this does not know (the model is then loaded to check)."""
+    family = registry.family_for(spec)
+    if family.name == "esm2":
+        from embedpipe.model.downloads import checkpoint_sha256, resolve_checkpoint
+        return checkpoint_sha256(resolve_checkpoint(spec)), True
+    if family.name == "hf":
+        from embedpipe.model import hf_checkpoint as hf
+        directory = hf.resolve_directory(spec)
+        config = hf.read_config(directory)
+        return hf.weights_sha256(hf.weight_files(directory)), config["model_type"] == "esm"
+    return None
+
+
+def predicted_computed_as(options: EmbedOptions, device: torch.device, packs: bool) -> dict[str, str]:
+    """``Embedder.computed_as`` without a model: the same decisions (embedpipe.runtime.attention)."""
+    policy = get_policy(options.precision)
+    layout = attention_choice.batch_layout(options, policy, device) if packs else "padded"
+    return {"device_type": device.type, "batch_layout": layout,
+            "attention_inputs": dtype_name(attention_choice.qkv_dtype(options, policy, device))}
+
+
+def predicted_layers(options: EmbedOptions, num_layers: int) -> list[int]:
+    return resolve_layers(options.layers, num_layers)
+
+
+def _flat(identity: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in identity.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def first_difference(theirs: str, ours: str) -> tuple[str, Any, Any] | None:
+    """(option, their value, ours) of the first option (sorted by name) the identities differ in."""
+    a, b = _flat(json.loads(theirs)), _flat(json.loads(ours))
+    missing = "(not recorded)"
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, missing) != b.get(key, missing):
+            return key, a.get(key, missing), b.get(key, missing)
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A table value (numpy scalar or str) as a plain Python value."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+@dataclass
+class Source:
+    """One reuse store: its index (fence in memory) and, once a row is copied, the store."""
+
+    path: Path
+    index: ReuseIndex
+    uuid: str
+    identity: str
+    num_layers: int | None
+    _store: Store | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.path)
+            if self._store.provenance.get("store_uuid") != self.uuid:
+                raise EmbedpipeError(f"--reuse {self.path}: the store was rewritten since its reuse index "
+                                     f"{self.index.path} was built; build the index again")
+        return self._store
+
+    def check(self, identity: str) -> None:
+        """One line naming the first option this store was embedded with differently."""
+        diff = first_difference(self.identity, identity)
+        if diff is not None:
+            key, theirs, ours = diff
+            raise EmbedpipeError(f"--reuse {self.path}: embedded with {key} {theirs!r}, this run {ours!r}; "
+                                 "only a store embedded with the same model and options can be reused")
+
+    def check_model(self, sha256: str) -> None:
+        """The model first: another model makes every other difference moot."""
+        theirs = str(self.index.attrs.get("model_sha256", ""))
+        if theirs != sha256:
+            raise EmbedpipeError(f"--reuse {self.path}: embedded with model_sha256 {theirs!r}, this run {sha256!r}; "
+                                 "only a store embedded with the same model and options can be reused")
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+        self.index.close()
+
+
+def _open_source(path: Path, work: Path, quiet: bool) -> Source:
+    """A reuse store, given as the store (indexed now, into ``work``) or as its index."""
+    path = Path(path)
+    if not path.exists():
+        raise EmbedpipeError(f"--reuse {path}: no such file")
+    if not is_index(path):
+        index_path = work / f"{len(list(work.iterdir()))}.reuse.h5"
+        n = build_index(path, index_path, work=work)
+        say(f"--reuse {path}: indexed {n} sequences (at scale, build the index once: embedpipe reuse-index)",
+            quiet=quiet)
+        path = index_path
+    index = ReuseIndex(path)
+    store = Path(str(index.attrs["store_path"]))
+    identity = str(index.attrs.get("embed_identity", ""))
+    if not identity:
+        index.close()
+        raise EmbedpipeError(f"--reuse {store}: the store records no embed_identity (its shards were embedded "
+                             "with different options, or by an older embedpipe); reuse its shard stores")
+    layers = index.attrs.get("model_num_layers")
+    return Source(store, index, index.store_uuid, identity, int(layers) if layers is not None else None)
+
+
+class Reuse:
+    """The reuse stores of one embed job, in the order given (the first that holds a sequence wins)."""
+
+    def __init__(self, paths: Sequence[Path], quiet: bool = True) -> None:
+        self._work = contextlib.ExitStack()
+        work = Path(self._work.enter_context(tempfile.TemporaryDirectory(prefix=".embedpipe-reuse-")))
+        self.sources: list[Source] = []
+        self.copied_fallbacks = 0  # copies that carry an fp32 fallback
+        try:
+            for path in paths:
+                self.sources.append(_open_source(Path(path), work, quiet))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        self._work.close()
+
+    def __enter__(self) -> Reuse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check(self, identity: str) -> None:
+        for source in self.sources:
+            source.check(identity)
+
+    def find(self, records: Sequence[tuple[str, str]]) -> dict[int, tuple[int, int]]:
+        """Record index -> (source number, row) for each record a source holds."""
+        digests = sequence_digests(s for _, s in records)
+        found: dict[int, tuple[int, int]] = {}
+        left = np.arange(len(records))
+        for number, source in enumerate(self.sources):
+            rows = source.index.lookup(digests[left])
+            hit = rows >= 0
+            found |= {int(i): (number, int(r)) for i, r in zip(left[hit], rows[hit])}
+            left = left[~hit]
+        return found
+
+    def embedded_rows(self, found: dict[int, tuple[int, int]]) -> dict[int, int]:
+        """Record index -> the per-residue rows its copy holds (the source's ``embedded_length``)."""
+        return {i: int(self.sources[s].store.records(rows=slice(r, r + 1))["embedded_length"][0])
+                for i, (s, r) in found.items()}
+
+    def copies(self, records: Sequence[tuple[str, str]],
+               found: dict[int, tuple[int, int]]) -> Iterator[tuple[int, EmbeddedRecord]]:
+        """Each found record as read from its source, in the sources' row order (chunk reuse)."""
+        for index, (number, row) in sorted(found.items(), key=lambda item: item[1]):
+            record = self._copy(records[index], self.sources[number], row)
+            self.copied_fallbacks += bool(record.fallback_reason)
+            yield index, record
+
+    def _copy(self, record: tuple[str, str], source: Source, row: int) -> EmbeddedRecord:
+        st = source.store
+        table = st.records(sequence=True, rows=slice(row, row + 1))
+        if table["sequence"][0] != record[1]:
+            raise EmbedpipeError(f"--reuse {source.path}: row {row} does not hold the sequence of {record[0]!r} "
+                                 f"(a stale reuse index {source.index.path}); build the index again")
+        fields = {c.attr or c.name: _plain(table[c.name][0]) for c in COLUMNS.values()
+                  if not c.announced and c.name in table}
+        fields["reused_from"] = source.uuid
+        pooled = {p: {k: st.mean_rows(slice(row, row + 1), k, pooling=p)[0] for k in st.layers} for p in st.pooling}
+        residues = ({k: st.per_residue_rows(slice(row, row + 1), k)[0] for k in st.layers}
+                    if st.has_per_residue else None)
+        return EmbeddedRecord(id=record[0], sequence=record[1], mean=pooled["mean"], bos=pooled.get("bos"),
+                              per_residue=residues, **fields)
+
+    def provenance(self, found: dict[int, tuple[int, int]], fasta: Path) -> dict[str, Any]:
+        """Root attributes of a store whose records are all copies: the first source's, less
+        what describes that file (:data:`_NOT_CARRIED`), ``config`` naming this input."""
+        number = min(s for s, _ in found.values())
+        with h5py.File(self.sources[number].path, "r") as f:
+            attrs = read_root_attrs(f)
+        out = {k: v for k, v in attrs.items() if k not in _NOT_CARRIED}
+        if isinstance(out.get("config"), dict):
+            out["config"] = json.dumps(out["config"] | {"input": str(fasta)}, sort_keys=True)
+        return out
+
+    def counts(self, found: dict[int, tuple[int, int]]) -> dict[str, Any]:
+        """``reused_count`` and ``reused_sources`` (uuid, path, records) for the store's root."""
+        per = Counter(s for s, _ in found.values())
+        sources = [{"store_uuid": self.sources[s].uuid, "path": str(self.sources[s].path), "records": n}
+                   for s, n in sorted(per.items())]
+        return {"reused_count": len(found), "reused_sources": json.dumps(sources)}
+
+
+@dataclass
+class Work:
+    """One store's records split: copies (index -> source, row) and the indices to compute."""
+
+    records: Sequence[tuple[str, str]]
+    found: dict[int, tuple[int, int]]
+    todo: list[int]
+    reuse: Reuse | None
+
+    @property
+    def computing(self) -> list[tuple[str, str]]:
+        return [self.records[i] for i in self.todo]
+
+    def residue_rows(self, plan_rows: Sequence[int] | None) -> list[int]:
+        """Per-residue rows of every record: the copies' from their sources, the plan's for the rest."""
+        rows = [0] * len(self.records)
+        for j, i in enumerate(self.todo):
+            rows[i] = int(plan_rows[j])  # type: ignore[index]
+        if self.found:
+            for i, n in self.reuse.embedded_rows(self.found).items():  # type: ignore[union-attr]
+                rows[i] = n
+        return rows
+
+    def copies(self) -> Iterator[tuple[int, EmbeddedRecord]]:
+        return self.reuse.copies(self.records, self.found) if self.found else iter(())  # type: ignore[union-attr]
+
+    def counts(self) -> dict[str, Any]:
+        return self.reuse.counts(self.found) if self.reuse is not None else {}
+
+    def fallbacks(self) -> int:
+        """Copies that carry an fp32 fallback (counted in the store's ``fallback_count``)."""
+        return self.reuse.copied_fallbacks if self.reuse is not None else 0
+
+
+class Job:
+    """What one embed job embeds with: the reuse stores, and the model, loaded only when a
+    record must be computed (``load`` returns the job's embedder and its identity)."""
+
+    def __init__(self, reuse: Reuse | None, load: Callable[[], tuple[Any, str]], predicted: str | None,
+                 options: EmbedOptions) -> None:
+        self.reuse = reuse
+        self.options = options
+        self._load = load
+        self._embedder: Any = None
+        #: the identity of every store the job writes: predicted without the model when reuse allows
+        self.identity = predicted
+
+    def split(self, records: Sequence[tuple[str, str]]) -> Work:
+        found = self.reuse.find(records) if self.reuse is not None else {}
+        return Work(records, found, [i for i in range(len(records)) if i not in found], self.reuse)
+
+    def embedder(self) -> Any:
+        """The job's embedder, the model loaded on first use; its identity checked against the
+        reuse stores and the one predicted before loading."""
+        if self._embedder is None:
+            self._embedder, identity = self._load()
+            if self.reuse is not None:
+                self.reuse.check(identity)
+            if self.identity is not None and self.identity != identity:
+                key = (first_difference(self.identity, identity) or ("?",))[0]
+                raise EmbedpipeError(f"--reuse: the loaded model resolves {key} differently than predicted "
+                                     "from its files; run without --reuse")
+            self.identity = identity
+        return self._embedder
+
+    def layout(self) -> tuple[list[int], int, list[str]]:
+        """(layers, dim, pooling) of the stores: the embedder's, or the first source's without a model."""
+        if self._embedder is not None:
+            return self._embedder.layers, self._embedder.loaded.embed_dim, self._embedder.pooling
+        st = self.reuse.sources[0].store  # type: ignore[union-attr]
+        return st.layers, st.dim, st.pooling
+
+
+def predict_identity(reuse: Reuse | None, model: str, options: EmbedOptions,
+                     identity_of: Callable[..., str]) -> str | None:
+    """The job's identity without loading the model (checked against every reuse store), or
+    None when it cannot be known so (no reuse store, a family :func:`model_facts` does not know)."""
+    if reuse is None or not reuse.sources or reuse.sources[0].num_layers is None:
+        return None
+    facts = model_facts(model)
+    if facts is None:
+        return None
+    from embedpipe.core.devices import resolve_device
+
+    computed_as = predicted_computed_as(options, resolve_device(options.device), facts[1])
+    for source in reuse.sources:
+        source.check_model(facts[0])
+    identity = identity_of(options, facts[0], computed_as, predicted_layers(options, reuse.sources[0].num_layers))
+    reuse.check(identity)
+    return identity
