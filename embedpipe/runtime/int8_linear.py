@@ -17,6 +17,8 @@ docs/benchmarks.md ("int8 engines").
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -38,10 +40,39 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     A NaN or inf row gets a NaN/inf scale, so the layer's output row is NaN/inf too: a
     broken record stays visible to the per-record checks and falls back to fp32.
+    Eager passes, each vectorised: amax, amin, scale, round (:func:`_round_to_int8`), convert.
     """
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)
-    q = torch.mul(x, QMAX / amax.clamp_min(TINY)).round_().to(torch.int8)
-    return q, amax / QMAX
+    # max(amax, -amin): two vectorised row reductions, 5-10x faster than ``vector_norm(inf)``
+    # or ``abs().amax()`` here (no |x| temporary); both propagate NaN
+    amax = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg_())
+    return _round_to_int8(torch.mul(x, QMAX / amax.clamp_min(TINY))), amax / QMAX
+
+
+#: 1.5 * 2**23: adding it to a float32 |v| < 2**22 rounds v to the nearest integer (ties to
+#: even, as ``torch.round``) and leaves that integer in the low mantissa bits
+ROUNDER = 12582912.0
+
+
+def _round_to_int8(scaled: torch.Tensor) -> torch.Tensor:
+    """int8 ``round(scaled)`` of an fp32 tensor with values in [-127, 127], consumed in place.
+
+    Why: ``round_()`` is a slow pass here (about 1.4x an add); adding :data:`ROUNDER` rounds
+    in the add, and the int32 bit pattern's low byte is the rounded value in two's complement,
+    which the int32 -> int8 conversion keeps. :func:`_rounder_works` checks that on this build once;
+    where it does not hold, the two plain passes run.
+    """
+    if _rounder_works():
+        return scaled.add_(ROUNDER).view(torch.int32).to(torch.int8)
+    return scaled.round_().to(torch.int8)
+
+
+@functools.cache
+def _rounder_works() -> bool:
+    """Whether the :data:`ROUNDER` trick equals ``round`` here, ties and negatives included."""
+    probe = torch.arange(-127.5, 127.75, 0.25, dtype=torch.float32)
+    probe = probe.clamp(-QMAX, QMAX)
+    want = torch.round(probe).to(torch.int8)
+    return bool(torch.equal(probe.clone().add_(ROUNDER).view(torch.int32).to(torch.int8), want))
 
 
 #: int8 matmul engines, fastest first (docs/benchmarks.md, "int8 engines")
@@ -88,7 +119,9 @@ class Int8Linear:
         lead = x.shape[:-1]
         xq, scale = quantize_per_token(x.reshape(-1, self.in_features).float())
         out = self.scaled_matmul(xq)
-        out = out.mul_(scale) if self.bias is None else torch.addcmul(self.bias, out, scale)
-        if gelu:  # exact (erf) GELU in fp32, as F.gelu's default
-            out = F.gelu(out)
+        # the per-token scale and the bias in one pass, written over the matmul's own output
+        # (a new tensor per call costs as much again: page faults on a fresh buffer)
+        out = out.mul_(scale) if self.bias is None else torch.addcmul(self.bias, out, scale, out=out)
+        if gelu:  # exact (erf) GELU in fp32, as F.gelu's default, in place
+            out = torch.ops.aten.gelu_(out)
         return out.view(*lead, self.out_features)
