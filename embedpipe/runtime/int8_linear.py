@@ -28,11 +28,16 @@ QMAX = 127.0
 TINY = 1e-30
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 (M, K) weights, fp32 (M,) scales): each output channel by its own absmax / 127."""
+#: 7-bit weights: where the CPU has no int8 dot product (AVX2 without VNNI), oneDNN multiplies
+#: u8 x s8 pairs into saturating int16 sums; |w| <= 63 keeps 2 * 255 * 63 below 32767
+QMAX_7BIT = 63.0
+
+
+def quantize_weight(weight: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 (M, K) weights, fp32 (M,) scales): each output channel by its own absmax / ``qmax``."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(TINY)
-    return torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8), scale
+    scale = (w.abs().amax(dim=1) / qmax).clamp_min(TINY)
+    return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +88,15 @@ class Int8Linear:
     """``y = x W^T + b`` (optionally GELU'd) for fp32 ``x`` of any leading shape, in int8."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: str = "auto") -> None:
-        self.qweight, self.weight_scale = quantize_weight(weight)
         self.bias = None if bias is None else bias.detach().float()
-        self.out_features, self.in_features = self.qweight.shape
+        self.out_features, self.in_features = weight.shape
         tried = ENGINES if engine == "auto" else (engine,)
-        if not any(self._use(name) for name in tried):
-            raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
+        # full 8-bit weights first; 7-bit where the engine's int16 pair sums saturate (AVX2)
+        for self.weight_qmax in (QMAX, QMAX_7BIT):
+            self.qweight, self.weight_scale = quantize_weight(weight, self.weight_qmax)
+            if any(self._use(name) for name in tried):
+                return
+        raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
 
     def _use(self, engine: str) -> bool:
         """Set up ``engine`` and probe it against the exact int32 matmul; False on any failure."""
@@ -101,6 +109,7 @@ class Int8Linear:
                 self._weight_t = self.qweight.t().contiguous()
             g = torch.Generator().manual_seed(0)
             probe = torch.randint(-127, 128, (17, self.in_features), generator=g, dtype=torch.int8)
+            probe[:2] = torch.tensor([[127], [-127]], dtype=torch.int8)  # the largest pair sums
             want = (probe.double() @ self.qweight.double().t()) * self.weight_scale.double()
             got = self.scaled_matmul(probe)
         except (RuntimeError, AttributeError, TypeError):
