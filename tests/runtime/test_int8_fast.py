@@ -37,11 +37,11 @@ def test_the_rounding_add_equals_round_ties_and_signs_included(monkeypatch) -> N
     scaled = x * (127.0 / torch.maximum(x.abs().amax(1, keepdim=True), torch.tensor(1e-30)))
     want = torch.round(scaled.double()).to(torch.int8)
     assert int8_linear._rounder_works()
-    assert torch.equal(int8_linear._round_to_int8(scaled.clone()), want)
+    assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(want)), want)
     q, s = quantize_per_token(x)
     assert torch.equal(q, want) and torch.equal(s, x.abs().amax(1, keepdim=True) / 127)
     monkeypatch.setattr(int8_linear, "_rounder_works", lambda: False)  # the plain two passes
-    assert torch.equal(int8_linear._round_to_int8(scaled.clone()), want)
+    assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(want)), want)
 
 
 def test_in_place_rescale_and_gelu_match_float64_with_the_same_scales() -> None:
