@@ -30,16 +30,16 @@ INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm")
 
 #: The fastest policy per CPU class, and its measured wall time against fp32 (fp32 time /
 #: its time; docs/precision.md, "Which policy on which CPU"; None where not measured).
-#: amx: 2-vCPU Xeon (AMX, AVX512-BF16/FP16), 35M shape, 200 proteins, median of 3 interleaved
-#: rounds (docs/benchmarks.md, issue 23); avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s);
-#: avx2: the AVX2-only EPYC, where bf16-mixed was 4x slower than fp32 and int8-mixed was not
-#: measured (on the AMX Xeon it was 0.85x fp32: its per-token quantization costs more than
-#: the int8 matmul saves), so fp32 stays the advice there
+#: amx: 2-vCPU Xeon (AMX, AVX512-BF16/FP16), 35M shape, 200 proteins, median of 2 interleaved
+#: rounds (33.5 s / 20.4 s; int8-mixed 22.5 s; docs/benchmarks.md, issue 23 second pass);
+#: avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s); avx2: the same Xeon with torch,
+#: oneDNN and MKL capped to AVX2 (emulated, not an EPYC: 57.7 s / 52.7 s; bf16-mixed and fp16
+#: 4x slower than fp32 there, as on the AVX2-only EPYC)
 FASTEST: dict[str, tuple[str, float | None]] = {
-    "amx": ("bf16-mixed", 1.19),
+    "amx": ("bf16-mixed", 1.64),
     "avx512_bf16": ("bf16-mixed", 1.37),
     "int8-dot": ("fp32", None),
-    "avx2": ("fp32", None),
+    "avx2": ("int8-mixed", 1.09),
     "other": ("fp32", None),
 }
 

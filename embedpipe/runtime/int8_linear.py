@@ -17,6 +17,8 @@ docs/benchmarks.md ("int8 engines").
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -26,11 +28,26 @@ QMAX = 127.0
 TINY = 1e-30
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 (M, K) weights, fp32 (M,) scales): each output channel by its own absmax / 127."""
+#: 7-bit weights: where the CPU has no int8 dot product (AVX2 without VNNI), oneDNN multiplies
+#: u8 x s8 pairs into saturating int16 sums; |w| <= 63 keeps 2 * 255 * 63 below 32767
+QMAX_7BIT = 63.0
+
+
+def quantize_weight(weight: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 (M, K) weights, fp32 (M,) scales): each output channel by its own absmax / ``qmax``."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(TINY)
-    return torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8), scale
+    scale = (w.abs().amax(dim=1) / qmax).clamp_min(TINY)
+    return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
+
+
+#: rows per eager pass: about 1 MiB of fp32 activations, so the passes after the first read
+#: from L2 (4096 x 1920 quantized in 10 ms instead of 15 on one core here)
+CHUNK_BYTES = 1 << 20
+
+
+def row_chunks(n: int, k: int) -> range:
+    """Start rows of the L2-sized chunks of an (n, k) fp32 tensor."""
+    return range(0, n, max(16, CHUNK_BYTES // (4 * max(k, 1))))
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,26 +55,81 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     A NaN or inf row gets a NaN/inf scale, so the layer's output row is NaN/inf too: a
     broken record stays visible to the per-record checks and falls back to fp32.
+    Per L2-sized chunk of rows, eager passes, each vectorised: amax, amin, scale into a reused
+    buffer, round (:func:`_round_into`) and convert into the int8 result.
     """
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)
-    q = torch.mul(x, QMAX / amax.clamp_min(TINY)).round_().to(torch.int8)
-    return q, amax / QMAX
+    n, k = x.shape
+    q = torch.empty((n, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((n, 1), dtype=torch.float32, device=x.device)
+    step = row_chunks(n, k).step
+    buffer = torch.empty((min(step, n), k), dtype=torch.float32, device=x.device)
+    for start in row_chunks(n, k):
+        rows = x[start:start + step]
+        # max(amax, -amin): two vectorised row reductions, 5-10x faster than ``vector_norm(inf)``
+        # or ``abs().amax()`` here (no |x| temporary); both propagate NaN
+        amax = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+        scaled = torch.mul(rows, QMAX / amax.clamp_min(TINY), out=buffer[:rows.shape[0]])
+        _round_into(scaled, q[start:start + step])
+        torch.div(amax, QMAX, out=scale[start:start + step])
+    return q, scale
+
+
+#: 1.5 * 2**23: adding it to a float32 |v| < 2**22 rounds v to the nearest integer (ties to
+#: even, as ``torch.round``) and leaves that integer in the low mantissa bits
+ROUNDER = 12582912.0
+
+
+def _round_into(scaled: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (int8) = ``round(scaled)`` of fp32 values in [-127, 127]; ``scaled`` is consumed.
+
+    Why: ``round_()`` is a slow pass here (about 1.4x an add); adding :data:`ROUNDER` rounds
+    in the add, and the int32 bit pattern's low byte is the rounded value in two's complement,
+    which the int32 -> int8 conversion keeps. :func:`_rounder_works` checks that on this build once;
+    where it does not hold, the two plain passes run.
+    """
+    if _rounder_works():
+        return out.copy_(scaled.add_(ROUNDER).view(torch.int32))
+    return out.copy_(scaled.round_())
+
+
+@functools.cache
+def _rounder_works() -> bool:
+    """Whether the :data:`ROUNDER` trick equals ``round`` here, ties and negatives included."""
+    probe = torch.arange(-127.5, 127.75, 0.25, dtype=torch.float32)
+    probe = probe.clamp(-QMAX, QMAX)
+    want = torch.round(probe).to(torch.int8)
+    got = torch.empty_like(want).copy_(probe.clone().add_(ROUNDER).view(torch.int32))
+    return bool(torch.equal(got, want))
 
 
 #: int8 matmul engines, fastest first (docs/benchmarks.md, "int8 engines")
 ENGINES = ("onednn", "int_mm")
 
 
+def _rescale_(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> None:
+    """In place: ``out * scale + bias``, then the exact (erf) GELU when asked, as F.gelu's default.
+
+    ``mul_`` then ``add_``: broadcasting ``addcmul`` is about 3x slower per pass here."""
+    out.mul_(scale)
+    if bias is not None:
+        out.add_(bias)
+    if gelu:
+        torch.ops.aten.gelu_(out)
+
+
 class Int8Linear:
     """``y = x W^T + b`` (optionally GELU'd) for fp32 ``x`` of any leading shape, in int8."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: str = "auto") -> None:
-        self.qweight, self.weight_scale = quantize_weight(weight)
         self.bias = None if bias is None else bias.detach().float()
-        self.out_features, self.in_features = self.qweight.shape
+        self.out_features, self.in_features = weight.shape
         tried = ENGINES if engine == "auto" else (engine,)
-        if not any(self._use(name) for name in tried):
-            raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
+        # full 8-bit weights first; 7-bit where the engine's int16 pair sums saturate (AVX2)
+        for self.weight_qmax in (QMAX, QMAX_7BIT):
+            self.qweight, self.weight_scale = quantize_weight(weight, self.weight_qmax)
+            if any(self._use(name) for name in tried):
+                return
+        raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
 
     def _use(self, engine: str) -> bool:
         """Set up ``engine`` and probe it against the exact int32 matmul; False on any failure."""
@@ -70,6 +142,7 @@ class Int8Linear:
                 self._weight_t = self.qweight.t().contiguous()
             g = torch.Generator().manual_seed(0)
             probe = torch.randint(-127, 128, (17, self.in_features), generator=g, dtype=torch.int8)
+            probe[:2] = torch.tensor([[127], [-127]], dtype=torch.int8)  # the largest pair sums
             want = (probe.double() @ self.qweight.double().t()) * self.weight_scale.double()
             got = self.scaled_matmul(probe)
         except (RuntimeError, AttributeError, TypeError):
@@ -88,7 +161,7 @@ class Int8Linear:
         lead = x.shape[:-1]
         xq, scale = quantize_per_token(x.reshape(-1, self.in_features).float())
         out = self.scaled_matmul(xq)
-        out = out.mul_(scale) if self.bias is None else torch.addcmul(self.bias, out, scale)
-        if gelu:  # exact (erf) GELU in fp32, as F.gelu's default
-            out = F.gelu(out)
+        chunks = row_chunks(*out.shape)  # L2-sized, in place: no fresh buffers, one trip to memory
+        for start in chunks:
+            _rescale_(out[start:start + chunks.step], scale[start:start + chunks.step], self.bias, gelu)
         return out.view(*lead, self.out_features)

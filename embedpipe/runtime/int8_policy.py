@@ -11,6 +11,7 @@ that model (docs/precision.md, "int8-mixed").
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +22,19 @@ from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.precision import MixedPolicy, Packed
 
 #: root attributes of an int8-mixed store (docs/store-format.md)
-SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127), activations per token "
+SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127; absmax/63 where the CPU's "
+          "int8 kernels saturate, AVX2 without VNNI: see quantization_weight_range), activations per token "
           "(absmax/127, dynamic), int32 sums rescaled in fp32; q/k/v, out projection, fc1, fc2")
 SCALES = ("weights: the checkpoint's fp32 weights when the model is prepared; activations: each "
           "token's own values at run time; no smoothing")
+
+
+@functools.cache
+def weight_range() -> str:
+    """The weights' int8 range on this CPU, from a small layer's own probe (:class:`Int8Linear`):
+    all weights at the range's end, the layer most likely to saturate."""
+    qmax = Int8Linear(torch.ones(64, 96), None).weight_qmax
+    return "+-127 (8-bit)" if qmax == 127 else f"+-{qmax:.0f} (7-bit: the int8 kernels' int16 sums saturate here)"
 
 
 @dataclass(frozen=True)
@@ -39,7 +49,8 @@ class Int8MixedPolicy(MixedPolicy):
         return []
 
     def provenance(self) -> dict[str, str]:
-        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": SCALES}
+        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": SCALES,
+                                       "quantization_weight_range": weight_range()}
 
     @property
     def overflow_limit(self) -> float:

@@ -1,0 +1,90 @@
+"""int8-mixed's fast quantize (issue 23): the rounding trick against ``torch.round`` and its
+fallback, the in-place rescale/GELU against float64 with the same scales, and the 7-bit
+weights where oneDNN's int8 kernels saturate (AVX2 without VNNI, emulated in a child process)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedpipe.runtime import int8_linear
+from embedpipe.runtime.int8_linear import Int8Linear, quantize_per_token
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _float64_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    """``y`` from float64 quantization of ``x`` with absmax/127 per token and the layer's integers."""
+    x64 = x.double()
+    sx = x64.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x64 / sx.clamp_min(1e-300))
+    return (xq @ layer.qweight.double().t()) * sx * layer.weight_scale.double() + layer.bias.double()
+
+
+def test_the_rounding_add_equals_round_ties_and_signs_included(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 64, generator=g) * torch.logspace(-3, 3, 300)[:, None]
+    x[7, :4] = torch.tensor([2.5, -2.5, 0.5, -127.0])  # ties and the range's end, before scaling
+    x[8] = 0.0
+    scaled = x * (127.0 / torch.maximum(x.abs().amax(1, keepdim=True), torch.tensor(1e-30)))
+    want = torch.round(scaled.double()).to(torch.int8)
+    assert int8_linear._rounder_works()
+    assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(want)), want)
+    q, s = quantize_per_token(x)
+    assert torch.equal(q, want) and torch.equal(s, x.abs().amax(1, keepdim=True) / 127)
+    monkeypatch.setattr(int8_linear, "_rounder_works", lambda: False)  # the plain two passes
+    assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(want)), want)
+
+
+def test_in_place_rescale_and_gelu_match_float64_with_the_same_scales() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 41, 96, generator=g) * 4
+    layer = Int8Linear(torch.randn(200, 96, generator=g) * 0.1, torch.randn(200, generator=g))
+    exact = _float64_reference(x.view(-1, 96), layer).view(3, 41, 200)
+    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    torch.testing.assert_close(layer(x, gelu=True).double(), F.gelu(exact), rtol=1e-5, atol=1e-4)
+    assert x.abs().amax() > 1  # the input was not overwritten by the in-place passes
+
+
+CHILD = textwrap.dedent("""
+    import torch
+    from embedpipe.runtime.int8_linear import Int8Linear
+    g = torch.Generator().manual_seed(7)
+    w, b, x = torch.randn(64, 96, generator=g), torch.randn(64, generator=g), torch.randn(50, 96, generator=g)
+    layer = Int8Linear(w, b)
+    x64 = x.double(); sx = x64.abs().amax(1, keepdim=True) / 127
+    sw = w.double().abs().amax(1) / layer.weight_qmax
+    wq = torch.round(w.double() / sw[:, None])
+    assert torch.equal(layer.qweight.double(), wq)
+    want = (torch.round(x64 / sx) @ wq.t()) * sx * sw + b.double()
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    from embedpipe.runtime.precision import get_policy
+    assert get_policy("int8-mixed").provenance()["quantization_weight_range"].startswith("+-63 (7-bit")
+    print(torch.backends.cpu.get_cpu_capability(), layer.engine, layer.weight_qmax)
+""")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 ISA caps")
+def test_avx2_without_vnni_gets_7_bit_weights_that_are_exact() -> None:
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    capability, engine, qmax = done.stdout.split()
+    assert capability == "AVX2" and engine in int8_linear.ENGINES
+    assert float(qmax) == int8_linear.QMAX_7BIT  # 8-bit weights saturate oneDNN's AVX2 int16 sums
+
+
+def test_the_store_records_the_weight_range_of_this_cpu() -> None:
+    from embedpipe.runtime.precision import get_policy
+
+    layer = Int8Linear(torch.randn(64, 96), None)
+    want = "+-127 (8-bit)" if layer.weight_qmax == int8_linear.QMAX else "+-63 (7-bit"
+    assert get_policy("int8-mixed").provenance()["quantization_weight_range"].startswith(want)
