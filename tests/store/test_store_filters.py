@@ -11,6 +11,7 @@ import numpy as np
 
 from embedpipe.store import EmbeddedRecord, merge_stores
 from embedpipe.store import filters
+from embedpipe.store.columns import COLUMNS
 from helpers.stores import write_store
 
 ARCHIVED_V2 = Path(__file__).resolve().parents[1] / "data" / "store-v2-example.h5"
@@ -43,7 +44,12 @@ def test_new_stores_get_the_archived_stores_filters(tmp_path):
     archived = _filters(ARCHIVED_V2)
     assert len(archived) == 16  # every dataset of the example, the ID index included
     shards = [write_store(tmp_path / f"s{k}.h5", _records(f"s{k}_", 4), storage_dtype="float16") for k in range(2)]
-    assert _filters(shards[0]) == archived
+    new = _filters(shards[0])
+    assert {name: new[name] for name in archived} == archived
+    # columns added since the archive (optional ones, e.g. ``reused_from``) take one of its filter sets
+    added = set(new) - set(archived)
+    assert added <= {c.name for c in COLUMNS.values() if c.required_since is None}, added
+    assert {new[name] for name in added} <= set(archived.values())
     merged = _filters(merge_stores(shards, out=tmp_path / "m.h5").out)
     # a merged store's per-residue rows are virtual; every stored dataset it has, the shard has too
     assert merged and all(merged[name] == archived[name] for name in merged), merged
