@@ -49,17 +49,10 @@ _NOT_CARRIED = frozenset({
 
 def model_facts(spec: str) -> tuple[str, bool] | None:
     """(model sha256, whether the family packs batches) from the checkpoint's files, weights
-    unread; None for a family this does not know (the model is then loaded to check)."""
+    unread (the family's ``file_identity``); None for a family without one (then the model is
+    loaded to check)."""
     family = registry.family_for(spec)
-    if family.name == "esm2":
-        from embedpipe.model.downloads import checkpoint_sha256, resolve_checkpoint
-        return checkpoint_sha256(resolve_checkpoint(spec)), True
-    if family.name == "hf":
-        from embedpipe.model import hf_checkpoint as hf
-        directory = hf.resolve_directory(spec)
-        config = hf.read_config(directory)
-        return hf.weights_sha256(hf.weight_files(directory)), config["model_type"] == "esm"
-    return None
+    return family.file_identity(spec) if family.file_identity else None
 
 
 def predicted_computed_as(options: EmbedOptions, device: torch.device, packs: bool) -> dict[str, str]:

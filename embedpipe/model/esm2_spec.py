@@ -105,3 +105,9 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
         hidden_itemsize=weight_itemsize if kind == "plain" else 4,
         widest_values_per_token=4 * dim,
     )
+
+
+def file_identity(spec: str) -> tuple[str, bool]:
+    """(checkpoint sha256, packs: True) without reading the weights (``embed --reuse``)."""
+    from embedpipe.model.downloads import checkpoint_sha256, resolve_checkpoint  # torch: imported here
+    return checkpoint_sha256(resolve_checkpoint(spec)), True

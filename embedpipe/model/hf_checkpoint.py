@@ -247,3 +247,9 @@ def load(spec: str) -> Any:
     directory = resolve_directory(spec)
     config = read_config(directory)
     return importlib.import_module(MODULES[config["model_type"]]).load_directory(spec, directory, config)
+
+
+def file_identity(spec: str) -> tuple[str, bool]:
+    """(weights sha256, packs: ESM-2 only) without reading the weights (``embed --reuse``)."""
+    directory = resolve_directory(spec)
+    return weights_sha256(weight_files(directory)), read_config(directory)["model_type"] == "esm"

@@ -38,6 +38,9 @@ class Family:
     #: defines download_problem(name) -> str | None and fetch_model(name, dest) -> Path for the
     #: family's registered names (``fetch-model``, the workflow); None: nothing to fetch
     sources: str | None = None
+    #: (model sha256, whether batches may be packed) from the model's files, weights unread:
+    #: ``embed --reuse`` checks a source's identity before loading; None: load to know
+    file_identity: Callable[[str], tuple[str, bool]] | None = None
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -46,9 +49,9 @@ class Family:
 FAMILIES: list[Family] = [
     # Hugging Face directories and hub names (ESM-2, ProtT5, Ankh: config.json's model_type)
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
-           "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources"),
+           "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity),
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
-           "embedpipe.model.downloads"),
+           "embedpipe.model.downloads", esm2_spec.file_identity),
 ]
 
 
