@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import h5py
 import pytest
 
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.processes import wait_until
 from embedpipe.core.atomic import temp_path_for
 from embedpipe.embed.run import embed_fasta
 from embedpipe.export import export_store
@@ -53,16 +53,8 @@ def _temporaries(directory: Path, name: str) -> list[Path]:
 
 
 def _wait_for_temporary(proc: subprocess.Popen, directory: Path, name: str) -> Path:
-    """Block until the child has created its temporary (a deadline only against a hang)."""
-    deadline = time.monotonic() + 300
-    while not (found := _temporaries(directory, name)):
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before writing: {proc.communicate()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("no temporary appeared")
-        time.sleep(0.05)
-    return found[0]
+    """Block until the child has created its temporary."""
+    return wait_until(proc, lambda: _temporaries(directory, name), f"a temporary of {name} appeared")[0]
 
 
 def test_sigterm_on_embed_says_interrupted_exits_143_and_removes_the_temporary(tmp_path, tiny_model_path):

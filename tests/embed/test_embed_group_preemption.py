@@ -14,13 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.processes import wait_until
 from embedpipe.store import validate_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,18 +58,6 @@ def _env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _wait_for(proc: subprocess.Popen, ready) -> None:
-    """Block until ``ready()`` (a deadline only against a hang)."""
-    deadline = time.monotonic() + 300
-    while not ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"the job ended early: {proc.communicate()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the job never reached its second shard")
-        time.sleep(0.05)
-
-
 def _vectors(path: Path) -> dict[str, np.ndarray]:
     with h5py.File(path, "r") as f:
         out = {"ids": f["ids"][()]}
@@ -93,7 +81,8 @@ def test_a_group_job_sigtermed_mid_group_exits_143_and_its_rerun_embeds_only_the
 
     proc = subprocess.Popen([sys.executable, "-c", CHILD, "1", *args], cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(proc, lambda: stores[0].exists() and any(out.glob(f".{stores[1].name}.*.tmp")))
+    wait_until(proc, lambda: stores[0].exists() and any(out.glob(f".{stores[1].name}.*.tmp")),
+               "the job reached its second shard")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
