@@ -15,6 +15,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -90,10 +91,16 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+#: after an interrupt was swallowed, the signal is sent again this many seconds later
+REDELIVER_SECONDS = 0.05
+
+
 class _Interrupts:
-    """Ctrl-C that Python could only report as ``Exception ignored in: ...`` (it landed in a
-    weakref callback or ``__del__``, where it cannot propagate) is remembered instead, and the
-    run ends as interrupted."""
+    """Ctrl-C or SIGTERM that Python could only report as ``Exception ignored in: ...`` (it
+    landed in a weakref callback or ``__del__``, where it cannot propagate) is remembered, and
+    the signal is sent again, so that it is raised where the command can stop. Without the
+    second signal the command ran on to its end (an embed job kept embedding after SIGTERM,
+    until SLURM's grace time ran out and SIGKILL left its temporary), or forever."""
 
     swallowed = False
     code = EXIT_INTERRUPTED
@@ -103,8 +110,18 @@ class _Interrupts:
         if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
             cls.swallowed = True
             cls.code = getattr(args.exc_type, "exit_code", EXIT_INTERRUPTED)
+            cls.redeliver()
             return
         sys.__unraisablehook__(args)
+
+    @classmethod
+    def redeliver(cls) -> None:
+        """The same signal again, from a timer thread: its handler runs in the main thread at a
+        later point, almost always one where the exception propagates (else this repeats)."""
+        signum = signal.SIGTERM if cls.code == EXIT_TERMINATED else signal.SIGINT
+        timer = threading.Timer(REDELIVER_SECONDS, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
 
 
 def _interrupted_while_exiting(signum: int, frame: Any) -> None:
