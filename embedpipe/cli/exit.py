@@ -15,7 +15,6 @@ import functools
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -98,7 +97,7 @@ REDELIVER_SECONDS = 0.05
 class _Interrupts:
     """Ctrl-C or SIGTERM that Python could only report as ``Exception ignored in: ...`` (it
     landed in a weakref callback or ``__del__``, where it cannot propagate) is remembered, and
-    the signal is sent again, so that it is raised where the command can stop. Without the
+    raised again soon (SIGALRM), where the command can stop. Without the
     second signal the command ran on to its end (an embed job kept embedding after SIGTERM,
     until SLURM's grace time ran out and SIGKILL left its temporary), or forever."""
 
@@ -116,12 +115,16 @@ class _Interrupts:
 
     @classmethod
     def redeliver(cls) -> None:
-        """The same signal again, from a timer thread: its handler runs in the main thread at a
-        later point, almost always one where the exception propagates (else this repeats)."""
-        signum = signal.SIGTERM if cls.code == EXIT_TERMINATED else signal.SIGINT
-        timer = threading.Timer(REDELIVER_SECONDS, os.kill, (os.getpid(), signum))
-        timer.daemon = True
-        timer.start()
+        """Raise it again soon: a one-shot SIGALRM (``setitimer``: no thread to start, nothing
+        that waits, callable from any thread), whose handler (:func:`_raise_remembered`) runs in
+        the main thread at a later point, almost always one where the exception propagates
+        (else this repeats)."""
+        signal.setitimer(signal.ITIMER_REAL, REDELIVER_SECONDS)
+
+
+def _raise_remembered(signum: int, frame: Any) -> None:
+    """SIGALRM after a swallowed interrupt: the interrupt itself, where it can propagate."""
+    raise Terminated() if _Interrupts.code == EXIT_TERMINATED else KeyboardInterrupt()
 
 
 def _interrupted_while_exiting(signum: int, frame: Any) -> None:
@@ -134,6 +137,7 @@ def _interrupted_while_exiting(signum: int, frame: Any) -> None:
 
 def finish(code: int) -> None:
     """Exit with ``code`` once stdout is flushed; a reader that went away ends it quietly."""
+    signal.setitimer(signal.ITIMER_REAL, 0)  # a swallowed interrupt is reported below instead
     signal.signal(signal.SIGINT, _interrupted_while_exiting)
     signal.signal(signal.SIGTERM, _interrupted_while_exiting)
     if _Interrupts.swallowed and code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
@@ -156,6 +160,7 @@ def run_app(app: Any) -> None:
     """
     sys.unraisablehook = _Interrupts.hook
     signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGALRM, _raise_remembered)
     try:
         result = app(standalone_mode=False)
     except BrokenPipeError:

@@ -16,6 +16,7 @@ import signal, sys, time
 from embedpipe.cli import exit as ending
 sys.unraisablehook = ending._Interrupts.hook
 signal.signal(signal.SIGTERM, ending._raise_terminated)
+signal.signal(signal.SIGALRM, ending._raise_remembered)
 class FreedDuringTheSignal:
     def __del__(self):
         raise ending.Terminated()
