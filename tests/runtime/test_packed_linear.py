@@ -32,15 +32,24 @@ def _weights(dtype: torch.dtype, out_features: int = 48, in_features: int = 40):
     return weight, bias
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_projection_equals_f_linear(dtype):
+def _packed(dtype: torch.dtype):
+    """(weight, bias, packed projection); None where this CPU cannot run oneDNN ``dtype``,
+    after checking that ``pack_linear`` then says so (F.linear serves)."""
     weight, bias = _weights(dtype)
     packed = pack_linear(weight, bias)
     if not _packs(dtype):
-        assert packed is None  # this CPU cannot run oneDNN bf16: F.linear serves
-        return
+        assert packed is None
+        return None
     assert packed is not None
+    return weight, bias, packed
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_projection_equals_f_linear(dtype):
+    if (made := _packed(dtype)) is None:
+        return
+    weight, bias, packed = made
     x = torch.randn(3, 17, 40, generator=torch.Generator().manual_seed(2)).to(dtype)
     want = F.linear(x.double(), weight.double(), bias.double())
     got = packed(x)
@@ -63,11 +72,9 @@ def test_strided_input_is_read_correctly():
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gelu_is_exact_gelu_of_the_fp32_product(dtype):
-    weight, bias = _weights(dtype)
-    packed = pack_linear(weight, bias)
-    if not _packs(dtype):
-        assert packed is None
+    if (made := _packed(dtype)) is None:
         return
+    weight, bias, packed = made
     x = torch.randn(64, 40, generator=torch.Generator().manual_seed(4)).to(dtype)
     exact = F.gelu(F.linear(x.double(), weight.double(), bias.double()))
     fused = packed(x, gelu=True).double()
