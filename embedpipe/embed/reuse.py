@@ -63,10 +63,6 @@ def predicted_computed_as(options: EmbedOptions, device: torch.device, packs: bo
             "attention_inputs": dtype_name(attention_choice.qkv_dtype(options, policy, device))}
 
 
-def predicted_layers(options: EmbedOptions, num_layers: int) -> list[int]:
-    return resolve_layers(options.layers, num_layers)
-
-
 def _flat(identity: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in identity.items():
@@ -331,6 +327,6 @@ def predict_identity(reuse: Reuse | None, model: str, options: EmbedOptions,
     computed_as = predicted_computed_as(options, resolve_device(options.device), facts[1])
     for source in reuse.sources:
         source.check_model(facts[0])
-    identity = identity_of(options, facts[0], computed_as, predicted_layers(options, reuse.sources[0].num_layers))
+    identity = identity_of(options, facts[0], computed_as, resolve_layers(options.layers, reuse.sources[0].num_layers))
     reuse.check(identity)
     return identity
