@@ -36,7 +36,8 @@ def engines(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
     p1, p2 = pack_linear(w1, b1), pack_linear(w2, b2)
     out["fp32"] = lambda: p2(p1(x, gelu=True))
     q1, q2 = pack_linear(w1.bfloat16(), b1.bfloat16()), pack_linear(w2.bfloat16(), b2.bfloat16())
-    out["bf16"] = lambda: q2(q1(x.bfloat16(), gelu=True)).float()
+    if q1 is not None and q2 is not None:  # None: oneDNN cannot pack bf16 on this CPU (AVX2)
+        out["bf16"] = lambda: q2(q1(x.bfloat16(), gelu=True)).float()
     for engine in ("fbgemm", "x86", "onednn"):
         if engine not in torch.backends.quantized.supported_engines:
             continue
