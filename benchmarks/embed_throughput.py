@@ -137,7 +137,8 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) 
     if dtype_name == "int8":  # embedpipe's int8 matmul (int8-mixed), quantization excluded
         from embedpipe.runtime.int8_linear import Int8Linear
 
-        layer, xq = Int8Linear(torch.randn(n, n), None), torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        layer = Int8Linear(torch.randn(n, n), None)
+        xq = (torch.randint(-127, 128, (n, n)) + layer.zero_point).to(layer.input_dtype)
         layer.scaled_matmul(xq)
         return 2 * n**3 / best_of(repeats, lambda: layer.scaled_matmul(xq))
     dtype = getattr(torch, dtype_name)

@@ -9,6 +9,9 @@ int32 sums are exact; the only rounding is the quantization of x and W and the f
 The engine is oneDNN's int8 matmul (``torch.ops.onednn.qlinear_pointwise``: VNNI/AMX-INT8
 where the CPU has them, AVX2's int8 dot products otherwise), with the per-channel weight
 scales applied in its epilogue; the per-token scale and the bias follow in one fp32 pass.
+It is fed the same integers as u8 with zero point 128, the type VNNI multiplies (u8 x s8):
+with s8 activations oneDNN has no fast kernel on AVX512-VNNI CPUs without AMX (Cascade and
+Ice Lake) and ran its scalar reference one (docs/benchmarks.md, "int8 on VNNI CPUs").
 ``torch._int_mm`` is the fallback where that op is missing. Both are private or
 not-quite-public PyTorch API, so each layer is probed against the exact (float64)
 computation when it is made; the engines measured against each other are in
@@ -50,8 +53,10 @@ def row_chunks(n: int, k: int) -> range:
     return range(0, n, max(16, CHUNK_BYTES // (4 * max(k, 1))))
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token(x: torch.Tensor, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 (N, K), fp32 (N, 1) scales) of a 2-D fp32 ``x``: each row by its own absmax / 127.
+
+    ``zero_point`` 128: the same integers plus 128, as u8 (:data:`U8_ZERO_POINT`).
 
     A NaN or inf row gets a NaN/inf scale, so the layer's output row is NaN/inf too: a
     broken record stays visible to the per-record checks and falls back to fp32.
@@ -59,7 +64,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     buffer, round (:func:`_round_into`) and convert into the int8 result.
     """
     n, k = x.shape
-    q = torch.empty((n, k), dtype=torch.int8, device=x.device)
+    q = torch.empty((n, k), dtype=torch.uint8 if zero_point else torch.int8, device=x.device)
     scale = torch.empty((n, 1), dtype=torch.float32, device=x.device)
     step = row_chunks(n, k).step
     buffer = torch.empty((min(step, n), k), dtype=torch.float32, device=x.device)
@@ -69,7 +74,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # or ``abs().amax()`` here (no |x| temporary); both propagate NaN
         amax = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
         scaled = torch.mul(rows, QMAX / amax.clamp_min(TINY), out=buffer[:rows.shape[0]])
-        _round_into(scaled, q[start:start + step])
+        _round_into(scaled, q[start:start + step], zero_point)
         torch.div(amax, QMAX, out=scale[start:start + step])
     return q, scale
 
@@ -79,31 +84,36 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 ROUNDER = 12582912.0
 
 
-def _round_into(scaled: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (int8) = ``round(scaled)`` of fp32 values in [-127, 127]; ``scaled`` is consumed.
+def _round_into(scaled: torch.Tensor, out: torch.Tensor, zero_point: int = 0) -> torch.Tensor:
+    """``out`` (int8, or u8 with ``zero_point`` 128) = ``round(scaled) + zero_point`` of fp32
+    values in [-127, 127]; ``scaled`` is consumed.
 
-    Why: ``round_()`` is a slow pass here (about 1.4x an add); adding :data:`ROUNDER` rounds
-    in the add, and the int32 bit pattern's low byte is the rounded value in two's complement,
-    which the int32 -> int8 conversion keeps. :func:`_rounder_works` checks that on this build once;
-    where it does not hold, the two plain passes run.
+    Why: ``round_()`` is a slow pass here (about 1.4x an add); adding :data:`ROUNDER` (plus the
+    zero point) rounds in the add, and the int32 bit pattern's low byte is the result in two's
+    complement, which the int32 -> int8/u8 conversion keeps. :func:`_rounder_works` checks that
+    on this build once per type; where it does not hold, the plain passes run.
     """
-    if _rounder_works():
-        return out.copy_(scaled.add_(ROUNDER).view(torch.int32))
-    return out.copy_(scaled.round_())
+    if _rounder_works(zero_point):
+        return out.copy_(scaled.add_(ROUNDER + zero_point).view(torch.int32))
+    scaled.round_()
+    return out.copy_(scaled.add_(zero_point) if zero_point else scaled)
 
 
 @functools.cache
-def _rounder_works() -> bool:
+def _rounder_works(zero_point: int = 0) -> bool:
     """Whether the :data:`ROUNDER` trick equals ``round`` here, ties and negatives included."""
     probe = torch.arange(-127.5, 127.75, 0.25, dtype=torch.float32)
     probe = probe.clamp(-QMAX, QMAX)
-    want = torch.round(probe).to(torch.int8)
-    got = torch.empty_like(want).copy_(probe.clone().add_(ROUNDER).view(torch.int32))
+    want = (torch.round(probe) + zero_point).to(torch.uint8 if zero_point else torch.int8)
+    got = torch.empty_like(want).copy_(probe.clone().add_(ROUNDER + zero_point).view(torch.int32))
     return bool(torch.equal(got, want))
 
 
 #: int8 matmul engines, fastest first (docs/benchmarks.md, "int8 engines")
 ENGINES = ("onednn", "int_mm")
+#: the activations' zero point per engine: oneDNN takes them as u8 (int8 + 128)
+U8_ZERO_POINT = 128
+ZERO_POINTS = {"onednn": U8_ZERO_POINT, "int_mm": 0}
 
 
 def _rescale_(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> None:
@@ -133,7 +143,7 @@ class Int8Linear:
 
     def _use(self, engine: str) -> bool:
         """Set up ``engine`` and probe it against the exact int32 matmul; False on any failure."""
-        self.engine = engine
+        self.engine, self.zero_point = engine, ZERO_POINTS[engine]
         try:
             if engine == "onednn":
                 self._packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
@@ -144,22 +154,28 @@ class Int8Linear:
             probe = torch.randint(-127, 128, (17, self.in_features), generator=g, dtype=torch.int8)
             probe[:2] = torch.tensor([[127], [-127]], dtype=torch.int8)  # the largest pair sums
             want = (probe.double() @ self.qweight.double().t()) * self.weight_scale.double()
-            got = self.scaled_matmul(probe)
+            got = self.scaled_matmul((probe.short() + self.zero_point).to(self.input_dtype))
         except (RuntimeError, AttributeError, TypeError):
             return False
         return got.shape == want.shape and bool(torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6))
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """What :meth:`scaled_matmul` takes: int8, or u8 for a non-zero :attr:`zero_point`."""
+        return torch.uint8 if self.zero_point else torch.int8
+
     def scaled_matmul(self, xq: torch.Tensor) -> torch.Tensor:
-        """fp32 (N, M) ``(xq @ qweight^T) * weight_scale`` of int8 (N, K) ``xq``, summed in int32."""
+        """fp32 (N, M) ``((xq - zero_point) @ qweight^T) * weight_scale`` of (N, K) ``xq``
+        (:attr:`input_dtype`), summed in int32."""
         if self.engine == "onednn":
             return torch.ops.onednn.qlinear_pointwise(
-                xq, 1.0, 0, self._packed, self.weight_scale, self._zero_points, None, 1.0, 0,
+                xq, 1.0, self.zero_point, self._packed, self.weight_scale, self._zero_points, None, 1.0, 0,
                 torch.float32, "none", [], "")
         return torch._int_mm(xq, self._weight_t).float().mul_(self.weight_scale)
 
     def __call__(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, scale = quantize_per_token(x.reshape(-1, self.in_features).float())
+        xq, scale = quantize_per_token(x.reshape(-1, self.in_features).float(), self.zero_point)
         out = self.scaled_matmul(xq)
         chunks = row_chunks(*out.shape)  # L2-sized, in place: no fresh buffers, one trip to memory
         for start in chunks:

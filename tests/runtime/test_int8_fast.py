@@ -36,12 +36,15 @@ def test_the_rounding_add_equals_round_ties_and_signs_included(monkeypatch) -> N
     x[8] = 0.0
     scaled = x * (127.0 / torch.maximum(x.abs().amax(1, keepdim=True), torch.tensor(1e-30)))
     want = torch.round(scaled.double()).to(torch.int8)
-    assert int8_linear._rounder_works()
-    assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(want)), want)
-    q, s = quantize_per_token(x)
-    assert torch.equal(q, want) and torch.equal(s, x.abs().amax(1, keepdim=True) / 127)
-    monkeypatch.setattr(int8_linear, "_rounder_works", lambda: False)  # the plain two passes
-    assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(want)), want)
+    want_u8 = (torch.round(scaled.double()) + 128).to(torch.uint8)  # oneDNN's input: u8, zero point 128
+    for zero_point, wanted in ((0, want), (128, want_u8)):
+        assert int8_linear._rounder_works(zero_point)
+        assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(wanted), zero_point), wanted)
+        q, s = quantize_per_token(x, zero_point)
+        assert torch.equal(q, wanted) and torch.equal(s, x.abs().amax(1, keepdim=True) / 127)
+    monkeypatch.setattr(int8_linear, "_rounder_works", lambda zero_point=0: False)  # the plain passes
+    for zero_point, wanted in ((0, want), (128, want_u8)):
+        assert torch.equal(int8_linear._round_into(scaled.clone(), torch.empty_like(wanted), zero_point), wanted)
 
 
 def test_in_place_rescale_and_gelu_match_float64_with_the_same_scales() -> None:
@@ -88,3 +91,33 @@ def test_the_store_records_the_weight_range_of_this_cpu() -> None:
     layer = Int8Linear(torch.randn(64, 96), None)
     want = "+-127 (8-bit)" if layer.weight_qmax == int8_linear.QMAX else "+-63 (7-bit"
     assert get_policy("int8-mixed").provenance()["quantization_weight_range"].startswith(want)
+
+
+VERBOSE_CHILD = textwrap.dedent("""
+    import torch
+    from embedpipe.runtime.int8_linear import Int8Linear
+    g = torch.Generator().manual_seed(8)
+    layer = Int8Linear(torch.randn(256, 192, generator=g), torch.randn(256, generator=g))
+    print("ENGINE", layer.engine)
+    layer(torch.randn(300, 192, generator=g))
+""")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 ISA caps")
+@pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE_VNNI", None])
+def test_the_int8_matmul_runs_a_jit_kernel_not_onednns_reference(isa) -> None:
+    """With s8 activations oneDNN had no kernel on AVX512-VNNI CPUs without AMX (Cascade/Ice
+    Lake) and ran its scalar reference one (ref_int8); u8 activations get the VNNI kernel.
+    A cap above this CPU's ISA is this CPU's own ISA."""
+    env = dict(os.environ, ONEDNN_VERBOSE="1", PYTHONPATH=str(ROOT))
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if isa:
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    done = subprocess.run([sys.executable, "-c", VERBOSE_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if "ENGINE onednn" not in done.stdout:
+        pytest.skip("oneDNN's int8 matmul is not the engine on this build")  # int_mm: no oneDNN matmul to check
+    kernels = [line.split(",")[6] for line in (done.stdout + done.stderr).splitlines()
+               if line.startswith("onednn_verbose") and ",exec," in line and ",matmul," in line]
+    assert kernels, done.stdout[-2000:]
+    assert not [k for k in kernels if k.startswith("ref")], kernels
