@@ -37,6 +37,7 @@ from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
+from embedpipe.embed.calibration import calibration_sha256
 from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.reuse import Job, Reuse, predict_identity
 
@@ -232,6 +233,11 @@ def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mappin
     chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
     if layers is not None:
         chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
+    calibration = calibration_sha256(options)  # the set's bytes, not only its path (int8-mixed smoothing)
+    if calibration is None:  # no smoothing: the identity stores written before the option existed carry
+        chosen = {k: v for k, v in chosen.items() if k not in ("int8_smoothing", "int8_calibration")}
+    else:
+        chosen["int8_calibration_sha256"] = calibration
     return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
 
 
