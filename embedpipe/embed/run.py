@@ -233,11 +233,12 @@ def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mappin
     chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
     if layers is not None:
         chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
-    calibration = calibration_sha256(options)  # the set's bytes, not only its path (int8-mixed smoothing)
-    if calibration is None:  # no smoothing: the identity stores written before the option existed carry
-        chosen = {k: v for k, v in chosen.items() if k not in ("int8_smoothing", "int8_calibration")}
-    else:
-        chosen["int8_calibration_sha256"] = calibration
+    # int8-mixed smoothing: the calibration set's bytes, not its path; none: left out, so the
+    # identity of stores written before the option existed still holds
+    calibration = calibration_sha256(options)
+    chosen = {k: v for k, v in chosen.items() if k not in ("int8_smoothing", "int8_calibration")}
+    if calibration is not None:
+        chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
     return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
 
 
