@@ -53,6 +53,10 @@ BATCH_LAYOUT_HELP = "How a batch's tokens are laid out: " + _one_of(options.BATC
     "padded": "with a mask"}) + ". See docs/precision.md."
 ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(
     options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
+INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
+    "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."
+INT8_CALIBRATION_HELP = ("With --int8-smoothing smoothquant: the FASTA calibrated on (default: the 16 Swiss-Prot "
+                         "records shipped with embedpipe).")
 
 
 def _version_callback(value: bool) -> None:
@@ -159,15 +163,12 @@ def embed(
         EMBED.overflow_margin, "--overflow-margin",
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
     threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
-    fallback_device: str = typer.Option(
-        EMBED.fallback_device, "--fallback-device",
-        help=FALLBACK_DEVICE_HELP),
-    batch_layout: str = typer.Option(
-        EMBED.batch_layout, "--batch-layout",
-        help=BATCH_LAYOUT_HELP),
-    attention_inputs: str = typer.Option(
-        EMBED.attention_inputs, "--attention-inputs",
-        help=ATTENTION_INPUTS_HELP),
+    fallback_device: str = typer.Option(EMBED.fallback_device, "--fallback-device", help=FALLBACK_DEVICE_HELP),
+    batch_layout: str = typer.Option(EMBED.batch_layout, "--batch-layout", help=BATCH_LAYOUT_HELP),
+    attention_inputs: str = typer.Option(EMBED.attention_inputs, "--attention-inputs", help=ATTENTION_INPUTS_HELP),
+    int8_smoothing: str = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", help=INT8_SMOOTHING_HELP),
+    int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
+                                                   help=INT8_CALIBRATION_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
@@ -178,7 +179,8 @@ def embed(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
         attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
-        batch_layout=batch_layout, attention_inputs=attention_inputs,
+        batch_layout=batch_layout, attention_inputs=attention_inputs, int8_smoothing=int8_smoothing,
+        int8_calibration=int8_calibration,
     )
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse)
     if not quiet:

@@ -57,6 +57,10 @@ ATTENTION_INPUTS = ("auto", "fp32", "compute")
 #: fp32 model does not fit there beside the low-precision one; same = the main device or fail;
 #: cpu = always the CPU. Memory each needs: docs/precision.md.
 FALLBACK_DEVICES = ("auto", "same", "cpu")
+#: int8-mixed's per-input-channel smoothing (docs/precision.md, "int8-mixed"): none, or
+#: smoothquant (SmoothQuant, alpha 0.5, calibrated in fp32 on ``--int8-calibration``: by default
+#: the 16 records shipped as embedpipe/data/int8_calibration.fasta)
+INT8_SMOOTHINGS = ("none", "smoothquant")
 #: pooled vectors a store can hold besides per-residue ones; the mean is always stored
 #: (docs/store-format.md, "Pooling")
 POOLINGS = ("mean", "bos")
@@ -116,6 +120,8 @@ class EmbedOptions:
     fallback_device: str = "auto"
     batch_layout: str = "auto"
     attention_inputs: str = "auto"
+    int8_smoothing: str = "none"
+    int8_calibration: str | None = None  # a FASTA; None = the shipped calibration set
 
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""
@@ -131,6 +137,7 @@ class EmbedOptions:
         check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)
         check_choice("--batch-layout", self.batch_layout, BATCH_LAYOUTS)
         check_choice("--attention-inputs", self.attention_inputs, ATTENTION_INPUTS)
+        self._validate_int8_smoothing()
         if self.batch_layout == "packed" and self.attention != "sdpa":
             raise EmbedpipeError(
                 f"--batch-layout packed attends with sdpa; --attention {self.attention} runs padded batches only")
@@ -149,6 +156,15 @@ class EmbedOptions:
         margin = self.overflow_margin
         if margin is not None and not (isinstance(margin, (int, float)) and 0.0 < margin <= 1.0):  # nan fails too
             raise EmbedpipeError(f"--overflow-margin must be a number in (0, 1], not {margin!r}")
+
+    def _validate_int8_smoothing(self) -> None:
+        """Smoothing is int8-mixed's; a calibration set is smoothquant's: refused elsewhere, not ignored."""
+        check_choice("--int8-smoothing", self.int8_smoothing, INT8_SMOOTHINGS)
+        if self.int8_smoothing != "none" and self.precision != "int8-mixed":
+            raise EmbedpipeError(f"--int8-smoothing {self.int8_smoothing} applies to --precision int8-mixed only, "
+                                 f"not {self.precision}")
+        if self.int8_calibration is not None and self.int8_smoothing == "none":
+            raise EmbedpipeError("--int8-calibration applies with --int8-smoothing smoothquant only")
 
 
 # ------------------------------------------------------------------------------ crosscheck
@@ -249,6 +265,7 @@ __all__ = [
     "EmbedOptions",
     "FALLBACK_DEVICES",
     "FP32_ISLAND_POLICIES",
+    "INT8_SMOOTHINGS",
     "LABEL_KINDS",
     "LONG_SEQUENCE_MODES",
     "MAX_JOBS",

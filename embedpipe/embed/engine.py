@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from embedpipe.embed.calibration import configured_policy
 from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
 from embedpipe.embed.fallback import RecordCheck
 from embedpipe.embed.preparation import Preparation
@@ -31,7 +32,7 @@ from embedpipe.runtime.packed import PackedTokens
 from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
 from embedpipe.runtime.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
-                                         get_policy, true_fp32_matmuls)
+                                         true_fp32_matmuls)
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import progress_bar, say
 from embedpipe.store import EmbeddedRecord
@@ -76,7 +77,7 @@ class Embedder:
         options.validate()
         self.loaded = loaded
         self.options = options
-        self.policy = get_policy(options.precision)
+        self.policy = configured_policy(options)  # int8-mixed smoothing: a policy of its own
         self.prepared = Preparation(loaded, options, self.policy, device, on_moved=self._fallback_moved)
         self.layers = resolve_layers(options.layers, loaded.num_layers)
         self.pooling = stored_poolings(options.pooling)

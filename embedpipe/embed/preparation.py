@@ -14,6 +14,7 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.calibration import prepare_calibrated
 from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.runtime import attention as attention_choice
@@ -76,9 +77,9 @@ class Preparation:
         return attention_choice.batch_layout(self.options, policy, self.device_of(policy))
 
     def _prepare(self, policy: Policy, device: torch.device) -> Runner:
-        self.runners[policy.name] = self.loaded.prepare(
+        self.runners[policy.name] = prepare_calibrated(self.loaded, policy, device, lambda: self.loaded.prepare(
             policy, device, self.options.attention,
-            attention_inputs=resolve_attention_inputs(self.options.attention_inputs, device))
+            attention_inputs=resolve_attention_inputs(self.options.attention_inputs, device)))
         self.devices[policy.name] = device
         return self.runners[policy.name]
 

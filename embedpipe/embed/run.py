@@ -37,6 +37,7 @@ from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
+from embedpipe.embed.calibration import calibration_sha256
 from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.reuse import Job, Reuse, predict_identity
 
@@ -232,6 +233,12 @@ def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mappin
     chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
     if layers is not None:
         chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
+    # int8-mixed smoothing: the calibration set's bytes, not its path; none: left out, so the
+    # identity of stores written before the option existed still holds
+    calibration = calibration_sha256(options)
+    chosen = {k: v for k, v in chosen.items() if k not in ("int8_smoothing", "int8_calibration")}
+    if calibration is not None:
+        chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
     return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
 
 

@@ -12,6 +12,7 @@ that model (docs/precision.md, "int8-mixed").
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +20,16 @@ import torch
 from embedpipe.runtime import cpu_features
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime.int8_linear import Int8Linear
+from embedpipe.runtime.int8_smoothing import CalibratingLinear, Calibration
 from embedpipe.runtime.precision import MixedPolicy, Packed
 
 #: root attributes of an int8-mixed store (docs/store-format.md)
 SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127; absmax/63 where the CPU's "
           "int8 kernels saturate, AVX2 without VNNI: see quantization_weight_range), activations per token "
           "(absmax/127, dynamic), int32 sums rescaled in fp32; q/k/v, out projection, fc1, fc2")
-SCALES = ("weights: the checkpoint's fp32 weights when the model is prepared; activations: each "
-          "token's own values at run time; no smoothing")
+SCALES_FROM = ("weights: the checkpoint's fp32 weights when the model is prepared; activations: each "
+               "token's own values at run time")
+SCALES = f"{SCALES_FROM}; no smoothing"
 
 
 @functools.cache
@@ -39,7 +42,13 @@ def weight_range() -> str:
 
 @dataclass(frozen=True)
 class Int8MixedPolicy(MixedPolicy):
-    """fp32 weights and islands; the linear layers through their int8 copies."""
+    """fp32 weights and islands; the linear layers through their int8 copies.
+
+    ``calibration``: SmoothQuant smoothing calibrated on that set (``--int8-smoothing
+    smoothquant``; a policy of its own, made per run by :func:`embedpipe.embed.calibration.configured_policy`,
+    so the shared ``POLICIES`` entry stays unsmoothed); None: no smoothing."""
+
+    calibration: Calibration | None = None
 
     def check_device(self, device: torch.device, cpu: cpu_features.CpuFeatures | None = None) -> list[str]:
         if device.type != "cpu":
@@ -49,7 +58,8 @@ class Int8MixedPolicy(MixedPolicy):
         return []
 
     def provenance(self) -> dict[str, str]:
-        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": SCALES,
+        scales = SCALES if self.calibration is None else f"{SCALES_FROM}; {self.calibration.describe()}"
+        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": scales,
                                        "quantization_weight_range": weight_range()}
 
     @property
@@ -70,7 +80,12 @@ class Int8MixedPolicy(MixedPolicy):
         return True  # the int8 copies are how this policy runs a linear, not an optimisation
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
+        if self.calibration is not None:  # exact fp32 until calibrated (embed/calibration.py)
+            return CalibratingLinear(weight, bias, self.calibration.alpha)
         return Int8Linear(weight, bias)
+
+    def calibration_records(self) -> Sequence[tuple[str, str]]:
+        return () if self.calibration is None else self.calibration.records
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:

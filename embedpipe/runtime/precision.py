@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -177,6 +177,11 @@ class Policy:
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
         """A linear layer prepared once (oneDNN's blocked layout), or None: use ``F.linear``."""
         return pack_linear(weight, bias)
+
+    def calibration_records(self) -> Sequence[tuple[str, str]]:
+        """Records a freshly prepared runner must see before it embeds (int8-mixed smoothing:
+        :mod:`embedpipe.embed.calibration`); none for the other policies."""
+        return ()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:

@@ -35,6 +35,7 @@ CHOICES = {
     "fallback_device": (options.FALLBACK_DEVICES, EMBED.fallback_device),
     "batch_layout": (options.BATCH_LAYOUTS, EMBED.batch_layout),
     "attention_inputs": (options.ATTENTION_INPUTS, EMBED.attention_inputs),
+    "int8_smoothing": (options.INT8_SMOOTHINGS, EMBED.int8_smoothing),
     "on_invalid": (options.ON_INVALID, options.ON_INVALID_DEFAULT),
 }
 #: schema key -> the library's default
@@ -45,6 +46,7 @@ DEFAULTS = {
     "tokens_per_shard": options.TOKENS_PER_SHARD,
     "max_jobs": options.MAX_JOBS,
     "device": EMBED.device,
+    "int8_calibration": EMBED.int8_calibration,
 }
 
 
@@ -157,6 +159,7 @@ def test_the_precision_module_defines_exactly_the_named_policies() -> None:
         ("embed", "fallback_device", options.FALLBACK_DEVICES),
         ("embed", "batch_layout", options.BATCH_LAYOUTS),
         ("embed", "attention_inputs", options.ATTENTION_INPUTS),
+        ("embed", "int8_smoothing", options.INT8_SMOOTHINGS),
         ("shard", "on_invalid", options.ON_INVALID),
     ],
 )

@@ -267,6 +267,10 @@ def embed_options():
     for key in ("batch_layout", "attention_inputs"):  # likewise
         if config[key] != "auto":
             args += ["--" + key.replace("_", "-"), config[key]]
+    if config["int8_smoothing"] != "none":  # likewise
+        args += ["--int8-smoothing", config["int8_smoothing"]]
+    if config["int8_calibration"] is not None:
+        args += ["--int8-calibration", config["int8_calibration"]]
     return _join(args)
 
 

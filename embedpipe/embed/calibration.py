@@ -1,0 +1,55 @@
+"""The calibration step of a freshly prepared runner (``--int8-smoothing smoothquant``).
+
+Why here, through the :class:`~embedpipe.model.base.Runner` interface: it works for every
+model family and batch layout alike. The policy's linear layers are made in their calibrating
+state (:class:`embedpipe.runtime.int8_smoothing.CalibratingLinear`: exact fp32, recording each
+input channel's absmax) while the family prepares its runner; each calibration record then runs
+alone (no padding rows in the absmax), in true fp32, and every layer is quantized with its
+factors. The set is fixed, not the run's first batch, so a store's numbers never depend on
+which records came first (docs/precision.md, "int8-mixed").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from embedpipe.core.options import EmbedOptions
+from embedpipe.model.base import EmbeddingModel, Runner
+from embedpipe.runtime import int8_smoothing
+from embedpipe.runtime.precision import Policy, forward_context, get_policy, true_fp32_matmuls
+
+
+def configured_policy(options: EmbedOptions) -> Policy:
+    """``--precision``'s policy; with ``--int8-smoothing smoothquant`` a copy of it that carries
+    its calibration set (read now: a bad file is a one-line error before anything runs)."""
+    policy = get_policy(options.precision)
+    if options.int8_smoothing == "none":
+        return policy
+    return dataclasses.replace(policy, calibration=int8_smoothing.load_calibration(options.int8_calibration))
+
+
+def calibration_sha256(options: EmbedOptions) -> str | None:
+    """The calibration file's sha256 when smoothing is on (part of a store's identity for resuming
+    and reuse: the same path with other contents is another calibration); None otherwise."""
+    if options.int8_smoothing == "none":
+        return None
+    return int8_smoothing.load_calibration(options.int8_calibration).sha256
+
+
+def prepare_calibrated(loaded: EmbeddingModel, policy: Policy, device: torch.device,
+                       prepare: Callable[[], Runner]) -> Runner:
+    """``prepare()``'s runner, calibrated on the policy's calibration records when it has any."""
+    records = policy.calibration_records()
+    if not records:
+        return prepare()
+    with int8_smoothing.collecting() as layers:
+        runner = prepare()
+    with true_fp32_matmuls(), forward_context(policy, device):
+        for _, sequence in records:  # alone, within the trained window: what the model sees
+            runner(loaded.tokenize([sequence[: loaded.trained_window]]).to(device), [])
+    for layer in layers:
+        layer.finish()
+    return runner

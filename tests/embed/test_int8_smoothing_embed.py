@@ -1,0 +1,160 @@
+"""int8-mixed smoothing end to end (issue 23, "Outlier smoothing"): an ``--int8-smoothing
+smoothquant`` store against fp32 (ESM-2 packed and padded, T5), its provenance, planted outlier
+channels, the fp32 fallback, the bad calibration file, the option refusals, and that a store
+embedded without smoothing is never reused by a smoothing run (or the other way round)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from helpers.embed_helpers import embed_and_read, embed_store, random_sequences, write_fasta
+from typer.testing import CliRunner
+
+from embedpipe.cli import app
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.run import embed_identity
+from embedpipe.model.esm2_forward import EsmForward
+from embedpipe.runtime.int8_smoothing import SHIPPED
+
+#: the stated int8-mixed tolerance (docs/precision.md; tests/runtime/test_int8_policy.py)
+POOLED_COSINE = 0.99
+SMOOTH = {"precision": "int8-mixed", "int8_smoothing": "smoothquant"}
+#: the planted outliers: these 4 channels of every layer's two layer norm weights, times 30
+OUTLIER_CHANNELS, OUTLIER_GAIN = [3, 17, 40, 51], 30.0
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _worst(got: dict, ref: dict, layer: int) -> float:
+    return min(_cosine(got["mean"][layer][r], ref["mean"][layer][r]) for r in ref["mean"][layer])
+
+
+def plant_outliers(state: dict) -> None:
+    """Trained transformers' few huge input channels, planted: the layer norms feeding q/k/v and fc1."""
+    for key, value in state.items():
+        if key.startswith("layers.") and key.endswith("layer_norm.weight"):
+            value[OUTLIER_CHANNELS] *= OUTLIER_GAIN
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_smoothquant_store_matches_fp32_and_records_its_calibration(tmp_path, model_factory, layout) -> None:
+    path = model_factory(layers=3, dim=64, heads=4, seed=5)
+    records = random_sequences(6, (30, 200), seed=10)
+    layers = (1, 2, 3)
+    ref = embed_and_read(tmp_path, path, records, "ref", precision="fp32", layers=layers)
+    got = embed_and_read(tmp_path, path, records, "sq", layers=layers, batch_layout=layout, **SMOOTH)
+    for layer in layers:
+        assert _worst(got, ref, layer) >= POOLED_COSINE, layer
+    assert 0 < max(float(np.abs(got["mean"][3][r] - ref["mean"][3][r]).max()) for r, _ in records)  # really int8
+    digest = hashlib.sha256(SHIPPED.read_bytes()).hexdigest()
+    scales = got["attrs"]["quantization_scales"]
+    assert scales.endswith(f"SmoothQuant alpha 0.5 per input channel, calibrated in fp32 on int8_calibration.fasta "
+                           f"(16 records, sha256 {digest[:16]})"), scales
+    assert "no smoothing" not in scales
+    assert set(got["fields"]["precision_used"].values()) == {"int8-mixed"}
+
+
+def test_smoothquant_runs_t5_within_the_tolerance(tmp_path) -> None:
+    from embedpipe.model.random_hf import make_hf_test_model
+
+    path = make_hf_test_model(tmp_path / "ankh", family="ankh", layers=2, dim=32, heads=4, seed=3)
+    records = random_sequences(5, (20, 120), seed=4)
+    ref = embed_and_read(tmp_path, path, records, "ref", precision="fp32", layers=(1, 2))
+    plain = embed_and_read(tmp_path, path, records, "plain", precision="int8-mixed", layers=(1, 2))
+    got = embed_and_read(tmp_path, path, records, "sq", layers=(1, 2), **SMOOTH)
+    for layer in (1, 2):
+        assert _worst(got, ref, layer) >= POOLED_COSINE, layer
+        assert not np.array_equal(got["mean"][layer]["rec000"], plain["mean"][layer]["rec000"])  # smoothed
+    assert "SmoothQuant" in got["attrs"]["quantization_scales"]
+
+
+def test_on_planted_outlier_channels_smoothing_brings_int8_closer_to_fp32(tmp_path, model_factory) -> None:
+    path = model_factory(layers=3, dim=64, heads=4, seed=5, edit=plant_outliers)
+    records = random_sequences(8, (30, 300), seed=10)
+    layers = (1, 2, 3)
+    ref = embed_and_read(tmp_path, path, records, "ref", precision="fp32", layers=layers)
+    plain = embed_and_read(tmp_path, path, records, "plain", precision="int8-mixed", layers=layers)
+    smooth = embed_and_read(tmp_path, path, records, "sq", layers=layers, **SMOOTH)
+    for layer in layers:
+        assert _worst(smooth, ref, layer) > _worst(plain, ref, layer), layer
+        assert _worst(smooth, ref, layer) >= POOLED_COSINE, layer
+
+
+def test_a_planted_non_finite_still_falls_back_to_fp32_with_smoothing(tmp_path, model_factory, monkeypatch) -> None:
+    path = model_factory(layers=2, dim=32, heads=4, seed=6)
+    records = random_sequences(5, (20, 60), seed=3, alphabet=np.array(list("ADEFGHIKLMNPQRSTVWY")))
+    records[2] = ("planted", records[2][1][:5] + "C" + records[2][1][5:])
+    ref = embed_and_read(tmp_path, path, records, "ref", precision="fp32", layers=(0, 2))
+    original = EsmForward._own_forward
+
+    def planted(self, batch, layers):
+        out = original(self, batch, layers)
+        if self.policy.name == "int8-mixed":  # NaN in every stored layer of the batch rows holding a C
+            hit = (batch.tokens == 23).any(-1)  # 'C' in ESM-2's alphabet
+            for layer in out.hidden:
+                out.hidden[layer][hit] = float("nan")
+        return out
+
+    monkeypatch.setattr(EsmForward, "_own_forward", planted)
+    got = embed_and_read(tmp_path, path, records, "sq", layers=(0, 2), **SMOOTH)
+    for rid, _ in records:
+        want = ("fp32", "nonfinite") if rid == "planted" else ("int8-mixed", "")
+        assert (got["fields"]["precision_used"][rid], got["fields"]["fallback_reason"][rid]) == want
+    for layer in (0, 2):
+        np.testing.assert_allclose(got["mean"][layer]["planted"], ref["mean"][layer]["planted"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, tiny_model_path) -> None:
+    fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=1))
+    bad = tmp_path / "calib.fasta"
+    bad.write_text(">x\nAC-D\n")
+    result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out",
+                                      str(tmp_path / "o.h5"), "--precision", "int8-mixed", "--int8-smoothing",
+                                      "smoothquant", "--int8-calibration", str(bad)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("embedpipe: error: --int8-calibration") and str(bad) in lines[0], lines
+    assert not (tmp_path / "o.h5").exists()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"precision": "fp32", "int8_smoothing": "smoothquant"}, "applies to --precision int8-mixed only, not fp32"),
+    ({"precision": "int8-mixed", "int8_calibration": "x.fasta"}, "applies with --int8-smoothing smoothquant only"),
+    ({"precision": "int8-mixed", "int8_smoothing": "awq"}, "--int8-smoothing must be one of none, smoothquant"),
+])
+def test_smoothing_options_outside_int8_mixed_smoothquant_are_refused(options, message) -> None:
+    with pytest.raises(EmbedpipeError, match=message):
+        EmbedOptions(**options).validate()
+
+
+def test_the_identity_separates_smoothing_and_calibration_contents(tmp_path) -> None:
+    computed_as = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
+
+    def identity(**options) -> str:
+        return embed_identity(EmbedOptions(precision="int8-mixed", **options), "abc", computed_as, [2])
+
+    plain = identity()
+    assert "int8" not in plain.replace("int8-mixed", "")  # unchanged for stores written before the option
+    calib = write_fasta(tmp_path / "c.fasta", random_sequences(2, (10, 20), seed=2))
+    shipped, own = identity(int8_smoothing="smoothquant"), identity(int8_smoothing="smoothquant", int8_calibration=str(calib))
+    assert len({plain, shipped, own}) == 3
+    write_fasta(calib, random_sequences(2, (10, 20), seed=3))  # the same path, other records
+    assert identity(int8_smoothing="smoothquant", int8_calibration=str(calib)) != own
+
+
+@pytest.mark.parametrize(("first", "second"), [({}, {"int8_smoothing": "smoothquant"}),
+                                               ({"int8_smoothing": "smoothquant"}, {})])
+def test_reuse_refuses_a_store_embedded_with_other_smoothing(tmp_path, tiny_model_path, first, second) -> None:
+    records = random_sequences(3, (10, 30), seed=7)
+    earlier = embed_store(tmp_path, tiny_model_path, records, "earlier", precision="int8-mixed", **first)
+    fasta = write_fasta(tmp_path / "again.fasta", records)
+    with pytest.raises(EmbedpipeError, match=r"--reuse .*int8_smoothing"):
+        from embedpipe.embed.run import embed_fasta
+
+        embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "again.h5",
+                    options=EmbedOptions(precision="int8-mixed", **second), quiet=True, reuse=[earlier])
