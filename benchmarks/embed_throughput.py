@@ -352,10 +352,11 @@ def main() -> None:
           f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}; "
           f"median of {args.rounds} interleaved round(s)")
     print("matmul peak (GFLOP/s; int8: GOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))
-    from embedpipe.runtime.cpu_features import detect
+    from embedpipe.runtime.cpu_features import detect, isa_caps
 
     cpu = detect()
-    print(f"CPU: {cpu.cpu_class} (flags: {cpu.named()}; torch kernels {cpu.torch_capability})")
+    print(f"CPU: {cpu.cpu_class} (flags: {cpu.named()}; torch kernels {cpu.torch_capability})"
+          + (f"; capped (emulated): {isa_caps()}" if isa_caps() else ""))
     print_table(rows, ref, args.layers)
     (OUT / "results.json").write_text(json.dumps(rows, indent=2))
 

@@ -86,10 +86,11 @@ def main() -> None:
             started = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - started)
-    from embedpipe.runtime.cpu_features import detect
+    from embedpipe.runtime.cpu_features import detect, isa_caps
 
     cpu = detect()
-    print(f"CPU {cpu.cpu_class} ({cpu.named()}), {torch.get_num_threads()} threads, {args.tokens} tokens, "
+    caps = f", capped (emulated): {isa_caps()}" if isa_caps() else ""
+    print(f"CPU {cpu.cpu_class} ({cpu.named()}{caps}), {torch.get_num_threads()} threads, {args.tokens} tokens, "
           f"{d} -> {4 * d} -> {d}, median of {args.rounds} interleaved rounds\n")
     print("| engine | ms | time / fp32 | min row cosine to fp32 |\n|---|---|---|---|")
     base = statistics.median(times["fp32"])

@@ -11,6 +11,7 @@ features on ARM (Apple silicon: ``hw.optional.arm.FEAT_BF16``/``FEAT_FP16``).
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import subprocess
 from dataclasses import dataclass, field
@@ -27,18 +28,23 @@ NATIVE = {
 }
 #: flags of fast int8 dot products (VNNI, AMX-INT8, ARM dot product / i8mm)
 INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm")
+#: the x86 ones among them (oneDNN's VNNI kernels, measured); ARM's are a class of their own
+X86_INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni")
 
 #: The fastest policy per CPU class, and its measured wall time against fp32 (fp32 time /
 #: its time; docs/precision.md, "Which policy on which CPU"; None where not measured).
 #: amx: 2-vCPU Xeon (AMX, AVX512-BF16/FP16), 35M shape, 200 proteins, median of 2 interleaved
-#: rounds (33.5 s / 20.4 s; int8-mixed 22.5 s; docs/benchmarks.md, issue 23 second pass);
-#: avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s); avx2: the same Xeon with torch,
-#: oneDNN and MKL capped to AVX2 (emulated, not an EPYC: 57.7 s / 52.7 s; bf16-mixed and fp16
-#: 4x slower than fp32 there, as on the AVX2-only EPYC)
+#: rounds (42.0 s / 22.8 s; int8-mixed 25.5 s; docs/benchmarks.md, "int8 on VNNI CPUs");
+#: avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s); int8-dot: the same Xeon with torch,
+#: oneDNN, MKL and fbgemm capped to AVX512-VNNI (emulated Cascade/Ice Lake: 40.7 s / 30.0 s;
+#: bf16-mixed 0.37x and fp16 0.16x there); avx2: capped to AVX2 (emulated, not an EPYC:
+#: 57.7 s / 52.7 s; bf16-mixed and fp16 4x slower than fp32 there, as on the AVX2-only EPYC);
+#: arm-int8-dot (ARM dot product, no bf16): not measured
 FASTEST: dict[str, tuple[str, float | None]] = {
-    "amx": ("bf16-mixed", 1.64),
+    "amx": ("bf16-mixed", 1.84),
     "avx512_bf16": ("bf16-mixed", 1.37),
-    "int8-dot": ("fp32", None),
+    "int8-dot": ("int8-mixed", 1.36),
+    "arm-int8-dot": ("fp32", None),
     "avx2": ("int8-mixed", 1.09),
     "other": ("fp32", None),
 }
@@ -66,13 +72,15 @@ class CpuFeatures:
 
     @property
     def cpu_class(self) -> str:
-        """amx, avx512_bf16, int8-dot (VNNI without bf16), avx2, or other."""
+        """amx, avx512_bf16, int8-dot (x86 VNNI without bf16), arm-int8-dot, avx2, or other."""
         if "amx_bf16" in self.flags:
             return "amx"
         if "avx512_bf16" in self.flags:
             return "avx512_bf16"
-        if any(flag in self.flags for flag in INT8_DOT):
+        if any(flag in self.flags for flag in X86_INT8_DOT):
             return "int8-dot"
+        if any(flag in self.flags for flag in INT8_DOT):
+            return "arm-int8-dot"
         if "avx2" in self.flags:
             return "avx2"
         return "other"
@@ -121,6 +129,17 @@ def detect() -> CpuFeatures:
     except (AttributeError, RuntimeError):
         capability = ""
     return CpuFeatures(frozenset(flags), capability, platform.machine())
+
+
+#: environment variables that cap the instruction sets torch's kernels use (how docs/benchmarks.md
+#: emulates AVX2-only and VNNI-only CPUs on a newer one)
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def isa_caps() -> str:
+    """The caps in effect, as ``NAME=value`` words ('' when none): the flags alone would not say
+    that a table was measured with the kernels of an older CPU."""
+    return " ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
 
 
 def fastest_policy(cpu: CpuFeatures) -> tuple[str, float | None]:
