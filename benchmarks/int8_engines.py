@@ -9,9 +9,11 @@ engine, time relative to embedpipe's fp32 (oneDNN-prepacked). Engines:
 * int8-onednn: embedpipe's :class:`~embedpipe.runtime.int8_linear.Int8Linear` (per-token scales,
   ``torch.ops.onednn.qlinear_pointwise``), quantization of the activations included;
 * int8-int_mm: the same through ``torch._int_mm``;
+* int8-onednn-s8 (``--with-s8``): int8-onednn fed s8 activations, as before it took u8 with zero
+  point 128; on AVX512-VNNI CPUs without AMX that is oneDNN's scalar reference kernel (minutes);
 * w8a16-int8pack: ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, bf16 activations).
 
-    python benchmarks/int8_engines.py [--rounds 5] [--tokens 4096]
+    python benchmarks/int8_engines.py [--rounds 5] [--tokens 4096] [--with-s8]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from embedpipe.runtime.packed_linear import pack_linear
 
 
 def engines(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-            b2: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+            b2: torch.Tensor, with_s8: bool = False) -> dict[str, Callable[[], torch.Tensor]]:
     """engine -> one pass of the feed-forward block."""
     out: dict[str, Callable[[], torch.Tensor]] = {}
     p1, p2 = pack_linear(w1, b1), pack_linear(w2, b2)
@@ -52,6 +54,10 @@ def engines(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
     for engine in ("onednn", "int_mm"):
         l1, l2 = Int8Linear(w1, b1, engine=engine), Int8Linear(w2, b2, engine=engine)
         out[f"int8-{engine}"] = (lambda a, c: lambda: c(a(x, gelu=True)))(l1, l2)
+    if with_s8:
+        s1, s2 = Int8Linear(w1, b1, engine="onednn"), Int8Linear(w2, b2, engine="onednn")
+        s1.zero_point = s2.zero_point = 0  # the same integers as s8: oneDNN's other kernel choice
+        out["int8-onednn-s8"] = lambda: s2(s1(x, gelu=True))
     try:
         i1, s1 = Int8Linear(w1, None).qweight, Int8Linear(w1, None).weight_scale.bfloat16()
         i2, s2 = Int8Linear(w2, None).qweight, Int8Linear(w2, None).weight_scale.bfloat16()
@@ -69,6 +75,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--dim", type=int, default=480)
+    parser.add_argument("--with-s8", action="store_true", help="also int8-onednn with s8 activations")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     g = torch.Generator().manual_seed(0)
@@ -76,7 +83,7 @@ def main() -> None:
     x = torch.randn(args.tokens, d, generator=g)
     w1, b1 = torch.randn(4 * d, d, generator=g) / d**0.5, torch.randn(4 * d, generator=g) * 0.1
     w2, b2 = torch.randn(d, 4 * d, generator=g) / (4 * d) ** 0.5, torch.randn(d, generator=g) * 0.1
-    runs = engines(x, w1, b1, w2, b2)
+    runs = engines(x, w1, b1, w2, b2, args.with_s8)
     ref = runs["fp32"]().double()
     times: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():

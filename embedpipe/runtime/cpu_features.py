@@ -37,15 +37,16 @@ X86_INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni")
 #: rounds (42.0 s / 22.8 s; int8-mixed 25.5 s; docs/benchmarks.md, "int8 on VNNI CPUs");
 #: avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s); int8-dot: the same Xeon with torch,
 #: oneDNN, MKL and fbgemm capped to AVX512-VNNI (emulated Cascade/Ice Lake: 40.7 s / 30.0 s;
-#: bf16-mixed 0.37x and fp16 0.16x there); avx2: capped to AVX2 (emulated, not an EPYC:
-#: 57.7 s / 52.7 s; bf16-mixed and fp16 4x slower than fp32 there, as on the AVX2-only EPYC);
+#: bf16-mixed 0.37x and fp16 0.16x there; capped to AVX2 + AVX-VNNI 1.75x); avx2: capped to
+#: AVX2 (emulated, not an EPYC: 59.7 s / 47.0 s; bf16-mixed and fp16 4x slower than fp32 there,
+#: as on the AVX2-only EPYC);
 #: arm-int8-dot (ARM dot product, no bf16): not measured
 FASTEST: dict[str, tuple[str, float | None]] = {
     "amx": ("bf16-mixed", 1.84),
     "avx512_bf16": ("bf16-mixed", 1.37),
     "int8-dot": ("int8-mixed", 1.36),
     "arm-int8-dot": ("fp32", None),
-    "avx2": ("int8-mixed", 1.09),
+    "avx2": ("int8-mixed", 1.27),
     "other": ("fp32", None),
 }
 
