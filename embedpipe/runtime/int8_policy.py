@@ -21,7 +21,7 @@ from embedpipe.runtime import cpu_features
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.int8_smoothing import CalibratingLinear, Calibration
-from embedpipe.runtime.precision import MixedPolicy, Packed
+from embedpipe.runtime.precision import MixedPolicy, Packed, add_policies
 
 #: root attributes of an int8-mixed store (docs/store-format.md)
 SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127; absmax/63 where the CPU's "
@@ -92,3 +92,6 @@ class Int8MixedPolicy(MixedPolicy):
         if packed is None:
             raise RuntimeError(f"{self.name}: a linear layer without its int8 copy (the forward did not pack it)")
         return packed(x.float(), gelu=gelu)
+
+
+add_policies("int8", Int8MixedPolicy)

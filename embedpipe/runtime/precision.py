@@ -255,23 +255,23 @@ class MixedPolicy(Policy):
         return q, k
 
 
-def _int8_policy() -> type[Policy]:
-    from embedpipe.runtime.int8_policy import Int8MixedPolicy  # the int8 kernels, CPU only
-
-    return Int8MixedPolicy
+POLICIES: dict[str, Policy] = {}
 
 
-_KINDS: dict[str, Callable[[], type[Policy]]] = {
-    "plain": lambda: Policy, "autocast": lambda: AutocastPolicy, "mixed": lambda: MixedPolicy, "int8": _int8_policy}
+def add_policies(kind: str, cls: type[Policy]) -> None:
+    """Build ``kind``'s policies (:data:`POLICY_KINDS`) as ``cls`` into :data:`POLICIES`.
+
+    The int8 kind's class lives in :mod:`embedpipe.runtime.int8_policy` (it subclasses
+    :class:`MixedPolicy`), which adds its policies when imported; this module imports it last,
+    so either module may be imported first."""
+    for name, (its_kind, low) in POLICY_KINDS.items():
+        if its_kind == kind:
+            dtype = getattr(torch, low)
+            POLICIES[name] = cls(name, torch.float32 if kind in ("autocast", "int8") else dtype, dtype)
 
 
-def _build(name: str, kind: str, low: str) -> Policy:
-    dtype = getattr(torch, low)
-    weights = torch.float32 if kind in ("autocast", "int8") else dtype
-    return _KINDS[kind]()(name, weights, dtype)
-
-
-POLICIES: dict[str, Policy] = {name: _build(name, kind, low) for name, (kind, low) in POLICY_KINDS.items()}
+for _kind, _cls in (("plain", Policy), ("autocast", AutocastPolicy), ("mixed", MixedPolicy)):
+    add_policies(_kind, _cls)
 FP32 = POLICIES["fp32"]
 
 
@@ -343,3 +343,6 @@ def exact_fp32(device: torch.device) -> Iterator[None]:
     16 bits). For pooling, whose sums over a thousand residues overflow fp16."""
     with torch.autocast(device_type=device.type, enabled=False):
         yield
+
+
+from embedpipe.runtime import int8_policy as _int8_policy  # noqa: E402,F401  adds the int8 policies (see add_policies)
