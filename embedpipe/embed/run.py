@@ -124,6 +124,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse)."""
     options.validate()
+    calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
     guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model), *map(Path, reuse)])
     records = _read_records(fasta)
@@ -299,6 +300,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
     options.validate()
+    calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -122,6 +122,19 @@ def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, tiny_model_path)
     assert not (tmp_path / "o.h5").exists()
 
 
+def test_the_calibration_file_is_checked_before_the_model_loads(tmp_path) -> None:
+    """A bad --int8-calibration is the error even where the model would fail too: it is read
+    before the model is loaded (minutes for a large checkpoint), not after."""
+    fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=1))
+    bad = tmp_path / "calib.fasta"
+    bad.write_text("")
+    result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(tmp_path / "absent.pt"), "--out",
+                                      str(tmp_path / "o.h5"), "--precision", "int8-mixed", "--int8-smoothing",
+                                      "smoothquant", "--int8-calibration", str(bad)])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().startswith("embedpipe: error: --int8-calibration") and str(bad) in result.output
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"precision": "fp32", "int8_smoothing": "smoothquant"}, "applies to --precision int8-mixed only, not fp32"),
     ({"precision": "int8-mixed", "int8_calibration": "x.fasta"}, "applies with --int8-smoothing smoothquant only"),
