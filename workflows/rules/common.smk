@@ -287,6 +287,12 @@ def reuse_indexes():
     return [f"{OUTDIR}/reuse/reuse-{k}.h5" for k in range(len(config["reuse"]))]
 
 
+def calibration_input():
+    """`int8_calibration`'s FASTA as an input of every embed job, so that a changed file reruns
+    them (the stores' identity holds its sha256: docs/precision.md, "int8-mixed"); nothing unset."""
+    return [config["int8_calibration"]] if config["int8_calibration"] is not None else []
+
+
 def reuse_options():
     """`--reuse INDEX` per reuse store; nothing without `reuse`."""
     return _join([word for index in reuse_indexes() for word in ("--reuse", index)])

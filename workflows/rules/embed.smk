@@ -22,6 +22,8 @@ rule embed:
         model=model_input(),
         # `reuse`: each earlier store's sha256 index; a job copies what it holds (docs/cluster.md)
         reuse=reuse_indexes(),
+        # `int8_calibration`: a changed calibration file reruns the embed jobs
+        calibration=calibration_input(),
     output:
         f"{OUTDIR}/stores/group-{{group}}.json",
     log:
