@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,15 +119,27 @@ class Calibration:
 
 def load_calibration(path: str | Path | None) -> Calibration:
     """The calibration set at ``path`` (the shipped one when None); a one-line error naming
-    the file when it is missing, unreadable, invalid FASTA or empty."""
+    the file when it is missing, unreadable, invalid FASTA or empty.
+
+    Read once per process and file version: the up-front check, the run's policy and every
+    shard's identity (embed/run.py) all ask for it; a rewritten file (new size or mtime) is read again."""
+    where = SHIPPED if path is None else Path(path)
+    try:
+        stat = where.stat()
+        version = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        version = None  # the read below fails with the file's own error
+    return _read_calibration(where, version)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_calibration(where: Path, version: tuple[int, int] | None) -> Calibration:
     from embedpipe.inputs.fasta import read_sequences  # import-light callers (options) never need it
 
-    where = SHIPPED if path is None else Path(path)
     try:
         records = tuple(read_sequences(where))
     except InputError as error:  # already names the file (and line)
         raise EmbedpipeError(f"--int8-calibration: {error}") from None
     if not records:
         raise EmbedpipeError(f"--int8-calibration {where}: no records to calibrate on")
-    digest = hashlib.sha256(where.read_bytes()).hexdigest()
-    return Calibration(where.name, records, digest)
+    return Calibration(where.name, records, hashlib.sha256(where.read_bytes()).hexdigest())
