@@ -73,17 +73,19 @@ class T5Model:
         return T5Forward(prepare_weights(self.weights, policy, device), self.shape, policy, self.pad_id,
                          attention_inputs=attention_inputs)
 
-    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
-        """Per token: fp32 residual and norm (8D), q/k/v/context (4 x H d_kv) and the
-        feed-forward's hidden layer (1 or 2 x d_ff) in the compute dtype. The L x L scores
-        are not counted per token: they are quadratic (docs/models.md, "Limits")."""
+    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
+        """Per token: fp32 residual and norm (8D), q/k/v/context (4 x H d_kv, in the dtype
+        ``attention_inputs`` resolves to) and the feed-forward's hidden layer (1 or 2 x d_ff) in
+        the compute dtype. The L x L scores are not counted per token: they are quadratic
+        (docs/models.md, "Limits")."""
         s = self.shape
         parameters = sum(w.numel() for w in self.weights.values())
         inner = s.d_ff * (2 if s.gated else 1)
+        attention_itemsize = policy.attention_dtype(attention_inputs).itemsize
         return MemoryEstimate(host_bytes=host_bytes(4 * parameters),
                               weight_bytes=policy.weight_dtype.itemsize * parameters,
-                              activation_bytes_per_token=8 * s.d_model + policy.compute_dtype.itemsize * (
-                                  4 * s.num_heads * s.d_kv + inner))
+                              activation_bytes_per_token=8 * s.d_model + attention_itemsize * 4 * s.num_heads * s.d_kv
+                              + policy.compute_dtype.itemsize * inner)
 
 
 def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device: torch.device) -> dict[str, torch.Tensor]:
