@@ -48,10 +48,10 @@ FIELDS: dict[str, str] = {
     "overflow_margin": "overflow_margin",
     "batch_layout": "batch_layout",
     "attention_inputs": "attention_inputs",
-    "computed_as.device_type": "the device type (what --device resolved to)",
-    "computed_as.batch_layout": "the batch layout (what --batch-layout auto resolved to on this device)",
-    "computed_as.attention_inputs": ("q/k/v at attention in (what --attention-inputs auto resolved to for "
-                                     "this precision policy and device)"),
+    "computed_as.device_type": "the device type (resolved from --device)",
+    "computed_as.batch_layout": "the batch layout (resolved from --batch-layout on the device)",
+    "computed_as.attention_inputs": ("the dtype of q/k/v at attention (resolved from --attention-inputs, "
+                                     "the precision policy and the device)"),
 }
 
 #: what an identity written before :data:`IDENTITY_VERSION` 2 did not cover

@@ -48,7 +48,7 @@ def files_sha256(directory: Path, names: Sequence[str]) -> dict[str, str]:
         path = directory / name
         if path.is_file():
             try:
-                out[name] = file_sha256(path, cache=True)
+                out[name] = file_sha256(path)  # small files: no stat-keyed cache to go stale
             except OSError as exc:
                 raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from None
     return out
