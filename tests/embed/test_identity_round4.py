@@ -160,7 +160,7 @@ def test_a_7_bit_int8_store_is_neither_reused_nor_kept_by_an_8_bit_run(tmp_path,
     shard, out = write_fasta(tmp_path / "shard-0.fasta", RECORDS), tmp_path / "stores"
     done = subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(shard), "--model", str(tiny_model_path),
                            "--out-dir", str(out), "--device", "cpu", "--precision", "int8-mixed", "-q"],
-                          env=_seven_bit_env(), capture_output=True, text=True, timeout=300)
+                          env=_seven_bit_env(), capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     store = out / "shard-0.h5"
     with h5py.File(store, "r") as f:
@@ -180,3 +180,18 @@ def test_a_7_bit_int8_store_is_neither_reused_nor_kept_by_an_8_bit_run(tmp_path,
     with h5py.File(store, "r") as f:
         assert f.attrs["quantization_weight_range"] == "+-127 (8-bit)"
         assert json.loads(f.attrs["embed_identity"])["int8_weight_range"] == "+-127 (8-bit)"
+
+
+def test_reuse_refuses_a_store_of_an_older_identity_saying_so(tmp_path, tiny_model_path):
+    earlier = embed_store(tmp_path, tiny_model_path, RECORDS, "earlier", device="cpu")
+    with h5py.File(earlier, "r+") as f:  # as written before issue 30: no version, no model files or family
+        old = json.loads(f.attrs["embed_identity"])
+        for key in ("identity_version", "model_files", "model_family"):
+            del old[key]
+        f.attrs["embed_identity"] = json.dumps(old, sort_keys=True)
+    with pytest.raises(EmbedpipeError) as refused:
+        embed_fasta(write_fasta(tmp_path / "again.fasta", RECORDS), model=str(tiny_model_path),
+                    out=tmp_path / "again.h5", options=EmbedOptions(device="cpu"), quiet=True, reuse=[earlier])
+    assert str(refused.value) == (
+        f"--reuse {earlier}: written by an older embedpipe whose identity did not cover the model's config.json and "
+        f"tokenizer files, the model family's version or the int8 weight range; {REUSABLE}")
