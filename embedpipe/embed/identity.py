@@ -35,6 +35,7 @@ _RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration"
 #: resolved it to last), each in user words; fields not listed follow, by name
 FIELDS: dict[str, str] = {
     "model_sha256": "model_sha256",
+    "model_files": "the model's config and tokenizer files",  # named file by file (_files_difference)
     "model_family": "the model family and its forward version",
     "precision": "the precision policy",
     "int8_smoothing": "int8_smoothing",

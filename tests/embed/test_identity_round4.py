@@ -129,6 +129,10 @@ def test_a_resolved_field_is_named_only_alone_and_explained():
     assert describe_difference(json.dumps(other | {"precision": "bf16"}), json.dumps(base)) == (
         "embedded with the precision policy 'bf16', this run 'fp32'")
     assert describe_difference(json.dumps(base), json.dumps(base)) is None
+    files = other | {"precision": "bf16", "model_files": {"config.json": "b" * 64}}
+    assert describe_difference(json.dumps(files), json.dumps(base | {"model_files": {"config.json": "c" * 64}})) == (
+        f"embedded with the model's config.json sha256 {'b' * 16}..., this run {'c' * 16}... (the weights are the "
+        "same; the file changes the numbers)")  # the model before the options
 
 
 def test_pooling_bos_and_mean_plus_bos_are_one_identity(tmp_path, tiny_model_path):
