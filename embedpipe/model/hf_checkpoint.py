@@ -28,6 +28,7 @@ from typing import Any
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model.facts import ModelFacts
+from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
 from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
 
 #: Hub names embedpipe knows, with their family (others load too once they are cached).
@@ -249,7 +250,27 @@ def load(spec: str) -> Any:
     return importlib.import_module(MODULES[config["model_type"]]).load_directory(spec, directory, config)
 
 
-def file_identity(spec: str) -> tuple[str, bool]:
-    """(weights sha256, packs: ESM-2 only) without reading the weights (``embed --reuse``)."""
+#: what decides a T5 directory's tokens besides tokenizer.json: the files transformers' tokenizer
+#: reads when only spiece.model is there (embedpipe.model.t5_vocab.read_vocabulary)
+SPIECE_FILES = ("spiece.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
+    """The files besides the weights whose bytes decide the numbers, as the loader reads them:
+    ``config.json``, and ESM's ``vocab.txt`` (checked) or T5's ``tokenizer.json`` (else ``spiece.model``)."""
+    if config["model_type"] == "esm":
+        return ["config.json", "vocab.txt"]
+    return ["config.json", *(("tokenizer.json",) if (directory / "tokenizer.json").is_file() else SPIECE_FILES)]
+
+
+def file_identity(spec: str) -> ModelIdentity:
+    """Weights, config and tokenizer sha256s, the family and its version, packs (ESM-2 only),
+    without reading the weights (docs/cluster.md, "Resuming, rerunning")."""
+    from embedpipe.model import esm2_spec, t5_vocab
+
     directory = resolve_directory(spec)
-    return weights_sha256(weight_files(directory)), read_config(directory)["model_type"] == "esm"
+    config = read_config(directory)
+    family = family_of(spec, directory, config)
+    version = esm2_spec.FAMILY_VERSION if family == "esm2" else t5_vocab.FAMILY_VERSION
+    return ModelIdentity(weights_sha256(weight_files(directory)), config["model_type"] == "esm",
+                         files_sha256(directory, identity_files(directory, config)), versioned(family, version))
