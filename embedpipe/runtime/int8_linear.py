@@ -55,14 +55,21 @@ def quantize_weight(weight: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Ten
 
 def weights_lost(weight: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> str:
     """Why int8 cannot hold this layer ('' when it can): output channels with non-zero weights
-    whose scale is below float32's normal range (``w / scale`` inexact) or that quantized to all
-    zeros. Such a layer stays an fp32 island (docs/precision.md, "int8-mixed")."""
+    whose scale is below float32's normal range (``w / scale`` inexact) or that quantized to
+    all zeros; or channels so large that a rescaled int32 sum (up to ``qmax * max|w| * K``,
+    before the token's scale) overflows float32. Such a layer stays an fp32 island
+    (docs/precision.md, "int8-mixed")."""
     absmax = weight.detach().float().abs().amax(dim=1)
-    lost = (absmax > 0) & ((scale < NORMAL_MIN) | qweight.eq(0).all(dim=1))
-    if not bool(lost.any()):
-        return ""
-    return (f"{int(lost.sum())} of {lost.numel()} output channels have weights too small for int8 "
-            f"(max |w| {float(absmax[lost].min()):.3g}, scale below float32's normal range)")
+    small = (absmax > 0) & ((scale < NORMAL_MIN) | qweight.eq(0).all(dim=1))
+    sums = float(qweight.abs().amax()) * weight.shape[1]  # the largest |int32 sum| a unit token gives
+    large = scale.double() * QMAX * sums > float(torch.finfo(torch.float32).max)
+    if bool(small.any()):
+        return (f"{int(small.sum())} of {small.numel()} output channels have weights too small for int8 "
+                f"(max |w| {float(absmax[small].min()):.3g}, scale below float32's normal range)")
+    if bool(large.any()):
+        return (f"{int(large.sum())} of {large.numel()} output channels have weights too large for int8 "
+                f"(max |w| {float(absmax[large].max()):.3g}: the rescaled int32 sums overflow float32)")
+    return ""
 
 
 #: rows per eager pass: about 1 MiB of fp32 activations, so the passes after the first read

@@ -124,3 +124,41 @@ def test_a_normal_model_keeps_every_linear_in_int8(tmp_path, model_factory) -> N
     assert got["attrs"]["quantization_fp32_layers"] == "none"
     ref = embed_and_read(tmp_path, path, random_sequences(3, (20, 40), seed=1), "fp32", precision="fp32")
     assert "quantization_fp32_layers" not in ref["attrs"]
+
+
+def test_a_t5_layer_of_subnormal_weights_is_named_and_stays_exact(tmp_path) -> None:
+    """T5 (the padded runner): 0.v's weights below the normal range, 0.o scaled back up so far
+    that its int8 sums would overflow float32 (today's main: no engine passes its probe, a traceback)."""
+    from embedpipe.model.random_hf import make_hf_test_model
+    from embedpipe.runtime.precision import POLICIES, forward_context
+
+    model = load_model(str(make_hf_test_model(tmp_path / "m", family="ankh", layers=2, dim=32, heads=4, seed=3)))
+    model.weights["0.v"].mul_(1e-40)
+    model.weights["0.o"].mul_(1e38)
+    tokens = model.tokenize(["MKTAYIAKQRQISFVKSHFSRQ", "ACDEFGHIKLMNPQRSTVWY"])
+    cpu = torch.device("cpu")
+    outs = {}
+    for name in ("fp32", "int8-mixed"):
+        runner = model.prepare(POLICIES[name], cpu)
+        with forward_context(POLICIES[name], cpu):
+            outs[name] = runner(tokens, [1, 2]).hidden
+    assert sorted(runner.fp32_layers) == ["0.o", "0.v"]
+    assert "32 of 32 output channels have weights too small for int8" in runner.fp32_layers["0.v"]
+    assert "32 of 32 output channels have weights too large for int8" in runner.fp32_layers["0.o"]
+    for layer in (1, 2):
+        got, want = outs["int8-mixed"][layer].mean(1), outs["fp32"][layer].mean(1)
+        assert float(_cosines(got, want).min()) >= POOLED_COSINE  # today's main: 0.v zeroed
+
+
+def test_smoothquant_calibration_keeps_the_crafted_layer_close(tmp_path, model_factory, fair_esm_reference) -> None:
+    path = model_factory(layers=3, dim=64, heads=4, seed=5, edit=_subnormal_fc1)
+    records = random_sequences(4, (30, 120), seed=11)
+    got = embed_and_read(tmp_path, path, records, "sq", precision="int8-mixed", int8_smoothing="smoothquant",
+                         layers=LAYERS)
+    model, alphabet = fair_esm_reference(path)
+    for rid, seq in records:
+        want = fair_esm_forward(model, alphabet, seq, LAYERS)
+        for layer in LAYERS:
+            a, b = got["mean"][layer][rid].astype(np.float64), want[layer].mean(0).astype(np.float64)
+            assert float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) >= POOLED_COSINE, (rid, layer)
+    assert got["attrs"]["quantization_fp32_layers"]  # recorded after calibration ("none" or the layer)
