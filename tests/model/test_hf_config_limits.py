@@ -149,12 +149,19 @@ def test_the_cli_prints_one_line_for_a_huge_depth(dirs, tmp_path) -> None:
             f"no larger than 1024, got 10000000"]
 
 
-def test_the_pt_path_uses_the_same_bounds(tiny_model_path, tmp_path) -> None:
+@pytest.mark.parametrize(("key", "value", "pattern"), [
+    ("encoder_layers", 10_000_000, "encoder_layers must be a positive integer no larger than 1024, got 10000000"),
+    ("encoder_embed_dim", 32.0, "encoder_embed_dim must be a positive integer, got 32.0"),
+    ("encoder_embed_dim", 10**9, "encoder_embed_dim must be a positive integer no larger than 65536, got 1000000000"),
+    ("encoder_attention_heads", 3, "encoder_embed_dim 32 is not divisible by encoder_attention_heads 3"),
+    ("encoder_attention_heads", 0, "encoder_attention_heads must be a positive integer no larger than 1024, got 0"),
+])
+def test_the_pt_path_uses_the_same_bounds(tiny_model_path, tmp_path, key, value, pattern) -> None:
     data = load_checkpoint_safely(tiny_model_path)
-    data["cfg"]["model"].encoder_layers = 10_000_000
-    path = tmp_path / "deep.pt"
+    setattr(data["cfg"]["model"], key, value)
+    path = tmp_path / "edited.pt"
     torch.save(data, path)
-    expected = rf"^{re.escape(str(path))}: encoder_layers must be a positive integer no larger than 1024, got 10000000$"
+    expected = rf"^{re.escape(str(path))}: {re.escape(pattern)}$"
     with pytest.raises(ModelError, match=expected):
         load_model(str(path))
     with pytest.raises(ModelError, match=expected):
