@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
-from embedpipe.model import describe, hf_checkpoint, inspect, load_model
+from embedpipe.model import hf_checkpoint, inspect, load_model
 from embedpipe.model.checkpoint import load_checkpoint_safely
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.runtime.precision import POLICIES
@@ -90,8 +90,8 @@ ESM_CASES = [
     ("layer_norm_eps", 0, r"layer_norm_eps must be a finite number in \(0, 0\.01\], got 0"),
     ("layer_norm_eps", 5.0, r"layer_norm_eps must be a finite number in \(0, 0\.01\], got 5\.0"),
     ("layer_norm_eps", "tiny", r"layer_norm_eps must be a finite number in \(0, 0\.01\], got 'tiny'"),
-    ("position_embedding_type", "sinusoidal", r"position_embedding_type 'sinusoidal' is not one of absolute, "
-                                              r"relative_key, relative_key_query, rotary \(ESM-2's is 'rotary'\)"),
+    ("position_embedding_type", "sinusoidal", (r"position_embedding_type 'sinusoidal' is not one of absolute, "
+                                               r"relative_key, relative_key_query, rotary \(ESM-2's is 'rotary'\)")),
 ]
 
 
@@ -119,8 +119,8 @@ T5_CASES = [
     ("vocab_size", 0, r"vocab_size must be a positive integer no larger than 1048576, got 0"),
     ("relative_attention_num_buckets", 10**8, r"relative_attention_num_buckets must be an integer from 4 no larger than 4096, got 100000000"),
     ("relative_attention_num_buckets", 2, r"relative_attention_num_buckets must be an integer from 4 no larger than 4096, got 2"),
-    ("relative_attention_max_distance", 8, r"relative_attention_max_distance 8 must be larger than "
-                                           r"relative_attention_num_buckets // 4 = 8, where T5's logarithmic buckets start"),
+    ("relative_attention_max_distance", 8, (r"relative_attention_max_distance 8 must be larger than "
+                                            r"relative_attention_num_buckets // 4 = 8, where T5's logarithmic buckets start")),
     ("relative_attention_max_distance", -1, r"relative_attention_max_distance must be a positive integer no larger than 1048576, got -1"),
     ("layer_norm_epsilon", math.nan, r"layer_norm_epsilon must be a finite number in \(0, 0\.01\], got nan"),
     ("layer_norm_epsilon", -1e-6, r"layer_norm_epsilon must be a finite number in \(0, 0\.01\], got -1e-06"),
@@ -141,12 +141,12 @@ def test_num_heads_times_d_kv_is_bounded(dirs, tmp_path, monkeypatch) -> None:
 
 def test_the_cli_prints_one_line_for_a_huge_depth(dirs, tmp_path) -> None:
     directory = _edited(dirs["hf-esm"], tmp_path, num_hidden_layers=10_000_000)
-    for command in (["model-info", str(directory)],):
+    for command in (["model-info", str(directory)], ["model-info", "--json", str(directory)]):
         result = CliRunner().invoke(app, command)
         assert result.exit_code == 1
         assert result.stderr.strip().splitlines() == [
-            f"embedpipe: error: {directory / 'config.json'}: num_hidden_layers must be a positive integer "
-            f"no larger than 1024, got 10000000"]
+            (f"embedpipe: error: {directory / 'config.json'}: num_hidden_layers must be a positive integer "
+             f"no larger than 1024, got 10000000")]
 
 
 @pytest.mark.parametrize(("key", "value", "pattern"), [
