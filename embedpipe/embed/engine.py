@@ -140,6 +140,15 @@ class Embedder:
         return dtype_name(attention_choice.qkv_dtype(self.options, self.policy, self.device))
 
     @property
+    def runner_provenance(self) -> dict[str, str]:
+        """What the main policy's prepared runner decided, as root attributes (int8-mixed: the
+        layers kept fp32, docs/precision.md); empty before it is prepared or for other policies."""
+        runner = self.prepared.runners.get(self.policy.name)
+        if runner is None:
+            return {}
+        return self.policy.runner_provenance(getattr(runner, "fp32_layers", {}))
+
+    @property
     def computed_as(self) -> dict[str, str]:
         """What the run's ``auto`` options resolved to on its device: part of a store's
         identity for resuming (:func:`embedpipe.embed.run.embed_identity`)."""

@@ -211,6 +211,20 @@ class EsmForward:
         """dtype of q, k and v at the attention kernel (under autocast: the dtype it casts to)."""
         return self.policy.attention_dtype(self.attention_inputs)
 
+    @property
+    def fp32_layers(self) -> dict[str, str]:
+        """Linear layers the policy packed but keeps fp32, name -> why (int8-mixed: weights too
+        small for int8, docs/precision.md "int8-mixed"); read after calibration, for provenance."""
+        kept: dict[str, str] = {}
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            for name, module in (("self_attn.qkv", attn), ("self_attn.out_proj", attn.out_proj),
+                                 ("fc1", layer.fc1), ("fc2", layer.fc2)):
+                reason = getattr(self._packed.get(id(module)), "fp32_reason", "")
+                if reason:
+                    kept[f"layers.{i}.{name}"] = reason
+        return kept
+
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """A padded (B, T) batch: hidden states (B, T, D)."""
         if self.attention == "fair-esm":

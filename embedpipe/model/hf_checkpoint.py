@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from embedpipe.core.errors import ModelError
+from embedpipe.model.config_bounds import esm_config, t5_config
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
 from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
@@ -182,9 +183,9 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
             except Exception as exc:  # corrupt header, truncated file
                 raise ModelError(f"cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
         else:
-            from embedpipe.model.checkpoint import load_checkpoint_safely
+            from embedpipe.model.checkpoint import HF_WEIGHTS, load_checkpoint_safely
 
-            state.update(load_checkpoint_safely(path))
+            state.update(load_checkpoint_safely(path, HF_WEIGHTS))
     return state
 
 
@@ -214,6 +215,8 @@ def describe(spec: str) -> ModelFacts:
     config = read_config(directory)
     family = family_of(spec, directory, config)
     t5 = config["model_type"] == "t5"
+    # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
+    sizes = (t5_config if t5 else esm_config)(config, str(directory / "config.json"))
     try:
         size = sum(f.stat().st_size for f in weight_files(directory))
     except ModelError:
@@ -221,9 +224,8 @@ def describe(spec: str) -> ModelFacts:
     return ModelFacts(
         family=family, spec=spec, kind="path" if path.is_dir() else "name",
         name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=_window(family),
-        num_layers=config.get("num_layers" if t5 else "num_hidden_layers"),
-        embed_dim=config.get("d_model" if t5 else "hidden_size"),
-        attention_heads=config.get("num_heads" if t5 else "num_attention_heads"),
+        num_layers=sizes["num_layers"], embed_dim=sizes["d_model" if t5 else "embed_dim"],
+        attention_heads=sizes["num_heads" if t5 else "attention_heads"],
         weights_bytes=size, trained=is_trained(config), token_layout=_layout(family),
     )
 

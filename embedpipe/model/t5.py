@@ -20,6 +20,7 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
+from embedpipe.model.config_bounds import t5_config
 from embedpipe.model import t5_vocab
 from embedpipe.model import layout
 from embedpipe.model.layout import TokenLayout
@@ -94,22 +95,12 @@ def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device:
 
 
 def shape_of(config: Mapping[str, Any], where: str) -> T5Shape:
-    """The encoder's shape from ``config.json``; one-line errors for what embedpipe cannot run."""
+    """The encoder's shape from ``config.json`` (``where``); every size bounded first
+    (:func:`embedpipe.model.config_bounds.t5_config`), one-line errors for what embedpipe cannot run."""
     proj = config.get("feed_forward_proj", "relu")
     if proj not in ("relu", "gated-gelu"):
         raise ModelError(f"{where}: feed_forward_proj {proj!r} is not supported (relu or gated-gelu)")
-    try:
-        shape = T5Shape(num_layers=int(config["num_layers"]), d_model=int(config["d_model"]),
-                        d_kv=int(config["d_kv"]), num_heads=int(config["num_heads"]), d_ff=int(config["d_ff"]),
-                        gated=proj == "gated-gelu",
-                        num_buckets=int(config.get("relative_attention_num_buckets", 32)),
-                        max_distance=int(config.get("relative_attention_max_distance", 128)),
-                        eps=float(config.get("layer_norm_epsilon", 1e-6)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelError(f"{where}: not a T5 config ({type(exc).__name__}: {exc})") from None
-    if min(shape.num_layers, shape.d_model, shape.d_kv, shape.num_heads, shape.d_ff) < 1:
-        raise ModelError(f"{where}: layers, d_model, d_kv, num_heads and d_ff must be positive")
-    return shape
+    return T5Shape(gated=proj == "gated-gelu", **t5_config(config, where))
 
 
 def _names(shape: T5Shape) -> dict[str, str]:
@@ -166,7 +157,7 @@ def encoder_weights(state: Mapping[str, torch.Tensor], shape: T5Shape, where: st
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5Model:
     """A :class:`T5Model` from a Hugging Face T5 directory (its ``config.json`` already read)."""
     where = str(directory)
-    shape = shape_of(config, where)
+    shape = shape_of(config, str(directory / "config.json"))
     family = hf.family_of(spec, directory, config)
     lut, eos, pad = t5_vocab.residue_table(t5_vocab.read_vocabulary(directory), family, where=where)
     files = hf.weight_files(directory)
