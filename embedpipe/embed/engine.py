@@ -87,7 +87,7 @@ class Embedder:
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
         self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)
         self.quiet = True
-        self.stats = Counter()
+        self.stats: Counter[str] = Counter()
         self._busy = BusyTimer()
         self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * options.per_residue)  # one batch's read-back
 
@@ -268,6 +268,7 @@ class Embedder:
             if packed:
                 if not hasattr(runner, "packed"):
                     raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
+                assert host_batch is not None  # made above for a packed batch
                 out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)
                 with exact_fp32(device):
                     pooled = pool_packed(out, batch, host_batch, self.layers, bos=bos, per_residue=per_residue)

@@ -103,6 +103,7 @@ class CalibratingLinear:
     def finish(self) -> None:
         """Quantize with the calibrated factors and drop the fp32 weight reference."""
         if self.layer is None:
+            assert self.weight is not None  # dropped only once the layer exists
             self.layer = Int8Linear(self.weight, self.bias, smoothing=self.smoothing)
             self.weight = None
 

@@ -145,7 +145,7 @@ def _batches_line(prov: Mapping[str, Any]) -> list[str]:
     whose shards differ keeps it per shard only, in ``shard_provenance``)."""
     if "tokens_per_batch" not in prov:
         return []
-    config = prov.get("config") if isinstance(prov.get("config"), Mapping) else {}
+    config = prov["config"] if isinstance(prov.get("config"), Mapping) else {}
     given = " (auto)" if config.get("tokens_per_batch") == "auto" else ""
     return [f"  batches     {prov['tokens_per_batch']} tokens{given}, {prov.get('batch_layout', '?')}; attention path "
             f"{prov.get('attention_path', '?')}, q/k/v {prov.get('attention_inputs', '?')}"]
