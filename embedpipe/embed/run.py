@@ -37,6 +37,7 @@ from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
+from embedpipe.store.reuse_index import is_index
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
 from embedpipe.embed.calibration import calibration_sha256
@@ -103,10 +104,18 @@ def _model_file(model: str) -> list[Path]:
 def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str,
              reuse: Sequence[Path]) -> contextlib.AbstractContextManager[None]:
     """The guard and the output locks of an embed run (embedpipe.core.output_guard): the
-    FASTAs, the model's files and the reuse stores are read, and the reuse stores' pinned
-    sources are inputs too."""
-    reads = [*map(Path, fastas), *_model_file(model), *map(Path, reuse)]
-    return writing_outputs("embed", outputs, reads, stores=list(map(Path, reuse)))
+    FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
+    indexes too), and the reuse stores' pinned sources are inputs too."""
+    stores = [*map(Path, reuse), *filter(None, map(_indexed_store, reuse))]
+    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], stores=stores)
+
+
+def _indexed_store(path: Path) -> Path | None:
+    """The store a reuse index was built from (``store_path``): read through it by ``--reuse``."""
+    if not is_index(Path(path)):
+        return None
+    with h5py.File(path, "r") as f:
+        return Path(str(f.attrs.get("store_path") or "")) if f.attrs.get("store_path") else None
 
 
 def _check_group(fastas: Sequence[Path], done: Path | None) -> None:

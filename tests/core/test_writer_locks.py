@@ -85,6 +85,18 @@ def test_reuse_index_of_a_merged_store_does_not_replace_a_store_it_pins(merged, 
     assert sources[0].read_bytes() == before and validate_store(store) == []
 
 
+def test_embed_reuse_of_an_index_does_not_replace_the_store_it_indexes(tmp_path, tiny_model_path):
+    fasta = write_fasta(tmp_path / "x.fasta", random_sequences(2, (8, 20), seed=4))
+    embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "S.h5", options=OPTIONS, quiet=True)
+    assert _cli("reuse-index", "S.h5", "--out", "idx.h5", cwd=tmp_path).returncode == 0
+    before = (tmp_path / "S.h5").read_bytes()
+    line = _error(_cli("embed", "x.fasta", "--model", tiny_model_path, "--out", "S.h5", "--reuse", "idx.h5",
+                       "--device", "cpu", "--per-residue", "-q", cwd=tmp_path))
+    assert line == (f"embedpipe: error: --out S.h5 is the input {tmp_path / 'S.h5'}; embed never writes over its "
+                    "inputs: choose another output path")
+    assert (tmp_path / "S.h5").read_bytes() == before
+
+
 # ------------------------------------------------------------------ case 3: the model's companion
 
 
