@@ -43,7 +43,7 @@ def lock_path_for(output: Path) -> Path:
 def _open(path: Path, what: str) -> IO[str]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a+", encoding="utf-8")  # noqa: SIM115 - the handle is the lock
+        return open(path, "a+", encoding="utf-8")  # the open handle is the lock
     except OSError as exc:
         raise EmbedpipeError(f"{what}: cannot create its lock {path} ({exc.strerror or exc})") from None
 

@@ -38,7 +38,7 @@ def _env() -> dict[str, str]:
 
 def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embedpipe.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=_env(), timeout=600)
+                          cwd=cwd, env=_env(), timeout=600, check=False)
 
 
 def _error(result: subprocess.CompletedProcess) -> str:
@@ -204,7 +204,7 @@ def test_a_running_group_job_keeps_its_stores(tmp_path, tiny_model_path):
                            "--device", "cpu", "-q", cwd=tmp_path))
     finally:
         release.write_text("go")
-        out, err = proc.communicate(timeout=600)
+        _, err = proc.communicate(timeout=600)
     assert line == (f"embedpipe: error: --out st/shard-00001.h5 is locked by another process (pid {proc.pid} on "
                     f"host {socket.gethostname()}; lock st/.shard-00001.h5.lock); wait for it to finish, or use "
                     "another output path")

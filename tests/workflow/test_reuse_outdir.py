@@ -20,8 +20,8 @@ def test_a_reuse_store_inside_the_outdir_is_refused_at_start(tmp_path: Path, reu
     proc = snakemake(tmp_path, "--dry-run", "--cores", "1", configfile=config, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("embedpipe:")]
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert lines == [f"embedpipe: config 'reuse': {reuse} lies inside outdir out, which this run writes (it would "
-                     "reuse its own output); move the earlier release out of out or choose another outdir"]
+    assert lines == [(f"embedpipe: config 'reuse': {reuse} lies inside outdir out, which this run writes (it would "
+                      "reuse its own output); move the earlier release out of out or choose another outdir")]
     assert "Cyclic" not in proc.stdout + proc.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # nothing ran
 
