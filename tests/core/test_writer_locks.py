@@ -20,6 +20,7 @@ import embedpipe.embed.run as embed_module
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import wait_until
 from embedpipe.core.checksums import file_sha256
+from embedpipe.core import locks
 from embedpipe.core.locks import holding
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
@@ -241,3 +242,27 @@ def test_make_test_model_still_replaces_its_own_test_model(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m.pt").read_bytes() != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m-contact-regression.pt", "m.pt"]  # no lock file left
+
+
+def test_a_lock_file_removed_as_it_was_opened_is_opened_again(tmp_path, monkeypatch):
+    """A holder removes its lock file as it lets go (no ``.NAME.lock`` left beside outputs); a
+    writer that opened the old file just then must not hold a lock on a removed file."""
+    lock = tmp_path / ".o.h5.lock"
+    with holding([(lock, "--out o.h5")], remove=True):
+        assert lock.exists()
+    assert not lock.exists()
+    real, opened = locks._open, []
+
+    def open_then_removed(path, what):
+        handle = real(path, what)
+        if not opened:
+            os.unlink(path)  # the holder lets go between this open and the flock
+        opened.append(os.fstat(handle.fileno()).st_ino)
+        return handle
+
+    monkeypatch.setattr(locks, "_open", open_then_removed)
+    handle = locks.acquire(lock, "--out o.h5")
+    try:
+        assert len(opened) == 2 and os.stat(lock).st_ino == opened[1] == os.fstat(handle.fileno()).st_ino
+    finally:
+        handle.close()
