@@ -28,14 +28,16 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.embed.group_marker import write_marker
 from embedpipe.core.host_memory import keep_freed_memory
-from embedpipe.core.locks import holding
+from embedpipe.core.locks import lock_path_for
 from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
+from embedpipe.model.downloads import companion_path
 from embedpipe.core.options import AUTO
-from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
+from embedpipe.store.reuse_index import is_index
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
 from embedpipe.embed.calibration import calibration_sha256
@@ -91,19 +93,34 @@ def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingMode
 
 
 def _model_file(model: str) -> list[Path]:
-    """The checkpoint file of ``--model`` when it names one: an input no output may replace."""
+    """The files of ``--model`` when it names them: inputs no output may replace (the checkpoint
+    and its contact-regression companion, which fair-esm's loader reads beside it)."""
     path = Path(model).expanduser()
     if path.is_dir():  # a Hugging Face directory: every file in it
         return sorted(p for p in path.iterdir() if p.is_file())
-    return [path] if path.is_file() else []
+    return [path, companion_path(path)] if path.is_file() else []
 
 
-def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str,
-                 reuse: Sequence[Path] = ()) -> None:
-    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input
-    (a reuse store included) or another output, ``--done`` can be written, and no shard is empty."""
-    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
-    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *map(Path, reuse)])
+def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str,
+             reuse: Sequence[Path]) -> contextlib.AbstractContextManager[None]:
+    """The guard and the output locks of an embed run (embedpipe.core.output_guard): the
+    FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
+    indexes too), and the reuse stores' pinned sources are inputs too."""
+    stores = [*map(Path, reuse), *filter(None, map(_indexed_store, reuse))]
+    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], stores=stores)
+
+
+def _indexed_store(path: Path) -> Path | None:
+    """The store a reuse index was built from (``store_path``): read through it by ``--reuse``."""
+    if not is_index(Path(path)):
+        return None
+    with h5py.File(path, "r") as f:
+        return Path(str(f.attrs.get("store_path") or "")) if f.attrs.get("store_path") else None
+
+
+def _check_group(fastas: Sequence[Path], done: Path | None) -> None:
+    """Up front, before the first shard is embedded: ``--done`` can be written, and no shard is
+    empty (the outputs are guarded and locked next, by :func:`_writing`)."""
     if done is not None:
         check_output_path(Path(done))
     for fasta in fastas:
@@ -127,12 +144,12 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     options.validate()
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
-    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model), *map(Path, reuse)])
-    records = _read_records(fasta)
-    check_output_path(Path(out))
-    with _job(model, options, reuse, quiet) as job:
-        return _embed_records(job, records, Path(fasta), Path(out), started,
-                              {"input_sha256": file_sha256(Path(fasta))}, quiet)
+    with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
+        records = _read_records(fasta)
+        check_output_path(Path(out))
+        with _job(model, options, reuse, quiet) as job:
+            return _embed_records(job, records, Path(fasta), Path(out), started,
+                                  {"input_sha256": file_sha256(Path(fasta))}, quiet)
 
 
 @contextlib.contextmanager
@@ -303,10 +320,11 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = _group_outputs(fastas, out_dir)
-    _check_group(fastas, stores, done, model, reuse)
+    _check_group(fastas, done)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
-    with holding([(_lock_path(s), str(s)) for s in stores]), _job(model, options, reuse, quiet) as job:
+    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
+    with _writing(outputs, fastas, model, reuse), _job(model, options, reuse, quiet) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for fasta, store, digest in zip(fastas, stores, digests):
@@ -324,8 +342,8 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
 
 
 def _lock_path(store: Path) -> Path:
-    """The lock of a shard store: a hidden file beside it (the store itself is replaced by rename)."""
-    return store.parent / f".{store.name}.lock"
+    """The lock of a shard store, the one every writer of it takes (embedpipe.core.locks)."""
+    return lock_path_for(store)
 
 
 def _keep(store: Path, identity: str, digest: str, quiet: bool) -> bool:

@@ -32,7 +32,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.atomic import check_output_path
-from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.errors import StoreError
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
@@ -234,7 +234,6 @@ def _check_paths(stores: Sequence[Path], out: Path, manifest: Path | None) -> li
         raise StoreError(f"{dup[0]}: given twice")
     if out.resolve() in resolved:
         raise StoreError(f"{out}: the output would overwrite one of the input stores")
-    guard_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths)
     return paths
 
 
@@ -423,11 +422,12 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
     out = Path(out)
     paths = _check_paths(stores, out, manifest)
     out_dir = out.parent if str(out.parent) else Path(".")
-    shards = [_read_shard(p, out_dir) for p in paths]
-    _check_agreement(shards)
-    merge = _Merge(shards, Path(manifest) if manifest is not None else None)
-    with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
-        merge.write(f, out_dir)
+    with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths):
+        shards = [_read_shard(p, out_dir) for p in paths]
+        _check_agreement(shards)
+        merge = _Merge(shards, Path(manifest) if manifest is not None else None)
+        with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
+            merge.write(f, out_dir)
     return MergeSummary(
         out=out,
         stores=len(shards), records=merge.n,

@@ -24,7 +24,7 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.external_sort import ExternalSort, group_starts
-from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.store.format import STORE_UUID_ATTR, check_format, is_complete, open_h5, read_root_attrs
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.sequences import iter_sequence_blocks
@@ -68,8 +68,8 @@ def _sorted_entries(f: h5py.File, path: Path, work: Path | None) -> Iterable[np.
 def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
     """Write the reuse index of ``store`` to ``out`` (atomic); the number of distinct sequences."""
     store, out = Path(store), Path(out)
-    guard_outputs("reuse-index", [("--out", out)], [store])
-    with open_h5(store) as f:
+    # --out locked for the whole run; a source the store pins is an input (embedpipe.core.output_guard)
+    with writing_outputs("reuse-index", [("--out", out)], [store], stores=[store]), open_h5(store) as f:
         check_format(f, store)
         if not is_complete(f):
             raise StoreError(f"{store}: incomplete store; refusing to index it")
