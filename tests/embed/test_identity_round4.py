@@ -38,9 +38,9 @@ def t5_model(tmp_path_factory) -> Path:
 
 
 def _edit_config(model: Path) -> str:
-    """layer_norm_epsilon 1e-6 -> 0.1 (the vectors move; the weights stay)."""
+    """layer_norm_epsilon 1e-6 -> 0.01 (the largest the bounds allow: the vectors move; the weights stay)."""
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(config | {"layer_norm_epsilon": 0.1}, indent=2))
+    (model / "config.json").write_text(json.dumps(config | {"layer_norm_epsilon": 0.01}, indent=2))
     return "config.json"
 
 
