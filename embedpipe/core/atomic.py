@@ -144,6 +144,28 @@ def remove_dead_temporaries(directory: Path, pattern: re.Pattern[str]) -> None:
                 os.unlink(entry.path)
 
 
+def work_dir_pattern(prefix: str) -> re.Pattern[str]:
+    """The names :func:`owned_work_dir` gives its directories (``PREFIX PID-HOST-RANDOM``)."""
+    return re.compile(rf"{re.escape(prefix)}(\d+)-([0-9a-f]{{8}})-[A-Za-z0-9_]+")
+
+
+@contextlib.contextmanager
+def owned_work_dir(prefix: str, parent: Path | None = None) -> Iterator[Path]:
+    """A scratch directory in ``parent`` (default: the temp dir) named by its owner's PID and
+    host, removed on exit; first the directories of ``prefix`` whose owners died (``kill -9``,
+    where no exit handler runs) are removed, as :func:`remove_dead_temporaries` does for files."""
+    parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    remove_dead_temporaries(parent, work_dir_pattern(prefix))
+    try:
+        path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{host_tag()}-", dir=parent))
+    except OSError as exc:
+        raise EmbedpipeError(f"cannot create a work directory in {parent}: {exc.strerror or exc}") from None
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def temp_pattern(path: Path) -> re.Pattern[str]:
     """The names :func:`temp_path_for` gives temporaries of ``path``."""
     return re.compile(rf"\.{re.escape(Path(path).name)}\.(\d+)-([0-9a-f]{{8}})-[A-Za-z0-9_]+\.tmp")
