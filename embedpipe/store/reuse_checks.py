@@ -25,6 +25,8 @@ from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, read_root_at
 
 #: the largest ``block`` a reader accepts: one block read is at most 2.5 MiB (keys and rows)
 MAX_BLOCK = 1 << 16
+#: the largest chunk of an index dataset (the writer's: ``block`` entries, 32 KiB)
+MAX_CHUNK_BYTES = 4 << 20
 #: root attributes that must be text when present (``store_path`` must be present)
 _TEXT_ATTRS = ("store_path", STORE_UUID_ATTR, "embed_identity", "model_sha256", "model_num_layers")
 #: the index's copies of its store's root attributes, compared with the store's own (uuid first)
@@ -48,6 +50,8 @@ def _attr_problem(f: h5py.File) -> str | None:
         if name in f.attrs and not isinstance(attr_to_python(f.attrs[name]), str):
             return f"attribute {name} is {_short(attr_to_python(f.attrs[name]))}, not text"
     store = attr_to_python(f.attrs.get("store_path", ""))
+    if "store_path" not in f.attrs:
+        return "attribute store_path is missing"
     if not store or "\0" in store:
         return f"attribute store_path is {_short(store)}, not a file name"
     identity = attr_to_python(f.attrs.get("embed_identity", ""))
@@ -93,6 +97,10 @@ def index_problem(f: h5py.File, path: Path) -> str | None:
     sizes = size_problems(f, file_size)
     if sizes:
         return sizes[0].message
+    for name in ("keys", "rows", "fence"):  # a block read decompresses whole chunks
+        chunks = f[name].chunks
+        if chunks and chunks[0] * f[name].dtype.itemsize > MAX_CHUNK_BYTES:
+            return f"dataset {name} has chunks of {chunks[0]} entries, more than {MAX_CHUNK_BYTES >> 20} MiB"
     n, block = int(f["keys"].shape[0]), int(attr_to_python(f.attrs["block"]))
     if f["rows"].shape[0] != n:
         return f"dataset rows has {f['rows'].shape[0]} entries, dataset keys {n}"

@@ -121,6 +121,16 @@ def test_rows_shorter_than_keys(source, tmp_path):
     _refused(source, tmp_path, lambda f: _replace(f, "rows", np.arange(5)), "dataset rows has 5 entries, dataset keys 12")
 
 
+def test_missing_store_path_and_huge_chunks(source, tmp_path):
+    _refused(source, tmp_path, lambda f: f.attrs.__delitem__("store_path"), "attribute store_path is missing")
+    rows = np.arange(12)
+
+    def chunked(f):
+        del f["rows"]
+        f.create_dataset("rows", data=rows, maxshape=(None,), chunks=(1 << 20,), compression="gzip")
+    _refused(source, tmp_path, chunked, "dataset rows has chunks of 1048576 entries, more than 4 MiB")
+
+
 def test_entries_disagree(source, tmp_path):
     def edit(f):
         f.attrs["entries"] = 13
