@@ -149,17 +149,23 @@ def work_dir_pattern(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(prefix)}(\d+)-([0-9a-f]{{8}})-[A-Za-z0-9_]+")
 
 
-@contextlib.contextmanager
-def owned_work_dir(prefix: str, parent: Path | None = None) -> Iterator[Path]:
-    """A scratch directory in ``parent`` (default: the temp dir) named by its owner's PID and
-    host, removed on exit; first the directories of ``prefix`` whose owners died (``kill -9``,
-    where no exit handler runs) are removed, as :func:`remove_dead_temporaries` does for files."""
+def make_owned_dir(prefix: str, parent: Path | None = None) -> Path:
+    """A new scratch directory in ``parent`` (default: the temp dir) named by its owner's PID
+    and host (``PREFIX PID-HOST-RANDOM``), after removing the directories of ``prefix`` whose
+    owners died (``kill -9``, where no exit handler runs), as :func:`remove_dead_temporaries`
+    does for files. The caller removes it."""
     parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
     remove_dead_temporaries(parent, work_dir_pattern(prefix))
     try:
-        path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{host_tag()}-", dir=parent))
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{host_tag()}-", dir=parent))
     except OSError as exc:
         raise EmbedpipeError(f"cannot create a work directory in {parent}: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def owned_work_dir(prefix: str, parent: Path | None = None) -> Iterator[Path]:
+    """:func:`make_owned_dir`, removed on exit."""
+    path = make_owned_dir(prefix, parent)
     try:
         yield path
     finally:
