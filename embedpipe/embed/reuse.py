@@ -100,8 +100,7 @@ class Source:
     identity: str
     num_layers: int | None
     _store: Store | None = None
-
-    _checks: RowChecks | None = None
+    _checks: RowChecks | None = None  # the rows verified so far (embedpipe.store.row_checks)
 
     @property
     def store(self) -> Store:
