@@ -19,7 +19,6 @@ import h5py
 import numpy as np
 import pytest
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
-from helpers.processes import wait_until
 
 from embedpipe.core.atomic import host_tag
 from embedpipe.core.errors import EmbedpipeError
@@ -208,20 +207,36 @@ def test_dead_owners_work_directory_is_removed_by_the_next_run(made, tmp_path, m
     assert sorted(p.name for p in temp.iterdir()) == sorted([live.name, other_host.name])
 
 
+#: the CLI in a child whose index build then stalls (so the kill lands mid-job, whatever the machine's speed)
+STALLING = """
+import sys, time
+import embedpipe.embed.reuse as reuse
+built = reuse.build_index
+def stall(*args, **kwargs):
+    n = built(*args, **kwargs)
+    print("indexed", flush=True)
+    time.sleep(600)
+    return n
+reuse.build_index = stall
+sys.argv = ["embedpipe", *sys.argv[1:]]
+from embedpipe.cli import run
+run()
+"""
+
+
 def test_sigkill_while_indexing_then_the_next_run_sweeps(made, tmp_path, monkeypatch):
     temp = tmp_path / "temp"
     temp.mkdir()
-    env = {**os.environ, "TMPDIR": str(temp)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "embedpipe.cli", "embed", str(made["fasta"]), "--model", str(made["model"]),
+        [sys.executable, "-c", STALLING, "embed", str(made["fasta"]), "--model", str(made["model"]),
          "--out", str(tmp_path / "killed.h5"), "--device", "cpu", "--layers", "0,-1", "--per-residue",
          "--storage-dtype", "float16", "--reuse", str(made["A"]), "-q"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    left = wait_until(proc, lambda: [p for p in temp.iterdir() if p.name.startswith(".embedpipe-reuse-")],
-                      "the reuse work directory")
+        env={**os.environ, "TMPDIR": str(temp)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "indexed\n", proc.communicate()
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    assert all(p.exists() for p in left)  # no exit handler ran
+    left = [p for p in temp.iterdir() if p.name.startswith(".embedpipe-reuse-")]
+    assert len(left) == 1 and any(left[0].iterdir())  # no exit handler ran: the index is still there
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _embed(made, made["A"], tmp_path / "out.h5")
     assert not any(p.name.startswith(".embedpipe-reuse-") for p in temp.iterdir())
