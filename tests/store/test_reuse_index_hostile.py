@@ -29,8 +29,8 @@ from embedpipe.embed.run import embed_fasta
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), storage_dtype="float16")
 RECORDS = random_sequences(12, (8, 40), seed=11)
 AGAIN = "; build the index again (embedpipe reuse-index)"
-#: peak RSS a CLI run may reach on a crafted index (a plain run is ~300 MiB: python, torch)
-RSS_LIMIT = 700 << 20
+#: peak RSS a CLI run may reach on a crafted index (a plain all-reused run: ~280 MiB, python and torch)
+RSS_LIMIT = 512 << 20
 
 
 @pytest.fixture(scope="module")
