@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import h5py
 import numpy as np
 import torch
 
+from embedpipe.core.atomic import owned_work_dir
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import say
@@ -33,11 +33,13 @@ from embedpipe.model import registry
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
 from embedpipe.runtime.precision import dtype_name, get_policy
-from embedpipe.store import EmbeddedRecord, open_store
+from embedpipe.store import EmbeddedRecord
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import RESERVED_ATTRS, read_root_attrs
 from embedpipe.store.reader import Store
+from embedpipe.store.reuse_checks import open_indexed_store
 from embedpipe.store.reuse_index import ReuseIndex, build_index, is_index, sequence_digests
+from embedpipe.store.row_checks import RowChecks
 
 #: root attributes of a source that describe that file or its run, not how the numbers were made:
 #: not carried into an all-reused store (which gets its own)
@@ -71,15 +73,22 @@ class Source:
     identity: str
     num_layers: int | None
     _store: Store | None = None
+    _checks: RowChecks | None = None  # the rows verified so far (embedpipe.store.row_checks)
 
     @property
     def store(self) -> Store:
+        """The store, once it is shown to be the one its index was built from (its own uuid,
+        model and identity: embedpipe.store.reuse_checks)."""
         if self._store is None:
-            self._store = open_store(self.path)
-            if self._store.provenance.get("store_uuid") != self.uuid:
-                raise EmbedpipeError(f"--reuse {self.path}: the store was rewritten since its reuse index "
-                                     f"{self.index.path} was built; build the index again")
+            self._store = open_indexed_store(self.path, self.index.path, self.index.attrs)
         return self._store
+
+    def verify(self, rows: Sequence[int]) -> None:
+        """Refuse, before any is copied, rows that fail validate's checks (embedpipe.store.row_checks)."""
+        if rows:
+            if self._checks is None:
+                self._checks = RowChecks(self.store, self.index.path)
+            self._checks.check(rows)
 
     def check(self, identity: str) -> None:
         """One line naming, in user words, the first field of the identity this store differs in."""
@@ -128,7 +137,7 @@ class Reuse:
 
     def __init__(self, paths: Sequence[Path], quiet: bool = True) -> None:
         self._work = contextlib.ExitStack()
-        work = Path(self._work.enter_context(tempfile.TemporaryDirectory(prefix=".embedpipe-reuse-")))
+        work = self._work.enter_context(owned_work_dir(".embedpipe-reuse-"))  # a killed job's: swept
         self.sources: list[Source] = []
         self.copied_fallbacks = 0  # copies that carry an fp32 fallback
         try:
@@ -162,6 +171,7 @@ class Reuse:
             rows = source.index.lookup(digests[left])
             hit = rows >= 0
             found |= {int(i): (number, int(r)) for i, r in zip(left[hit], rows[hit])}
+            source.verify(rows[hit].tolist())
             left = left[~hit]
         return found
 
