@@ -194,3 +194,21 @@ def test_a_sequence_that_is_not_utf8_names_the_row(store, tmp_path):
                for p in validate_store(store)), validate_store(store)
     line = one_line(cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet")))
     assert f"{store}: dataset sequence row 5: b'\\xff" in line and "is not valid UTF-8" in line
+
+
+def test_merge_names_the_shard_whose_id_is_not_utf8(store, tmp_path):
+    edit(store, lambda f: set_row(f, "ids", 3, b"s0\xffr3"))
+    with pytest.raises(StoreError) as info:
+        merge_stores([store], out=tmp_path / "m.h5")
+    assert str(info.value) == f"{store}: dataset ids row 3: b's0\\xffr3' is not valid UTF-8 (byte 0xff at position 2)"
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_an_id_past_the_first_block_is_named_by_its_own_row(store, monkeypatch):
+    """validate reads IDs in blocks of ID_ROWS; the line named the row within the block."""
+    import embedpipe.store.validate as validate
+
+    monkeypatch.setattr(validate, "ID_ROWS", 4)
+    edit(store, lambda f: set_row(f, "ids", 14, b"s\nx"))
+    assert any(p.startswith("dataset ids: id 's\\nx' (row 14) holds the control character \\n")
+               for p in validate_store(store)), validate_store(store)
