@@ -5,7 +5,9 @@ A store's JSON attributes (``config``, those in ``json_attrs``, a merged store's
 raised RecursionError in ``open_store``, ``info`` and ``export``. So every reader parses them
 here: at most :data:`MAX_JSON_DEPTH` levels and :data:`MAX_JSON_CHARS` characters (embedpipe's
 own are a few levels; a 16,000-source merged store's ``shard_provenance`` is ~30 MB), else one
-StoreError naming the file and the attribute.
+StoreError naming the file and the attribute. Attribute text that is not UTF-8 (h5py hands
+a variable-length one over with lone surrogates, which printing or writing it as UTF-8 turned
+into a traceback) is refused the same way (:func:`check_attr_text`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from embedpipe.core.errors import StoreError
 #: deepest nesting and most characters of a JSON attribute parsed
 MAX_JSON_DEPTH = 64
 MAX_JSON_CHARS = 256 << 20
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
@@ -49,3 +52,19 @@ def load_json_attr(text: str, name: str, where: str = "") -> Any:
         raise StoreError(f"{prefix}root attribute {name!r} is JSON nested {depth} levels deep, more than "
                          f"{MAX_JSON_DEPTH}: refusing to parse it")
     return json.loads(text)
+
+
+def check_attr_text(raw: Any, name: str, where: str = "") -> None:
+    """One StoreError naming ``where`` and the attribute when ``raw`` (as h5py read it: bytes,
+    a str, or an array of them) holds text that is not UTF-8."""
+    for value in (raw.ravel().tolist() if isinstance(raw, np.ndarray) else [raw]):
+        if isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                shown = value[max(0, exc.start - 20) : exc.start + 20]
+                raise StoreError(f"{where + ': ' if where else ''}root attribute {name!r}: {shown!r} is not valid "
+                                 "UTF-8") from None
+        elif isinstance(value, str) and (m := _SURROGATE.search(value)):
+            shown = value[max(0, m.start() - 20) : m.start() + 20].encode("utf-8", "surrogateescape")
+            raise StoreError(f"{where + ': ' if where else ''}root attribute {name!r}: {shown!r} is not valid UTF-8")

@@ -30,7 +30,7 @@ import numpy as np
 from embedpipe.core.errors import QUOTE_CHARS, StoreError
 from embedpipe.core.options import POOLINGS, STORAGE_DTYPES
 from embedpipe.store import filters
-from embedpipe.store.attrjson import load_json_attr
+from embedpipe.store.attrjson import check_attr_text, load_json_attr
 
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 2
@@ -311,7 +311,10 @@ def read_root_attrs(obj: h5py.HLObject, *, skip: Sequence[str] = (), only: Seque
     """All attributes (except ``skip``; or ``only`` those) as plain Python; JSON-encoded ones
     (``json_attrs``, ``config``) parsed."""
     keys = [key for key in obj.attrs if key not in skip and (only is None or key in only)]
-    out = {key: attr_to_python(obj.attrs[key]) for key in keys}
+    raw = {key: obj.attrs[key] for key in keys}
+    for key, value in raw.items():
+        check_attr_text(value, key, obj.file.filename)  # not UTF-8: one line, not a later traceback
+    out = {key: attr_to_python(value) for key, value in raw.items()}
     if only is not None and "json_attrs" in obj.attrs:
         out["json_attrs"] = attr_to_python(obj.attrs["json_attrs"])
     json_names = set(out.pop("json_attrs", []) or [])

@@ -212,3 +212,22 @@ def test_an_id_past_the_first_block_is_named_by_its_own_row(store, monkeypatch):
     edit(store, lambda f: set_row(f, "ids", 14, b"s\nx"))
     assert any(p.startswith("dataset ids: id 's\\nx' (row 14) holds the control character \\n")
                for p in validate_store(store)), validate_store(store)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_root_attribute_that_is_not_utf8_is_one_line(store, tmp_path, fixed):
+    """h5py hands a variable-length attribute over with lone surrogates ('esm\\udcff'): info
+    printed it (a traceback under a UTF-8 locale) and parquet's metadata could not encode it."""
+    def crafted(f):
+        del f.attrs["model_name"]
+        dtype = h5py.string_dtype("utf-8", 4) if fixed else h5py.string_dtype("utf-8")
+        f.attrs.create("model_name", np.array(b"esm\xff", dtype="S4" if fixed else object), dtype=dtype)
+    edit(store, crafted)
+    want = f"{store}: root attribute 'model_name': b'esm\\xff' is not valid UTF-8"
+    with pytest.raises(StoreError) as info:
+        open_store(store)
+    assert str(info.value) == want
+    assert validate_store(store) == [want.removeprefix(f"{store}: ")]
+    assert one_line(cli("info", str(store))) == f"embedpipe: error: {want}"
+    assert one_line(cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet"))) == \
+        f"embedpipe: error: {want}"
