@@ -258,26 +258,29 @@ class _Validation:
         self.embedded_ok = use_emb and self._usable("embedded_length")
         if use_len:
             self.sequence_lengths()
-        distinct = {name: self._distinct(name) for name, c in COLUMNS.items()
-                    if c.dtype == STR and name not in ("ids", "sequence") and self._usable(name)}
+        for name, column in COLUMNS.items():  # every string column is UTF-8 (names the row)
+            if column.dtype == STR and name not in ("ids", "sequence", "long_handling") and self._usable(name):
+                self._distinct(name, keep=False)
         for name in ("aliases/of", "skipped/reason"):
             if name in self.f and self.f[name].ndim == 1:
-                self._distinct(name)
-        handling = distinct.get("long_handling")
+                self._distinct(name, keep=False)
+        handling = self._usable("long_handling") and self._distinct("long_handling")
         bad_handling = sorted(set(handling or ()) - set(LONG_HANDLING))
         if bad_handling:
             self.problems.append(f"long_handling has unknown value(s) {bad_handling}")
 
-    def _distinct(self, name: str) -> set[str] | None:
-        """A string column's distinct values, from the stored bytes block by block (decoding
-        every value of a 64 MiB block to Python strings cost ~100 B per record); a value that
-        is not UTF-8 is one problem naming its row."""
+    def _distinct(self, name: str, keep: bool = True) -> set[str] | None:
+        """A string column's distinct values (``keep``; else none are kept: memory independent
+        of N), from the stored bytes block by block (decoding every value of a 64 MiB block to
+        Python strings cost ~100 B per record); a value that is not UTF-8 is one problem
+        naming its row."""
         ds, out = self.f[name], set()
         try:
             for lo in range(0, ds.shape[0], COLUMN_ROWS):
                 block = ds[lo : lo + COLUMN_ROWS]
                 try:
-                    out.update(decode_strings(np.unique(block)))
+                    values = decode_strings(np.unique(block))
+                    out.update(values if keep else ())
                 except StoreError:
                     decode_strings(block, f"dataset {name}", lo)  # raises, naming the row
         except OSError as exc:
