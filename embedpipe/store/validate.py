@@ -122,7 +122,11 @@ class _Validation:
 
     def __init__(self, f: h5py.File, path: Path, version: int, problems: list[str]) -> None:
         self.f, self.path, self.version, self.problems = f, path, version, problems
-        self.attrs = read_root_attrs(f)
+        try:
+            self.attrs = read_root_attrs(f)
+        except StoreError as exc:  # one attribute refused (nested JSON, not UTF-8): the rest still checked
+            problems.append(str(exc).removeprefix(f"{path}: "))
+            self.attrs = {key: attr_to_python(value) for key, value in f.attrs.items()}
         self.storage = self.attrs.get("storage_dtype")
         self.dim = self.attrs.get("dim")
         self.layers = stored_layers(f)

@@ -177,3 +177,11 @@ def test_a_refusal_in_a_later_block_leaves_the_previous_export_untouched(store, 
         export_store(store, fmt="npy", out=tmp_path / "x.npy", quiet=True, block_bytes=5 * row_bytes)
     assert {p.name: p.read_bytes() for p in tmp_path.glob("x*")} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "s.h5"])
+
+
+@pytest.mark.parametrize("fmt", NAMES)
+def test_an_empty_id_is_refused_before_writing(store, tmp_path, fmt):
+    edit(store, lambda f: set_row(f, "ids", 6, b""))
+    line = refused(store, fmt, out_dir(tmp_path, "o"))
+    assert line == (f"embedpipe: error: {store}: ids contains an empty id (row 6): export refuses a store embedpipe "
+                    f"validate rejects; run embedpipe validate {store}")

@@ -231,3 +231,14 @@ def test_a_root_attribute_that_is_not_utf8_is_one_line(store, tmp_path, fixed):
     assert one_line(cli("info", str(store))) == f"embedpipe: error: {want}"
     assert one_line(cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet"))) == \
         f"embedpipe: error: {want}"
+
+
+def test_validate_reports_a_refused_attribute_and_still_checks_the_rest(store):
+    def crafted(f):
+        f.attrs["config"] = DEEP
+        f["mean/layer_2"][5, 1] = np.nan
+    edit(store, crafted)
+    assert validate_store(store) == [
+        "root attribute 'config' is JSON nested 100000 levels deep, more than 64: refusing to parse it",
+        "dataset mean/layer_2: 1 row(s) with non-finite values (first at row 5)",
+    ]
