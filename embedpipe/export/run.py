@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from embedpipe.core.output_guard import writing_outputs
-from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.export import formats
 from embedpipe.core.progress import progress_bar
 from embedpipe.store import Store, open_store
+from embedpipe.store.validate import export_problems
 
 FORMATS = formats.NAMES
 
@@ -80,6 +81,16 @@ def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str)
         yield
 
 
+def _check_ids(store: Store) -> None:
+    """validate's ID and count checks before anything is written (docs/exports.md): an ID with
+    a newline gave ids.txt more lines than rows, a duplicate ID a traceback in h5-per-id."""
+    problems = export_problems(store.path)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise StoreError(f"{store.path}: {problems[0]}{more}: export refuses a store embedpipe validate rejects; "
+                         f"run embedpipe validate {store.path}")
+
+
 def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_residue: bool = False,
                  pooling: str = "mean", quiet: bool = False, block_bytes: int = BLOCK_BYTES) -> ExportSummary:
     """Export every input ID of the store at ``store_path`` to ``out`` in format ``fmt`` (the
@@ -87,6 +98,7 @@ def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_
     started = time.perf_counter()
     out = Path(out)
     with open_store(store_path) as store, _checked(store, fmt, out, per_residue, pooling):
+        _check_ids(store)
         absolute = store.layer(layer)
         counts = {"records": len(store), "aliases": len(store.aliases), "skipped": len(store.skipped)}
         attrs = export_attrs(store, fmt, absolute, per_residue, counts, pooling)

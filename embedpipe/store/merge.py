@@ -153,7 +153,7 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             per_residue = "per_residue" in f
             attrs["per_residue"] = per_residue
             attrs["pooling"] = poolings_of(f)  # a store older than the attribute holds mean only
-            ids = decode_strings(f["ids"][:])  # one store's IDs, checked here, not kept
+            ids = decode_strings(f["ids"][:], f"{path}: dataset ids")  # one store's IDs, checked, not kept
             offsets = _shard_offsets(f, path) if per_residue else None
             # item size of each fixed-width column (0: the ragged sequence column of format 2)
             widths = {name: getattr(f[name], "dtype", np.dtype("u1")).itemsize * isinstance(f[name], h5py.Dataset)
