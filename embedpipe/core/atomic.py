@@ -100,7 +100,7 @@ def write_error(path: Path, tmp: Path | None, exc: BaseException) -> EmbedpipeEr
     code = getattr(exc, "errno", None)
     if code is None and (m := _HDF5_ERRNO.search(text)):
         code = int(m.group(1))
-    if code not in WRITE_ERRNOS:
+    if not isinstance(code, int) or code not in WRITE_ERRNOS:
         return None
     return EmbedpipeError(f"cannot write {path}: {os.strerror(code)}")
 

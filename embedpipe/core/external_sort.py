@@ -29,14 +29,28 @@ __all__ = ["CHUNK_BYTES", "ExternalSort", "group_starts", "promote"]
 CHUNK_BYTES = 64 << 20
 
 
+def field_names(dtype: np.dtype) -> tuple[str, ...]:
+    """The fields of a structured dtype (every block a sort holds has them)."""
+    if dtype.names is None:
+        raise TypeError(f"a structured dtype is needed, not {dtype}")
+    return dtype.names
+
+
+def field_dtype(dtype: np.dtype, name: str) -> np.dtype:
+    """The dtype of field ``name`` of a structured dtype."""
+    if dtype.fields is None:
+        raise TypeError(f"a structured dtype is needed, not {dtype}")
+    return dtype.fields[name][0]
+
+
 def promote(dtypes: Sequence[np.dtype]) -> np.dtype:
     """One structured dtype for blocks that differ only in the widths of their ``S`` fields."""
     first = dtypes[0]
     fields = []
-    for name in first.names:
-        base = first.fields[name][0]
+    for name in field_names(first):
+        base = field_dtype(first, name)
         if base.kind == "S":
-            base = np.dtype(f"S{max(d.fields[name][0].itemsize for d in dtypes)}")
+            base = np.dtype(f"S{max(field_dtype(d, name).itemsize for d in dtypes)}")
         fields.append((name, base))
     return np.dtype(fields)
 
@@ -45,7 +59,7 @@ def _cast(block: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if block.dtype == dtype:
         return block
     out = np.empty(len(block), dtype=dtype)
-    for name in dtype.names:
+    for name in field_names(dtype):
         out[name] = block[name]
     return out
 
@@ -114,7 +128,7 @@ class ExternalSort:
         if not len(block):
             return
         self._buffer.append(block)
-        self._key_width = max(self._key_width, block.dtype.fields["key"][0].itemsize)
+        self._key_width = max(self._key_width, field_dtype(block.dtype, "key").itemsize)
         self._buffered += block.nbytes
         self.rows += len(block)
         if self._buffered >= self.chunk_bytes:

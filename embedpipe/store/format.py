@@ -103,7 +103,7 @@ def string_dtype(width: int) -> np.dtype:
     return h5py.string_dtype("utf-8", max(1, int(width)))
 
 
-def encode_strings(values: Sequence[str]) -> np.ndarray:
+def encode_strings(values: Sequence[str] | np.ndarray) -> np.ndarray:
     """Python strings -> fixed-length UTF-8 byte array, as wide as the longest encoding."""
     encoded = [str(v).encode("utf-8") for v in values]
     if any(b"\x00" in b for b in encoded):
@@ -117,7 +117,7 @@ def dataset_label(ds: h5py.Dataset) -> str:
     return f"{ds.file.filename}: dataset {ds.name.lstrip('/')}"
 
 
-def decode_strings(raw: np.ndarray, where: str = "a stored string", start: int = 0) -> list[str]:
+def decode_strings(raw: np.ndarray | Sequence[bytes], where: str = "a stored string", start: int = 0) -> list[str]:
     """Fixed-length (or variable-length) HDF5 strings read by h5py -> list of Python str.
     Bytes that are not UTF-8 (a crafted store) are one StoreError naming ``where`` (e.g.
     :func:`dataset_label`) and the row (``start`` + position), not a UnicodeDecodeError."""
@@ -156,7 +156,7 @@ def create_fixed_string_dataset(group: h5py.Group, name: str, n: int, width: int
     return ds
 
 
-def create_string_dataset(group: h5py.Group, name: str, values: Sequence[str]) -> h5py.Dataset:
+def create_string_dataset(group: h5py.Group, name: str, values: Sequence[str] | np.ndarray) -> h5py.Dataset:
     data = encode_strings(values)
     ds = create_fixed_string_dataset(group, name, len(data), data.dtype.itemsize)
     if len(data):

@@ -205,11 +205,12 @@ def _common_provenance(shards: Sequence[_Shard]) -> tuple[dict[str, Any], list[s
     config_varying: list[str] = []
     for key in keys:
         values = [s.attrs.get(key) for s in shards]
-        if key == "config" and all(isinstance(v, dict) for v in values):
-            ckeys = sorted({ck for v in values for ck in v})
+        configs = [v for v in values if isinstance(v, dict)]
+        if key == "config" and len(configs) == len(values):
+            ckeys = sorted({ck for v in configs for ck in v})
             merged_config = {}
             for ck in ckeys:
-                cv = [v.get(ck) for v in values]
+                cv = [v.get(ck) for v in configs]
                 if all(json.dumps(x, sort_keys=True, default=str) == json.dumps(cv[0], sort_keys=True, default=str) for x in cv):
                     merged_config[ck] = cv[0]
                 else:

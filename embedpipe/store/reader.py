@@ -382,8 +382,9 @@ class Store:
             check_steps(off, lo, self._read("embedded_length", slice(lo, hi)), self.path, name, "embedded_length")
         return off
 
-    def _column(self, name: str, key: Any) -> np.ndarray | list[bytes]:
-        """Stored values of one per-record column (``sequence`` in either layout)."""
+    def _column(self, name: str, key: Any) -> Any:
+        """Stored values of one per-record column (``sequence`` in either layout): one value for
+        an integer ``key``, an array for a range."""
         if name != "sequence":
             return self._read(name, key)
         lo, hi = (key, key + 1) if isinstance(key, (int, np.integer)) else row_range(key, self._n)

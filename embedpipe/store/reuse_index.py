@@ -64,8 +64,8 @@ def _sorted_entries(f: h5py.File, path: Path, work: Path | None) -> Iterable[np.
             entries["key"] = sequence_digests(block)
             entries["row"] = np.arange(lo, lo + len(block), dtype=np.int64)
             sort.add(entries)
-        for block in sort:
-            yield block[group_starts(block["key"])]
+        for entries in sort:
+            yield entries[group_starts(entries["key"])]
 
 
 def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:

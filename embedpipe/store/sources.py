@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import h5py
@@ -191,7 +192,7 @@ def virtual_sources(f: h5py.File) -> dict[str, set[str]]:
 
 
 def _check_source(f: h5py.File, g: h5py.File, rel: str, datasets: set[str], rows: tuple[int, int] | None,
-                  ids: list[str] | None, problems: list[str]) -> bool:
+                  ids: Sequence[str] | None, problems: list[str]) -> bool:
     """One present source: complete, has the datasets read through it, same ids and offsets."""
     if not is_complete(g):
         problems.append(f"source store {rel} is incomplete")
@@ -217,7 +218,7 @@ def _check_source(f: h5py.File, g: h5py.File, rel: str, datasets: set[str], rows
 
 
 def _open_and_check_source(f: h5py.File, src: Path, rel: str, datasets: set[str], rows: tuple[int, int] | None,
-                           ids: list[str] | None, problems: list[str]) -> bool:
+                           ids: Sequence[str] | None, problems: list[str]) -> bool:
     try:
         with h5py.File(src, "r") as g:
             check_format(g, src)
@@ -234,7 +235,7 @@ def _open_and_check_source(f: h5py.File, src: Path, rel: str, datasets: set[str]
     return False
 
 
-def validate_sources(f: h5py.File, path: Path, ids: list[str] | None, problems: list[str]) -> bool:
+def validate_sources(f: h5py.File, path: Path, ids: Sequence[str] | None, problems: list[str]) -> bool:
     """Merged stores: every source exists, is the very file that was merged (store_uuid, size,
     sha256 for legacy sources), is complete and matches. Returns False when a source is missing
     or unusable (reads through the virtual datasets would be meaningless)."""

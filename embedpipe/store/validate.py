@@ -278,7 +278,8 @@ class _Validation:
         of N), from the stored bytes block by block (decoding every value of a 64 MiB block to
         Python strings cost ~100 B per record); a value that is not UTF-8 is one problem
         naming its row."""
-        ds, out = self.f[name], set()
+        ds = self.f[name]
+        out: set[str] = set()
         try:
             for lo in range(0, ds.shape[0], COLUMN_ROWS):
                 block = ds[lo : lo + COLUMN_ROWS]
