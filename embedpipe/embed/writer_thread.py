@@ -103,4 +103,6 @@ class BackgroundWriter:
         self._stop()
         failure = self._failure
         if failure is not None and failure is not exc and not self._reported:
-            exc.add_note(f"the store writer had failed too: {type(failure).__name__}: {failure}")
+            note = f"the store writer had failed too: {type(failure).__name__}: {failure}"
+            if hasattr(exc, "add_note"):  # Python >= 3.11; on 3.10 the caller's error stands alone
+                exc.add_note(note)

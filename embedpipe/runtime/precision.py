@@ -145,7 +145,7 @@ class Policy:
         return {name: tensor.to(device, self.tensor_dtype(island(name))) for name, tensor in weights.items()}
 
     # -- the forward -------------------------------------------------------------------------
-    def context(self, device: torch.device) -> contextlib.AbstractContextManager:
+    def context(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
         """What a forward pass runs inside (inference mode; autocast for the amp policies)."""
         return torch.inference_mode()
 
@@ -160,7 +160,8 @@ class Policy:
         return torch.float32 if self.fp32_islands else weights_dtype
 
     def layer_norm(self, norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x)
+        out: torch.Tensor = norm(x)  # through the module: its hooks run
+        return out
 
     def attention_dtype(self, attention_inputs: str) -> torch.dtype:
         """dtype of q, k and v at the attention kernel (under autocast: the dtype autocast casts
@@ -212,7 +213,7 @@ class AutocastPolicy(Policy):
     def memory_kind(self, attention_inputs: str) -> str:
         return "autocast"
 
-    def context(self, device: torch.device) -> contextlib.AbstractContextManager:
+    def context(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.inference_mode())
         with warnings.catch_warnings():

@@ -100,7 +100,8 @@ class H5Rows:
                 out = self.shards.read(self.name, lo, hi, self.shape[1], self.dtype)
             finally:
                 self.shards.close()
-            return out[(slice(None), *cols)] if cols else out
+            columns = (slice(None), *cols)
+            return out[columns] if cols else out
         with open_h5(self.path) as f:
             return read_dataset(f, self.path, self.name, key)
 
