@@ -13,13 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from _gpu_acceptance_setup import checkpoint, random_records, release
 
-from embedpipe.core.options import POLICY_NAMES, EmbedOptions
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.runtime.precision import get_policy, true_fp32_matmuls
+from embedpipe.core.options import POLICY_NAMES, EmbedOptions
 from embedpipe.embed.engine import Embedder
+from embedpipe.runtime.precision import get_policy, true_fp32_matmuls
 
 ROOT = Path(__file__).resolve().parent.parent
 #: max |difference| allowed between fp32 outputs of two exact computations (TF32 off)

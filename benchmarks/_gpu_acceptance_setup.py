@@ -260,7 +260,7 @@ class Stopwatch:
         self.device = device
         self.seconds = 0.0
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         sync(self.device)
         self._start = time.perf_counter()
         return self

@@ -19,14 +19,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from _gpu_acceptance_setup import (
+    WINDOW,
+    MemoryWindow,
+    Stopwatch,
+    forward_flops,
+    length_scale,
+    park_on_host,
+    proxy_lengths,
+    random_records,
+    release,
+    write_fasta,
+)
 
-from _gpu_acceptance_setup import (WINDOW, MemoryWindow, Stopwatch, forward_flops, length_scale, park_on_host,
-                                   proxy_lengths, random_records, release, write_fasta)
-
-from embedpipe.runtime.cuda import BusyTimer, count_syncs
-from embedpipe.model.esm2 import reset_rotary_caches
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.engine import Embedder
+from embedpipe.model.esm2 import reset_rotary_caches
+from embedpipe.runtime.cuda import BusyTimer, count_syncs
 
 ROOT = Path(__file__).resolve().parent.parent
 #: fair-esm's scripts/extract.py default --toks_per_batch (what a recipe user runs)
@@ -305,7 +314,6 @@ def proxy_section(path: Path, device: torch.device, count: int, work: Path, thre
     FASTA: start-up, model load, chunking above 1,022, embedding and the store write; stopped
     after ``limit`` seconds (the run's time budget), then ``skipped`` says so."""
     import h5py
-
     from _gpu_acceptance_budget import timed_with_limit
 
     records = proxy_records(count, device)

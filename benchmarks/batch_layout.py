@@ -23,9 +23,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from embedpipe.embed.engine import Embedder, EmbedOptions  # noqa: E402
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
-from embedpipe.embed.engine import EmbedOptions, Embedder  # noqa: E402
 
 LAYOUTS = ("padded", "packed")
 

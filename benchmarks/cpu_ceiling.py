@@ -41,7 +41,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from embedpipe.embed.engine import EmbedOptions, Embedder
+    from embedpipe.embed.engine import Embedder, EmbedOptions
     from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
     from embedpipe.runtime.packed_linear import pack_linear

@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime"))
-from helpers.fake_cuda import fake_cuda  # noqa: E402
 from test_cuda_memory import fake_model  # noqa: E402
 
 from embedpipe.core.options import EmbedOptions  # noqa: E402
 from embedpipe.embed.engine import Embedder  # noqa: E402
+from helpers.fake_cuda import fake_cuda  # noqa: E402
 
 LAYERS, DIM, HEADS, LENGTH, RECORDS = 33, 1280, 20, 415, 40
 GEMM_OPS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default")
@@ -56,7 +56,8 @@ def main(policy: str = "bf16-mixed") -> None:
     print(f"650M {policy} packed: bytes moved per token per layer outside GEMMs and attention (not fused):")
     for op, moved in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {moved / DIM:6.1f} x D  {op}")
-    print(f"  total {rest:,.0f} B = {rest / DIM:.0f} x D; GEMM operands {gemm / DIM:.0f} x D; attention {attention / DIM:.0f} x D")
+    print(f"  total {rest:,.0f} B = {rest / DIM:.0f} x D; GEMM operands {gemm / DIM:.0f} x D; "
+          f"attention {attention / DIM:.0f} x D")
     gemm_flops, attention_flops = 24 * DIM * DIM, 4 * (LENGTH + 2) * DIM
     for gemm_rate, hbm in ((700e12, 4.0e12), (600e12, 3.5e12)):
         seconds = gemm_flops / gemm_rate + rest / hbm + attention_flops / 350e12

@@ -312,7 +312,8 @@ def print_table(rows: list[dict], ref: dict[str, np.ndarray], layer: int) -> Non
         cos_min = f"{min(cos):.6f}" if cos else "-"
         cos_med = f"{float(np.median(cos)):.6f}" if cos else "-"
         print(f"| {row['system']} | {row['seconds']:.1f} | {row['residues_per_s']:,.0f} | {ratio:.2f} {hf_cell}| "
-              f"{row['padding_efficiency']:.3f} | {row['mfu']:.1%} ({row['peak_dtype']}) | {row['peak_rss_mib']:.0f} | {cos_min} | {cos_med} |")
+              f"{row['padding_efficiency']:.3f} | {row['mfu']:.1%} ({row['peak_dtype']}) | {row['peak_rss_mib']:.0f} | "
+              f"{cos_min} | {cos_med} |")
         row["ratio"] = ratio
         row["min_cosine"] = min(cos) if cos else None
         row["path"] = str(row["path"])

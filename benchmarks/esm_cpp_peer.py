@@ -32,11 +32,10 @@ def export(model_path: Path, out_dir: Path) -> Path:
     if target.exists():
         return target
     from hf_esm_peer import convert_to_hf
+    from safetensors.torch import save_file
     from transformers import EsmForMaskedLM
 
     from embedpipe.model import load_model
-
-    from safetensors.torch import save_file
 
     encoder = convert_to_hf(load_model(str(model_path)))
     full = EsmForMaskedLM(encoder.config)

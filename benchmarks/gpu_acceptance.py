@@ -36,12 +36,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from _gpu_acceptance_budget import RESERVE_SECONDS, Budget
 from _gpu_acceptance_correctness import overflow_section, shape_correctness
-from _gpu_acceptance_setup import (SHAPES, WINDOW, checkpoint, default_device, device_info, fair_esm_model, human_lengths,
-                                   forward_flops, length_scale, park_on_host, random_records, release, shape_dims,
-                                   shape_skip_reason)
+from _gpu_acceptance_setup import (
+    SHAPES,
+    WINDOW,
+    checkpoint,
+    default_device,
+    device_info,
+    fair_esm_model,
+    forward_flops,
+    human_lengths,
+    length_scale,
+    park_on_host,
+    random_records,
+    release,
+    shape_dims,
+    shape_skip_reason,
+)
 from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_records, proxy_section, shape_speed
 
 ROOT = Path(__file__).resolve().parent.parent

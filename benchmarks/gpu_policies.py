@@ -48,7 +48,7 @@ def _peak_mib(device: torch.device) -> float:
 def run(args: argparse.Namespace) -> None:
     import esm
 
-    from embedpipe.embed.engine import EmbedOptions, Embedder
+    from embedpipe.embed.engine import Embedder, EmbedOptions
     from embedpipe.model import load_model
     from embedpipe.model.random_checkpoint import make_test_model
 

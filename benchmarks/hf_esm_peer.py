@@ -37,7 +37,7 @@ TRUNCATION = 1022
 DTYPES = ("float32", "bfloat16")
 
 
-def _hf_state_dict(fair: dict[str, "torch.Tensor"], num_layers: int) -> dict[str, "torch.Tensor"]:
+def _hf_state_dict(fair: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Map a fair-esm ``ESM2.state_dict()`` to ``EsmModel`` parameter names (as convert_esm.py does)."""
     out = {
         "embeddings.word_embeddings.weight": fair["embed_tokens.weight"],
@@ -60,7 +60,7 @@ def _hf_state_dict(fair: dict[str, "torch.Tensor"], num_layers: int) -> dict[str
     return out
 
 
-def convert_to_hf(loaded: Any) -> "transformers.EsmModel":
+def convert_to_hf(loaded: Any) -> transformers.EsmModel:
     """A ``transformers.EsmModel`` (eval, fp32, SDPA when supported) with ``loaded``'s ESM-2 weights.
 
     ``loaded`` is an ``embedpipe.model.esm2.Esm2Model``. ``last_hidden_state`` of the result
@@ -103,7 +103,7 @@ def convert_to_hf(loaded: Any) -> "transformers.EsmModel":
     return model
 
 
-def attention_implementation(model: "transformers.EsmModel") -> str:
+def attention_implementation(model: transformers.EsmModel) -> str:
     """The attention backend the converted model runs with (``"sdpa"`` or ``"eager"``)."""
     return str(getattr(model.config, "_attn_implementation", None) or "eager")
 

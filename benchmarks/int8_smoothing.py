@@ -27,12 +27,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.embed_helpers import edit_test_checkpoint  # noqa: E402
-
-from embedpipe.embed.engine import EmbedOptions, Embedder  # noqa: E402
+from embedpipe.embed.engine import Embedder, EmbedOptions  # noqa: E402
 from embedpipe.inputs.fasta import read_sequences  # noqa: E402
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
+from helpers.embed_helpers import edit_test_checkpoint  # noqa: E402
 
 #: the planted outliers (see the module docstring)
 CHANNELS, GAIN = [7, 100, 250, 401], 30.0

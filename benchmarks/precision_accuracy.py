@@ -26,13 +26,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.embed_helpers import random_sequences  # noqa: E402
-
+from embedpipe.core.options import FP32_ISLAND_POLICIES  # noqa: E402
+from embedpipe.embed.engine import Embedder, EmbedOptions  # noqa: E402
 from embedpipe.model import load_model  # noqa: E402
 from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
-from embedpipe.core.options import FP32_ISLAND_POLICIES  # noqa: E402
 from embedpipe.runtime.precision import POLICIES  # noqa: E402
-from embedpipe.embed.engine import EmbedOptions, Embedder  # noqa: E402
+from helpers.embed_helpers import random_sequences  # noqa: E402
 
 
 def main() -> None:
@@ -72,7 +71,8 @@ def main() -> None:
         got, rate = run(policy, inputs)
         errors = [np.linalg.norm(got[i].per_residue[last] - ref[i].per_residue[last]) / np.linalg.norm(ref[i].per_residue[last])
                   for i in ref]
-        cosines = [float(got[i].mean[last] @ ref[i].mean[last] / np.linalg.norm(got[i].mean[last]) / np.linalg.norm(ref[i].mean[last]))
+        cosines = [float(got[i].mean[last] @ ref[i].mean[last]
+                         / np.linalg.norm(got[i].mean[last]) / np.linalg.norm(ref[i].mean[last]))
                    for i in ref]
         shown = ("compute" if inputs == "compute" else "fp32") if policy in FP32_ISLAND_POLICIES else "policy dtype"
         print(f"| {policy} | {shown} | {np.mean(errors):.2e} | {np.max(errors):.2e} | {min(cosines):.7f} "

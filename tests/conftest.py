@@ -29,6 +29,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+# fixtures defined beside the helpers they use, shared by every test directory
+from helpers.workflow_helpers import checkout_like  # noqa: F401
+
 # --------------------------------------------------------------------------- markers
 
 #: markers whose tests CI must run, never skip
@@ -66,9 +69,8 @@ def session_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def model_factory(session_models_dir: Path) -> Callable[..., Path]:
     """``model_factory(layers=2, dim=32, heads=4, seed=0, **overrides) -> Path``, cached."""
-    from helpers.embed_helpers import edit_test_checkpoint
-
     from embedpipe.model.random_checkpoint import make_test_model
+    from helpers.embed_helpers import edit_test_checkpoint
 
     cache: dict[str, Path] = {}
     counter = itertools.count()
@@ -132,5 +134,6 @@ def overflow_records():
 
     no_c = np.array(list("ADEFGHIKLMNPQRSTVWY"))
     plain = random_sequences(6, (20, 80), seed=8, alphabet=no_c)
-    with_c = [(f"cys{i}", seq[:10] + "C" + seq[10:]) for i, (_, seq) in enumerate(random_sequences(4, (20, 80), seed=9, alphabet=no_c))]
+    with_c = [(f"cys{i}", seq[:10] + "C" + seq[10:])
+              for i, (_, seq) in enumerate(random_sequences(4, (20, 80), seed=9, alphabet=no_c))]
     return plain[:3] + with_c[:2] + plain[3:] + with_c[2:]

@@ -72,7 +72,8 @@ def test_readme_commands_run_as_written(tmp_path):
     for block in blocks:
         command = ["bash", "-euo", "pipefail", "-c", block.code] if block.lang == "bash" else [sys.executable, "-c", block.code]
         proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"README.md line {block.line} failed:\n{block.code}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, (f"README.md line {block.line} failed:\n{block.code}\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     assert (repo / "results-demo" / "report.html").stat().st_size > 0
     assert (repo / "results-demo" / "embeddings.h5").is_file()
     for name in ("embeddings.h5", "embeddings.parquet"):

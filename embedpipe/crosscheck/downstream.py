@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe.crosscheck.labels import Labelled, LabelOptions
 from embedpipe.crosscheck.formatting import format_short
+from embedpipe.crosscheck.labels import Labelled, LabelOptions
 
 __all__ = ["MODELS", "downstream_lines", "downstream_rules", "evaluate_downstream", "make_model", "make_folds"]
 

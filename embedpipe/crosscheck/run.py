@@ -40,18 +40,18 @@ import torch
 
 from embedpipe import Store, __version__, open_store
 from embedpipe.core.atomic import check_output_path, write_text_atomic
-from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.checksums import file_sha256
-from embedpipe.crosscheck.compare import compare_records, neighbour_overlap
-from embedpipe.crosscheck.labels import Labelled, LabelOptions, resolve_labels, sample_labelled
-from embedpipe.crosscheck.reference import fp32_reference
-from embedpipe.crosscheck.verdict import VERDICTS, judge, store_figures
-from embedpipe.crosscheck.downstream import downstream_lines, evaluate_downstream
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.crosscheck.formatting import format_cosine, format_short, json_safe
-from embedpipe.crosscheck.metrics import describe_length_bins, length_bins, stratified_sample
 from embedpipe.core.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, Thresholds
+from embedpipe.core.output_guard import guard_outputs
+from embedpipe.crosscheck.compare import compare_records, neighbour_overlap
+from embedpipe.crosscheck.downstream import downstream_lines, evaluate_downstream
+from embedpipe.crosscheck.formatting import format_cosine, format_short, json_safe
+from embedpipe.crosscheck.labels import Labelled, LabelOptions, resolve_labels, sample_labelled
+from embedpipe.crosscheck.metrics import describe_length_bins, length_bins, stratified_sample
+from embedpipe.crosscheck.reference import fp32_reference
 from embedpipe.crosscheck.report.page import render_html
+from embedpipe.crosscheck.verdict import VERDICTS, judge, store_figures
 from embedpipe.store import utc_now
 from embedpipe.store.attrjson import load_json_attr
 

@@ -12,12 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe.crosscheck.formatting import format_cosine
-from embedpipe.crosscheck.measures import (MEASURES, POOLED_COSINE, POOLED_MAX_ABS_DIFF, POOLED_REL_L2,
-                                           RESIDUE_MIN_COSINE)
-from embedpipe.crosscheck.metrics import aggregate, is_finite_number, wilson_interval
-from embedpipe.crosscheck.downstream import downstream_rules
 from embedpipe.core.options import Thresholds
+from embedpipe.crosscheck.downstream import downstream_rules
+from embedpipe.crosscheck.formatting import format_cosine
+from embedpipe.crosscheck.measures import MEASURES, POOLED_COSINE, POOLED_MAX_ABS_DIFF, POOLED_REL_L2, RESIDUE_MIN_COSINE
+from embedpipe.crosscheck.metrics import aggregate, is_finite_number, wilson_interval
 
 __all__ = ["VERDICTS", "applied_rules", "decide_verdict", "judge", "record_status", "store_figures", "summarise"]
 

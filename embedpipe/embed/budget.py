@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from embedpipe.runtime import cuda
-from embedpipe.model.base import EmbeddingModel
-from embedpipe.embed.planning import BATCH_OVERHEAD_TOKENS as CPU_BATCH_OVERHEAD_TOKENS
 from embedpipe.core.options import AUTO, CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
+from embedpipe.embed.planning import BATCH_OVERHEAD_TOKENS as CPU_BATCH_OVERHEAD_TOKENS
+from embedpipe.model.base import EmbeddingModel
+from embedpipe.runtime import cuda
 from embedpipe.runtime.precision import FP32, Policy, resolve_attention_inputs
 
 #: share of the memory left after the weights that batches may fill (the rest: the CUDA

@@ -17,24 +17,32 @@ from dataclasses import dataclass
 
 import torch
 
-from embedpipe.embed.calibration import configured_policy
-from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
-from embedpipe.embed.fallback import RecordCheck
-from embedpipe.embed.preparation import Preparation
-from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
-from embedpipe.runtime import attention as attention_choice, cuda
-from embedpipe.runtime.cuda import BusyTimer, HostCopy
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.model.base import EmbeddingModel, Runner
-from embedpipe.model import capabilities
-from embedpipe.model.layers import resolve_layers  # noqa: F401 - re-exported (tests, crosscheck)
-from embedpipe.runtime.packed import PackedTokens
-from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
-from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
-from embedpipe.runtime.precision import (FP32, Policy, check_policy_on_device, dtype_name, exact_fp32, forward_context,
-                                         true_fp32_matmuls)
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import progress_bar, say
+from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
+from embedpipe.embed.calibration import configured_policy
+from embedpipe.embed.fallback import RecordCheck
+from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
+from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
+from embedpipe.embed.preparation import Preparation
+from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
+from embedpipe.model import capabilities
+from embedpipe.model.base import EmbeddingModel, Runner
+from embedpipe.model.layers import resolve_layers  # noqa: F401 - re-exported (tests, crosscheck)
+from embedpipe.runtime import attention as attention_choice
+from embedpipe.runtime import cuda
+from embedpipe.runtime.cuda import BusyTimer, HostCopy
+from embedpipe.runtime.packed import PackedTokens
+from embedpipe.runtime.precision import (
+    FP32,
+    Policy,
+    check_policy_on_device,
+    dtype_name,
+    exact_fp32,
+    forward_context,
+    true_fp32_matmuls,
+)
 from embedpipe.store import EmbeddedRecord
 from embedpipe.store.format import stored_poolings
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedpipe.core.errors import InputError
-from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 from embedpipe.core.options import LONG_SEQUENCE_MODES
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 
 DEFAULT_OVERLAP = 256
 

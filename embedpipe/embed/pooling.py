@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedpipe.runtime.cuda import to_device
-from embedpipe.model.base import ForwardOutput
-from embedpipe.runtime.packed import PackedTokens, range_max, range_segments, range_sums, token_max_abs
 from embedpipe.embed.planning import Piece
+from embedpipe.model.base import ForwardOutput
+from embedpipe.runtime.cuda import to_device
+from embedpipe.runtime.packed import PackedTokens, range_max, range_segments, range_sums, token_max_abs
 
 
 @dataclass

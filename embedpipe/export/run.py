@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.errors import EmbedpipeError, StoreError
-from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
-from embedpipe.export import formats
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import progress_bar
+from embedpipe.export import formats
+from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.store import Store, open_store
 from embedpipe.store.validate import export_problems
 

@@ -31,8 +31,8 @@ import torch.serialization as ts
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model.config_bounds import validate_shape  # re-exported: make-test-model, hf_esm
-from embedpipe.model.esm2_spec import valid_names
 from embedpipe.model.downloads import one_line
+from embedpipe.model.esm2_spec import valid_names
 
 #: The only non-tensor type a checkpoint may contain (real checkpoints' ``cfg["model"]``).
 SAFE_GLOBALS: tuple[type, ...] = (argparse.Namespace,)

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from embedpipe.core.atomic import atomic_path
-from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import ModelError
-from embedpipe.model.esm2_spec import is_model_name, valid_names
+from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
+from embedpipe.model.esm2_spec import is_model_name, valid_names
 
 #: Same URL scheme as fair-esm's ``esm/pretrained.py``.
 MODEL_URL = "https://dl.fbaipublicfiles.com/fair-esm/models/{name}.pt"

@@ -23,11 +23,10 @@ from torch.overrides import TorchFunctionMode
 from embedpipe.core.errors import ModelError
 from embedpipe.model import esm2_spec
 from embedpipe.model.base import ESM2_LAYOUT, TokenLayout
-from embedpipe.model.checkpoint import (CONTACT_KEYS, checkpoint_info, load_checkpoint_safely,
-                                        upgrade_state_dict)
+from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
+from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
-from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.runtime.precision import Policy
 
 #: Protein letters with their own ESM-2 token; any other byte maps to <unk>.

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
+from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.runtime import cuda
 from embedpipe.runtime.attention import packed_kernel
-from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, token_max_abs
 from embedpipe.runtime.precision import Packed, Policy
 
@@ -70,7 +70,8 @@ class RotaryTables:
         return cached[0][:length]
 
 
-def interleave_rotary_rows(weight: torch.Tensor, bias: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def interleave_rotary_rows(weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused q/k/v weight and bias with q's and k's rows reordered per head so that rotary
     pairs ``(i, i + head_dim / 2)`` sit side by side: ``(x1_0, x2_0, x1_1, x2_1, ...)``.
 

@@ -20,11 +20,10 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
+from embedpipe.model import layout, t5_vocab
 from embedpipe.model.config_bounds import t5_config
-from embedpipe.model import t5_vocab
-from embedpipe.model import layout
-from embedpipe.model.layout import TokenLayout
 from embedpipe.model.facts import MemoryEstimate, host_bytes
+from embedpipe.model.layout import TokenLayout
 from embedpipe.model.t5_forward import T5Forward, T5Shape
 from embedpipe.runtime.precision import Policy
 

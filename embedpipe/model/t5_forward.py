@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.runtime.precision import Policy
 
-
 #: names of the bias-free linear layers in a block (attention, feed-forward)
 LINEARS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")
 

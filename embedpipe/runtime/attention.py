@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from embedpipe.runtime import cuda
 from embedpipe.core.options import EmbedOptions
+from embedpipe.runtime import cuda
 from embedpipe.runtime.precision import Policy, attention_dtype, resolve_attention_inputs
 
 

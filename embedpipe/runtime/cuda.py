@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import cast
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from embedpipe.runtime import cpu_features
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.runtime import cpu_features
 from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.int8_smoothing import CalibratingLinear, Calibration
 from embedpipe.runtime.precision import MixedPolicy, Packed, add_policies

@@ -20,10 +20,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from embedpipe.runtime import cpu_features
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.runtime.packed_linear import pack_linear
 from embedpipe.core.options import POLICY_KINDS
+from embedpipe.runtime import cpu_features
+from embedpipe.runtime.packed_linear import pack_linear
 
 #: Native arithmetic on CUDA, by compute capability. bfloat16 starts with Ampere (8.0):
 #: current torch's ``torch.cuda.is_bf16_supported()`` answers True on older GPUs too, where

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, overload
 
 import h5py
-from h5py import h5s
 import numpy as np
+from h5py import h5s
 
 from embedpipe.core.errors import StoreError
 from embedpipe.store import filters

@@ -82,7 +82,8 @@ def _group_problem(block: np.ndarray, lo: int, hi: int, stores: Callable[[int], 
         if tags[0] == STORED:
             problem("alias", f"id {quote(rid)} is both a stored record and a duplicate of {quote(_text(g['other'][j]))}", line)
         else:
-            problem("alias", f"id {quote(rid)} is a duplicate of both {quote(_text(g['other'][0]))} and {quote(_text(g['other'][j]))}", line)
+            problem("alias", f"id {quote(rid)} is a duplicate of both {quote(_text(g['other'][0]))} "
+                             f"and {quote(_text(g['other'][j]))}", line)
         return False
     return True
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.crosscheck.metrics import aggregate
-from embedpipe.store.sources import source_problems
 from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
+from embedpipe.store.sources import source_problems
 
 #: root attributes shown as the format line, not as provenance
 _FORMAT_ATTRS = ("format", "format_version", "complete", "encoding-type", "encoding-version")

@@ -31,8 +31,16 @@ from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.encoding import check_encodings
-from embedpipe.store.format import (PER_SOURCE_ATTRS, check_format, decode_strings, is_complete, open_h5, poolings_of,
-                                    read_root_attrs, stored_layers)
+from embedpipe.store.format import (
+    PER_SOURCE_ATTRS,
+    check_format,
+    decode_strings,
+    is_complete,
+    open_h5,
+    poolings_of,
+    read_root_attrs,
+    stored_layers,
+)
 from embedpipe.store.idindex import IdIndex, LazyIds
 from embedpipe.store.readio import H5Rows, dask_array, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
 from embedpipe.store.residues import ShardRows, read_from_sources

@@ -25,8 +25,7 @@ import numpy as np
 from embedpipe.core.errors import StoreError
 from embedpipe.core.external_sort import ExternalSort, group_starts
 from embedpipe.core.output_guard import writing_outputs
-from embedpipe.store.format import (STORE_UUID_ATTR, attr_to_python, check_format, is_complete, open_h5,
-                                    read_root_attrs)
+from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, open_h5, read_root_attrs
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.reuse_checks import check_block, index_problem, read_fence, read_index_rows
 from embedpipe.store.sequences import iter_sequence_blocks

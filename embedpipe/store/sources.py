@@ -13,9 +13,9 @@ See docs/store-format.md ("Merged stores", "How a merged store pins its sources"
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import h5py
@@ -24,8 +24,8 @@ import numpy as np
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import StoreError
 from embedpipe.store.attrjson import load_json_attr
-from embedpipe.store.residues import is_resource_error, open_error
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, read_strings
+from embedpipe.store.residues import is_resource_error, open_error
 
 #: root attribute of merged stores: JSON list of {path, store_uuid, size[, sha256]}
 MERGED_SOURCES_ATTR = "merged_sources"

@@ -3,8 +3,8 @@ failure one problem line, never an exception for a bad file."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -32,9 +32,9 @@ from embedpipe.store.format import (
 from embedpipe.store.idindex import LazyIds
 from embedpipe.store.idsort import index_problems_sorted
 from embedpipe.store.idtext import bad_id_message
+from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
-from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.sources import validate_sources
 
 #: rows of an integer column read at a time (2 MiB of int64): validate's memory independent of N

@@ -38,10 +38,10 @@ from embedpipe.store.format import (
     utc_now,
     write_root_attrs,
 )
+from embedpipe.store.h5write import abandon, check_free_space, reraise
 from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
 from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import write_sequences
-from embedpipe.store.h5write import abandon, check_free_space, reraise
 
 #: root attributes the writer derives from its arguments; callers may repeat them only unchanged
 DERIVED_ATTRS = frozenset({"storage_dtype", "layers", "dim", "per_residue", "pooling"})
@@ -223,7 +223,8 @@ class StoreWriter:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def _cast(self, values: Any, *, record: EmbeddedRecord, index: int, layer: int, what: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _cast(self, values: Any, *, record: EmbeddedRecord, index: int, layer: int, what: str,
+              shape: tuple[int, ...]) -> np.ndarray:
         arr = np.asarray(values)
         if arr.shape != shape:
             raise StoreError(

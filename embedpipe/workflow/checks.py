@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.group_marker import marker_problem
 from embedpipe.core.locks import acquire
+from embedpipe.embed.group_marker import marker_problem
 
 RUN_LOCK = ".embedpipe-run.lock"
 

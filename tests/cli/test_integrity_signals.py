@@ -17,12 +17,12 @@ from pathlib import Path
 import h5py
 import pytest
 
-from helpers.embed_helpers import random_sequences, write_fasta
-from helpers.processes import wait_until
 from embedpipe.core.atomic import temp_path_for
+from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.export import export_store
-from embedpipe.core.options import EmbedOptions
+from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -145,10 +145,10 @@ def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model
     """As embed does: a cross-check waiting for a GPU must not hold the model in memory."""
     import contextlib
 
-    from helpers.embed_helpers import random_sequences, write_fasta
     from embedpipe.crosscheck import reference
     from embedpipe.crosscheck.run import run_crosscheck
     from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from helpers.embed_helpers import random_sequences, write_fasta
 
     fasta = write_fasta(tmp_path / "in.fasta", random_sequences(4, (10, 30), seed=3))
     embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "s.h5", options=EmbedOptions(), quiet=True)

@@ -12,12 +12,12 @@ from pathlib import Path
 import h5py
 import pytest
 
-from helpers.embed_helpers import random_sequences, write_fasta
-from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.export import export_store
 from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.export import export_store
 from embedpipe.store import merge_stores
+from helpers.embed_helpers import random_sequences, write_fasta
 
 OPTIONS = EmbedOptions(device="cpu")
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.embed_helpers import random_sequences, write_fasta
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.export import export_store
@@ -22,6 +21,7 @@ from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.shard.passes import shard_fasta
 from embedpipe.store import merge_stores
 from embedpipe.store.reuse_index import build_index
+from helpers.embed_helpers import random_sequences, write_fasta
 
 OPTIONS = EmbedOptions(device="cpu", per_residue=True)
 

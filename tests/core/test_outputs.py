@@ -186,7 +186,8 @@ def test_embed_per_residue_on_a_full_disk_fails_mid_write_with_one_line(small_di
     needed = (len(records) + rows) * 32 * 4  # one layer, dim 32, float32: passes the pre-flight check
     _leave_free(small_disk, needed + 4096 + 4096)  # one page more: the lock file beside --out (core/locks.py)
     out = small_disk / "e.h5"
-    line = _assert_clean_failure(_cli("embed", fasta, "--model", tiny_model_path, "--out", out, "--per-residue", "-q"), out, small_disk)
+    line = _assert_clean_failure(_cli("embed", fasta, "--model", tiny_model_path, "--out", out, "--per-residue", "-q"),
+                                 out, small_disk)
     assert line == f"embedpipe: error: cannot write {out}: No space left on device"
 
 
@@ -194,7 +195,8 @@ def test_embed_refuses_up_front_when_the_store_cannot_fit(small_disk, tmp_path, 
     fasta = write_fasta(tmp_path / "in.fa", random_sequences(20, (250, 300), seed=3))
     _leave_free(small_disk, 64 << 10)
     out = small_disk / "e.h5"
-    line = _assert_clean_failure(_cli("embed", fasta, "--model", tiny_model_path, "--out", out, "--per-residue", "-q"), out, small_disk)
+    line = _assert_clean_failure(_cli("embed", fasta, "--model", tiny_model_path, "--out", out, "--per-residue", "-q"),
+                                 out, small_disk)
     assert "needs at least" in line and "free on its file system" in line
 
 

@@ -17,16 +17,16 @@ import h5py
 import pytest
 
 import embedpipe.embed.run as embed_module
-from helpers.embed_helpers import random_sequences, write_fasta
-from helpers.processes import wait_until
-from embedpipe.core.checksums import file_sha256
 from embedpipe.core import locks
+from embedpipe.core.checksums import file_sha256
 from embedpipe.core.locks import holding
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.store import merge_stores
 from embedpipe.store.validate import validate_store
+from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = EmbedOptions(device="cpu", per_residue=True)

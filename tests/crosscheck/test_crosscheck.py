@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
-from embedpipe.crosscheck import metrics
-from embedpipe.crosscheck.run import Thresholds, run_crosscheck
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.crosscheck import metrics
 from embedpipe.crosscheck.report.page import render_html
+from embedpipe.crosscheck.run import Thresholds, run_crosscheck
+from helpers.embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
 
 CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2"}
 

@@ -25,12 +25,12 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from typer.testing import CliRunner
 
-from helpers.embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
 from embedpipe import open_store
 from embedpipe.cli import app
-from embedpipe.crosscheck.run import LabelOptions, Thresholds, run_crosscheck
 from embedpipe.core.errors import EmbedpipeError
-from helpers.workflow_helpers import checkout_like, snakemake  # noqa: F401 - a fixture and the runner of the workflow tests
+from embedpipe.crosscheck.run import LabelOptions, Thresholds, run_crosscheck
+from helpers.embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from helpers.workflow_helpers import snakemake
 
 ALPHABETS = {"hydrophobic": "AILMFVW", "charged": "DEKR", "polar": "GSTNQ"}
 HYDROPHOBIC = set(ALPHABETS["hydrophobic"])

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.embed_helpers import random_sequences, write_fasta
-from embedpipe.embed.writer_thread import BackgroundWriter
-from embedpipe.embed.run import embed_fasta
-from embedpipe.model import load_model
 from embedpipe.core.options import EmbedOptions
-from embedpipe.store import StoreWriter
 from embedpipe.embed.engine import Embedder
+from embedpipe.embed.run import embed_fasta
+from embedpipe.embed.writer_thread import BackgroundWriter
+from embedpipe.model import load_model
+from embedpipe.store import StoreWriter
+from helpers.embed_helpers import random_sequences, write_fasta
 
 
 def _writer_threads() -> list[threading.Thread]:

@@ -13,9 +13,9 @@ from unittest import mock
 import pytest
 import torch
 
+from embedpipe.core.options import CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
 from embedpipe.embed.budget import resolve_tokens_per_batch
 from embedpipe.model.facts import MemoryEstimate
-from embedpipe.core.options import CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
 from embedpipe.runtime.precision import Policy, get_policy
 
 CUDA = torch.device("cuda")
@@ -136,14 +136,15 @@ def test_the_cost_of_one_more_batch_is_per_device():
 
 
 def test_the_worker_plans_padded_batches_with_its_devices_overhead(tiny_model_path):
-    from embedpipe.model import load_model
-    from embedpipe.embed.planning import plan_record
     from embedpipe.embed.engine import Embedder
+    from embedpipe.embed.planning import plan_record
+    from embedpipe.model import load_model
 
     embedder = Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=4096), torch.device("cpu"))
     records = [(f"r{i}", "A" * n) for i, n in enumerate([500, 480, 40, 30, 20, 300, 290])]
     pieces = [p for i, (_, s) in enumerate(records) for p in plan_record(i, len(s), "chunk", window=1022)[0]]
-    with mock.patch("embedpipe.embed.engine.plan_batches", wraps=__import__("embedpipe.embed.planning").embed.planning.plan_batches) as plan:
+    planner = __import__("embedpipe.embed.planning").embed.planning.plan_batches
+    with mock.patch("embedpipe.embed.engine.plan_batches", wraps=planner) as plan:
         embedder.plan(records)
     assert plan.call_args.args[2] == 256 and len(plan.call_args.args[0]) == len(pieces)
     embedder.device = CUDA  # only compared: the plan is host work

@@ -7,14 +7,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
-from embedpipe.embed.planning import plan_record
 from embedpipe.cli import app
-from embedpipe.embed.run import embed_fasta
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.embed.engine import Embedder, EmbedOptions, resolve_layers
+from embedpipe.embed.planning import plan_record
+from embedpipe.embed.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
-from embedpipe.embed.engine import EmbedOptions, Embedder, resolve_layers
+from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, write_fasta
 
 ATOL = 1e-5
 

@@ -14,12 +14,12 @@ import pytest
 from typer.testing import CliRunner
 
 import embedpipe.embed.run as embed_module
-from helpers.embed_helpers import random_sequences, write_fasta
 from embedpipe.cli import app
-from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.shard.passes import plan_groups, shard_fasta
+from helpers.embed_helpers import random_sequences, write_fasta
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1))
 
@@ -88,7 +88,8 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert (_uuid(stores[0]), stores[0].stat().st_mtime_ns) == before[0]
     assert _uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
-    assert all(embed_module.store_is_current(p, embed_module.embed_identity(OPTIONS, _model(tiny_model_path), on_cpu, [0, 2]), _input(p))
+    identity = embed_module.embed_identity(OPTIONS, _model(tiny_model_path), on_cpu, [0, 2])
+    assert all(embed_module.store_is_current(p, identity, _input(p))
                for p in stores)
 
 

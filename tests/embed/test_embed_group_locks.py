@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import embedpipe.embed.run as embed_module
-from helpers.embed_helpers import random_sequences, write_fasta
-from embedpipe.embed.run import embed_shards
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.group_marker import marker_problem
 from embedpipe.core.locks import LockedError, acquire
 from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.group_marker import marker_problem
+from embedpipe.embed.run import embed_shards
 from embedpipe.store.validate import validate_store
+from helpers.embed_helpers import random_sequences, write_fasta
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(-1,))
 

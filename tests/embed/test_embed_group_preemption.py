@@ -19,9 +19,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from embedpipe.store import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import wait_until
-from embedpipe.store import validate_store
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import h5py
 import pytest
 
-from helpers.embed_helpers import embed_store, random_sequences, write_fasta
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
@@ -26,6 +25,7 @@ from embedpipe.embed.identity import describe_difference
 from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.model import esm2_spec
 from embedpipe.model.random_hf import make_hf_test_model
+from helpers.embed_helpers import embed_store, random_sequences, write_fasta
 
 ROOT = Path(__file__).resolve().parents[2]
 REUSABLE = "only a store embedded with the same model and options can be reused"

@@ -9,11 +9,11 @@ from pathlib import Path
 import h5py
 from typer.testing import CliRunner
 
-from helpers.embed_helpers import embed_store, random_sequences, write_fasta
 from embedpipe.cli import app
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.store import merge_stores, render_info, store_info
+from helpers.embed_helpers import embed_store, random_sequences, write_fasta
 
 FIRST = random_sequences(6, (8, 24), seed=21)
 FRESH = [(f"new{i}", s) for i, (_, s) in enumerate(random_sequences(2, (8, 24), seed=22))]

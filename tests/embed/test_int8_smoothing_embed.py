@@ -11,16 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.embed_helpers import embed_and_read, embed_store, random_sequences, write_fasta
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_identity
-from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.esm2_forward import EsmForward
+from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime.int8_smoothing import SHIPPED
+from helpers.embed_helpers import embed_and_read, embed_store, random_sequences, write_fasta
 
 #: the stated int8-mixed tolerance (docs/precision.md; tests/runtime/test_int8_policy.py)
 POOLED_COSINE = 0.99

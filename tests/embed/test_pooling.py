@@ -9,14 +9,14 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers.embed_helpers import fair_esm_bos, random_sequences, write_fasta
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed.run import EmbedOptions, embed_fasta
 from embedpipe.core.errors import EmbedpipeError, StoreError
+from embedpipe.embed.run import EmbedOptions, embed_fasta
 from embedpipe.export import export_store
 from embedpipe.store import merge_stores, open_store, validate_store
+from helpers.embed_helpers import fair_esm_bos, random_sequences, write_fasta
 
 ARCHIVED_V1 = Path(__file__).resolve().parents[1] / "data" / "store-v1-example.h5"
 LAYERS = (0, 1, 2)

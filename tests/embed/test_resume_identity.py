@@ -9,9 +9,9 @@ from pathlib import Path
 
 import h5py
 
-from helpers.embed_helpers import random_sequences, write_fasta
-from embedpipe.embed.run import embed_shards
 from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.run import embed_shards
+from helpers.embed_helpers import random_sequences, write_fasta
 
 
 def _shards(tmp: Path) -> list[Path]:

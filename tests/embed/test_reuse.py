@@ -17,12 +17,12 @@ import pytest
 import embedpipe
 import embedpipe.embed.run as embed_module
 import embedpipe.store.reuse_index as reuse_index
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.store.merge import merge_stores
 from embedpipe.store.validate import validate_store
+from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), pooling=("mean", "bos"),
                        storage_dtype="float16")
@@ -47,8 +47,8 @@ def _embed(tmp: Path, model: Path, records, name: str, reuse=(), options: EmbedO
 
 
 def _by_sequence(store: dict) -> dict[str, str]:
-    with h5py.File(store["path"], "r") as f:
-        seqs = embedpipe.open_store(store["path"]).records(sequence=True)["sequence"]
+    with embedpipe.open_store(store["path"]) as opened:
+        seqs = opened.records(sequence=True)["sequence"]
     return dict(zip(seqs.tolist(), store["ids"]))
 
 
@@ -129,7 +129,7 @@ def test_all_reused_group_job_loads_no_model(tmp_path, tiny_model_path, monkeypa
                            done=tmp_path / "done.json", quiet=True, reuse=[index])
     assert [s.reused for s in summary.embedded] == [10, 10]
     ref = _vectors(r1)
-    for k, shard in enumerate(shards):
+    for shard in shards:
         got = _vectors(tmp_path / "stores" / f"{shard.stem}.h5")
         for rid in got["ids"]:
             assert np.array_equal(got["per_residue"][2][rid], ref["per_residue"][2][rid])

@@ -18,7 +18,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 from embedpipe.core.atomic import host_tag
 from embedpipe.core.errors import EmbedpipeError
@@ -26,6 +25,7 @@ from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.store.reuse_index import build_index
 from embedpipe.store.validate import validate_store
+from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), storage_dtype="float16")
 RECORDS = random_sequences(10, (8, 40), seed=21)

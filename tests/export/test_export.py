@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import embedpipe
-from helpers.embed_helpers import write_fasta
-from embedpipe.embed.run import EmbedOptions, embed_fasta
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.embed.run import EmbedOptions, embed_fasta
 from embedpipe.export import export_store
 from embedpipe.export.keys import decode_key, encode_key
 from embedpipe.shard.passes import shard_fasta
 from embedpipe.store import merge_stores
+from helpers.embed_helpers import write_fasta
 
 # IDs HDF5 cannot name as they are ('/' and a lone '.'), a '%' that must survive decoding,
 # duplicates (aliases) and one invalid record (skipped).

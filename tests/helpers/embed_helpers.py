@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from embedpipe.core.errors import ModelError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.run import embed_fasta
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.esm2 import build_model
 from embedpipe.model.random_checkpoint import KEY_PREFIX, save
-from embedpipe.embed.run import embed_fasta
-from embedpipe.core.options import EmbedOptions
 
 AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
 

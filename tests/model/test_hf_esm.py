@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
 from embedpipe.model import describe, load_model
 from embedpipe.model.random_hf import make_hf_test_model, write_hf_esm
+from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 RECORDS = random_sequences(7, (5, 60), seed=3)

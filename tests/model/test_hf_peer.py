@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

@@ -3,7 +3,8 @@ models without loading weights.
 
 This module is itself a (fake) model family: it defines ``load`` and ``inspect`` as a
 family's module must; its model implementing ``EmbeddingModel`` is the deterministic toy of
-tests/helpers/fake_family_layout.py with a layout and weights of its own. The worker, the store writer and ``embed_fasta`` run it end to end without knowing about it. Its
+tests/helpers/fake_family_layout.py with a layout and weights of its own. The worker, the store writer
+and ``embed_fasta`` run it end to end without knowing about it. Its
 token layout has no special tokens at all (the worker follows the declared layout, so the
 family need not copy ESM-2's BOS and EOS); tests/model/test_token_layout.py takes a family with
 another layout through shard, workflow and CLI.
@@ -21,15 +22,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from helpers import fake_family_layout as toy_family
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
-from helpers.fake_family_layout import DIM, LAYERS
 from embedpipe.cli import app
+from embedpipe.embed.engine import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import Family, ModelFacts, registry
 from embedpipe.model.base import TokenLayout
 from embedpipe.store import validate_store
-from embedpipe.embed.engine import EmbedOptions
+from helpers import fake_family_layout as toy_family
+from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.fake_family_layout import DIM, LAYERS
 
 PREFIX = "fake:"
 WINDOW = 50

@@ -16,17 +16,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
-from helpers.embed_helpers import edit_test_checkpoint
-
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
-from embedpipe.model import esm2_spec, load_model
 from embedpipe.model import downloads as sources
+from embedpipe.model import esm2_spec, load_model
 from embedpipe.model.checkpoint import load_checkpoint_safely
+from embedpipe.model.downloads import companion_path, fetch_model, resolve_checkpoint
 from embedpipe.model.esm2 import Esm2Model
 from embedpipe.model.esm2_spec import ESM2_MODELS
 from embedpipe.model.random_checkpoint import make_test_model
-from embedpipe.model.downloads import companion_path, fetch_model, resolve_checkpoint
+from helpers.embed_helpers import edit_test_checkpoint
 
 SEQS = [
     ("a", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"),
@@ -162,7 +161,8 @@ def test_random_weights_are_deterministic_by_seed(model_factory, tmp_path: Path)
     second = load_checkpoint_safely(again)["model"]
     assert all(torch.equal(first[k], second[k]) for k in first)
     other = load_checkpoint_safely(model_factory(seed=1))["model"]
-    assert not torch.equal(first["encoder.sentence_encoder.embed_tokens.weight"], other["encoder.sentence_encoder.embed_tokens.weight"])
+    key = "encoder.sentence_encoder.embed_tokens.weight"
+    assert not torch.equal(first[key], other[key])
 
 
 def test_making_a_model_leaves_the_global_rng_alone(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embedpipe.model import load_model
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.engine import Embedder
+from embedpipe.model import load_model
 
 RECORDS = [("a", "ACDEFGHIKLMNPQRSTVWY"), ("b", "MKTAYIAKQRQISFVKSHFSRQ")]
 

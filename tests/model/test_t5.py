@@ -17,7 +17,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers.embed_helpers import overflowing_prot_t5
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
 from embedpipe.model import describe, load_model
@@ -25,6 +24,7 @@ from embedpipe.model.base import ESM2_LAYOUT
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.t5 import T5_LAYOUT
 from embedpipe.runtime.precision import POLICIES, forward_context
+from helpers.embed_helpers import overflowing_prot_t5
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 CPU = torch.device("cpu")
@@ -94,9 +94,9 @@ def test_fp32_hidden_states_equal_transformers_every_layer(t5_dir: Path) -> None
 
 def overflowing(directory: Path, scale: float, out: Path) -> Path:
     """A copy of ``directory`` whose last feed-forward output is scaled by ``scale``."""
-    from safetensors.torch import load_file, save_file
-
     import shutil
+
+    from safetensors.torch import load_file, save_file
     shutil.copytree(directory, out)
     state = load_file(str(out / "model.safetensors"))
     last = json.loads((out / "config.json").read_text())["num_layers"] - 1

@@ -17,13 +17,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from test_t5 import hf_inputs, overflowing
 
-from helpers.embed_helpers import overflowing_prot_t5, random_sequences, read_store, write_fasta
+from embedpipe.embed.engine import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
-from embedpipe.embed.engine import EmbedOptions
-from test_t5 import hf_inputs, overflowing
+from helpers.embed_helpers import overflowing_prot_t5, random_sequences, read_store, write_fasta
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is not installed")
@@ -67,7 +67,7 @@ def test_embed_end_to_end_equals_transformers(family: str, tmp_path: Path) -> No
     assert store["attrs"]["batch_layout"] == "padded"
     want = transformers_fp32(directory, family, [s for _, s in RECORDS])
     last = int(store["attrs"]["model_num_layers"])
-    for (rid, seq), rows in zip(RECORDS, want):
+    for (rid, _seq), rows in zip(RECORDS, want):
         close(store["per_residue"][last][rid], rows)
         close(store["mean"][last][rid], rows.mean(0))
 

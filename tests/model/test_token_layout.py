@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from helpers import fake_family_layout as fake
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
 from embedpipe.cli import app
+from embedpipe.embed.engine import Embedder, EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import registry
 from embedpipe.model.plugins import ENV
 from embedpipe.store import validate_store
-from embedpipe.embed.engine import EmbedOptions, Embedder
+from helpers import fake_family_layout as fake
+from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 SPEC = fake.PREFIX + "toy"
 TESTS = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from helpers.fake_cuda import fake_cuda
 from embedpipe.runtime import cuda
+from helpers.fake_cuda import fake_cuda
 
 
 def test_the_ring_reuses_buffers_and_keeps_at_most_keep_idle():

@@ -16,12 +16,12 @@ import pytest
 import torch
 from esm.model.esm2 import ESM2
 
-from helpers.fake_cuda import fake_cuda
-from embedpipe.embed import budget as batch_budget
-from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
 from embedpipe.core.options import POLICY_KINDS, POLICY_NAMES, EmbedOptions
-from embedpipe.runtime.precision import get_policy, resolve_attention_inputs
+from embedpipe.embed import budget as batch_budget
 from embedpipe.embed.engine import Embedder
+from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
+from embedpipe.runtime.precision import get_policy, resolve_attention_inputs
+from helpers.fake_cuda import fake_cuda
 
 SHAPES = {"650M": (1280, 20), "3B": (2560, 40)}
 DEPTH = 3

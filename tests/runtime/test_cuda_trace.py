@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.fake_cuda import FLOAT_ABS, SEAM_NAME, Trace, fake_cuda, is_fake_cuda
-from embedpipe.runtime import cuda as ep_cuda
-from embedpipe.model import load_model
 from embedpipe.core.options import POLICY_NAMES, EmbedOptions
-from embedpipe.model.random_hf import make_hf_test_model
-from embedpipe.runtime.precision import FP32
 from embedpipe.embed.engine import Embedder
+from embedpipe.model import load_model
+from embedpipe.model.random_hf import make_hf_test_model
+from embedpipe.runtime import cuda as ep_cuda
+from embedpipe.runtime.precision import FP32
+from helpers.fake_cuda import FLOAT_ABS, SEAM_NAME, Trace, fake_cuda, is_fake_cuda
 
 CUDA = torch.device("cuda", 0)
 LENGTHS = [30, 75, 120, 200, 41, 1500]  # the 1500 one is cut into windows
@@ -71,7 +71,8 @@ def trace_embed(model_path, *, nan_row: int | None = None, pooling: tuple[str, .
         preparation = list(trace.syncs)
         trace.clear()
         results = dict(embedder.embed(_records()))
-        facts = {"preparation": preparation, "attention_path": embedder.attention_path, "fallback_device": embedder.fallback_device,
+        facts = {"preparation": preparation, "attention_path": embedder.attention_path,
+                 "fallback_device": embedder.fallback_device,
                  "runner_devices": {name: sorted({str(p.fake_device) if is_fake_cuda(p) else str(p.device)
                                                   for p in _weights(runner)})
                                     for name, runner in embedder.prepared.runners.items()}}

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.embed_helpers import embed_and_read, random_sequences
 
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.runtime import cpu_features
 from embedpipe.runtime.cpu_features import CpuFeatures, emulation_note, fastest_policy
-from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime.int8_linear import ENGINES, Int8Linear, quantize_per_token
-from embedpipe.model.esm2_forward import EsmForward
-from embedpipe.core.options import EmbedOptions
 from embedpipe.runtime.precision import get_policy
+from helpers.embed_helpers import embed_and_read, random_sequences
 
 INT8 = get_policy("int8-mixed")
 #: the stated tolerance (docs/precision.md): pooled cosine to fp32 on random-weight models, every layer

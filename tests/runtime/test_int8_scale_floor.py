@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences
 
 from embedpipe.model import load_model
 from embedpipe.runtime.int8_linear import ENGINES, Int8Linear
 from embedpipe.runtime.precision import get_policy
+from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences
 
 INT8 = get_policy("int8-mixed")
 LAYERS = (0, 1, 2, 3)

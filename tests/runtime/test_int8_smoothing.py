@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime.int8_linear import ENGINES, Int8Linear, quantize_per_token
-from embedpipe.runtime.int8_smoothing import (SHIPPED, CalibratingLinear, collecting, load_calibration,
-                                              smoothquant_factors)
+from embedpipe.runtime.int8_smoothing import SHIPPED, CalibratingLinear, collecting, load_calibration, smoothquant_factors
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,15 +10,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers.embed_helpers import fair_esm_bos, fair_esm_forward, random_sequences
 
-from embedpipe.runtime import cuda
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.model import load_model
 from embedpipe.core.options import EmbedOptions as Options
+from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.model import load_model
+from embedpipe.runtime import cuda
 from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, range_max, range_segments, range_sums
 from embedpipe.runtime.precision import POLICIES, attention_dtype, resolve_attention_inputs
-from embedpipe.embed.engine import EmbedOptions, Embedder
+from helpers.embed_helpers import fair_esm_bos, fair_esm_forward, random_sequences
 
 CPU = torch.device("cpu")
 ATOL = 1e-5

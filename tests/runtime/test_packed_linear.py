@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from embedpipe.runtime import packed_linear
+from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.model.esm2 import prepare_model
 from embedpipe.model.esm2_forward import EsmForward
-from embedpipe.core.host_memory import keep_freed_memory
+from embedpipe.runtime import packed_linear
 from embedpipe.runtime.packed_linear import pack_linear
 from embedpipe.runtime.precision import forward_context, get_policy
 

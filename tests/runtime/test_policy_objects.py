@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.core import options
-from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.precision import POLICIES, get_policy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

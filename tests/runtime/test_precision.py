@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
-from embedpipe.runtime import precision
-from embedpipe.embed.run import embed_fasta
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.engine import Embedder
-from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model import load_model
+from embedpipe.runtime import precision
 from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.precision import POLICIES, check_policy_on_device, get_policy
-from embedpipe.embed.engine import EmbedOptions, Embedder
+from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
 
 LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
 
@@ -98,7 +96,7 @@ def test_every_policy_is_finite_recorded_and_close_to_fp32(tmp_path, model_facto
         figures[policy] = (min(cosines), max_abs)
         assert set(store["fields"]["precision_used"].values()) == {policy}
     report = ", ".join(f"{p}: min cos {c:.6f} max|d| {m:.2e}" for p, (c, m) in figures.items())
-    for policy, (cos, max_abs) in figures.items():
+    for cos, max_abs in figures.values():
         assert cos > 0.999 and max_abs < 0.1, report
 
 
@@ -391,7 +389,8 @@ def test_fp32_fallback_that_does_not_fit_the_gpu_runs_on_the_cpu(overflow_model,
     assert prepared_on == [("fp16", "cpu", False), ("fp32", "cuda:0", False), ("fp32", "cpu", False)]
     assert embedder.fallback_device == "cpu" and embedder.stats["fallback_moved_to_cpu"] == 1
     assert next(loaded.model.parameters()).device.type == "cpu"
-    reference = dict(Embedder(loaded, EmbedOptions(per_residue=True, layers=(0, -1)), torch.device("cpu")).embed(overflow_records))
+    fp32 = Embedder(loaded, EmbedOptions(per_residue=True, layers=(0, -1)), torch.device("cpu"))
+    reference = dict(fp32.embed(overflow_records))
     fell = [i for i, (_, seq) in enumerate(overflow_records) if "C" in seq]
     assert fell and embedder.stats["fallback"] == len(fell)
     for index in fell:
@@ -433,6 +432,7 @@ def test_fallback_device_is_recorded_in_the_store(tmp_path, overflow_model, over
     with pytest.raises(EmbedpipeError, match="--fallback-device must be one of auto, same, cpu"):
         EmbedOptions(fallback_device="gpu").validate()
     from typer.testing import CliRunner
+
     from embedpipe.cli import app
 
     fasta = write_fasta(tmp_path / "cli.fasta", overflow_records)

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import embedpipe
-from embedpipe.embed.run import embed_fasta
 from embedpipe.core.options import EmbedOptions
-from embedpipe.store import merge_stores
+from embedpipe.embed.run import embed_fasta
 from embedpipe.shard.passes import shard_fasta
+from embedpipe.store import merge_stores
 from helpers.shard_helpers import manifest
 
 valid = st.text(alphabet="ACDEKLMNPQRSTVWYacdkj", min_size=1, max_size=9)

@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers.embed_helpers import flip_byte_in_chunk
-from helpers.stores import FROM_RECORDS, write_store
 import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, merge_stores, store_info, validate_store
+from helpers.embed_helpers import flip_byte_in_chunk
+from helpers.stores import FROM_RECORDS, write_store
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 ATTRS = {"model_name": "esm2_t", "model_sha256": "cd" * 32, "precision_policy": "fp16", "device": "cpu",
@@ -269,9 +269,8 @@ def test_merge_without_stores_is_one_clear_line(tmp_path):
 
 
 def _embed_shard(tmp: Path, model: Path, records, out: Path, precision: str) -> Path:
-    from helpers.embed_helpers import write_fasta
-
     from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from helpers.embed_helpers import write_fasta
 
     fasta = write_fasta(tmp / f"{out.stem}.fasta", records)
     embed_fasta(fasta, model=str(model), out=out, quiet=True,
@@ -283,9 +282,9 @@ def test_reembedded_shard_is_refused_by_validate_open_store_and_crosscheck(tmp_p
     """Issue 11 item 2: merge three shards, re-embed one with another policy into the same path."""
     from typer.testing import CliRunner
 
-    from helpers.embed_helpers import random_sequences
     from embedpipe.cli import app
     from embedpipe.crosscheck.run import run_crosscheck
+    from helpers.embed_helpers import random_sequences
 
     records = random_sequences(9, (10, 40), seed=11)
     root = tmp_path / "results"

@@ -17,7 +17,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,7 @@ import embedpipe.store.reuse_index as reuse_index
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
+from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), storage_dtype="float16")
 RECORDS = random_sequences(12, (8, 40), seed=11)
@@ -225,7 +225,8 @@ DTYPES = ["int8", "int64", "uint64", "float32", "S32", "S8", "bool"]
 values = st.one_of(
     st.integers(-2**62, 2**62), st.sampled_from([0, 1, -1, 4, 12, 2**36]),
     st.text(st.characters(blacklist_characters="\0"), max_size=12),  # h5py writes no NUL in text
-    st.floats(allow_nan=True), st.binary(min_size=1, max_size=12).map(np.bytes_), st.sampled_from(['{"a": 1}', "[]", "null", "{", "2"]),
+    st.floats(allow_nan=True), st.binary(min_size=1, max_size=12).map(np.bytes_),
+    st.sampled_from(['{"a": 1}', "[]", "null", "{", "2"]),
     st.lists(st.integers(-5, 5), min_size=1, max_size=4).map(np.array))
 
 

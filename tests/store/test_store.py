@@ -16,8 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.embed_helpers import flip_byte_in_chunk
-from helpers.stores import ATTRS, write_store
 from embedpipe.core.errors import StoreError
 from embedpipe.store import (
     FORMAT,
@@ -28,6 +26,8 @@ from embedpipe.store import (
     store_info,
     validate_store,
 )
+from helpers.embed_helpers import flip_byte_in_chunk
+from helpers.stores import ATTRS, write_store
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ARCHIVED_V1 = DATA / "store-v1-example.h5"
@@ -133,7 +133,8 @@ def test_every_dataset_chunked_checksummed_and_tagged(good_store):
     with h5py.File(path, "r") as f:
         assert f.attrs["encoding-type"] == FORMAT
         f.visititems(visit)
-    assert {"ids", "sequence/data", "sequence/offsets", "id_index/keys", "mean/layer_0", "per_residue/offsets", "per_residue/layer_2", "windows"} <= set(seen)
+    assert {"ids", "sequence/data", "sequence/offsets", "id_index/keys", "mean/layer_0", "per_residue/offsets",
+            "per_residue/layer_2", "windows"} <= set(seen)
 
 
 def test_float16_storage_rounds_like_numpy(tmp_path):
@@ -509,9 +510,8 @@ def test_mean_check_skips_single_run_stores_from_before_store_uuid(tmp_path):
     ("fp32", "float32", "full"),
 ])
 def test_real_stores_pass_the_mean_check(tmp_path, tiny_model_path, precision, storage, long_sequences):
-    from helpers.embed_helpers import random_sequences, write_fasta
-
     from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from helpers.embed_helpers import random_sequences, write_fasta
 
     records = random_sequences(6, (5, 300), seed=3) + random_sequences(1, [1400], seed=4)
     fasta = write_fasta(tmp_path / "in.fasta", [(f"r{i}", s) for i, (_, s) in enumerate(records)])

@@ -9,8 +9,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from embedpipe.store import EmbeddedRecord, merge_stores
-from embedpipe.store import filters
+from embedpipe.store import EmbeddedRecord, filters, merge_stores
 from embedpipe.store.columns import COLUMNS
 from helpers.stores import write_store
 

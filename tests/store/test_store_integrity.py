@@ -5,7 +5,6 @@ this user may not read; ``info`` on a merged store whose sources are missing."""
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -16,14 +15,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-
-from embedpipe.core.errors import InputError, StoreError
-from embedpipe.inputs.fasta import iter_fasta
-from embedpipe.store import merge_stores, open_store, store_info, validate_store
-from test_merge import results  # noqa: F401 - the merged-store fixture
 from test_store import synthetic, write_store
 
 import embedpipe
+from embedpipe.core.errors import InputError, StoreError
+from embedpipe.inputs.fasta import iter_fasta
+from embedpipe.store import merge_stores, open_store, store_info, validate_store
 
 #: the checkout whose embedpipe this test imported: subprocesses use the same code
 ROOT = Path(embedpipe.__file__).resolve().parents[1]

@@ -67,9 +67,9 @@ def test_merge_and_validate_peak_does_not_grow_with_the_records(sizes, monkeypat
     merged, checked = {}, {}
     for k, (paths, manifest) in sizes.items():
         out = paths[0].parents[1] / "embeddings.h5"
-        merged[k] = _peak(lambda: merge_stores(paths, out=out, manifest=manifest))
+        merged[k] = _peak(lambda: merge_stores(paths, out=out, manifest=manifest))  # noqa: B023 - run at once
         problems: list[str] = []
-        checked[k] = _peak(lambda: problems.extend(validate_store(out)))
+        checked[k] = _peak(lambda: problems.extend(validate_store(out)))  # noqa: B023 - run at once
         assert problems == []
     assert merged[8] < 1.6 * merged[2], merged
     assert checked[8] < 1.6 * checked[2], checked
@@ -190,7 +190,7 @@ def test_validate_column_checks_peak_does_not_grow_with_the_records(tmp_path, mo
         with h5py.File(path, "r+") as f:  # an ID index, so that the comparison runs too
             write_id_index(f, *index_keys(encode_ids(np.asarray(f["ids"][()]))))
         problems: list[str] = []
-        peaks[n] = _peak(lambda: problems.extend(validate_store(path)))
+        peaks[n] = _peak(lambda: problems.extend(validate_store(path)))  # noqa: B023 - run at once
         assert problems == []
     assert peaks[280_000] < 1.25 * peaks[70_000], peaks
 
@@ -273,7 +273,7 @@ def test_merge_peak_besides_the_id_sort_does_not_grow_with_the_records(tmp_path,
             write_shard(path, s * 5000, 5000, rng, long_record=False)
         out = tmp_path / str(k) / "merged.h5"
         segments.clear()
-        peaks[k] = max(_peak(lambda: merge_stores(paths, out=out)), *segments)
+        peaks[k] = max(_peak(lambda: merge_stores(paths, out=out)), *segments)  # noqa: B023 - run at once
         with embedpipe.open_store(out) as st:  # the offsets written shard by shard are the shards'
             with h5py.File(paths[-1], "r") as last:
                 assert np.array_equal(st.offsets[-5001:] - st.offsets[-5001], last["per_residue/offsets"][()])
@@ -325,7 +325,8 @@ def test_h5_per_id_writes_what_the_high_level_api_wrote(tmp_path, per_residue):
         ids[:3] = ["sp|P1|A/B", ".hidden", "Ünïcode%"]
         del f["ids"]
         f.create_dataset("ids", data=np.array([i.encode() for i in ids], dtype=h5py.string_dtype("utf-8", 20)),
-                         fletcher32=True, chunks=True).attrs.update({"encoding-type": "fixed-utf8-array", "encoding-version": "1"})
+                         fletcher32=True, chunks=True).attrs.update(
+                             {"encoding-type": "fixed-utf8-array", "encoding-version": "1"})
     out = tmp_path / "merged.h5"
     merge_stores(paths, out=out)
     with h5py.File(out, "r+") as f:  # two aliases, as a manifest's duplicates make them

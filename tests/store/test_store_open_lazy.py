@@ -17,10 +17,10 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers.stores import write_store
 import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, merge_stores
+from helpers.stores import write_store
 
 SHARDS = 24
 LAYERS = (1, 2)

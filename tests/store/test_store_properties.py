@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_store import synthetic, write_store
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.store import open_store, validate_store
-from test_store import synthetic, write_store
 
 N = 12
 #: every read of the 12-record store together stays far below this (the crafted shapes

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-from helpers.embed_helpers import flip_byte_in_chunk
-from helpers.stores import write_store
 import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, Store, UnknownIdError
+from helpers.embed_helpers import flip_byte_in_chunk
+from helpers.stores import write_store
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 

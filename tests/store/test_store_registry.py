@@ -10,12 +10,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from test_merge import synthetic, write
 
 import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, merge_stores, validate_store
 from embedpipe.store.columns import COLUMNS, STR, Column
-from test_merge import synthetic, write
 
 ARCHIVED_V1 = Path(__file__).resolve().parents[1] / "data" / "store-v1-example.h5"
 

@@ -12,12 +12,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from test_store import synthetic, write_store
 
 import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import merge_stores, open_store, store_info, validate_store
-from test_merge import results  # noqa: F401 - the merged-store fixture
-from test_store import synthetic, write_store
 
 ROOT = Path(embedpipe.__file__).resolve().parents[1]
 DEEP = "[" * 100_000 + "]" * 100_000

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import embedpipe
+from embedpipe.inputs.fasta import read_sequences
 from helpers.embed_helpers import write_fasta
 from helpers.workflow_helpers import EXAMPLE, demo_config, job_counts, nothing_to_do, run_workflow, validate
-from embedpipe.inputs.fasta import read_sequences
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,12 @@ import numpy as np
 import yaml
 
 import embedpipe
-from helpers.embed_helpers import write_fasta
-from helpers.workflow_helpers import EXAMPLE, demo_config, run_workflow, validate
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.inputs.fasta import read_sequences
+from helpers.embed_helpers import write_fasta
+from helpers.workflow_helpers import EXAMPLE, demo_config, run_workflow, validate
+
 
 def _release_two(records: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], set[str]]:
     """Every 10th sequence changed (one residue), 5% new records; the IDs of both."""

@@ -26,9 +26,21 @@ from pathlib import Path
 
 import pytest
 
-from helpers.workflow_helpers import (  # noqa: F401 - checkout_like is a fixture
-    CONTRACT_OUTPUTS, CORES, EXAMPLE, ROOT, SNAKEFILE, _env, assert_same_store, checkout_like, demo_config,
-    job_counts, nothing_to_do, read_manifest, run_workflow, snakemake, store_values, validate,
+from helpers.workflow_helpers import (
+    CONTRACT_OUTPUTS,
+    CORES,
+    EXAMPLE,
+    ROOT,
+    SNAKEFILE,
+    _env,
+    assert_same_store,
+    demo_config,
+    job_counts,
+    nothing_to_do,
+    read_manifest,
+    run_workflow,
+    snakemake,
+    validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -338,7 +350,8 @@ def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) ->
     snakemake(tmp_path, "--unlock", configfile=config)
     run_workflow(tmp_path, config, "--rerun-incomplete")
     assert {p: _uuid(p) for p in finished} == finished
-    assert f"{3 - len(finished)} embedded, {len(finished)} kept" in (tmp_path / "out" / "logs" / "embed" / "group-00000.log").read_text()
+    log = (tmp_path / "out" / "logs" / "embed" / "group-00000.log").read_text()
+    assert f"{3 - len(finished)} embedded, {len(finished)} kept" in log
     assert validate(tmp_path / "out" / "embeddings.h5").returncode == 0
     # The kept store is the killed run's own (same uuid, above); the recomputed ones equal the
     # clean run's to fp32 repeatability, not bit for bit: CPU BLAS reductions may take another

@@ -4,7 +4,6 @@ from a file), and the merged store validates with every record."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys

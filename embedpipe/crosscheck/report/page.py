@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+from embedpipe.crosscheck import measures
 from embedpipe.crosscheck.formatting import escape as _e
 from embedpipe.crosscheck.formatting import format_cosine as _cos
 from embedpipe.crosscheck.formatting import format_count
 from embedpipe.crosscheck.formatting import format_number as _num
 from embedpipe.crosscheck.formatting import format_percent as _pct
-from embedpipe.crosscheck import measures
 from embedpipe.crosscheck.report.figures import activation_histogram, cosine_histogram, error_scatter, fold_scores, overlap_bars
 
 __all__ = ["VERDICT_COLOURS", "render_html"]
@@ -105,8 +105,8 @@ def _verdict_section(data: dict) -> str:
         (_num(overall["overlap"]["median"]) if k else "n/a", f"median overlap@{k}"),
         (f"{fb['count']:,} ({_pct(fb['rate'])})", "fp32 fallbacks in the store"),
     ]
-    card_html = "".join(f'<div class="card"><div class="v">{_e(v)}</div><div class="l">{_e(l)}</div></div>'
-                        for v, l in cards)
+    card_html = "".join(f'<div class="card"><div class="v">{_e(v)}</div><div class="l">{_e(label)}</div></div>'
+                        for v, label in cards)
     return (
         f'<section id="verdict"><h1>embedpipe cross-check: {_e(store["path"])}</h1>'
         f'<p class="sub">{_e(mode)}; {data["sample_size"]:,} of {store["records"]:,} records sampled '
@@ -132,7 +132,8 @@ def _layer_table(data: dict) -> str:
         e = data["summary"]["layers"][str(layer)]
         c, f = e[measures.POOLED_COSINE], e["fraction_above_pass"]
         row = [_e(layer), _e(e["n"]), _cos(c["min"]), _cos(c["p1"]), _cos(c["p5"]), _cos(c["median"]), _cos(c["max"]),
-               _num(e[measures.POOLED_MAX_ABS_DIFF]["max"]), _num(e[measures.POOLED_REL_L2]["median"]), _num(e[measures.POOLED_REL_L2]["max"]),
+               _num(e[measures.POOLED_MAX_ABS_DIFF]["max"]), _num(e[measures.POOLED_REL_L2]["median"]),
+               _num(e[measures.POOLED_REL_L2]["max"]),
                _e(f"{f['count']}/{f['n']} [{100 * f['ci95'][0]:.1f}, {100 * f['ci95'][1]:.1f}]%")]
         if per_residue:
             row += [_cos((e.get(measures.RESIDUE_MIN_COSINE) or {}).get("min"))]
@@ -151,7 +152,8 @@ def _length_bin_table(data: dict) -> str:
         for b in data["summary"]["layers"][str(layer)]["by_length_bin"]:
             info = data["length_bins"][b["bin"]]
             close = "]" if info["closed_right"] else ")"
-            rows.append([str(layer), f"[{format_count(b['min_length'])}, {format_count(b['max_length'])}{close}", f"{info['records']:,}",
+            rows.append([str(layer), f"[{format_count(b['min_length'])}, {format_count(b['max_length'])}{close}",
+                         f"{info['records']:,}",
                          str(b["n"]), _cos(b[measures.POOLED_COSINE]["min"]), _cos(b[measures.POOLED_COSINE]["median"]),
                          _num(b[measures.POOLED_REL_L2]["median"]), _num(b[measures.POOLED_REL_L2]["max"]),
                          _num(b[measures.POOLED_MAX_ABS_DIFF]["max"])])
