@@ -37,7 +37,15 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
+    _Interrupts.raised = EXIT_TERMINATED
     raise Terminated()
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C as Python's own handler, remembered: typer turns one that lands outside the
+    command (while it parses the arguments) into a silent 130, which :func:`run_app` reports."""
+    _Interrupts.raised = EXIT_INTERRUPTED
+    raise KeyboardInterrupt()
 
 
 def _interrupt_code(exc: BaseException) -> int:
@@ -85,6 +93,7 @@ def user_errors(func: F) -> F:
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
             print("embedpipe: interrupted", file=sys.stderr)
+            _Interrupts.reported = True
             raise typer.Exit(_interrupt_code(exc)) from None
 
     return wrapper  # type: ignore[return-value]
@@ -103,6 +112,8 @@ class _Interrupts:
 
     swallowed = False
     code = EXIT_INTERRUPTED
+    raised: int | None = None  # the code of the last interrupt a handler raised
+    reported = False  # the command's wrapper said "interrupted"
 
     @classmethod
     def hook(cls, args: Any) -> None:
@@ -159,6 +170,7 @@ def run_app(app: Any) -> None:
     (``format_message`` and ``exit_code``), not by class.
     """
     sys.unraisablehook = _Interrupts.hook
+    signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGALRM, _raise_remembered)
     try:
@@ -179,4 +191,7 @@ def run_app(app: Any) -> None:
     except KeyboardInterrupt as exc:
         print("embedpipe: interrupted", file=sys.stderr)
         finish(_interrupt_code(exc))
+    if result == EXIT_INTERRUPTED and _Interrupts.raised is not None and not _Interrupts.reported:
+        print("embedpipe: interrupted", file=sys.stderr)  # typer's silent 130 (see _raise_interrupt)
+        finish(_Interrupts.raised)
     finish(result if isinstance(result, int) else 0)
