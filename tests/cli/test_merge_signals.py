@@ -107,3 +107,31 @@ def test_signals_at_random_times_during_merge_end_in_one_line(tmp_path: Path, st
             assert validate_store(out) == [], run
             assert len(open_store(out).ids) == 6 * len(stores)
     assert sum(rc in (130, 143) for rc, _ in outcomes) >= 6, outcomes  # most were interrupted mid-merge
+
+
+#: the child: the signal arrives while typer parses the arguments, before the command runs
+CHILD_PARSING = """
+import os, signal, sys, time
+import typer.core
+real = typer.core.TyperCommand.make_context
+sig = getattr(signal, sys.argv[1])
+def signalled(self, *args, **kwargs):
+    os.kill(os.getpid(), sig)
+    time.sleep(0.2)
+    return real(self, *args, **kwargs)
+typer.core.TyperCommand.make_context = signalled
+sys.argv = ["embedpipe", *sys.argv[2:]]
+from embedpipe.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_while_the_arguments_are_parsed_is_one_line_too(tmp_path: Path, stores: list[Path], name: str,
+                                                                code: int) -> None:
+    """typer turned an interrupt outside the command into a silent 130 (SIGTERM included)."""
+    out = tmp_path / "merged.h5"
+    proc = subprocess.run([sys.executable, "-c", CHILD_PARSING, name, "merge", *map(str, stores[:2]), "--out",
+                           str(out), "-q"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert (proc.returncode, proc.stderr) == (code, "embedpipe: interrupted\n")
+    assert not out.exists()
