@@ -272,7 +272,7 @@ def embed_options():
         args += ["--int8-smoothing", config["int8_smoothing"]]
     if config["int8_calibration"] is not None:
         args += ["--int8-calibration", config["int8_calibration"]]
-    return _join(args + fasta_limit_options())  # likewise
+    return _join([*args, *fasta_limit_options()])  # likewise
 
 
 def fasta_limit_options():
@@ -293,7 +293,7 @@ def shard_options():
     args = fasta_limit_options()
     if MODEL_LAYOUT.extra_tokens != embedpipe_model.ESM2_LAYOUT.extra_tokens:
         args += ["--model", MODEL]
-    return " " + _join(args) if args else ""
+    return f" {_join(args)}" if args else ""
 
 
 def reuse_indexes():
