@@ -34,7 +34,7 @@ from typing import BinaryIO, Union
 from embedpipe.store.idtext import bad_id_char
 from embedpipe.core.errors import InputError
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
-from embedpipe.inputs.bounds import check_id, check_pending, check_record
+from embedpipe.inputs.bounds import check_id, check_pending, check_record, text_cap
 from embedpipe.inputs.residue_rules import WHITESPACE, check_sequence, describe_invalid
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -308,6 +308,7 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
     """Yield every record of ``data[pos:]`` known to be complete (all of them at ``eof``);
     return where the incomplete rest starts and its line number."""
     seen_ids = None if seen is None else seen.ids
+    max_length, max_id, cap = limits.max_length, limits.max_id_length, text_cap(limits)  # per record: locals
     while True:
         nxt = data.find(b"\n>", pos)
         if nxt < 0:
@@ -321,14 +322,17 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
         hend = data.find(b"\n", pos, end)
         if hend < 0:
             hend = end
-        header, rid = _header(data[pos + 1 : hend], display, line, limits)
+        header, rid = _header(data[pos + 1 : hend], display, line)
+        if len(rid) > max_id:
+            check_id(rid, display, line, limits)
         if seen_ids is not None:
             if rid in seen_ids:
                 raise seen.duplicate(rid, display, line)  # type: ignore[union-attr]
             seen_ids.add(rid)
         raw = data[hend + 1 : end]
         seq, kinds, reason, bad = check_sequence(raw)
-        check_record(rid, len(seq), end - pos, display, line, limits)
+        if len(seq) > max_length or end - pos > cap:
+            check_record(rid, len(seq), end - pos, display, line, limits)
         record = FastaRecord(rid, header, seq, display, line, file_index, kinds)
         if reason is not None:
             err_line, msg = describe_invalid(reason, raw, seq, bad, line)
@@ -342,9 +346,8 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
     return pos, line
 
 
-def _header(header_b: bytes, display: str, line: int, limits: FastaLimits) -> tuple[str, str]:
-    """(header text, ID) of one ``>`` line; an empty, non-UTF-8 or NUL-holding header, or an
-    ID over ``limits``, is an error."""
+def _header(header_b: bytes, display: str, line: int) -> tuple[str, str]:
+    """(header text, ID) of one ``>`` line; an empty, non-UTF-8 or NUL-holding header is an error."""
     try:
         header = header_b.decode("utf-8").strip()
     except UnicodeDecodeError as exc:  # the column counts bytes, the '>' being column 1
@@ -358,7 +361,6 @@ def _header(header_b: bytes, display: str, line: int, limits: FastaLimits) -> tu
     if (ch := bad_id_char(rid)) is not None:
         raise InputError(f"{display}:{line}: ID {rid!r} contains the control character {ch}; IDs may not hold "
                          "control characters (stores and exports refuse them)")
-    check_id(rid, display, line, limits)
     return header, rid
 
 

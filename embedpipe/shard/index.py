@@ -113,7 +113,7 @@ def _read(paths: list[Path], spill: Spill, spool: object, columns: tuple, skippi
     write = spool.write  # type: ignore[attr-defined]
     spool_pos = 0
     early = _EarlyIds()
-    repeats = early.repeats
+    first_ids, recent_ids = early.first, early.recent  # inline: this loop runs millions of times
     for rec in iter_fasta(paths, check_duplicate_ids=False, on_bytes=on_bytes, limits=limits):
         rid = rec.id
         idb = rid.encode("utf-8")
@@ -121,8 +121,9 @@ def _read(paths: list[Path], spill: Spill, spool: object, columns: tuple, skippi
         idkey.append(hash(rid))
         file_index.append(rec.file_index)
         line.append(rec.line)
-        if repeats(rid):  # read_inputs' except names both lines
+        if rid in first_ids or rid in recent_ids:  # read_inputs' except names both lines
             raise InputError(f"{display_path(paths[rec.file_index])}:{rec.line}: duplicate ID '{rid}'")
+        (first_ids if len(first_ids) < CHUNK else recent_ids).add(rid)
         data = rec.data
         size = len(data)
         length.append(size)
@@ -146,7 +147,7 @@ def _read(paths: list[Path], spill: Spill, spool: object, columns: tuple, skippi
             spool_pos += len(idb) + size + 3
         if len(ids) >= CHUNK:
             spill.flush()
-            early.recent.clear()
+            recent_ids.clear()
 
 
 class _EarlyIds:
@@ -157,15 +158,8 @@ class _EarlyIds:
     one; the sort in :func:`check_duplicate_ids` still finds every other duplicate."""
 
     def __init__(self) -> None:
-        self.first: set[str] = set()
-        self.recent: set[str] = set()
-
-    def repeats(self, rid: str) -> bool:
-        """Whether ``rid`` was seen among the remembered IDs; remember it."""
-        if rid in self.first or rid in self.recent:
-            return True
-        (self.first if len(self.first) < CHUNK else self.recent).add(rid)
-        return False
+        self.first: set[str] = set()  # filled up to CHUNK IDs, then kept
+        self.recent: set[str] = set()  # emptied at each flush of the spill
 
 
 def check_duplicate_ids(spill: Spill, paths: list[Path], n: int) -> None:
