@@ -180,8 +180,7 @@ def embed(
                                                    help=INT8_CALIBRATION_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
-    max_record_length: int = MAX_RECORD_LENGTH,
-    max_id_length: int = MAX_ID_LENGTH,
+    max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
     from embedpipe.embed.run import embed_command

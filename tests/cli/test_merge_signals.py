@@ -84,6 +84,22 @@ def test_a_signal_inside_an_h5py_call_is_raised_after_it(tmp_path: Path, stores:
     assert _leftovers(out) == []
 
 
+#: the child: each block copy of the merge takes 10 ms longer, so that a merge of 40 small
+#: stores lasts seconds on any machine and a signal at a random moment lands mid-merge
+CHILD_SLOWER = """
+import sys, time
+import embedpipe.store.merge as merge
+real = merge._copy_rows
+def slower(*args, **kwargs):
+    time.sleep(0.01)
+    return real(*args, **kwargs)
+merge._copy_rows = slower
+sys.argv = ["embedpipe", *sys.argv[1:]]
+from embedpipe.cli import run
+run()
+"""
+
+
 def test_signals_at_random_times_during_merge_end_in_one_line(tmp_path: Path, stores: list[Path]) -> None:
     """12 merges, each signalled at a random moment once it has begun writing (SIGINT and
     SIGTERM in turn): 130 or 143 with one line, no temporary left, and an output only when it
@@ -94,7 +110,7 @@ def test_signals_at_random_times_during_merge_end_in_one_line(tmp_path: Path, st
         out = tmp_path / f"run{run}" / "merged.h5"
         out.parent.mkdir()
         sig, code = (signal.SIGINT, 130) if run % 2 == 0 else (signal.SIGTERM, 143)
-        proc = subprocess.Popen([sys.executable, "-m", "embedpipe.cli", "merge", *map(str, stores), "--out", str(out),
+        proc = subprocess.Popen([sys.executable, "-c", CHILD_SLOWER, "merge", *map(str, stores), "--out", str(out),
                                  "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
         wait_until(proc, lambda: _leftovers(out) or out.exists(), "the merge began writing")
         time.sleep(rng.uniform(0, 1.5))
