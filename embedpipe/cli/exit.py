@@ -5,7 +5,9 @@ One job: a library ``EmbedpipeError``, an unforeseen ``OSError``, a reader that 
 down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (or
 ``embedpipe: interrupted``) and 1, 2, 130 or 141. SIGTERM (``kill``, ``scancel``, a SLURM
 time limit) is handled as Ctrl-C is, the temporaries removed by the same ``finally`` and
-``except`` blocks, and ends with 143. The commands themselves are in :mod:`embedpipe.cli.commands`.
+``except`` blocks, and ends with 143. Where h5py runs (merge), the library holds both back to
+the points between files and blocks (:mod:`embedpipe.core.interrupts`), which call the
+handlers set here. The commands themselves are in :mod:`embedpipe.cli.commands`.
 """
 
 from __future__ import annotations
