@@ -144,6 +144,34 @@ def remove_dead_temporaries(directory: Path, pattern: re.Pattern[str]) -> None:
                 os.unlink(entry.path)
 
 
+def work_dir_pattern(prefix: str) -> re.Pattern[str]:
+    """The names :func:`owned_work_dir` gives its directories (``PREFIX PID-HOST-RANDOM``)."""
+    return re.compile(rf"{re.escape(prefix)}(\d+)-([0-9a-f]{{8}})-[A-Za-z0-9_]+")
+
+
+def make_owned_dir(prefix: str, parent: Path | None = None) -> Path:
+    """A new scratch directory in ``parent`` (default: the temp dir) named by its owner's PID
+    and host (``PREFIX PID-HOST-RANDOM``), after removing the directories of ``prefix`` whose
+    owners died (``kill -9``, where no exit handler runs), as :func:`remove_dead_temporaries`
+    does for files. The caller removes it."""
+    parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    remove_dead_temporaries(parent, work_dir_pattern(prefix))
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{host_tag()}-", dir=parent))
+    except OSError as exc:
+        raise EmbedpipeError(f"cannot create a work directory in {parent}: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def owned_work_dir(prefix: str, parent: Path | None = None) -> Iterator[Path]:
+    """:func:`make_owned_dir`, removed on exit."""
+    path = make_owned_dir(prefix, parent)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def temp_pattern(path: Path) -> re.Pattern[str]:
     """The names :func:`temp_path_for` gives temporaries of ``path``."""
     return re.compile(rf"\.{re.escape(Path(path).name)}\.(\d+)-([0-9a-f]{{8}})-[A-Za-z0-9_]+\.tmp")

@@ -21,3 +21,17 @@ class ModelError(EmbedpipeError):
 
 class StoreError(EmbedpipeError):
     """A store that is incomplete, inconsistent, corrupt or of an unsupported format."""
+
+
+#: characters of a user's value an error line quotes before it shortens it
+QUOTE_CHARS = 80
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr`` of ``value`` as an error line quotes it: a label or ID of 200 MB made the
+    "one-line" error 200 MB long, so past ``limit`` characters only the start is quoted,
+    then ``... (N chars)``."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"

@@ -14,13 +14,13 @@ in :mod:`embedpipe.shard.spill`. docs/benchmarks.md, "Merge and validate at scal
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 
+from embedpipe.core.atomic import make_owned_dir
 from embedpipe.shard.output import write_error
 
 __all__ = ["CHUNK_BYTES", "ExternalSort", "group_starts", "promote"]
@@ -87,7 +87,7 @@ class ExternalSort:
     def __init__(self, order: Sequence[str], *, work: Path | None = None, chunk_bytes: int | None = None) -> None:
         self.order = list(order)
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES
-        self._dir = Path(tempfile.mkdtemp(prefix=".embedpipe-sort-", dir=work))
+        self._dir = make_owned_dir(".embedpipe-sort-", work)  # a killed sort's: swept by the next
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
         self._runs: list[_Run] = []

@@ -1,7 +1,9 @@
 """Before any work: no output of a command may be one of its inputs, another of its outputs,
 or a source that a merged store it reads pins (docs/store-format.md, "Atomic writes").
 
-Every command calls :func:`guard_outputs` once with what it reads and what it will write.
+Every command that writes calls :func:`writing_outputs` once with what it reads and what it will
+write: the guard, then the lock of each output held for the whole run (docs/cluster.md, "One run
+per outdir": a second writer of the same path is refused, naming the holder).
 Paths are compared as the file system sees them: symlinks resolved, and existing files by
 device and inode, so a hard link to an input is refused too. An atomic rename would replace
 only the directory entry, but the old file is then no longer where the user keeps it (a
@@ -10,12 +12,15 @@ FASTA turned into HDF5 under its own name), and a merged store would read a chan
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedpipe.core.atomic import check_output_path
 from embedpipe.core.errors import EmbedpipeError, InputError
+from embedpipe.core.locks import holding, lock_path_for
 from embedpipe.inputs.fasta import display_path as _d
 
 #: first bytes of an HDF5 file whose superblock is at offset 0 (every store embedpipe writes)
@@ -105,4 +110,24 @@ def guard_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Ite
                                          f"{_d(store)} pins (it reads from it); choose another output path")
 
 
-__all__ = ["guard_outputs", "pinned_sources"]
+@contextlib.contextmanager
+def writing_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Iterable[Path] = (), *,
+                    stores: Iterable[Path] = (), directories: Iterable[tuple[str, Path]] = ()) -> Iterator[None]:
+    """:func:`guard_outputs`, then hold the lock of every output (:func:`lock_path_for`, the one
+    a group embed job takes for its stores) until the block ends, so that no other embedpipe
+    writer replaces them meanwhile: a second one is refused in one line naming the holder.
+
+    ``stores`` are every store the command reads (``--reuse`` sources, merged inputs): an
+    output they pin is refused. An output file that cannot be written is refused before its
+    lock is made beside it (a directory output, e.g. a Hugging Face model, is the writer's to check)."""
+    outputs = [(label, Path(out)) for label, out in outputs]
+    guard_outputs(command, outputs, inputs, stores=stores, directories=directories)
+    for _, out in outputs:
+        if not out.is_dir():
+            check_output_path(out)  # a device node or an unwritable directory: no lock file made there
+    with holding([(lock_path_for(out), f"{label} {_d(out)}") for label, out in outputs],
+                 instead="another output path", remove=True):
+        yield
+
+
+__all__ = ["guard_outputs", "pinned_sources", "writing_outputs"]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from embedpipe import Store
-from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError, quote
 from embedpipe.crosscheck.metrics import allocate_proportional, stratified_sample
 from embedpipe.core.options import CROSSCHECK_BOOTSTRAP, CROSSCHECK_FOLDS, LABEL_KINDS, check_choice
 from embedpipe.store.reader import UnknownIdError
@@ -32,6 +33,8 @@ __all__ = ["LabelEntry", "LabelOptions", "Labelled", "decide_kind", "read_label_
 _NAMED = 5
 #: numeric target bins of the stratified sample of a regression
 _TARGET_BINS = 4
+#: the header a label file's first line may name (any other is accepted unless it is data)
+HEADER = ("id", "label")
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,10 @@ class Labelled:
 # =============================================================================== the file
 
 
-def read_label_file(path: Path) -> list[LabelEntry]:
-    """The data lines of an ``id<TAB>label`` file with a header; blank lines are skipped."""
+def read_label_file(path: Path, is_id: Callable[[str], bool] | None = None) -> list[LabelEntry]:
+    """The data lines of an ``id<TAB>label`` file with a header; blank lines are skipped. A
+    first line whose ID ``is_id`` knows (a store ID) is data, not a header: refused, since
+    reading it as the header silently lost its label (docs/crosscheck.md)."""
     path = Path(path)
     if not path.is_file():
         raise EmbedpipeError(f"--labels {path}: no such file")
@@ -109,17 +114,30 @@ def read_label_file(path: Path) -> list[LabelEntry]:
                                  f"found {len(fields)}")
         if header:
             header = False
+            _check_header(path, number, fields, is_id)
             continue
         rid, label = fields[0].strip(), fields[1].strip()
         if not rid or not label:
             raise EmbedpipeError(f"{path} line {number}: empty {'ID' if not rid else 'label'}")
         if rid in seen:
-            raise EmbedpipeError(f"{path} line {number}: ID {rid!r} is labelled twice (also line {seen[rid]})")
+            raise EmbedpipeError(f"{path} line {number}: ID {quote(rid)} is labelled twice (also line {seen[rid]})")
         seen[rid] = number
         entries.append(LabelEntry(number, rid, label))
     if not entries:
         raise EmbedpipeError(f"{path}: no labels (the first line is the header, then id<TAB>label lines)")
     return entries
+
+
+def _check_header(path: Path, number: int, fields: list[str], is_id: Callable[[str], bool] | None) -> None:
+    """The first line is a header: its columns are the expected names, or at least its first
+    field is not an ID of the store (then the header is missing and the line is data)."""
+    if [f.strip().lower() for f in fields] == list(HEADER) or is_id is None:
+        return
+    if is_id(rid := fields[0].strip()):
+        raise EmbedpipeError(f"{path} line {number}: the header line is missing: the first line starts with "
+                             f"{quote(rid)}, an ID of the store, and would be read as the header (its label "
+                             f"lost); the file needs a header line first ({HEADER[0]}<TAB>{HEADER[1]}), then "
+                             "id<TAB>label lines")
 
 
 def _number(text: str) -> float | None:
@@ -145,7 +163,7 @@ def decide_kind(entries: list[LabelEntry], requested: str, path: Path) -> tuple[
         if value is None:
             hint = ("--label-kind classes to read them as classes" if requested == "auto"
                     else "the labels are numbers: --label-kind numbers")
-            raise EmbedpipeError(f"{path} line {entry.line}: label {entry.label!r} is not a finite number "
+            raise EmbedpipeError(f"{path} line {entry.line}: label {quote(entry.label)} is not a finite number "
                                  f"(a regression target needs one on every line; {hint})")
     return "numbers", ("--label-kind numbers" if requested == "numbers"
                        else "auto: the labels are numbers, not all integers")
@@ -167,8 +185,8 @@ def _rows_of(entries: list[LabelEntry], st: Store, path: Path) -> tuple[dict[int
         first = by_row.get(row)
         if first is not None and first.label != entry.label:
             raise EmbedpipeError(
-                f"{path} line {entry.line}: {entry.id!r} is the same stored record as "
-                f"{first.id!r} (line {first.line}) but labelled {entry.label!r}, not {first.label!r}")
+                f"{path} line {entry.line}: {quote(entry.id)} is the same stored record as "
+                f"{quote(first.id)} (line {first.line}) but labelled {quote(entry.label)}, not {quote(first.label)}")
         by_row.setdefault(row, entry)
     return by_row, unknown
 
@@ -176,14 +194,14 @@ def _rows_of(entries: list[LabelEntry], st: Store, path: Path) -> tuple[dict[int
 def resolve_labels(opts: LabelOptions, st: Store) -> Labelled:
     """The label file's records in the store, checked for what the downstream fit needs."""
     path = Path(opts.path)
-    entries = read_label_file(path)
+    entries = read_label_file(path, is_id=lambda rid: rid in st)
     kind, how = decide_kind(entries, opts.kind, path)
     by_row, unknown = _rows_of(entries, st, path)
     if unknown and (not opts.ignore_unknown_ids or not by_row):
-        names = ", ".join(repr(e.id) for e in unknown[:_NAMED]) + (", ..." if len(unknown) > _NAMED else "")
+        names = ", ".join(quote(e.id) for e in unknown[:_NAMED]) + (", ..." if len(unknown) > _NAMED else "")
         tail = ("none of the labelled IDs is stored" if not by_row else
                 "--ignore-unknown-ids leaves them out (counted and listed in crosscheck.json)")
-        raise EmbedpipeError(f"{path} line {unknown[0].line}: ID {unknown[0].id!r} is not in {st.path.name} "
+        raise EmbedpipeError(f"{path} line {unknown[0].line}: ID {quote(unknown[0].id)} is not in {st.path.name} "
                              f"({len(unknown)} of {len(entries)} labelled IDs are not: {names}); {tail}")
     rows = sorted(by_row)
     kept = [by_row[r] for r in rows]
@@ -202,17 +220,17 @@ def _check_enough(labelled: Labelled, folds: int) -> None:
             raise EmbedpipeError(f"{path}: {n} labelled record(s) in the store, fewer than the {2 * folds} that "
                                  f"{folds} folds need (two test records each)")
         if len(set(labelled.target().tolist())) < 2:
-            raise EmbedpipeError(f"{path} line {min(labelled.lines)}: every label is {labelled.labels[0]!r}: "
+            raise EmbedpipeError(f"{path} line {min(labelled.lines)}: every label is {quote(labelled.labels[0])}: "
                                  "a regression target must vary")
         return
     counts = labelled.classes()
     if len(counts) < 2:
         raise EmbedpipeError(f"{path} line {min(labelled.lines)}: every stored record is labelled "
-                             f"{labelled.labels[0]!r}: one class only, a classifier needs two at least")
+                             f"{quote(labelled.labels[0])}: one class only, a classifier needs two at least")
     for name, count in counts.items():
         if count < folds:
             line = min(n for n, label in zip(labelled.lines, labelled.labels) if label == name)  # first in the file
-            raise EmbedpipeError(f"{path} line {line}: class {name!r} has {count} labelled record(s) in the store, "
+            raise EmbedpipeError(f"{path} line {line}: class {quote(name)} has {count} labelled record(s) in the store, "
                                  f"fewer than the {folds} folds need (--folds)")
 
 

@@ -57,9 +57,11 @@ def fp32_reference(st: Store, provenance: dict[str, Any], layers: list[int], sam
 def _load_reference_model(provenance: dict[str, Any], override: str | None, allow_mismatch: bool,
                           notes: list[str], quiet: bool):
     """Load the store's model (or ``override``) and check its sha256 against the store's."""
-    config = provenance.get("config") if isinstance(provenance.get("config"), dict) else {}
+    recorded = provenance.get("config")
+    config = recorded if isinstance(recorded, dict) else {}
     expected = provenance.get("model_sha256")
     name = provenance.get("model_name")
+    spec: str | None
     if override is not None:
         spec, how = str(override), "--model"
     else:
@@ -106,7 +108,8 @@ def _load_reference_model(provenance: dict[str, Any], override: str | None, allo
 
 def _reference_options(provenance: dict[str, Any], layers: list[int], per_residue: bool):
     """fp32 ``EmbedOptions`` that reproduce the store's pooling and long-sequence handling."""
-    config = provenance.get("config") if isinstance(provenance.get("config"), dict) else {}
+    recorded = provenance.get("config")
+    config = recorded if isinstance(recorded, dict) else {}
     defaults = EmbedOptions()
 
     def pick(key: str) -> Any:

@@ -53,6 +53,7 @@ from embedpipe.crosscheck.metrics import describe_length_bins, length_bins, stra
 from embedpipe.core.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, Thresholds
 from embedpipe.crosscheck.report.page import render_html
 from embedpipe.store import utc_now
+from embedpipe.store.attrjson import load_json_attr
 
 __all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "LabelOptions", "Thresholds", "VERDICTS", "run_crosscheck"]
 
@@ -246,7 +247,7 @@ def reuse_part(table: dict[str, np.ndarray], provenance: dict[str, Any]) -> dict
     listed = provenance.get("reused_sources") or "[]"
     return {"reused_records": reused, "computed_records": len(table["reused_from"]) - reused,
             "sampled_from": "all records" if computed_rows(table) is None else "computed records only",
-            "sources": json.loads(listed) if isinstance(listed, str) else listed}
+            "sources": load_json_attr(listed, "reused_sources") if isinstance(listed, str) else listed}
 
 
 def _versions() -> dict[str, Any]:

@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.runtime import int8_smoothing
+from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.precision import Policy, forward_context, get_policy, true_fp32_matmuls
 
 
@@ -28,6 +30,9 @@ def configured_policy(options: EmbedOptions) -> Policy:
     policy = get_policy(options.precision)
     if options.int8_smoothing == "none":
         return policy
+    if not isinstance(policy, Int8MixedPolicy):  # EmbedOptions.validate refuses the combination first
+        raise EmbedpipeError(f"--int8-smoothing {options.int8_smoothing} needs --precision int8-mixed, "
+                             f"not {options.precision}")
     return dataclasses.replace(policy, calibration=int8_smoothing.load_calibration(options.int8_calibration))
 
 

@@ -87,7 +87,7 @@ class Embedder:
         #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
         self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)
         self.quiet = True
-        self.stats = Counter()
+        self.stats: Counter[str] = Counter()
         self._busy = BusyTimer()
         self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * options.per_residue)  # one batch's read-back
 
@@ -138,6 +138,15 @@ class Embedder:
     def attention_inputs(self) -> str:
         """dtype name of q/k/v at the main policy's attention kernel."""
         return dtype_name(attention_choice.qkv_dtype(self.options, self.policy, self.device))
+
+    @property
+    def runner_provenance(self) -> dict[str, str]:
+        """What the main policy's prepared runner decided, as root attributes (int8-mixed: the
+        layers kept fp32, docs/precision.md); empty before it is prepared or for other policies."""
+        runner = self.prepared.runners.get(self.policy.name)
+        if runner is None:
+            return {}
+        return self.policy.runner_provenance(getattr(runner, "fp32_layers", {}))
 
     @property
     def computed_as(self) -> dict[str, str]:
@@ -259,6 +268,7 @@ class Embedder:
             if packed:
                 if not hasattr(runner, "packed"):
                     raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
+                assert host_batch is not None  # made above for a packed batch
                 out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)
                 with exact_fp32(device):
                     pooled = pool_packed(out, batch, host_batch, self.layers, bos=bos, per_residue=per_residue)

@@ -51,4 +51,5 @@ def batching_attrs(embedder: Embedder) -> dict[str, Any]:
         "batch_layout": embedder.batch_layout,
         "attention_path": embedder.attention_path,
         "attention_inputs": embedder.attention_inputs,
+        **embedder.runner_provenance,  # int8-mixed: quantization_fp32_layers
     }

@@ -1,7 +1,7 @@
 """``embed --reuse``: copy the records an earlier store already holds instead of computing them.
 
 A record whose ``sha256(sequence)`` is in a reuse store embedded with the same identity (the
-resume identity, :func:`embedpipe.embed.run.embed_identity`) is copied: its stored vectors
+resume identity, :func:`embedpipe.embed.identity.embed_identity`) is copied: its stored vectors
 (bit-identical: the stored values are written back in the same storage dtype) and every
 per-record column, with ``reused_from`` set to the source's ``store_uuid``. Lookups go
 through the source's reuse index (:mod:`embedpipe.store.reuse_index`), so a job reads only
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,18 +24,22 @@ import h5py
 import numpy as np
 import torch
 
+from embedpipe.core.atomic import owned_work_dir
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import say
+from embedpipe.embed.identity import describe_difference, embed_identity, first_difference
 from embedpipe.model import registry
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
 from embedpipe.runtime.precision import dtype_name, get_policy
-from embedpipe.store import EmbeddedRecord, open_store
+from embedpipe.store import EmbeddedRecord
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import RESERVED_ATTRS, read_root_attrs
 from embedpipe.store.reader import Store
+from embedpipe.store.reuse_checks import open_indexed_store
 from embedpipe.store.reuse_index import ReuseIndex, build_index, is_index, sequence_digests
+from embedpipe.store.row_checks import RowChecks
 
 #: root attributes of a source that describe that file or its run, not how the numbers were made:
 #: not carried into an all-reused store (which gets its own)
@@ -47,40 +50,12 @@ _NOT_CARRIED = frozenset({
     "storage_dtype", "layers", "dim", "per_residue", "pooling"}) | RESERVED_ATTRS
 
 
-def model_facts(spec: str) -> tuple[str, bool] | None:
-    """(model sha256, whether the family packs batches) from the checkpoint's files, weights
-    unread (the family's ``file_identity``); None for a family without one (then the model is
-    loaded to check)."""
-    family = registry.family_for(spec)
-    return family.file_identity(spec) if family.file_identity else None
-
-
 def predicted_computed_as(options: EmbedOptions, device: torch.device, packs: bool) -> dict[str, str]:
     """``Embedder.computed_as`` without a model: the same decisions (embedpipe.runtime.attention)."""
     policy = get_policy(options.precision)
     layout = attention_choice.batch_layout(options, policy, device) if packs else "padded"
     return {"device_type": device.type, "batch_layout": layout,
             "attention_inputs": dtype_name(attention_choice.qkv_dtype(options, policy, device))}
-
-
-def _flat(identity: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in identity.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def first_difference(theirs: str, ours: str) -> tuple[str, Any, Any] | None:
-    """(option, their value, ours) of the first option (sorted by name) the identities differ in."""
-    a, b = _flat(json.loads(theirs)), _flat(json.loads(ours))
-    missing = "(not recorded)"
-    for key in sorted(set(a) | set(b)):
-        if a.get(key, missing) != b.get(key, missing):
-            return key, a.get(key, missing), b.get(key, missing)
-    return None
 
 
 def _plain(value: Any) -> Any:
@@ -98,22 +73,28 @@ class Source:
     identity: str
     num_layers: int | None
     _store: Store | None = None
+    _checks: RowChecks | None = None  # the rows verified so far (embedpipe.store.row_checks)
 
     @property
     def store(self) -> Store:
+        """The store, once it is shown to be the one its index was built from (its own uuid,
+        model and identity: embedpipe.store.reuse_checks)."""
         if self._store is None:
-            self._store = open_store(self.path)
-            if self._store.provenance.get("store_uuid") != self.uuid:
-                raise EmbedpipeError(f"--reuse {self.path}: the store was rewritten since its reuse index "
-                                     f"{self.index.path} was built; build the index again")
+            self._store = open_indexed_store(self.path, self.index.path, self.index.attrs)
         return self._store
 
+    def verify(self, rows: Sequence[int]) -> None:
+        """Refuse, before any is copied, rows that fail validate's checks (embedpipe.store.row_checks)."""
+        if rows:
+            if self._checks is None:
+                self._checks = RowChecks(self.store, self.index.path)
+            self._checks.check(rows)
+
     def check(self, identity: str) -> None:
-        """One line naming the first option this store was embedded with differently."""
-        diff = first_difference(self.identity, identity)
-        if diff is not None:
-            key, theirs, ours = diff
-            raise EmbedpipeError(f"--reuse {self.path}: embedded with {key} {theirs!r}, this run {ours!r}; "
+        """One line naming, in user words, the first field of the identity this store differs in."""
+        why = describe_difference(self.identity, identity)
+        if why is not None:
+            raise EmbedpipeError(f"--reuse {self.path}: {why}; "
                                  "only a store embedded with the same model and options can be reused")
 
     def check_model(self, sha256: str) -> None:
@@ -156,7 +137,7 @@ class Reuse:
 
     def __init__(self, paths: Sequence[Path], quiet: bool = True) -> None:
         self._work = contextlib.ExitStack()
-        work = Path(self._work.enter_context(tempfile.TemporaryDirectory(prefix=".embedpipe-reuse-")))
+        work = self._work.enter_context(owned_work_dir(".embedpipe-reuse-"))  # a killed job's: swept
         self.sources: list[Source] = []
         self.copied_fallbacks = 0  # copies that carry an fp32 fallback
         try:
@@ -190,6 +171,7 @@ class Reuse:
             rows = source.index.lookup(digests[left])
             hit = rows >= 0
             found |= {int(i): (number, int(r)) for i, r in zip(left[hit], rows[hit])}
+            source.verify(rows[hit].tolist())
             left = left[~hit]
         return found
 
@@ -313,20 +295,19 @@ class Job:
         return st.layers, st.dim, st.pooling
 
 
-def predict_identity(reuse: Reuse | None, model: str, options: EmbedOptions,
-                     identity_of: Callable[..., str]) -> str | None:
+def predict_identity(reuse: Reuse | None, model: str, options: EmbedOptions) -> str | None:
     """The job's identity without loading the model (checked against every reuse store), or
-    None when it cannot be known so (no reuse store, a family :func:`model_facts` does not know)."""
+    None when it cannot be known so (no reuse store, a family without ``file_identity``)."""
     if reuse is None or not reuse.sources or reuse.sources[0].num_layers is None:
         return None
-    facts = model_facts(model)
+    facts = registry.model_identity(model)
     if facts is None:
         return None
     from embedpipe.core.devices import resolve_device
 
-    computed_as = predicted_computed_as(options, resolve_device(options.device), facts[1])
+    computed_as = predicted_computed_as(options, resolve_device(options.device), facts.packs)
     for source in reuse.sources:
-        source.check_model(facts[0])
-    identity = identity_of(options, facts[0], computed_as, resolve_layers(options.layers, reuse.sources[0].num_layers))
+        source.check_model(facts.sha256)
+    identity = embed_identity(options, facts, computed_as, resolve_layers(options.layers, reuse.sources[0].num_layers))
     reuse.check(identity)
     return identity

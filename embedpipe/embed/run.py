@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import torch
@@ -27,23 +28,25 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.embed.group_marker import write_marker
 from embedpipe.core.host_memory import keep_freed_memory
-from embedpipe.core.locks import holding
+from embedpipe.core.locks import lock_path_for
 from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
+from embedpipe.model.downloads import companion_path
 from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
-from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
+from embedpipe.store.reuse_index import is_index
 from embedpipe.store.validate import validate_store
 from embedpipe.embed.engine import EmbedOptions, Embedder
 from embedpipe.embed.calibration import calibration_sha256
 from embedpipe.embed.provenance import batching_attrs, provenance
+from embedpipe.embed.identity import describe_difference, embed_identity
 from embedpipe.embed.reuse import Job, Reuse, predict_identity
+from embedpipe.model.identity import ModelIdentity
+from embedpipe.model.registry import model_identity
 
-#: options that change how a job runs, not its numbers' identity for resuming: a retry's smaller
-#: batches, threads, where fallback records run (docs/cluster.md, "Resuming, rerunning")
-_HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device")
 
 @dataclass
 class EmbedSummary:
@@ -90,19 +93,34 @@ def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingMode
 
 
 def _model_file(model: str) -> list[Path]:
-    """The checkpoint file of ``--model`` when it names one: an input no output may replace."""
+    """The files of ``--model`` when it names them: inputs no output may replace (the checkpoint
+    and its contact-regression companion, which fair-esm's loader reads beside it)."""
     path = Path(model).expanduser()
     if path.is_dir():  # a Hugging Face directory: every file in it
         return sorted(p for p in path.iterdir() if p.is_file())
-    return [path] if path.is_file() else []
+    return [path, companion_path(path)] if path.is_file() else []
 
 
-def _check_group(fastas: Sequence[Path], stores: list[Path], done: Path | None, model: str,
-                 reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS) -> None:
-    """Up front, before the first shard is embedded: no store or ``--done`` replaces an input
-    (a reuse store included) or another output, ``--done`` can be written, and no shard is empty."""
-    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
-    guard_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *map(Path, reuse)])
+def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str,
+             reuse: Sequence[Path]) -> contextlib.AbstractContextManager[None]:
+    """The guard and the output locks of an embed run (embedpipe.core.output_guard): the
+    FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
+    indexes too), and the reuse stores' pinned sources are inputs too."""
+    stores = [*map(Path, reuse), *filter(None, map(_indexed_store, reuse))]
+    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], stores=stores)
+
+
+def _indexed_store(path: Path) -> Path | None:
+    """The store a reuse index was built from (``store_path``): read through it by ``--reuse``."""
+    if not is_index(Path(path)):
+        return None
+    with h5py.File(path, "r") as f:
+        return Path(str(f.attrs.get("store_path") or "")) if f.attrs.get("store_path") else None
+
+
+def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits = FASTA_LIMITS) -> None:
+    """Up front, before the first shard is embedded: ``--done`` can be written, and no shard is
+    empty (the outputs are guarded and locked next, by :func:`_writing`)."""
     if done is not None:
         check_output_path(Path(done))
     for fasta in fastas:
@@ -128,12 +146,12 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
-    guard_outputs("embed", [("--out", Path(out))], [Path(fasta), *_model_file(model), *map(Path, reuse)])
-    records = _read_records(fasta, limits)
-    check_output_path(Path(out))
-    with _job(model, options, reuse, quiet) as job:
-        return _embed_records(job, records, Path(fasta), Path(out), started,
-                              {"input_sha256": file_sha256(Path(fasta))}, quiet)
+    with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
+        records = _read_records(fasta, limits)
+        check_output_path(Path(out))
+        with _job(model, options, reuse, quiet) as job:
+            return _embed_records(job, records, Path(fasta), Path(out), started,
+                                  {"input_sha256": file_sha256(Path(fasta))}, quiet)
 
 
 @contextlib.contextmanager
@@ -145,9 +163,22 @@ def _job(model: str, options: EmbedOptions, reuse: Sequence[Path], quiet: bool) 
         def load() -> tuple[Embedder, str]:
             loaded, device = stack.enter_context(_model_on(model, options))
             embedder = _embedder(loaded, options, device, quiet)
-            return embedder, embed_identity(options, loaded.sha256, embedder.computed_as, embedder.layers)
+            return embedder, embed_identity(options, _loaded_identity(model, loaded), embedder.computed_as,
+                                            embedder.layers)
 
-        yield Job(sources, load, predict_identity(sources, model, options, embed_identity), options)
+        yield Job(sources, load, predict_identity(sources, model, options), options)
+
+
+def _loaded_identity(model: str, loaded: EmbeddingModel) -> ModelIdentity:
+    """The loaded model's part of the identity: from its files (the same function ``--reuse``
+    predicts with), or only its sha256 for a family that cannot say (docs/cluster.md)."""
+    identity = model_identity(model)
+    if identity is None:
+        return ModelIdentity(loaded.sha256, False, {}, str(getattr(loaded, "family", "")))
+    if identity.sha256 != loaded.sha256:
+        raise EmbedpipeError(f"--model {model}: its weights changed while it was loaded (sha256 "
+                             f"{loaded.sha256[:16]}..., now {identity.sha256[:16]}...); run again")
+    return identity
 
 
 def _embedder(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, quiet: bool) -> Embedder:
@@ -221,47 +252,31 @@ def _run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ groups of shards
 
 
-def embed_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str],
-                   layers: Sequence[int] | None = None) -> str:
-    """What makes a shard store's numbers: the model's bytes, every option except how the
-    job ran (:data:`_HOW_IT_RUNS`), and what the ``auto`` options resolved to on this job's
-    device (``Embedder.computed_as``: a store computed packed on a GPU is not the one a CPU
-    job would compute). A store with another identity is embedded again.
-
-    Resolved values, not spellings: ``layers`` (the resolved, non-negative indices, so
-    ``--layers -1`` and ``--layers 2`` of a 2-layer model agree) replaces the option, and the
-    device is only the type actually used (``computed_as``), so ``--device auto`` and
-    ``--device cpu`` agree on the CPU. Without ``layers``: the identity stores written before
-    this change carry (:func:`legacy_identity`)."""
-    chosen = {k: v for k, v in asdict(options).items() if k not in _HOW_IT_RUNS}
-    if layers is not None:
-        chosen = {k: v for k, v in chosen.items() if k != "device"} | {"layers": sorted(int(n) for n in layers)}
-    # int8-mixed smoothing: the calibration set's bytes, not its path; none: left out, so the
-    # identity of stores written before the option existed still holds
-    calibration = calibration_sha256(options)
-    chosen = {k: v for k, v in chosen.items() if k not in ("int8_smoothing", "int8_calibration")}
-    if calibration is not None:
-        chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
-    return json.dumps(chosen | {"model_sha256": model_sha256, "computed_as": dict(computed_as)}, sort_keys=True)
-
-
-def legacy_identity(options: EmbedOptions, model_sha256: str, computed_as: Mapping[str, str]) -> str:
-    """The identity of stores written before it held resolved values: the options as spelt. A
-    store carrying it is kept when this run spells its options the same way."""
-    return embed_identity(options, model_sha256, computed_as)
-
-
-def store_is_current(store: Path, identity: str, input_sha256: str, *also: str) -> bool:
-    """True for a complete store of the same shard content, model and options; False for a
-    missing, unreadable, incomplete or different one."""
+def store_difference(store: Path, identity: str, input_sha256: str) -> str | None:
+    """None for a complete store of the same shard content and identity; else why it is not
+    current, in user words (missing, unreadable, incomplete, another shard, or the identity's
+    first difference: :func:`embedpipe.embed.identity.describe_difference`)."""
     try:
         with h5py.File(store, "r") as f:
             if not is_complete(f):
-                return False
+                return "incomplete (a writer that never finished)"
             attrs = read_root_attrs(f)
+    except FileNotFoundError:
+        return "missing"
     except (OSError, ValueError):
-        return False
-    return attrs.get("embed_identity") in (identity, *also) and attrs.get("input_sha256") == input_sha256
+        return "unreadable"
+    if attrs.get("input_sha256") != input_sha256:
+        return "written for other shard content (input_sha256)"
+    theirs = attrs.get("embed_identity")
+    if not isinstance(theirs, str):
+        return "records no embed_identity (written by an older embedpipe)"
+    return describe_difference(theirs, identity)
+
+
+def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
+    """True for a complete store of the same shard content, model and options; False for a
+    missing, unreadable, incomplete or different one."""
+    return store_difference(store, identity, input_sha256) is None
 
 
 @dataclass
@@ -309,37 +324,40 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = _group_outputs(fastas, out_dir)
-    _check_group(fastas, stores, done, model, reuse, limits)
+    _check_group(fastas, done, limits)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
-    with holding([(_lock_path(s), str(s)) for s in stores]), _job(model, options, reuse, quiet) as job:
-        also: tuple[str, ...] = ()
+    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
+    with _writing(outputs, fastas, model, reuse), _job(model, options, reuse, quiet) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
-            embedder = job.embedder()  # one per group: models prepared once
-            also = (legacy_identity(options, embedder.loaded.sha256, embedder.computed_as),)
+            job.embedder()  # one per group: models prepared once
         for fasta, store, digest in zip(fastas, stores, digests):
-            if _keep(store, str(job.identity), digest, quiet, *also):
+            if _keep(store, str(job.identity), digest, quiet):
                 summary.kept.append(store)
                 continue
             summary.embedded.append(_embed_records(
                 job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
                 {"input_sha256": digest}, quiet))
         if done is not None:
-            _check_still_current(stores, digests, str(job.identity), *also)
+            _check_still_current(stores, digests, str(job.identity))
             write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)
     summary.seconds = time.perf_counter() - started
     return summary
 
 
 def _lock_path(store: Path) -> Path:
-    """The lock of a shard store: a hidden file beside it (the store itself is replaced by rename)."""
-    return store.parent / f".{store.name}.lock"
+    """The lock of a shard store, the one every writer of it takes (embedpipe.core.locks)."""
+    return lock_path_for(store)
 
 
-def _keep(store: Path, identity: str, digest: str, quiet: bool, *also: str) -> bool:
+def _keep(store: Path, identity: str, digest: str, quiet: bool) -> bool:
     """Keep a store that is current and passes ``validate`` (checksums of every chunk included:
-    a store complete but corrupt is embedded again; cost in docs/benchmarks.md)."""
-    if not store_is_current(store, identity, digest, *also):
+    a store complete but corrupt is embedded again; cost in docs/benchmarks.md); say why a
+    store that is there is not kept (the identity's first difference, docs/cluster.md)."""
+    why = store_difference(store, identity, digest)
+    if why is not None:
+        if why != "missing":
+            say(f"{store}: {why}; embedding it again", quiet=quiet)
         return False
     problems = validate_store(store)
     if problems:
@@ -349,11 +367,11 @@ def _keep(store: Path, identity: str, digest: str, quiet: bool, *also: str) -> b
     return True
 
 
-def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identity: str, *also: str) -> None:
+def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identity: str) -> None:
     """Before the marker: every store still has this job's identity (another writer that
     bypassed the locks would otherwise leave a marker that lies)."""
     for store, digest in zip(stores, digests):
-        if not store_is_current(store, identity, digest, *also):
+        if not store_is_current(store, identity, digest):
             raise EmbedpipeError(f"{store}: replaced by another writer during this job (it no longer has this "
                                  f"job's shard, model and options); no marker written, rerun the job")
 

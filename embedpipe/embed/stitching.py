@@ -60,6 +60,13 @@ class Assemblies:
         return assembly.results
 
 
+def _residues(result: PieceResult) -> dict[int, np.ndarray]:
+    """A piece's per-residue rows, which every piece has when per-residue output is on."""
+    if result.residues is None:
+        raise AssertionError("per-residue output is on but a piece came back without its rows")
+    return result.residues
+
+
 def stitch(rid: str, seq: str, results: Results, how: str, layers: Sequence[int], *,
            per_residue: bool, bos: bool, precision: str) -> EmbeddedRecord:
     """The record ``rid`` from its pieces' results (any order), its ``long_handling`` ``how``."""
@@ -71,7 +78,7 @@ def stitch(rid: str, seq: str, results: Results, how: str, layers: Sequence[int]
         mean[layer] = (total / embedded).astype(np.float32)
     rows = None
     if per_residue:
-        rows = {layer: np.concatenate([res.residues[layer] for _, res in results], axis=0) for layer in layers}
+        rows = {layer: np.concatenate([_residues(res)[layer] for _, res in results], axis=0) for layer in layers}
     # BOS: the hidden state at token 0 of the window that starts at residue 0 (docs/store-format.md)
     first = results[0][1]
     return EmbeddedRecord(

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedpipe.core.errors import StoreError, quote
 from embedpipe.store import Store
+from embedpipe.store.checks import nonfinite_rows
 
 #: vector bytes read per block
 BLOCK_BYTES = 64 << 20
@@ -112,7 +114,7 @@ def iter_blocks(store: Store, *, layer: int, per_residue: bool, pooling: str = "
         alias_of = [""] * len(record_ids) + [record_ids[r] for r in (alias_rows - lo).tolist()]
         columns = {name: table[name] for name in RECORD_COLUMNS}
         columns["sequence_sha256"] = np.array(
-            [hashlib.sha256(s.encode("ascii")).hexdigest() for s in table["sequence"]], dtype=object
+            [hashlib.sha256(s.encode("utf-8")).hexdigest() for s in table["sequence"]], dtype=object
         )
         block = ExportBlock(
             ids=[ids[k] for k in order.tolist()],
@@ -122,6 +124,24 @@ def iter_blocks(store: Store, *, layer: int, per_residue: bool, pooling: str = "
         )
         if per_residue:
             block.residues = store.per_residue_rows(slice(lo, hi), layer)
+            require_finite(store, block.residues[0], lo, record_ids, f"per_residue/layer_{layer}", block.residues[1])
         else:
             block.vectors = store.mean_rows(slice(lo, hi), layer, pooling=pooling)
+            require_finite(store, block.vectors, lo, record_ids, f"{pooling}/layer_{layer}")
         yield block
+
+
+def require_finite(store: Store, values: np.ndarray, lo: int, record_ids: list[str], name: str,
+                   offsets: np.ndarray | None = None) -> None:
+    """validate's finiteness check on what a block exports (a NaN mean was exported as data):
+    one StoreError naming the store, the dataset, the record and its row. Raised while
+    streaming, inside the format's atomic write, so no partial output remains."""
+    bad = nonfinite_rows(values)
+    if not bad.any():
+        return
+    r = int(np.argmax(bad))
+    i = r if offsets is None else int(np.searchsorted(offsets, r, side="right")) - 1
+    rows = f"row {lo + i}" if offsets is None else f"row {lo + i}, per-residue row {r - int(offsets[i])}"
+    raise StoreError(f"{store.path}: dataset {name}: record {quote(record_ids[i])} ({rows}) holds non-finite "
+                     f"values ({int(np.count_nonzero(bad))} row(s) of this block): export refuses them; "
+                     f"run embedpipe validate {store.path}")

@@ -9,18 +9,20 @@ is bounded by a block whatever the store's size, and every output is written ato
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedpipe.core.atomic import check_output_path
-from embedpipe.core.output_guard import guard_outputs
-from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.export import formats
 from embedpipe.core.progress import progress_bar
 from embedpipe.store import Store, open_store
+from embedpipe.store.validate import export_problems
 
 FORMATS = formats.NAMES
 
@@ -59,7 +61,9 @@ def export_attrs(store: Store, fmt: str, layer: int, per_residue: bool, counts: 
     return attrs
 
 
-def _check(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -> None:
+@contextlib.contextmanager
+def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -> Iterator[None]:
+    """The export's checks; then its outputs guarded and locked while the block writes them."""
     if fmt not in FORMATS:
         raise EmbedpipeError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if per_residue and pooling != "mean":
@@ -73,10 +77,18 @@ def _check(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -
         raise EmbedpipeError(f"{out}: the export would overwrite the store it reads")
     companions = getattr(formats.BY_NAME[fmt].load(), "companions", None)
     extra = [(f"the {role} file", p) for role, p in companions(out, per_residue).items()] if companions else []
-    guard_outputs("export", [("--out", out), *extra], [store.path], stores=[store.path])
-    check_output_path(out)
-    for _, path in extra:
-        check_output_path(path)
+    with writing_outputs("export", [("--out", out), *extra], [store.path], stores=[store.path]):
+        yield
+
+
+def _check_ids(store: Store) -> None:
+    """validate's ID and count checks before anything is written (docs/exports.md): an ID with
+    a newline gave ids.txt more lines than rows, a duplicate ID a traceback in h5-per-id."""
+    problems = export_problems(store.path)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise StoreError(f"{store.path}: {problems[0]}{more}: export refuses a store embedpipe validate rejects; "
+                         f"run embedpipe validate {store.path}")
 
 
 def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_residue: bool = False,
@@ -85,8 +97,8 @@ def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_
     ``pooling`` vectors, or per-residue rows), reading about ``block_bytes`` of vectors at a time."""
     started = time.perf_counter()
     out = Path(out)
-    with open_store(store_path) as store:
-        _check(store, fmt, out, per_residue, pooling)
+    with open_store(store_path) as store, _checked(store, fmt, out, per_residue, pooling):
+        _check_ids(store)
         absolute = store.layer(layer)
         counts = {"records": len(store), "aliases": len(store.aliases), "skipped": len(store.skipped)}
         attrs = export_attrs(store, fmt, absolute, per_residue, counts, pooling)

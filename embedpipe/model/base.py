@@ -15,6 +15,7 @@ import torch
 
 from embedpipe.model.facts import MemoryEstimate
 from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout  # re-exported: families import them here
+from embedpipe.runtime.packed import token_max_abs
 from embedpipe.runtime.precision import Policy
 
 #: Forward implementations a family may offer: ``sdpa`` (fused attention), ``math``
@@ -81,8 +82,8 @@ class EmbeddingModel(Protocol):
 def masked_max_abs(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Per-record max |x| over kept tokens, in fp32; NaN/inf propagate so they are never hidden.
 
-    ``abs`` then ``amax`` over the feature dim, then a tiny (B, T) mask: on CPU this beats the
-    one-kernel ``vector_norm(ord=inf)`` by far (docs/benchmarks.md, "What the speed comes from").
+    Per token through :func:`token_max_abs` (on CPU ``abs`` then ``amax``, which beats the
+    one-kernel ``vector_norm(ord=inf)`` by far, docs/benchmarks.md "What the speed comes from";
+    off the CPU one min/max reduction, no full ``|x|`` copy a layer), then a tiny (B, T) mask.
     """
-    per_token = x.detach().abs().amax(dim=-1).float()
-    return per_token.masked_fill(~keep, 0.0).amax(dim=1)
+    return token_max_abs(x).masked_fill(~keep, 0.0).amax(dim=1)

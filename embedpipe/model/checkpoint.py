@@ -22,6 +22,7 @@ import contextlib
 import pickle
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 import torch.serialization as ts
 
 from embedpipe.core.errors import ModelError
+from embedpipe.model.config_bounds import validate_shape  # re-exported: make-test-model, hf_esm
 from embedpipe.model.esm2_spec import valid_names
 from embedpipe.model.downloads import one_line
 
@@ -89,16 +91,31 @@ def _load_weights_only(path: Path) -> Any:
         return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
-def load_checkpoint_safely(path: Path) -> dict:
+@dataclass(frozen=True)
+class FileRole:
+    """What a torch file is to the caller, as its one-line errors name it: a refusal says what
+    the file should have held, not "a fair-esm checkpoint" for a Hugging Face weights file."""
+
+    noun: str  # "checkpoint", "Hugging Face weights file"
+    article: str  # "a fair-esm checkpoint", "a Hugging Face weights file"
+    holds: str  # what it holds when it is what it says it is
+
+
+FAIR_ESM = FileRole("checkpoint", "a fair-esm checkpoint", "only tensors and an argparse.Namespace")
+HF_WEIGHTS = FileRole("Hugging Face weights file", "a Hugging Face weights file", "only tensors")
+
+
+def load_checkpoint_safely(path: Path, role: FileRole = FAIR_ESM) -> dict:
     """``torch.load(path, weights_only=True)`` with only ``argparse.Namespace`` allowlisted.
 
     A pickle that references any other global (``os.system``, ``builtins.eval``, a class of
-    some package, ...) is refused with a :class:`ModelError` naming the file and the global;
-    nothing the file holds is executed. Unreadable or corrupt files are a ``ModelError`` too.
+    some package, ...) is refused with a :class:`ModelError` naming the file, its ``role``
+    and the global; nothing the file holds is executed. Unreadable or corrupt files are a
+    ``ModelError`` too.
     """
     path = Path(path)
     if not path.is_file():
-        raise ModelError(f"checkpoint not found: {path}")
+        raise ModelError(f"{role.noun} not found: {path}")
     try:
         with _allowlisted():
             data = _load_weights_only(path)
@@ -108,11 +125,11 @@ def load_checkpoint_safely(path: Path) -> dict:
         if names:
             raise ModelError(
                 f"refusing to load {path}: its pickle references {', '.join(names)}, which a "
-                f"weights-only load does not allow (a fair-esm checkpoint holds only tensors and "
-                f"an argparse.Namespace); nothing in the file was executed"
+                f"weights-only load does not allow ({role.article} holds {role.holds}); nothing in "
+                f"the file was executed"
             ) from None
         raise ModelError(
-            f"cannot read checkpoint {path}: not a weights-only torch file "
+            f"cannot read {role.noun} {path}: not a weights-only torch file "
             f"({_unpickler_detail(message)}); nothing in the file was executed"
         ) from None
     except MemoryError:
@@ -120,11 +137,11 @@ def load_checkpoint_safely(path: Path) -> dict:
     except Exception as exc:  # corrupt zip, truncated file, not a torch file at all
         reason = one_line(exc).split(". ")[0][:200] or type(exc).__name__
         raise ModelError(
-            f"cannot read checkpoint {path}: {reason} (corrupt, truncated, or not a torch file)"
+            f"cannot read {role.noun} {path}: {reason} (corrupt, truncated, or not a torch file)"
         ) from None
     if not isinstance(data, dict):
         raise ModelError(
-            f"{path} is not a fair-esm checkpoint: expected a dict, found {type(data).__name__}"
+            f"{path} is not {role.article}: expected a dict, found {type(data).__name__}"
         )
     return data
 
@@ -136,20 +153,6 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
-
-
-def validate_shape(layers: Any, dim: Any, heads: Any, *, where: str) -> tuple[int, int, int]:
-    for label, value in (("layers", layers), ("dim", dim), ("heads", heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelError(f"{where}: {label} must be a positive integer, got {value!r}")
-    if dim % heads:
-        raise ModelError(f"{where}: dim {dim} is not divisible by heads {heads}")
-    if (dim // heads) % 2:
-        raise ModelError(
-            f"{where}: head dimension dim/heads = {dim}/{heads} = {dim // heads} must be even "
-            f"(rotary embeddings rotate pairs of channels)"
-        )
-    return layers, dim, heads
 
 
 def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> dict[str, Any]:
@@ -179,7 +182,8 @@ def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> di
             f"{where}: cfg['model'] lacks encoder_layers / encoder_embed_dim / "
             f"encoder_attention_heads"
         )
-    layers, dim, heads = validate_shape(layers, dim, heads, where=where)
+    layers, dim, heads = validate_shape(layers, dim, heads, where=where,
+                                        fields=("encoder_layers", "encoder_embed_dim", "encoder_attention_heads"))
     check_cfg_against_weights(upgrade_state_dict(data["model"]), layers, dim, where=where)
     token_dropout = bool(_cfg_get(cfg, "token_dropout", True))
     marker = data.get(MARKER_KEY)

@@ -25,7 +25,7 @@ from embedpipe.model import esm2_spec
 from embedpipe.model.base import ESM2_LAYOUT, TokenLayout
 from embedpipe.model.checkpoint import (CONTACT_KEYS, checkpoint_info, load_checkpoint_safely,
                                         upgrade_state_dict)
-from embedpipe.model.esm2_forward import EsmForward
+from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
 from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.runtime.precision import Policy
@@ -231,7 +231,7 @@ def _check_state_dict(model: ESM2, state_dict: Mapping[str, Any], info: Mapping[
 # --------------------------------------------------------------------------- policies
 
 
-def reset_rotary_caches(model: torch.nn.Module) -> None:
+def reset_rotary_caches(model: FairEsmModule) -> None:
     """Drop fair-esm's rotary cos/sin caches.
 
     fair-esm caches the tables in whatever dtype they were first built in and rebuilds them

@@ -10,6 +10,8 @@ it is tested against (``attention="fair-esm"`` calls that forward directly).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,10 @@ from embedpipe.model.base import ForwardOutput, masked_max_abs
 from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, token_max_abs
 from embedpipe.runtime.precision import Packed, Policy
+
+#: fair-esm's ``ESM2`` and its submodules: their attributes (``layers``, ``q_proj``, ``rot_emb``, ...)
+#: exist at run time only, so the forward reads them untyped
+FairEsmModule = Any
 
 
 class RotaryTables:
@@ -103,7 +109,7 @@ def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     o2.addcmul_(x1, sin)
 
 
-def fuse_qkv(attn: torch.nn.Module) -> None:
+def fuse_qkv(attn: FairEsmModule) -> None:
     """Make q/k/v projection weights views of one (3D, D) tensor, so one GEMM computes all three.
 
     The modules keep their parameters (now views), so fair-esm's own forward and anything
@@ -136,7 +142,7 @@ def _still_views(cached: tuple[torch.Tensor, torch.Tensor], projections: tuple) 
 class EsmForward:
     """Runs one prepared ESM-2 model (see :func:`embedpipe.model.esm2.prepare_model`) under one policy."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, attention: str = "sdpa", *, prepack: bool = True,
+    def __init__(self, model: FairEsmModule, policy: Policy, attention: str = "sdpa", *, prepack: bool = True,
                  attention_inputs: str = "fp32") -> None:
         """``prepack``: on CPU, run the projections and FFN with weights the policy prepares once
         (:meth:`Policy.pack`: oneDNN-prepacked, see :mod:`embedpipe.runtime.packed_linear`); ignored
@@ -199,7 +205,7 @@ class EsmForward:
         dynamic): fuses the norms, casts, rotation and residual adds that eager mode runs as
         separate passes over memory. Optional: compiling costs time on the first batches
         (benchmarks/gpu_acceptance.py measures both)."""
-        self._layer = torch.compile(self._layer, backend=backend, dynamic=True)
+        self._layer = torch.compile(self._layer, backend=backend, dynamic=True)  # type: ignore[method-assign]
 
     @property
     def prepacked(self) -> bool:
@@ -210,6 +216,20 @@ class EsmForward:
     def attention_dtype(self) -> torch.dtype:
         """dtype of q, k and v at the attention kernel (under autocast: the dtype it casts to)."""
         return self.policy.attention_dtype(self.attention_inputs)
+
+    @property
+    def fp32_layers(self) -> dict[str, str]:
+        """Linear layers the policy packed but keeps fp32, name -> why (int8-mixed: weights too
+        small for int8, docs/precision.md "int8-mixed"); read after calibration, for provenance."""
+        kept: dict[str, str] = {}
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            for name, module in (("self_attn.qkv", attn), ("self_attn.out_proj", attn.out_proj),
+                                 ("fc1", layer.fc1), ("fc2", layer.fc2)):
+                reason = getattr(self._packed.get(id(module)), "fp32_reason", "")
+                if reason:
+                    kept[f"layers.{i}.{name}"] = reason
+        return kept
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """A padded (B, T) batch: hidden states (B, T, D)."""
@@ -267,7 +287,7 @@ class EsmForward:
     def _layer_norm(self, norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
         return self.policy.layer_norm(norm, x)
 
-    def _linear(self, linear: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None,
+    def _linear(self, linear: FairEsmModule, x: torch.Tensor, weight: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, *, gelu: bool = False) -> torch.Tensor:
         """``linear``'s projection (or ``weight``/``bias`` stored under ``linear``, as the fused
         q/k/v are), GELU'd when asked, as the policy runs a linear (:meth:`Policy.linear`)."""
@@ -275,7 +295,7 @@ class EsmForward:
             weight, bias = linear.weight, linear.bias
         return self.policy.linear(x, weight, bias, self._packed.get(id(linear)), gelu=gelu)
 
-    def _layer(self, layer: torch.nn.Module, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
+    def _layer(self, layer: FairEsmModule, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
         residual = x
         h = self._layer_norm(layer.self_attn_layer_norm, x)
         h = self._attention(layer.self_attn, h, batch)
@@ -287,17 +307,17 @@ class EsmForward:
         h = self._linear(layer.fc2, h)
         return residual + h
 
-    def _table_dtype(self, attn: torch.nn.Module) -> torch.dtype:
+    def _table_dtype(self, attn: FairEsmModule) -> torch.dtype:
         """Mixed policies: rotary tables built in fp32 (scores and softmax in fp32 too). A
         plain cast builds them in the weights' dtype, as fair-esm does after ``.half()``."""
         return self.policy.table_dtype(attn.rot_emb.inv_freq.dtype)
 
-    def _rotation_dtype(self, attn: torch.nn.Module, projection_dtype: torch.dtype) -> torch.dtype:
+    def _rotation_dtype(self, attn: FairEsmModule, projection_dtype: torch.dtype) -> torch.dtype:
         """The dtype q, k and v are rotated and attended in; under autocast the fp32 tables
         promote q and k, and SDPA casts as autocast decides."""
         return torch.promote_types(projection_dtype, self._table_dtype(attn))
 
-    def _attention(self, attn: torch.nn.Module, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
+    def _attention(self, attn: FairEsmModule, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
         heads, head_dim = attn.num_heads, attn.head_dim
         lead = x.shape[:-1]  # (B, T) padded, (N,) packed
         qkv = self._linear(attn, x, *attn._embedpipe_qkv).view(*lead, 3, heads, head_dim)
@@ -349,7 +369,8 @@ class EsmForward:
         """(N, H, d) attention within each sequence of ``batch``, q pre-scaled."""
         q, k, v = self.policy.kernel_inputs(q, k, v)  # autocast: cast, as SDPA would under it
         if self.packed_attention == "varlen-flash":  # flash needs only the last dim contiguous
-            return cuda.varlen_attention(*(_last_dim_contiguous(t) for t in (q, k, v)), batch.offsets, batch.max_len)
+            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+            return cuda.varlen_attention(q, k, v, batch.offsets, batch.max_len)
         return per_sequence_attention(q, k, v, batch.host_offsets)
 
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
+from embedpipe.model.identity import ModelIdentity, versioned
 
 FAMILY = "esm2"
+
+#: the version of ESM-2's forward (esm2_forward.py) and tokens, in every store's identity:
+#: bump it when a change moves the numbers (docs/cluster.md, "Resuming, rerunning")
+FAMILY_VERSION = 1
 
 #: fair-esm ESM-2 names -> (layers, embedding dim, attention heads).
 ESM2_MODELS: dict[str, tuple[int, int, int]] = {
@@ -107,7 +112,7 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
     )
 
 
-def file_identity(spec: str) -> tuple[str, bool]:
-    """(checkpoint sha256, packs: True) without reading the weights (``embed --reuse``)."""
+def file_identity(spec: str) -> ModelIdentity:
+    """The checkpoint's sha256 (its config is inside), packs: True, without reading the weights."""
     from embedpipe.model.downloads import checkpoint_sha256, resolve_checkpoint  # torch: imported here
-    return checkpoint_sha256(resolve_checkpoint(spec)), True
+    return ModelIdentity(checkpoint_sha256(resolve_checkpoint(spec)), True, {}, versioned(FAMILY, FAMILY_VERSION))

@@ -27,7 +27,9 @@ from types import ModuleType
 from typing import Any
 
 from embedpipe.core.errors import ModelError
+from embedpipe.model.config_bounds import esm_config, t5_config
 from embedpipe.model.facts import ModelFacts
+from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
 from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
 
 #: Hub names embedpipe knows, with their family (others load too once they are cached).
@@ -181,9 +183,9 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
             except Exception as exc:  # corrupt header, truncated file
                 raise ModelError(f"cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
         else:
-            from embedpipe.model.checkpoint import load_checkpoint_safely
+            from embedpipe.model.checkpoint import HF_WEIGHTS, load_checkpoint_safely
 
-            state.update(load_checkpoint_safely(path))
+            state.update(load_checkpoint_safely(path, HF_WEIGHTS))
     return state
 
 
@@ -213,6 +215,8 @@ def describe(spec: str) -> ModelFacts:
     config = read_config(directory)
     family = family_of(spec, directory, config)
     t5 = config["model_type"] == "t5"
+    # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
+    sizes = (t5_config if t5 else esm_config)(config, str(directory / "config.json"))
     try:
         size = sum(f.stat().st_size for f in weight_files(directory))
     except ModelError:
@@ -220,9 +224,8 @@ def describe(spec: str) -> ModelFacts:
     return ModelFacts(
         family=family, spec=spec, kind="path" if path.is_dir() else "name",
         name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=_window(family),
-        num_layers=config.get("num_layers" if t5 else "num_hidden_layers"),
-        embed_dim=config.get("d_model" if t5 else "hidden_size"),
-        attention_heads=config.get("num_heads" if t5 else "num_attention_heads"),
+        num_layers=sizes["num_layers"], embed_dim=sizes["d_model" if t5 else "embed_dim"],
+        attention_heads=sizes["num_heads" if t5 else "attention_heads"],
         weights_bytes=size, trained=is_trained(config), token_layout=_layout(family),
     )
 
@@ -249,7 +252,27 @@ def load(spec: str) -> Any:
     return importlib.import_module(MODULES[config["model_type"]]).load_directory(spec, directory, config)
 
 
-def file_identity(spec: str) -> tuple[str, bool]:
-    """(weights sha256, packs: ESM-2 only) without reading the weights (``embed --reuse``)."""
+#: what decides a T5 directory's tokens besides tokenizer.json: the files transformers' tokenizer
+#: reads when only spiece.model is there (embedpipe.model.t5_vocab.read_vocabulary)
+SPIECE_FILES = ("spiece.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
+    """The files besides the weights whose bytes decide the numbers, as the loader reads them:
+    ``config.json``, and ESM's ``vocab.txt`` (checked) or T5's ``tokenizer.json`` (else ``spiece.model``)."""
+    if config["model_type"] == "esm":
+        return ["config.json", "vocab.txt"]
+    return ["config.json", *(("tokenizer.json",) if (directory / "tokenizer.json").is_file() else SPIECE_FILES)]
+
+
+def file_identity(spec: str) -> ModelIdentity:
+    """Weights, config and tokenizer sha256s, the family and its version, packs (ESM-2 only),
+    without reading the weights (docs/cluster.md, "Resuming, rerunning")."""
+    from embedpipe.model import esm2_spec, t5_vocab
+
     directory = resolve_directory(spec)
-    return weights_sha256(weight_files(directory)), read_config(directory)["model_type"] == "esm"
+    config = read_config(directory)
+    family = family_of(spec, directory, config)
+    version = esm2_spec.FAMILY_VERSION if family == "esm2" else t5_vocab.FAMILY_VERSION
+    return ModelIdentity(weights_sha256(weight_files(directory)), config["model_type"] == "esm",
+                         files_sha256(directory, identity_files(directory, config)), versioned(family, version))

@@ -18,7 +18,8 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
-from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights, validate_shape
+from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
+from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet
 
 #: fair-esm per-layer module -> transformers' ``EsmLayer`` module.
@@ -57,22 +58,27 @@ def fair_to_hf_names(num_layers: int) -> dict[str, str]:
 
 
 def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """fair-esm's ESM-2 cfg from an ``EsmConfig``; one-line refusals for what ESM2 cannot be."""
-    layers, dim, heads = (config.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
-    layers, dim, heads = validate_shape(layers, dim, heads, where=where)
+    """fair-esm's ESM-2 cfg from an ``EsmConfig`` (``where``: its config.json); every size
+    bounded first (:func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals
+    for what ESM2 cannot be."""
+    sizes = esm_config(config, where)
+    dim = sizes["embed_dim"]
+    token_dropout = config.get("token_dropout", False)
+    if not isinstance(token_dropout, bool):
+        raise ModelError(f"{where}: token_dropout must be true or false, got {token_dropout!r}")
     checks = [
-        (config.get("position_embedding_type", "absolute") == "rotary", "position_embedding_type is not 'rotary'"),
+        (sizes["position_embedding_type"] == "rotary", "position_embedding_type is not 'rotary'"),
         (not config.get("emb_layer_norm_before"), "emb_layer_norm_before is set"),
-        (config.get("intermediate_size", 4 * dim) == 4 * dim, f"intermediate_size is not 4 x {dim}"),
-        (config.get("vocab_size") == len(esm2_alphabet().all_toks), "vocab_size is not ESM-2's 33"),
-        (abs(float(config.get("layer_norm_eps", 1e-5)) - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
+        (sizes["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
+        (sizes["vocab_size"] == len(esm2_alphabet().all_toks), "vocab_size is not ESM-2's 33"),
+        (abs(sizes["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
         (config.get("hidden_act", "gelu") == "gelu", "hidden_act is not gelu"),
     ]
     for ok, why in checks:
         if not ok:
             raise ModelError(f"{where}: not an ESM-2 that fair-esm's ESM2 can run ({why})")
-    return {"num_layers": layers, "embed_dim": dim, "attention_heads": heads,
-            "token_dropout": bool(config.get("token_dropout", False)), "trained": hf.is_trained(config)}
+    return {"num_layers": sizes["num_layers"], "embed_dim": dim, "attention_heads": sizes["attention_heads"],
+            "token_dropout": token_dropout, "trained": hf.is_trained(config)}
 
 
 def check_vocabulary(directory: Path) -> None:
@@ -118,7 +124,7 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
     """An :class:`Esm2Model` from a Hugging Face ESM-2 directory (``config.json`` already read)."""
     where = str(directory)
-    info = check_config(config, where)
+    info = check_config(config, str(directory / "config.json"))
     check_vocabulary(directory)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,19 @@ from esm.model.esm2 import ESM2
 
 from embedpipe import __version__
 from embedpipe.core.atomic import atomic_paths, check_output_path
-from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.errors import ModelError
-from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, validate_shape
+from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, validate_shape
 from embedpipe.model.esm2 import esm2_alphabet
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
 from embedpipe.model.downloads import companion_path
 
 #: State-dict key prefix of fair-esm's released checkpoints.
 KEY_PREFIX = "encoder.sentence_encoder."
+#: what the untrained marker's ``created_by`` says (the one kind of file make-test-model replaces)
+CREATED_BY = "embedpipe make-test-model"
+#: first bytes of a zip file: torch.save's format (a legacy pickle or an HDF5 store is never ours)
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 def make_test_model(
@@ -55,7 +60,40 @@ def make_test_model(
     """
     out = Path(out)
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
-    guard_outputs("make-test-model", [("checkpoint", out), *([("companion", companion_path(out))] if companion else [])])
+    outputs = [("checkpoint", out), *([("companion", companion_path(out))] if companion else [])]
+    with writing_outputs("make-test-model", outputs):
+        refuse_foreign(out, companion_path(out) if companion else None)
+        _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion)
+    return out
+
+
+def _is_test_model(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint make-test-model wrote (its untrained marker says so);
+    read memory-mapped, and only for a torch zip file (a large legacy file is never read)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+                return False
+        marker = load_checkpoint_safely(path).get(MARKER_KEY)
+    except (OSError, ModelError):
+        return False
+    return isinstance(marker, dict) and marker.get("created_by") == CREATED_BY
+
+
+def refuse_foreign(out: Path, companion: Path | None) -> None:
+    """Refuse to replace an existing file that is not a test model make-test-model wrote (a
+    store, a real checkpoint); its companion only beside such a test model. Why: the command
+    makes throw-away models, and ``make-test-model a.h5`` must not destroy a store."""
+    ours = out.is_file() and _is_test_model(out)
+    for path in (out, companion):
+        if path is not None and os.path.lexists(path) and not path.is_dir() and not ours:
+            raise ModelError(f"make-test-model: {path} exists and is not a test model make-test-model wrote; "
+                             "refusing to replace it (remove it or choose another path)")
+
+
+def _write(out: Path, layers: int, dim: int, heads: int, seed: int, token_dropout: bool,
+           storage_dtype: torch.dtype | None, companion: bool) -> None:
+    """The checkpoint (and its companion) of :func:`make_test_model`, atomically."""
     check_output_path(out)
     if companion:
         check_output_path(companion_path(out))
@@ -80,7 +118,6 @@ def make_test_model(
     else:
         with atomic_paths(out) as (tmp,):
             save(checkpoint, tmp)
-    return out
 
 
 def _untrained_marker(seed: int) -> dict[str, object]:
@@ -88,7 +125,7 @@ def _untrained_marker(seed: int) -> dict[str, object]:
     return {
         "trained": False,
         "seed": int(seed),
-        "created_by": "embedpipe make-test-model",
+        "created_by": CREATED_BY,
         "embedpipe_version": __version__,
         "torch_version": str(torch.__version__),
         "init": "fair-esm default; constant-initialised layer-norm scales and biases randomised",

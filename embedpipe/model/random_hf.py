@@ -20,6 +20,7 @@ import torch
 
 from embedpipe import __version__
 from embedpipe.core.errors import ModelError
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.model.checkpoint import validate_shape
 from embedpipe.model.hf_checkpoint import MARKER_KEY, require
 from embedpipe.model.t5_vocab import LETTERS
@@ -33,9 +34,14 @@ def marker(family: str, seed: int) -> dict[str, Any]:
 
 
 def write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Path:
-    """``files`` (name -> JSON object or text) and ``model.safetensors`` into directory ``out``."""
-    save_file = require("safetensors.torch", "make-test-model --family (writing model.safetensors)").save_file
-    out = Path(out)
+    """``files`` (name -> JSON object or text) and ``model.safetensors`` into directory ``out``,
+    its lock held meanwhile (embedpipe.core.output_guard: a second writer of ``out`` is refused)."""
+    with writing_outputs("make-test-model", [("OUT", Path(out))]):
+        return _write_directory(Path(out), files, tensors)
+
+
+def _write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Path:
+    save = require("safetensors.torch", "make-test-model --family (writing model.safetensors)").save
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelError(f"make-test-model: {out} exists and is not an empty directory; remove it or pick another OUT")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -44,7 +50,8 @@ def write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, t
         for name, content in files.items():
             text = content if isinstance(content, str) else json.dumps(content, indent=2, sort_keys=True)
             (tmp / name).write_text(text)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        # the bytes written as any file is (safetensors' own save_file leaves its file 0600)
+        (tmp / "model.safetensors").write_bytes(save({k: v.contiguous() for k, v in tensors.items()}))
         if out.is_dir():
             out.rmdir()
         tmp.rename(out)

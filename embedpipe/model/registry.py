@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from embedpipe.model import esm2_spec, hf_checkpoint, plugins
 from embedpipe.model.facts import ModelFacts
+from embedpipe.model.identity import ModelIdentity
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from embedpipe.model.base import EmbeddingModel
@@ -38,9 +39,10 @@ class Family:
     #: defines download_problem(name) -> str | None and fetch_model(name, dest) -> Path for the
     #: family's registered names (``fetch-model``, the workflow); None: nothing to fetch
     sources: str | None = None
-    #: (model sha256, whether batches may be packed) from the model's files, weights unread:
-    #: ``embed --reuse`` checks a source's identity before loading; None: load to know
-    file_identity: Callable[[str], tuple[str, bool]] | None = None
+    #: what of the model decides its numbers (weights, config, tokenizer sha256s, the family's
+    #: version) and whether batches may be packed, from its files, weights unread: a store's
+    #: identity (embedpipe.model.identity); None: only the loaded model's sha256 is known
+    file_identity: Callable[[str], ModelIdentity] | None = None
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -87,6 +89,12 @@ def is_model_name(spec: str) -> bool:
     """Whether ``spec`` is a registered name of any family (not a path)."""
     plugins.register_from_env(FAMILIES, register)
     return any(family.is_name(str(spec)) for family in FAMILIES)
+
+
+def model_identity(spec: str) -> ModelIdentity | None:
+    """The model's part of a store's identity from its files; None for a family that cannot say."""
+    family = family_for(spec)
+    return family.file_identity(str(spec)) if family.file_identity else None
 
 
 def load_model(spec: str) -> EmbeddingModel:

@@ -20,6 +20,7 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
+from embedpipe.model.config_bounds import t5_config
 from embedpipe.model import t5_vocab
 from embedpipe.model import layout
 from embedpipe.model.layout import TokenLayout
@@ -73,17 +74,19 @@ class T5Model:
         return T5Forward(prepare_weights(self.weights, policy, device), self.shape, policy, self.pad_id,
                          attention_inputs=attention_inputs)
 
-    def estimate_memory(self, policy: Policy) -> MemoryEstimate:
-        """Per token: fp32 residual and norm (8D), q/k/v/context (4 x H d_kv) and the
-        feed-forward's hidden layer (1 or 2 x d_ff) in the compute dtype. The L x L scores
-        are not counted per token: they are quadratic (docs/models.md, "Limits")."""
+    def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
+        """Per token: fp32 residual and norm (8D), q/k/v/context (4 x H d_kv, in the dtype
+        ``attention_inputs`` resolves to) and the feed-forward's hidden layer (1 or 2 x d_ff) in
+        the compute dtype. The L x L scores are not counted per token: they are quadratic
+        (docs/models.md, "Limits")."""
         s = self.shape
         parameters = sum(w.numel() for w in self.weights.values())
         inner = s.d_ff * (2 if s.gated else 1)
+        attention_itemsize = policy.attention_dtype(attention_inputs).itemsize
         return MemoryEstimate(host_bytes=host_bytes(4 * parameters),
                               weight_bytes=policy.weight_dtype.itemsize * parameters,
-                              activation_bytes_per_token=8 * s.d_model + policy.compute_dtype.itemsize * (
-                                  4 * s.num_heads * s.d_kv + inner))
+                              activation_bytes_per_token=8 * s.d_model + attention_itemsize * 4 * s.num_heads * s.d_kv
+                              + policy.compute_dtype.itemsize * inner)
 
 
 def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device: torch.device) -> dict[str, torch.Tensor]:
@@ -92,22 +95,12 @@ def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device:
 
 
 def shape_of(config: Mapping[str, Any], where: str) -> T5Shape:
-    """The encoder's shape from ``config.json``; one-line errors for what embedpipe cannot run."""
+    """The encoder's shape from ``config.json`` (``where``); every size bounded first
+    (:func:`embedpipe.model.config_bounds.t5_config`), one-line errors for what embedpipe cannot run."""
     proj = config.get("feed_forward_proj", "relu")
     if proj not in ("relu", "gated-gelu"):
         raise ModelError(f"{where}: feed_forward_proj {proj!r} is not supported (relu or gated-gelu)")
-    try:
-        shape = T5Shape(num_layers=int(config["num_layers"]), d_model=int(config["d_model"]),
-                        d_kv=int(config["d_kv"]), num_heads=int(config["num_heads"]), d_ff=int(config["d_ff"]),
-                        gated=proj == "gated-gelu",
-                        num_buckets=int(config.get("relative_attention_num_buckets", 32)),
-                        max_distance=int(config.get("relative_attention_max_distance", 128)),
-                        eps=float(config.get("layer_norm_epsilon", 1e-6)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelError(f"{where}: not a T5 config ({type(exc).__name__}: {exc})") from None
-    if min(shape.num_layers, shape.d_model, shape.d_kv, shape.num_heads, shape.d_ff) < 1:
-        raise ModelError(f"{where}: layers, d_model, d_kv, num_heads and d_ff must be positive")
-    return shape
+    return T5Shape(gated=proj == "gated-gelu", **t5_config(config, where))
 
 
 def _names(shape: T5Shape) -> dict[str, str]:
@@ -164,7 +157,7 @@ def encoder_weights(state: Mapping[str, torch.Tensor], shape: T5Shape, where: st
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5Model:
     """A :class:`T5Model` from a Hugging Face T5 directory (its ``config.json`` already read)."""
     where = str(directory)
-    shape = shape_of(config, where)
+    shape = shape_of(config, str(directory / "config.json"))
     family = hf.family_of(spec, directory, config)
     lut, eos, pad = t5_vocab.residue_table(t5_vocab.read_vocabulary(directory), family, where=where)
     files = hf.weight_files(directory)

@@ -71,6 +71,12 @@ class T5Forward:
         self.packed = {name: policy.pack(w, None) for name, w in weights.items()
                        if name.rsplit(".", 1)[-1] in LINEARS} if policy.packs(False) else {}
 
+    @property
+    def fp32_layers(self) -> dict[str, str]:
+        """Linear layers the policy packed but keeps fp32, name -> why (int8-mixed: weights too
+        small for int8, docs/precision.md "int8-mixed"); read after calibration, for provenance."""
+        return {name: why for name, packed in self.packed.items() if (why := getattr(packed, "fp32_reason", ""))}
+
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A bias-free projection as the policy runs a linear (the input cast to the weights'
         dtype; under autocast, PyTorch picks per op)."""

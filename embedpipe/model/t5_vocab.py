@@ -27,6 +27,10 @@ from embedpipe.core.errors import ModelError
 #: record is heads x L^2 x 4 bytes per layer, 2.1 GiB for ProtT5-XL (32 heads) at 4096.
 T5_MAX_RESIDUES = 4096
 
+#: the version of the T5 encoder's forward (t5_forward.py) and of these tokens, in every store's
+#: identity: bump it when a change moves the numbers (docs/cluster.md, "Resuming, rerunning")
+FAMILY_VERSION = 1
+
 #: Letters embedpipe lets through (embedpipe.inputs.residue_rules); any other maps to <unk>.
 LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
 #: ProtT5's recipe: ``re.sub(r"[UZOB]", "X", sequence)``.

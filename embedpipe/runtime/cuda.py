@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from typing import cast
 from collections.abc import Callable, Iterator
 
 import torch
@@ -41,7 +42,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     depend on the other sequences of its batch (no split-KV reduction order)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=1.0, num_splits=1)
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=1.0, num_splits=1)
+    return out[0] if isinstance(out, tuple) else out  # (out, logsumexp) only when asked for
 
 
 def free_memory(device: torch.device) -> int:
@@ -115,7 +117,8 @@ class HostCopy:
 
     def __init__(self, tensor: torch.Tensor, ring: PinnedRing | None = None) -> None:
         self._event: torch.cuda.Event | None = None
-        self._ring, self._buffer = ring, None
+        self._ring: PinnedRing | None = ring
+        self._buffer: torch.Tensor | None = None
         if tensor.device.type != "cuda":
             self._host = tensor.detach()
             return
@@ -141,6 +144,7 @@ class HostCopy:
             return self._host
         self._event.synchronize()
         host = self._host.clone()
+        assert self._ring is not None and self._buffer is not None  # set with the event
         self._ring.give(self._buffer)
         self._event, self._buffer = None, None
         self._host = host
@@ -207,12 +211,12 @@ class BusyTimer:
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
-            self._events.append((self._started, event))
+            self._events.append((cast(torch.cuda.Event, self._started), event))
             while self._events and self._events[0][1].query():  # done: no wait
                 begin, end = self._events.pop(0)
                 self._seconds += begin.elapsed_time(end) / 1000.0
         else:
-            self._seconds += time.perf_counter() - self._started
+            self._seconds += time.perf_counter() - cast(float, self._started)
         self._started = None
 
     @property

@@ -27,8 +27,15 @@ import torch.nn.functional as F
 
 #: symmetric int8 range used for weights and activations (-128 is never used)
 QMAX = 127.0
-#: scale floor: an all-zero row (padding) quantizes to zeros, not to NaN
-TINY = 1e-30
+#: the smallest normal float32: a weight channel whose scale (absmax / qmax) falls below it
+#: cannot be divided into int8 exactly, so its layer stays fp32 (:func:`weights_lost`)
+NORMAL_MIN = float(torch.finfo(torch.float32).tiny)
+#: activation rows whose absmax is below this are first multiplied by :data:`ACT_LIFT` (a power
+#: of two: exact, subnormals included), so ``QMAX / absmax`` stays finite and ``absmax / QMAX``
+#: normal; the lift is divided out of their output rows (:meth:`Int8Linear.__call__`). Why: a
+#: fixed floor (1e-30) quantized every smaller token to zeros (docs/precision.md, "int8-mixed")
+ACT_FLOOR = 2.0 ** -100
+ACT_LIFT = 2.0 ** 100
 
 
 #: 7-bit weights: where the CPU has no int8 dot product (AVX2 without VNNI), oneDNN multiplies
@@ -39,8 +46,30 @@ QMAX_7BIT = 63.0
 def quantize_weight(weight: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 (M, K) weights, fp32 (M,) scales): each output channel by its own absmax / ``qmax``."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / qmax).clamp_min(TINY)
+    absmax = w.abs().amax(dim=1)
+    # no floor: an all-zero channel gets scale 1 (zeros either way); a tiny one keeps its own
+    # scale, which weights_lost() checks (a floor once zeroed channels below 1e-30 silently)
+    scale = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
     return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
+
+
+def weights_lost(weight: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> str:
+    """Why int8 cannot hold this layer ('' when it can): output channels with non-zero weights
+    whose scale is below float32's normal range (``w / scale`` inexact) or that quantized to
+    all zeros; or channels so large that a rescaled int32 sum (up to ``qmax * max|w| * K``,
+    before the token's scale) overflows float32. Such a layer stays an fp32 island
+    (docs/precision.md, "int8-mixed")."""
+    absmax = weight.detach().float().abs().amax(dim=1)
+    small = (absmax > 0) & ((scale < NORMAL_MIN) | qweight.eq(0).all(dim=1))
+    sums = float(qweight.abs().amax()) * weight.shape[1]  # the largest |int32 sum| a unit token gives
+    large = scale.double() * QMAX * sums > float(torch.finfo(torch.float32).max)
+    if bool(small.any()):
+        return (f"{int(small.sum())} of {small.numel()} output channels have weights too small for int8 "
+                f"(max |w| {float(absmax[small].min()):.3g}, scale below float32's normal range)")
+    if bool(large.any()):
+        return (f"{int(large.sum())} of {large.numel()} output channels have weights too large for int8 "
+                f"(max |w| {float(absmax[large].max()):.3g}: the rescaled int32 sums overflow float32)")
+    return ""
 
 
 #: rows per eager pass: about 1 MiB of fp32 activations, so the passes after the first read
@@ -60,7 +89,10 @@ def quantize_per_token(x: torch.Tensor, zero_point: int = 0,
     ``zero_point`` 128: the same integers plus 128, as u8 (:data:`U8_ZERO_POINT`).
 
     A NaN or inf row gets a NaN/inf scale, so the layer's output row is NaN/inf too: a
-    broken record stays visible to the per-record checks and falls back to fp32.
+    broken record stays visible to the per-record checks and falls back to fp32. A row whose
+    absmax is below :data:`ACT_FLOOR` gets its integers relative to the floor but its own scale
+    (an all-zero row: zeros, scale 0), so its scale is at most ``ACT_FLOOR / 127``:
+    :meth:`Int8Linear.__call__` finds such rows by it and quantizes them again, lifted.
     Per L2-sized chunk of rows, eager passes, each vectorised: amax, amin, scale into a reused
     buffer, round (:func:`_round_into`) and convert into the int8 result.
     ``inverse_smoothing`` (K,): the rows are first multiplied by it, column by column, into the
@@ -78,7 +110,7 @@ def quantize_per_token(x: torch.Tensor, zero_point: int = 0,
         # max(amax, -amin): two vectorised row reductions, 5-10x faster than ``vector_norm(inf)``
         # or ``abs().amax()`` here (no |x| temporary); both propagate NaN
         amax = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
-        scaled = torch.mul(rows, QMAX / amax.clamp_min(TINY), out=buffer[:rows.shape[0]])
+        scaled = torch.mul(rows, QMAX / amax.clamp_min(ACT_FLOOR), out=buffer[:rows.shape[0]])
         _round_into(scaled, q[start:start + step], zero_point)
         torch.div(amax, QMAX, out=scale[start:start + step])
     return q, scale
@@ -143,16 +175,23 @@ class Int8Linear:
                  smoothing: torch.Tensor | None = None) -> None:
         self.bias = None if bias is None else bias.detach().float()
         self.out_features, self.in_features = weight.shape
-        weight = weight.detach().float()
+        source = weight = weight.detach().float()
         self.inverse_smoothing = None
         if smoothing is not None:
             smoothing = smoothing.detach().float().to(weight.device)
             weight = weight * smoothing[None, :]
             self.inverse_smoothing = smoothing.reciprocal()
+        #: why this layer stays an fp32 island ('' when it runs in int8): see :func:`weights_lost`
+        self.fp32_reason = ""
+        self.fp32_weight: torch.Tensor | None = None
         tried = ENGINES if engine == "auto" else (engine,)
         # full 8-bit weights first; 7-bit where the engine's int16 pair sums saturate (AVX2)
         for self.weight_qmax in (QMAX, QMAX_7BIT):
             self.qweight, self.weight_scale = quantize_weight(weight, self.weight_qmax)
+            self.fp32_reason = weights_lost(weight, self.qweight, self.weight_scale)
+            if self.fp32_reason:  # the exact fp32 linear, never a zeroed channel
+                self.engine, self.zero_point, self.fp32_weight = "fp32", 0, source
+                return
             if any(self._use(name) for name in tried):
                 return
         raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
@@ -173,7 +212,9 @@ class Int8Linear:
             got = self.scaled_matmul((probe.short() + self.zero_point).to(self.input_dtype))
         except (RuntimeError, AttributeError, TypeError):
             return False
-        return got.shape == want.shape and bool(torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6))
+        # compared per channel in units of its scale, so a layer of tiny weights is probed as hard
+        unit = self.weight_scale.double()
+        return got.shape == want.shape and bool(torch.allclose(got.double() / unit, want / unit, rtol=1e-5, atol=1e-6))
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -191,10 +232,28 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, scale = quantize_per_token(x.reshape(-1, self.in_features).float(), self.zero_point,
-                                       self.inverse_smoothing)
+        if self.fp32_weight is not None:  # an fp32 island (weights_lost)
+            y = F.linear(x.float(), self.fp32_weight, self.bias)
+            return F.gelu(y) if gelu else y
+        rows = x.reshape(-1, self.in_features).float()
+        xq, scale = quantize_per_token(rows, self.zero_point, self.inverse_smoothing)
         out = self.scaled_matmul(xq)
+        self._lift_tiny_rows(rows, out, scale)
         chunks = row_chunks(*out.shape)  # L2-sized, in place: no fresh buffers, one trip to memory
         for start in chunks:
             _rescale_(out[start:start + chunks.step], scale[start:start + chunks.step], self.bias, gelu)
         return out.view(*lead, self.out_features)
+
+    def _lift_tiny_rows(self, rows: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows quantized at :data:`ACT_FLOOR` (absmax at or below it: tiny, or zero) again,
+        multiplied by :data:`ACT_LIFT` first: ``out`` gets their rescaled products with the lift
+        divided out, and ``scale`` 1, so the rescale only adds the bias. A cheap (N, 1) test;
+        the rows themselves are rare (zero rows: padding, or a layer of tiny activations)."""
+        floored = (scale <= ACT_FLOOR / QMAX * (1 + 2.0 ** -20)).view(-1)  # the floor, whatever its rounding
+        if not bool(floored.any()):
+            return
+        index = floored.nonzero().view(-1)
+        lifted = rows.index_select(0, index) * ACT_LIFT
+        xq, lifted_scale = quantize_per_token(lifted, self.zero_point, self.inverse_smoothing)
+        out[index] = self.scaled_matmul(xq).mul_(lifted_scale).mul_(1.0 / ACT_LIFT)
+        scale[index] = 1.0

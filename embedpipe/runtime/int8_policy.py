@@ -12,7 +12,7 @@ that model (docs/precision.md, "int8-mixed").
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +61,12 @@ class Int8MixedPolicy(MixedPolicy):
         scales = SCALES if self.calibration is None else f"{SCALES_FROM}; {self.calibration.describe()}"
         return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": scales,
                                        "quantization_weight_range": weight_range()}
+
+    def runner_provenance(self, fp32_layers: Mapping[str, str]) -> dict[str, str]:
+        """``quantization_fp32_layers``: the linear layers int8 could not hold (weights below
+        float32's normal range once scaled), kept fp32 like the other islands; ``none`` usually."""
+        listed = "; ".join(f"{name}: {why}" for name, why in sorted(fp32_layers.items()))
+        return {"quantization_fp32_layers": listed or "none"}
 
     @property
     def overflow_limit(self) -> float:

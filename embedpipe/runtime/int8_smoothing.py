@@ -95,9 +95,15 @@ class CalibratingLinear:
         assert self.weight is not None
         return smoothquant_factors(self.x_absmax, self.weight.float().abs().amax(dim=0), self.alpha)
 
+    @property
+    def fp32_reason(self) -> str:
+        """Why the finished layer stays fp32 (:attr:`Int8Linear.fp32_reason`); '' until finished."""
+        return self.layer.fp32_reason if self.layer is not None else ""
+
     def finish(self) -> None:
         """Quantize with the calibrated factors and drop the fp32 weight reference."""
         if self.layer is None:
+            assert self.weight is not None  # dropped only once the layer exists
             self.layer = Int8Linear(self.weight, self.bias, smoothing=self.smoothing)
             self.weight = None
 

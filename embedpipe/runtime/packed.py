@@ -15,7 +15,7 @@ the host with the device; the lengths are checked here, on the host, instead).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +62,8 @@ class PackedTokens:
     def batch_size(self) -> int:
         return len(self.host_offsets) - 1
 
-    def to(self, device: torch.device, move: callable = None) -> PackedTokens:
+    def to(self, device: torch.device,
+           move: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None) -> PackedTokens:
         """The same batch on ``device`` (``move(tensor, device)`` copies, e.g. from pinned memory)."""
         move = move or (lambda tensor, where: tensor.to(where))
         return PackedTokens(move(self.tokens, device), move(self.positions, device), move(self.offsets, device),

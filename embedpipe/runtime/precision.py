@@ -91,6 +91,11 @@ class Policy:
         return {"precision_policy": self.name, "weight_dtype": dtype_name(self.weight_dtype),
                 "compute_dtype": dtype_name(self.compute_dtype), "island_dtype": self.island_name}
 
+    def runner_provenance(self, fp32_layers: Mapping[str, str]) -> dict[str, str]:
+        """Root attributes of what a prepared runner decided (int8-mixed: the layers kept fp32);
+        none for the other policies."""
+        return {}
+
     @property
     def island_name(self) -> str:
         """dtype of rotary tables, attention, norms and the residual stream, in words."""

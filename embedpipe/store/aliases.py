@@ -104,7 +104,8 @@ class _Problems:
     """The problem at the earliest manifest line of a pass (a store's problem after all lines)."""
 
     def __init__(self, manifest: Path) -> None:
-        self.manifest, self.first = manifest, None  # type: tuple[float, str] | None
+        self.manifest = manifest
+        self.first: tuple[float, str] | None = None
 
     def add(self, line: float, message: str) -> None:
         if self.first is None or line < self.first[0]:
@@ -133,7 +134,7 @@ def _rows(keys: list[str], tag: int, lines: list[int], shas: list[str], other: l
 
 def _with_sha(e: np.ndarray, sha: np.ndarray) -> np.ndarray:
     out = np.empty(len(e), dtype=e.dtype.descr + [("sha", "u1", (32,))])
-    for name in e.dtype.names:
+    for name in e.dtype.names or ():
         out[name] = e[name]
     out["sha"] = sha
     return out
@@ -158,10 +159,14 @@ class _Plan:
     def feed(self) -> None:
         """The stored records, then every manifest row, into the sorts; skipped IDs to the spool."""
         for lo, ids, sha in self.stores.blocks(digests=True):
+            assert sha is not None  # asked for
             self.by_id.add(_with_sha(entries(ids, 0, lo + np.arange(len(ids))), sha))
         rows = iter_manifest(self.manifest)
         while batch := list(islice(rows, BATCH)):
-            ok, dup, by_sha, skip = [], [], [], []
+            ok: list[tuple[str, int, str]] = []
+            dup: list[tuple[str, int, str, str]] = []
+            by_sha: list[tuple[str, int, str, str]] = []
+            skip: list[tuple[str, int, str]] = []
             for line, row in batch:
                 status = row.get("status") or ""
                 if status == "ok":
@@ -233,7 +238,8 @@ class _Plan:
         with h5py.File(shard.path, "r") as f:
             lo = row - self.stores.starts[self.stores.shards.index(shard)]
             rid = id_rows(f["ids"], lo, lo + 1)[0].decode()
-        line, message = self.problems.first  # type: ignore[misc]
+        assert self.problems.first is not None  # the problem this names the ID of
+        line, message = self.problems.first
         if line == float("inf"):
             self.problems.first = (line, message.replace("holds an id,", f"holds id {rid!r},"))
 
@@ -264,6 +270,7 @@ class _Plan:
         if not self.by_sha.rows:
             return
         for lo, ids, sha in self.stores.blocks(digests=True):
+            assert sha is not None  # asked for
             keys = np.frombuffer(sha.tobytes().hex().encode(), dtype="S64") if len(ids) else np.zeros(0, "S64")
             self.by_sha.add(entries(keys, 0, lo + np.arange(len(ids)), other=ids))
         for block in self.by_sha:

@@ -171,6 +171,48 @@ def column_problems(f: h5py.File, n: int, names: list[str]) -> list[Problem]:
             for p in _shape(f, name, (n,), f"N = {n} records")]
 
 
+def nonfinite_rows(block: np.ndarray) -> np.ndarray:
+    """Which rows of a block of vectors hold a NaN or an infinity (validate, export)."""
+    bad = ~np.isfinite(block)
+    return bad.reshape(bad.shape[0], -1).any(axis=1) if block.ndim > 1 else bad
+
+
+def _count(f: h5py.File, name: str) -> int | None:
+    """An integer root attribute, or None when absent; a non-integer is -1 (refused)."""
+    if name not in f.attrs:
+        return None
+    value = attr_to_python(f.attrs[name])
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
+def count_problems(f: h5py.File, n: int) -> list[str]:
+    """Root attributes that count rows agree with the rows (a ``merged_rows`` of 10^12 on 20
+    records passed validate): ``merged_rows`` is S+1 integer row starts from 0 to N, not
+    decreasing, S the ``merged_from`` sources; ``alias_count`` and ``skipped_count`` are those
+    groups' rows; ``reused_count`` and ``fallback_count`` lie in 0..N. Attributes only."""
+    out: list[str] = []
+    if "merged_rows" in f.attrs:
+        rows = np.atleast_1d(np.asarray(f.attrs["merged_rows"]))
+        sources = len(np.atleast_1d(f.attrs["merged_from"])) if "merged_from" in f.attrs else 0
+        if rows.ndim != 1 or rows.dtype.kind not in "iu" or len(rows) != sources + 1:
+            out.append(f"root attribute merged_rows has {rows.size} value(s) of type {rows.dtype}, expected "
+                       f"{sources + 1} integers (one start per merged_from source, then N)")
+        elif rows[0] != 0 or rows[-1] != n or (np.diff(rows.astype(np.int64)) < 0).any():
+            out.append(f"root attribute merged_rows runs from {int(rows[0])} to {int(rows[-1])}"
+                       + (" and decreases" if (np.diff(rows.astype(np.int64)) < 0).any() else "")
+                       + f", expected 0 to {n} (the store's records) without decreasing")
+    for name, group in (("alias_count", "aliases/id"), ("skipped_count", "skipped/id")):
+        have = int(f[group].shape[0]) if isinstance(f.get(group), h5py.Dataset) else 0
+        if (count := _count(f, name)) is not None and count != have:
+            out.append(f"root attribute {name} is {attr_to_python(f.attrs[name])!r}, but dataset {group} holds "
+                       f"{have} rows")
+    for name in ("reused_count", "fallback_count"):
+        if (count := _count(f, name)) is not None and not 0 <= count <= n:
+            out.append(f"root attribute {name} is {attr_to_python(f.attrs[name])!r}, outside 0..{n} (the store's "
+                       "records)")
+    return out
+
+
 def layout_problems(f: h5py.File, path: Path | str, columns: list[str], skip: Collection[str] = ()) -> list[Problem]:
     """Every structural check readers make at open: cheap (shapes, attributes and a few
     element reads), nothing proportional to the data; the datasets ``skip`` are not opened."""

@@ -82,15 +82,16 @@ class Column:
         """Whether a store of format ``version`` must have this column (validate, merge)."""
         return self.required_since is not None and version >= self.required_since
 
-    def to_python(self, raw: Any) -> Any:
-        """One stored value -> str, int or float."""
+    def to_python(self, raw: Any, where: str = "a stored string", row: int = 0) -> Any:
+        """One stored value -> str, int or float (``where``, ``row``: how bytes that are not
+        UTF-8 are named)."""
         if self.dtype == STR:
-            return decode_strings(np.asarray([raw]))[0]
+            return decode_strings(np.asarray([raw]), where, row)[0]
         return int(raw) if np.dtype(self.dtype).kind in "iu" else float(raw)
 
-    def to_table(self, raw: np.ndarray) -> np.ndarray:
-        """A whole stored column -> a table column (strings as an object array)."""
-        return np.array(decode_strings(raw), dtype=object) if self.dtype == STR else raw
+    def to_table(self, raw: np.ndarray, where: str = "a stored string", start: int = 0) -> np.ndarray:
+        """Stored rows from ``start`` -> a table column (strings as an object array)."""
+        return np.array(decode_strings(raw, where, start), dtype=object) if self.dtype == STR else raw
 
     def default_table(self, n: int) -> np.ndarray:
         """The table column of a store that lacks this column."""

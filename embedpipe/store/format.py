@@ -27,10 +27,11 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.core.errors import StoreError
+from embedpipe.core.errors import QUOTE_CHARS, StoreError
 from embedpipe.core.interrupts import checkpoint
 from embedpipe.core.options import POOLINGS, STORAGE_DTYPES
 from embedpipe.store import filters
+from embedpipe.store.attrjson import check_attr_text, load_json_attr
 
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 2
@@ -112,9 +113,32 @@ def encode_strings(values: Sequence[str]) -> np.ndarray:
     return np.array(encoded, dtype=string_dtype(width)) if encoded else np.zeros(0, dtype=string_dtype(1))
 
 
-def decode_strings(raw: np.ndarray) -> list[str]:
-    """Fixed-length (or variable-length) HDF5 strings read by h5py -> list of Python str."""
-    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in np.asarray(raw).ravel().tolist()]
+def dataset_label(ds: h5py.Dataset) -> str:
+    """``FILE: dataset NAME``, how an error names a dataset it read."""
+    return f"{ds.file.filename}: dataset {ds.name.lstrip('/')}"
+
+
+def decode_strings(raw: np.ndarray, where: str = "a stored string", start: int = 0) -> list[str]:
+    """Fixed-length (or variable-length) HDF5 strings read by h5py -> list of Python str.
+    Bytes that are not UTF-8 (a crafted store) are one StoreError naming ``where`` (e.g.
+    :func:`dataset_label`) and the row (``start`` + position), not a UnicodeDecodeError."""
+    values = np.asarray(raw).ravel().tolist()
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
+    except UnicodeDecodeError:
+        i, exc = next((i, e) for i, v in enumerate(values) if (e := _utf8_error(v)) is not None)
+        v = values[i]
+        shown = repr(v[:QUOTE_CHARS]) + (f"... ({len(v)} bytes)" if len(v) > QUOTE_CHARS else "")
+        raise StoreError(f"{where} row {start + i}: {shown} is not valid UTF-8 (byte 0x{v[exc.start]:02x} at "
+                         f"position {exc.start})") from None
+
+
+def _utf8_error(value: Any) -> UnicodeDecodeError | None:
+    try:
+        value.decode("utf-8") if isinstance(value, bytes) else None
+    except UnicodeDecodeError as exc:
+        return exc
+    return None
 
 
 def create_fixed_string_dataset(group: h5py.Group, name: str, n: int, width: int) -> h5py.Dataset:
@@ -288,7 +312,10 @@ def read_root_attrs(obj: h5py.HLObject, *, skip: Sequence[str] = (), only: Seque
     """All attributes (except ``skip``; or ``only`` those) as plain Python; JSON-encoded ones
     (``json_attrs``, ``config``) parsed."""
     keys = [key for key in obj.attrs if key not in skip and (only is None or key in only)]
-    out = {key: attr_to_python(obj.attrs[key]) for key in keys}
+    raw = {key: obj.attrs[key] for key in keys}
+    for key, value in raw.items():
+        check_attr_text(value, key, obj.file.filename)  # not UTF-8: one line, not a later traceback
+    out = {key: attr_to_python(value) for key, value in raw.items()}
     if only is not None and "json_attrs" in obj.attrs:
         out["json_attrs"] = attr_to_python(obj.attrs["json_attrs"])
     json_names = set(out.pop("json_attrs", []) or [])
@@ -296,8 +323,9 @@ def read_root_attrs(obj: h5py.HLObject, *, skip: Sequence[str] = (), only: Seque
     for key in json_names:
         if isinstance(out.get(key), str):
             with contextlib.suppress(ValueError):
-                out[key] = json.loads(out[key])
+                out[key] = load_json_attr(out[key], key, obj.file.filename)
     return out
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,5 +430,5 @@ def read_strings(ds: h5py.Dataset) -> list[str]:
     """A whole string dataset, read block by block."""
     out: list[str] = []
     for sl in iter_row_blocks(ds):
-        out.extend(decode_strings(ds[sl]))
+        out.extend(decode_strings(ds[sl], dataset_label(ds), sl.start))
     return out

@@ -23,7 +23,7 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.store import filters
-from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, decode_strings, string_dtype, tag
+from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, dataset_label, decode_strings, string_dtype, tag
 
 GROUP = "id_index"
 #: keys per block (= per HDF5 chunk): ~100 KiB of UniRef-style IDs, decompressed per lookup
@@ -99,8 +99,8 @@ class IdIndex:
         if GROUP in f:
             g = f[GROUP]
             return cls(g["keys"], g["rows"], np.asarray(g["fences"][:]), int(g.attrs.get("block_rows", BLOCK_ROWS)), path)
-        pairs = {group: list(zip(decode_strings(f[f"{group}/id"][:]), decode_strings(f[f"{group}/{second}"][:])))
-                 for group, second in (("aliases", "of"), ("skipped", "reason")) if group in f}
+        pairs = {group: _pairs(f, group, second) for group, second in (("aliases", "of"), ("skipped", "reason"))
+                 if group in f}
         keys, rows = index_keys(encode_ids(np.asarray(f["ids"][:])), pairs.get("aliases", ()), pairs.get("skipped", ()))
         order = np.argsort(keys, kind="stable")
         keys, rows = keys[order], rows[order]
@@ -159,13 +159,15 @@ class LazyIds(Sequence[str]):
         self._rows = max(1, ds.chunks[0] if ds.chunks else 65536)
         self._cache: tuple[int, list[str]] | None = None
         self._one: tuple[Any, Any, np.ndarray] | None = None
+        self._where = dataset_label(ds)  # how a row that is not UTF-8 is named
 
     def __len__(self) -> int:
         return self._n
 
     def _block(self, b: int) -> list[str]:
         if self._cache is None or self._cache[0] != b:
-            self._cache = (b, decode_strings(self._ds[b * self._rows : (b + 1) * self._rows]))
+            self._cache = (b, decode_strings(self._ds[b * self._rows : (b + 1) * self._rows], self._where,
+                                             b * self._rows))
         return self._cache[1]
 
     @overload
@@ -177,7 +179,7 @@ class LazyIds(Sequence[str]):
             lo, hi, step = i.indices(self._n)
             if step != 1:
                 return list(self)[i]
-            return decode_strings(self._ds[lo:hi]) if hi > lo else []
+            return decode_strings(self._ds[lo:hi], self._where, lo) if hi > lo else []
         i = int(i)
         if i < 0:
             i += self._n
@@ -196,11 +198,11 @@ class LazyIds(Sequence[str]):
         space, memory, out = self._one
         space.select_hyperslab((int(i),), (1,))
         self._ds.id.read(memory, space, out)
-        return decode_strings(out)[0]
+        return decode_strings(out, self._where, int(i))[0]
 
     def __iter__(self) -> Iterator[str]:
         for lo in range(0, self._n, self._rows):
-            yield from decode_strings(self._ds[lo : lo + self._rows])
+            yield from decode_strings(self._ds[lo : lo + self._rows], self._where, lo)
 
     def __contains__(self, value: object) -> bool:
         return bool(self._contains(value))
@@ -220,6 +222,12 @@ class LazyIds(Sequence[str]):
         return f"<ids: {self._n} record IDs>"
 
 
+def _pairs(f: h5py.File, group: str, second: str) -> list[tuple[str, str]]:
+    """``{group}/id`` with ``{group}/{second}`` (format 1: no index on disk), decoded with names."""
+    a, b = f[f"{group}/id"], f[f"{group}/{second}"]
+    return list(zip(decode_strings(a[:], dataset_label(a)), decode_strings(b[:], dataset_label(b))))
+
+
 def check_id_index(f: h5py.File, ids: list[str]) -> list[str]:
     """``embedpipe validate``: the stored index is exactly the one the records, aliases and
     skipped IDs give (sorted, every key's row right, fences the first key of each block).
@@ -231,8 +239,7 @@ def check_id_index(f: h5py.File, ids: list[str]) -> list[str]:
     g = f[GROUP]
     if any(name not in g for name in ("keys", "rows", "fences")):
         return [f"group {GROUP} needs datasets keys, rows and fences"]
-    pairs = {group: list(zip(decode_strings(f[f"{group}/id"][:]), decode_strings(f[f"{group}/{second}"][:])))
-             for group, second in (("aliases", "of"), ("skipped", "reason"))
+    pairs = {group: _pairs(f, group, second) for group, second in (("aliases", "of"), ("skipped", "reason"))
              if group in f and "id" in f[group] and second in f[group] and f[group]["id"].shape == f[group][second].shape}
     try:
         keys, rows = index_keys(encode_ids(ids), pairs.get("aliases", ()), pairs.get("skipped", ()))

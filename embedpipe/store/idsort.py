@@ -17,6 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from embedpipe.core.errors import quote
 from embedpipe.core.external_sort import ExternalSort, group_starts
 from embedpipe.store import filters
 from embedpipe.store.format import ARRAY, ID_INDEX, STRINGS, string_dtype, tag
@@ -67,10 +68,10 @@ def _group_problem(block: np.ndarray, lo: int, hi: int, stores: Callable[[int], 
     tags = g["tag"].tolist()
     if tags.count(STORED) > 1:
         r0, r1 = int(g["row"][0]), int(g["row"][1])
-        problem("duplicate", f"duplicate id {rid!r} in {stores(r0)} and {stores(r1)}", -1)
+        problem("duplicate", f"duplicate id {quote(rid)} in {stores(r0)} and {stores(r1)}", -1)
         return False
     if SKIP in tags:
-        problem("skipped", f"id {rid!r} occurs twice (record ids, aliases and skipped ids must be distinct)",
+        problem("skipped", f"id {quote(rid)} occurs twice (record ids, aliases and skipped ids must be distinct)",
                 int(g["line"][tags.index(SKIP)]))
         return False
     first_row = int(g["row"][0])
@@ -79,9 +80,9 @@ def _group_problem(block: np.ndarray, lo: int, hi: int, stores: Callable[[int], 
             continue  # an alias naming its own record, or a repeat of the same alias
         line = int(g["line"][j])
         if tags[0] == STORED:
-            problem("alias", f"id {rid!r} is both a stored record and a duplicate of {_text(g['other'][j])!r}", line)
+            problem("alias", f"id {quote(rid)} is both a stored record and a duplicate of {quote(_text(g['other'][j]))}", line)
         else:
-            problem("alias", f"id {rid!r} is a duplicate of both {_text(g['other'][0])!r} and {_text(g['other'][j])!r}", line)
+            problem("alias", f"id {quote(rid)} is a duplicate of both {quote(_text(g['other'][0]))} and {quote(_text(g['other'][j]))}", line)
         return False
     return True
 
@@ -183,7 +184,7 @@ def _resolve_aliases(f: h5py.File, n: int, index: ExternalSort, work: Path | Non
                 example = example or _text(block["key"][np.flatnonzero(alias & ~found)[0]])
             r = block[found]
             index.add(entries(r["other"], ALIAS, head["row"][found], lines=r["line"], other=r["key"]))
-    return [f"{unknown} alias(es) point to unknown ids (e.g. {example!r})"] if unknown else []
+    return [f"{unknown} alias(es) point to unknown ids (e.g. {quote(example)})"] if unknown else []
 
 
 def index_problems_sorted(f: h5py.File, n: int, *, compare: bool, work: Path | None = None) -> list[str]:
@@ -194,10 +195,10 @@ def index_problems_sorted(f: h5py.File, n: int, *, compare: bool, work: Path | N
     dups: list[str] = []
 
     def collect(kind: str, message: str, line: int) -> None:
-        if kind == "duplicate":
-            dups.append(message.split("'")[1] if "'" in message else message)
-        elif kind == "alias" and "both a stored record" in message:
-            problems.append(f"alias id {message.split(chr(39))[1]!r} is also a record id")
+        if kind == "duplicate":  # "duplicate id 'X' in row 3 and row 4"
+            dups.append(message.removeprefix("duplicate id "))
+        elif kind == "alias" and " is both a stored record" in message:  # "id 'X' is both ..."
+            problems.append(f"alias id {message[3 : message.index(' is both a stored record')]} is also a record id")
         elif kind == "alias":
             problems.append("alias ids are not unique")
         else:
@@ -213,7 +214,7 @@ def index_problems_sorted(f: h5py.File, n: int, *, compare: bool, work: Path | N
                 index.add(entries(id_rows(skipped[0], lo, hi), SKIP, -1 - np.arange(lo, hi)))
         mismatch = _compare(f, sorted_index(index, lambda row: f"row {row}", collect), compare)
     if dups:
-        problems.insert(0, f"ids are not unique ({len(dups)} duplicated, e.g. {dups[0]!r})")
+        problems.insert(0, f"ids are not unique ({len(dups)} duplicated, e.g. {dups[0]})")
     problems = list(dict.fromkeys(problems))
     return problems + mismatch
 

@@ -2,7 +2,7 @@
 separators. A newline or CR inside an ID split one line of an export's ``ids.txt`` into two
 (more lines than the matrix has rows); line-based tools split on the others. The writer and
 merge refuse such IDs, ``embedpipe validate`` reports them, and ``embedpipe shard`` refuses a
-FASTA header whose ID holds one. Dependency-free (``fasta.py`` imports it).
+FASTA header whose ID holds one. Imports only ``core.errors`` (``fasta.py`` imports it).
 docs/store-format.md, "Strings".
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+
+from embedpipe.core.errors import quote
 
 _FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
@@ -31,11 +33,12 @@ def first_bad_id(ids: Iterable[str]) -> tuple[int, str, str] | None:
     return None  # pragma: no cover - the joined search found one
 
 
-def bad_id_message(ids: Iterable[str], what: str = "id") -> str | None:
-    """One line naming the first ID with a forbidden character (None when all are clean)."""
+def bad_id_message(ids: Iterable[str], what: str = "id", start: int = 0) -> str | None:
+    """One line naming the first ID with a forbidden character (None when all are clean);
+    ``start``: the row of ``ids[0]`` (a block of a larger dataset)."""
     hit = first_bad_id(ids)
     if hit is None:
         return None
     i, value, ch = hit
-    return (f"{what} {value!r} (row {i}) holds the control character {ch}: IDs may not contain control "
+    return (f"{what} {quote(value)} (row {start + i}) holds the control character {ch}: IDs may not contain control "
             "characters or line separators (an export's ids.txt would gain lines)")

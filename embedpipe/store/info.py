@@ -3,6 +3,7 @@ as JSON-friendly data (:func:`store_info`) and as text (:func:`render_info`)."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,6 +67,18 @@ def _record_stats(f: h5py.File, n: int) -> dict[str, Any]:
     return info
 
 
+def _reused(attrs: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """Records copied by ``embed --reuse``, per source store: the root's ``reused_count`` and
+    ``reused_sources`` (a merged store's: summed per source uuid, store/reuse_index.py); a store
+    without them copied none (docs/store-format.md, ``reused_from``)."""
+    listed = attrs.get("reused_sources") or "[]"
+    try:
+        sources = json.loads(listed) if isinstance(listed, str) else list(listed)
+    except ValueError:
+        raise StoreError(f"{path}: root attribute reused_sources is not a JSON list: {str(listed)[:80]!r}") from None
+    return {"count": int(attrs.get("reused_count", 0)), "sources": sources}
+
+
 def _datasets(f: h5py.File) -> dict[str, Any]:
     datasets: dict[str, Any] = {}
 
@@ -100,6 +113,7 @@ def _info(f: h5py.File, path: Path, version: int) -> dict[str, Any]:
         "pooling": poolings_of(f),
     }
     info.update(_record_stats(f, n))
+    info["reused"] = _reused(attrs, path)
     info["datasets"] = _datasets(f)
     info["aliases"] = int(f["aliases/id"].shape[0]) if "aliases/id" in f else 0
     info["skipped"] = int(f["skipped/id"].shape[0]) if "skipped/id" in f else 0
@@ -131,7 +145,7 @@ def _batches_line(prov: Mapping[str, Any]) -> list[str]:
     whose shards differ keeps it per shard only, in ``shard_provenance``)."""
     if "tokens_per_batch" not in prov:
         return []
-    config = prov.get("config") if isinstance(prov.get("config"), Mapping) else {}
+    config = prov["config"] if isinstance(prov.get("config"), Mapping) else {}
     given = " (auto)" if config.get("tokens_per_batch") == "auto" else ""
     return [f"  batches     {prov['tokens_per_batch']} tokens{given}, {prov.get('batch_layout', '?')}; attention path "
             f"{prov.get('attention_path', '?')}, q/k/v {prov.get('attention_inputs', '?')}"]
@@ -183,6 +197,20 @@ def _stats_lines(info: Mapping[str, Any]) -> list[str]:
             lines.append(f"  max|act|    not recorded ({mx.get('nonfinite', 0)} records)")
     if "long_handling" in info:
         lines.append(f"  long seqs   {_fmt_counts(info['long_handling'])}")
+    lines += _reused_lines(info)
+    return lines
+
+
+def _reused_lines(info: Mapping[str, Any]) -> list[str]:
+    """How many records were copied from which ``--reuse`` store(s), none when nothing was."""
+    reused = info.get("reused") or {}
+    if not reused.get("count"):
+        return []
+    total = info.get("counts", {}).get("records", 0)
+    lines = [f"  reused      {reused['count']} of {total} records copied by embed --reuse, not computed"]
+    for source in reused.get("sources", []):
+        lines.append(f"              {source.get('records', '?')} from {source.get('path', '?')} "
+                     f"(store_uuid {source.get('store_uuid', '?')})")
     return lines
 
 

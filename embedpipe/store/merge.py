@@ -34,7 +34,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.atomic import check_output_path
-from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.errors import StoreError
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
@@ -138,7 +138,7 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             per_residue = "per_residue" in f
             attrs["per_residue"] = per_residue
             attrs["pooling"] = poolings_of(f)  # a store older than the attribute holds mean only
-            ids = decode_strings(f["ids"][:])  # one store's IDs, checked here, not kept
+            ids = decode_strings(f["ids"][:], f"{path}: dataset ids")  # one store's IDs, checked, not kept
             offsets = _shard_offsets(f, path) if per_residue else None
             # item size of each fixed-width column (0: the ragged sequence column of format 2)
             widths = {name: getattr(f[name], "dtype", np.dtype("u1")).itemsize * isinstance(f[name], h5py.Dataset)
@@ -219,7 +219,6 @@ def _check_paths(stores: Sequence[Path], out: Path, manifest: Path | None) -> li
         raise StoreError(f"{dup[0]}: given twice")
     if out.resolve() in resolved:
         raise StoreError(f"{out}: the output would overwrite one of the input stores")
-    guard_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths)
     return paths
 
 
@@ -415,12 +414,13 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
 def _merge_stores(stores: Sequence[Path], out: Path, manifest: Path | None) -> MergeSummary:
     paths = _check_paths(stores, out, manifest)
     out_dir = out.parent if str(out.parent) else Path(".")
-    shards = [_read_shard(p, out_dir) for p in paths]
-    _check_agreement(shards)
-    merge = _Merge(shards, Path(manifest) if manifest is not None else None)
-    with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
-        merge.write(f, out_dir)
-        checkpoint()  # before the rename: an interrupted merge leaves no output
+    with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths):
+        shards = [_read_shard(p, out_dir) for p in paths]
+        _check_agreement(shards)
+        merge = _Merge(shards, Path(manifest) if manifest is not None else None)
+        with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
+            merge.write(f, out_dir)
+            checkpoint()  # before the rename: an interrupted merge leaves no output
     return MergeSummary(
         out=out,
         stores=len(shards), records=merge.n,

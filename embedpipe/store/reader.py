@@ -112,8 +112,8 @@ class Store:
         if group not in self._pair_cache:
             f = self._h5
             self._pair_cache[group] = {} if group not in f else dict(zip(
-                decode_strings(read_dataset(f, self.path, f"{group}/id")),
-                decode_strings(read_dataset(f, self.path, f"{group}/{second}"))))
+                decode_strings(read_dataset(f, self.path, f"{group}/id"), f"{self.path}: dataset {group}/id"),
+                decode_strings(read_dataset(f, self.path, f"{group}/{second}"), f"{self.path}: dataset {group}/{second}")))
         return self._pair_cache[group]
 
     def _read(self, name: str, key: Any) -> np.ndarray:
@@ -261,7 +261,7 @@ class Store:
         if not -self._n_skipped <= row < self._n:
             raise self._corrupt_index(record_id, row, f"outside {-self._n_skipped}..{self._n - 1}")
         if row < 0:
-            stored = decode_strings(self._read("skipped/id", -1 - row))[0]
+            stored = decode_strings(self._read("skipped/id", -1 - row), f"{self.path}: dataset skipped/id", -1 - row)[0]
             if stored != record_id:
                 raise self._corrupt_index(record_id, row, f"skipped entry {-1 - row}, which is {stored!r}")
             return row, False
@@ -279,7 +279,8 @@ class Store:
         if row is None:
             raise UnknownIdError(f"{record_id!r} is not in {self.path.name}")
         if row < 0:
-            reason = decode_strings(self._read("skipped/reason", -1 - row))[0]
+            reason = decode_strings(self._read("skipped/reason", -1 - row), f"{self.path}: dataset skipped/reason",
+                                    -1 - row)[0]
             raise UnknownIdError(f"{record_id!r} was skipped when sharding: {reason}")
         return row
 
@@ -405,7 +406,7 @@ class Store:
             if name == "ids":
                 continue
             if name in f:
-                out[name] = column.to_python(self._column(name, row))
+                out[name] = column.to_python(self._column(name, row), f"{self.path}: dataset {name}", row)
             elif not column.required_in(self._version):
                 out[name] = column.default
         for pooling in self._pooling:
@@ -426,7 +427,7 @@ class Store:
             if name == "ids" or (name == "sequence" and not sequence):
                 continue
             if name in f:
-                table[name] = column.to_table(self._column(name, key))
+                table[name] = column.to_table(self._column(name, key), f"{self.path}: dataset {name}", lo)
             elif not column.required_in(self._version):
                 table[name] = column.default_table(hi - lo)
         return table

@@ -15,7 +15,6 @@ corruption. Plain h5py readers can still read the virtual datasets (docs/store-f
 from __future__ import annotations
 
 import errno
-import json
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.store.attrjson import load_json_attr
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, iter_row_blocks
 
 #: shard stores kept open at once by one reader
@@ -51,8 +51,9 @@ def open_error(store: Path | str, rel: str, exc: OSError) -> StoreError:
 def _pins(f: h5py.File) -> dict[str, Any]:
     """``merged_sources`` as rel -> store_uuid (empty when absent or malformed: validate says so)."""
     try:
-        return {str(e["path"]): e.get("store_uuid") for e in json.loads(attr_to_python(f.attrs.get("merged_sources")) or "[]")}
-    except (ValueError, TypeError, KeyError, AttributeError):
+        listed = load_json_attr(attr_to_python(f.attrs.get("merged_sources")) or "[]", "merged_sources")
+        return {str(e["path"]): e.get("store_uuid") for e in listed}
+    except (ValueError, TypeError, KeyError, AttributeError, StoreError):
         return {}
 
 

@@ -24,9 +24,11 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.external_sort import ExternalSort, group_starts
-from embedpipe.core.output_guard import guard_outputs
-from embedpipe.store.format import STORE_UUID_ATTR, check_format, is_complete, open_h5, read_root_attrs
+from embedpipe.core.output_guard import writing_outputs
+from embedpipe.store.format import (STORE_UUID_ATTR, attr_to_python, check_format, is_complete, open_h5,
+                                    read_root_attrs)
 from embedpipe.store.h5write import atomic_h5
+from embedpipe.store.reuse_checks import check_block, index_problem, read_fence, read_index_rows
 from embedpipe.store.sequences import iter_sequence_blocks
 
 INDEX_FORMAT = "embedpipe.reuse-index"
@@ -45,11 +47,12 @@ def sequence_digests(sequences: Iterable[str | bytes]) -> np.ndarray:
 
 
 def is_index(path: Path) -> bool:
-    """Whether ``path`` is a reuse index (not a store)."""
+    """Whether ``path`` is a reuse index (not a store); a ``format`` attribute of another type
+    (a crafted file) is not."""
     try:
         with h5py.File(path, "r") as f:
-            return f.attrs.get("format") == INDEX_FORMAT
-    except OSError:
+            return attr_to_python(f.attrs.get("format")) == INDEX_FORMAT
+    except (OSError, TypeError, ValueError):
         return False
 
 
@@ -68,8 +71,8 @@ def _sorted_entries(f: h5py.File, path: Path, work: Path | None) -> Iterable[np.
 def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
     """Write the reuse index of ``store`` to ``out`` (atomic); the number of distinct sequences."""
     store, out = Path(store), Path(out)
-    guard_outputs("reuse-index", [("--out", out)], [store])
-    with open_h5(store) as f:
+    # --out locked for the whole run; a source the store pins is an input (embedpipe.core.output_guard)
+    with writing_outputs("reuse-index", [("--out", out)], [store], stores=[store]), open_h5(store) as f:
         check_format(f, store)
         if not is_complete(f):
             raise StoreError(f"{store}: incomplete store; refusing to index it")
@@ -93,7 +96,10 @@ def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
 
 
 class ReuseIndex:
-    """An opened index: its fence in memory, blocks read on demand."""
+    """An opened index: its fence in memory, blocks read on demand. Every field is checked
+    before use against the real datasets (:mod:`embedpipe.store.reuse_checks`):
+    a crafted index gives one line naming the file and the field, never a traceback or an
+    allocation sized by what it declares (docs/store-format.md, "Reuse index")."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -102,13 +108,20 @@ class ReuseIndex:
         except OSError as exc:
             raise StoreError(f"{self.path}: cannot read reuse index: {exc}") from None
         f = self._file
-        if f.attrs.get("format") != INDEX_FORMAT or int(f.attrs.get("format_version", -1)) != INDEX_VERSION:
+        try:
+            if attr_to_python(f.attrs.get("format")) != INDEX_FORMAT or \
+                    attr_to_python(f.attrs.get("format_version")) != INDEX_VERSION:
+                raise StoreError(f"{self.path}: not a reuse index of format version {INDEX_VERSION} "
+                                 "(build it with embedpipe reuse-index)")
+            if (problem := index_problem(f, self.path)) is not None:
+                raise StoreError(f"{self.path}: reuse index {problem}; build the index again (embedpipe reuse-index)")
+            self.attrs: dict[str, Any] = {k: attr_to_python(f.attrs[k]) for k in f.attrs}
+            self.block = int(self.attrs["block"])
+            self.fence = read_fence(f, self.path)
+            self._checked: set[int] = set()  # blocks whose first key was seen to be their fence key
+        except BaseException:
             self.close()
-            raise StoreError(f"{self.path}: not a reuse index of format version {INDEX_VERSION} "
-                             "(build it with embedpipe reuse-index)")
-        self.attrs: dict[str, Any] = {k: f.attrs[k] for k in f.attrs}
-        self.block = int(self.attrs["block"])
-        self.fence = f["fence"][:]
+            raise
 
     @property
     def store_uuid(self) -> str:
@@ -116,6 +129,23 @@ class ReuseIndex:
 
     def close(self) -> None:
         self._file.close()
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, rows) of block ``b``, checked before use (:func:`check_block`)."""
+        lo = b * self.block
+        keys = read_index_rows(self._file, self.path, "keys", lo, lo + self.block)
+        rows = read_index_rows(self._file, self.path, "rows", lo, lo + self.block)
+        check_block(keys, rows, self.fence, b, self.block, self.path)
+        self._checked.add(b)
+        return keys, rows
+
+    def _starts_at_fence(self, b: int) -> None:
+        """Block ``b``'s first key is fence entry ``b`` (one key read): a digest that missed
+        block ``b - 1`` past its last key really is absent, not routed there by an edited fence."""
+        if 0 <= b < len(self.fence) and b not in self._checked:
+            first = read_index_rows(self._file, self.path, "keys", b * self.block, b * self.block + 1)
+            check_block(first, np.zeros(1, dtype=np.int64), self.fence, b, self.block, self.path)
+            self._checked.add(b)
 
     def lookup(self, digests: Sequence[bytes] | np.ndarray) -> np.ndarray:
         """The store row of each digest, -1 where the store has no such sequence. Reads only
@@ -129,16 +159,18 @@ class ReuseIndex:
         ordered = blocks[order]
         starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
         for first, last in zip(starts.tolist(), [*starts[1:].tolist(), len(ordered)]):
-            if ordered[first] < 0:  # before the first key: not in the store
+            b = int(ordered[first])
+            if b < 0:  # before the first key: not in the store
+                self._starts_at_fence(0)
                 continue
-            lo = int(ordered[first]) * self.block
-            keys = self._file["keys"][lo:lo + self.block]
+            keys, rows = self._block(b)
             mine = order[first:last]
             at = np.minimum(np.searchsorted(keys, q[mine]), len(keys) - 1)
             hit = keys[at] == q[mine]
             if hit.any():
-                rows = self._file["rows"][lo:lo + self.block]
                 out[mine[hit]] = rows[at[hit]]
+            if (q[mine][~hit] > keys[-1]).any():
+                self._starts_at_fence(b + 1)
         return out
 
 

@@ -12,7 +12,6 @@ See docs/store-format.md ("Merged stores", "How a merged store pins its sources"
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import StoreError
+from embedpipe.store.attrjson import load_json_attr
 from embedpipe.store.residues import is_resource_error, open_error
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, read_strings
 
@@ -74,7 +74,7 @@ def recorded_sources(f: h5py.File) -> dict[str, dict[str, Any]]:
     if raw is None:
         return {}
     try:
-        entries = json.loads(raw)
+        entries = load_json_attr(raw, MERGED_SOURCES_ATTR, f.filename)  # bounded (a crafted nesting)
         return {str(e["path"]): dict(e) for e in entries}
     except (ValueError, TypeError, KeyError):
         raise StoreError(f"root attribute {MERGED_SOURCES_ATTR} is not a JSON list of sources") from None

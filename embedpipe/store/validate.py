@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
-from embedpipe.store.checks import layout_problems
-from embedpipe.store.columns import COLUMNS, required_columns
+from embedpipe.store.checks import count_problems, layout_problems, nonfinite_rows
+from embedpipe.store.columns import COLUMNS, STR, required_columns
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
     LONG_HANDLING,
@@ -51,7 +51,7 @@ def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: l
     first_bad: int | None = None
     try:
         for sl, block in blocks:
-            if check_finite and (bad := _nonfinite_rows(block)).any():
+            if check_finite and (bad := nonfinite_rows(block)).any():
                 nonfinite += int(np.count_nonzero(bad))
                 if first_bad is None:
                     first_bad = sl.start + int(np.argmax(bad))
@@ -66,11 +66,6 @@ def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: l
         problems.append(f"dataset {name}: {nonfinite} row(s) with non-finite values (first at row {first_bad})")
 
 
-def _nonfinite_rows(block: np.ndarray) -> np.ndarray:
-    bad = ~np.isfinite(block)
-    return bad.reshape(bad.shape[0], -1).any(axis=1) if block.ndim > 1 else bad
-
-
 def _datasets_by_name(f: h5py.File) -> list[tuple[str, h5py.Dataset]]:
     out: list[tuple[str, h5py.Dataset]] = []
 
@@ -82,12 +77,56 @@ def _datasets_by_name(f: h5py.File) -> list[tuple[str, h5py.Dataset]]:
     return out
 
 
+def id_text_problems(f: h5py.File) -> tuple[list[str], bool]:
+    """IDs, aliases and skipped IDs block by block: UTF-8, no control characters, record IDs
+    not empty (uniqueness and the index: embedpipe.store.idsort). Shared by validate and
+    export. Returns (problems, whether ``ids`` could be read)."""
+    problems: list[str] = []
+    for name in ("ids", "aliases/id", "skipped/id"):
+        if not isinstance(ds := f.get(name), h5py.Dataset) or ds.ndim != 1:
+            continue
+        try:
+            for lo in range(0, ds.shape[0], ID_ROWS):
+                values = decode_strings(ds[lo : lo + ID_ROWS], f"dataset {name}", lo)
+                if (bad := bad_id_message(values, f"dataset {name}: id", lo)) is not None:
+                    problems.append(bad)
+                    break
+                if name == "ids" and "" in values:
+                    problems.append(f"ids contains an empty id (row {lo + values.index('')})")
+                    break
+        except StoreError as exc:  # not UTF-8: the dataset and row named
+            problems.append(str(exc))
+        except OSError as exc:
+            if name == "ids":
+                return [*problems, f"dataset ids: checksum mismatch or read error ({exc})"], False
+            # the checksum pass names the dataset and rows
+    return problems, True
+
+
+def export_problems(path: Path) -> list[str]:
+    """What ``embedpipe export`` checks before it writes anything (docs/exports.md): validate's
+    ID checks (characters, empty, duplicates across records, aliases and skipped IDs, by an
+    external sort: memory independent of N). The layout is checked at open (``open_store``),
+    non-finite vectors while streaming (embedpipe.export.blocks); the count attributes are not
+    what export writes (its counts are the rows)."""
+    with open_h5(path) as f:
+        n = int(f["ids"].shape[0])
+        problems, readable = id_text_problems(f)
+        if readable:
+            problems += index_problems_sorted(f, n, compare=False)
+    return problems
+
+
 class _Validation:
     """The checks of one open store, in order; each appends to ``problems``."""
 
     def __init__(self, f: h5py.File, path: Path, version: int, problems: list[str]) -> None:
         self.f, self.path, self.version, self.problems = f, path, version, problems
-        self.attrs = read_root_attrs(f)
+        try:
+            self.attrs = read_root_attrs(f)
+        except StoreError as exc:  # one attribute refused (nested JSON, not UTF-8): the rest still checked
+            problems.append(str(exc).removeprefix(f"{path}: "))
+            self.attrs = {key: attr_to_python(value) for key, value in f.attrs.items()}
         self.storage = self.attrs.get("storage_dtype")
         self.dim = self.attrs.get("dim")
         self.layers = stored_layers(f)
@@ -135,6 +174,7 @@ class _Validation:
         self.untrusted = {p.dataset for p in self.structural}
         self.problems.extend(p.message for p in self.structural
                              if p.kind in ("size", "index") or p.dataset.startswith("sequence"))
+        self.problems.extend(count_problems(self.f, self.n))
 
     def columns(self) -> None:
         """Every column the store's version requires exists; every column has N rows."""
@@ -150,27 +190,11 @@ class _Validation:
                 self.problems.append(f"dataset {name} has shape {self.f[name].shape}, expected ({self.n},)")
 
     def read_ids(self) -> None:
-        """IDs, aliases and skipped IDs block by block: readable, no control characters, none
-        empty (uniqueness and the index: embedpipe.store.idsort)."""
-        for name in ("ids", "aliases/id", "skipped/id"):
-            if name not in self.f:
-                continue
-            ds = self.f[name]
-            try:
-                for lo in range(0, ds.shape[0], ID_ROWS):
-                    values = decode_strings(ds[lo : lo + ID_ROWS])
-                    if (bad := bad_id_message(values, f"dataset {name}: id")) is not None:
-                        self.problems.append(bad)
-                        break
-                    if name == "ids" and any(not i for i in values):
-                        self.problems.append("ids contains an empty id")
-                        break
-            except OSError as exc:
-                if name == "ids":
-                    self.problems.append(f"dataset ids: checksum mismatch or read error ({exc})")
-                    return
-                continue  # the checksum pass names the dataset and rows
-        self.ids = LazyIds(self.f["ids"], lambda _: False)
+        """IDs, aliases and skipped IDs (:func:`id_text_problems`); ``ids`` read lazily after."""
+        problems, readable = id_text_problems(self.f)
+        self.problems.extend(problems)
+        if readable:
+            self.ids = LazyIds(self.f["ids"], lambda _: False)
 
     def means(self) -> None:
         """``layers`` matches the mean datasets, each (N, D) in the storage dtype."""
@@ -238,21 +262,38 @@ class _Validation:
         self.embedded_ok = use_emb and self._usable("embedded_length")
         if use_len:
             self.sequence_lengths()
-        handling = self._usable("long_handling") and self._handling()
+        for name, column in COLUMNS.items():  # every string column is UTF-8 (names the row)
+            if column.dtype == STR and name not in ("ids", "sequence", "long_handling") and self._usable(name):
+                self._distinct(name, keep=False)
+        for name in ("aliases/of", "skipped/reason"):
+            if name in self.f and self.f[name].ndim == 1:
+                self._distinct(name, keep=False)
+        handling = self._usable("long_handling") and self._distinct("long_handling")
         bad_handling = sorted(set(handling or ()) - set(LONG_HANDLING))
         if bad_handling:
             self.problems.append(f"long_handling has unknown value(s) {bad_handling}")
 
-    def _handling(self) -> set[str] | None:
-        """The distinct values, from the stored bytes block by block (decoding every value of a
-        64 MiB block to Python strings cost ~100 B per record)."""
-        ds = self.f["long_handling"]
+    def _distinct(self, name: str, keep: bool = True) -> set[str] | None:
+        """A string column's distinct values (``keep``; else none are kept: memory independent
+        of N), from the stored bytes block by block (decoding every value of a 64 MiB block to
+        Python strings cost ~100 B per record); a value that is not UTF-8 is one problem
+        naming its row."""
+        ds, out = self.f[name], set()
         try:
-            return {v for lo in range(0, self.n, COLUMN_ROWS)
-                    for v in decode_strings(np.unique(ds[lo : lo + COLUMN_ROWS]))}
+            for lo in range(0, ds.shape[0], COLUMN_ROWS):
+                block = ds[lo : lo + COLUMN_ROWS]
+                try:
+                    values = decode_strings(np.unique(block))
+                    out.update(values if keep else ())
+                except StoreError:
+                    decode_strings(block, f"dataset {name}", lo)  # raises, naming the row
         except OSError as exc:
-            self.problems.append(f"dataset long_handling: checksum mismatch or read error ({exc})")
+            self.problems.append(f"dataset {name}: checksum mismatch or read error ({exc})")
             return None
+        except StoreError as exc:
+            self.problems.append(str(exc))
+            return None
+        return out
 
     def sequence_lengths(self) -> None:
         """``length == len(sequence)`` (characters, either layout), block by block."""
@@ -260,7 +301,7 @@ class _Validation:
             return
         try:
             for lo, block in iter_sequence_blocks(self.f):
-                chars = np.array([len(b.decode("utf-8", "replace")) for b in block], dtype=np.int64)
+                chars = np.array([len(t) for t in decode_strings(block, "dataset sequence", lo)], dtype=np.int64)
                 lengths = self._ints("length", lo, lo + len(block))
                 if lengths is None:
                     return
@@ -376,6 +417,8 @@ def validate_store(path: Path) -> list[str]:
             except StoreError as exc:
                 return [str(exc).removeprefix(f"{path}: ")]
             _Validation(f, path, version, problems).run()
+    except StoreError as exc:  # a bounded read refused (a crafted JSON attribute, bytes not UTF-8)
+        problems.append(str(exc).removeprefix(f"{path}: "))
     except Exception as exc:  # noqa: BLE001 - validate must report, never crash
         problems.append(f"unreadable store structure: {type(exc).__name__}: {exc}")
     return problems

@@ -359,11 +359,13 @@ class StoreWriter:
                     f"{self.path}: {missing.size} record(s) never written; first missing id "
                     f"{self.ids[first]!r} (index {first})"
                 )
+            f = self._file
+            assert f is not None  # open until closed, and closing twice returns above
             for name, buffer in self._columns.items():
-                write_column(self._file, COLUMNS[name], buffer)
-            mark_complete(self._file)
-            self._file.flush()
-            self._file.close()
+                write_column(f, COLUMNS[name], buffer)
+            mark_complete(f)
+            f.flush()
+            f.close()
             self._closed = True
             commit(self._tmp, self.path)
             self._finalized = True

@@ -135,3 +135,15 @@ def check_outdir(outdir: str) -> None:
     path = Path(outdir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"config 'outdir': {outdir} exists and is not a directory; choose another outdir")
+
+
+def check_reuse(reuse: list[str], outdir: str) -> None:
+    """No ``reuse`` store inside ``outdir``: the run writes there (``{outdir}/embeddings.h5`` is
+    its own merge, made from the embed jobs that would read it: a cycle, and every rerun fails).
+    Symlinks resolved; docs/cluster.md, "Release to release"."""
+    root = Path(outdir).resolve()
+    for item in reuse:
+        if Path(item).resolve().is_relative_to(root):
+            raise ConfigError(f"config 'reuse': {item} lies inside outdir {outdir}, which this run writes "
+                              f"(it would reuse its own output); move the earlier release out of {outdir} "
+                              "or choose another outdir")

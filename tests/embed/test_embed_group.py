@@ -88,13 +88,15 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert (_uuid(stores[0]), stores[0].stat().st_mtime_ns) == before[0]
     assert _uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
-    assert all(embed_module.store_is_current(p, embed_module.embed_identity(OPTIONS, _sha(p), on_cpu, [0, 2]), _input(p))
+    assert all(embed_module.store_is_current(p, embed_module.embed_identity(OPTIONS, _model(tiny_model_path), on_cpu, [0, 2]), _input(p))
                for p in stores)
 
 
-def _sha(store: Path) -> str:
-    with h5py.File(store, "r") as f:
-        return str(f.attrs["model_sha256"])
+def _model(path: Path):
+    """The model's part of the identity (weights sha256, family version: embedpipe.model.identity)."""
+    from embedpipe.model.registry import model_identity
+
+    return model_identity(str(path))
 
 
 def _input(store: Path) -> str:

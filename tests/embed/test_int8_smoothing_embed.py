@@ -6,6 +6,7 @@ embedded without smoothing is never reused by a smoothing run (or the other way 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_identity
+from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.runtime.int8_smoothing import SHIPPED
 
@@ -150,10 +152,10 @@ def test_the_identity_separates_smoothing_and_calibration_contents(tmp_path) -> 
     computed_as = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
 
     def identity(**options) -> str:
-        return embed_identity(EmbedOptions(precision="int8-mixed", **options), "abc", computed_as, [2])
+        return embed_identity(EmbedOptions(precision="int8-mixed", **options), ModelIdentity("abc", True), computed_as, [2])
 
     plain = identity()
-    assert "int8" not in plain.replace("int8-mixed", "")  # unchanged for stores written before the option
+    assert "int8_smoothing" not in json.loads(plain)  # none: left out, as before the option
     calib = write_fasta(tmp_path / "c.fasta", random_sequences(2, (10, 20), seed=2))
     shipped, own = identity(int8_smoothing="smoothquant"), identity(int8_smoothing="smoothquant", int8_calibration=str(calib))
     assert len({plain, shipped, own}) == 3

@@ -35,15 +35,22 @@ def test_spellings_that_resolve_alike_keep_the_stores(tmp_path, tiny_model_path)
     assert len(other.embedded) == 2  # another layer is another store
 
 
-def test_a_store_with_the_identity_written_before_is_kept_when_spelt_the_same(tmp_path, tiny_model_path):
-    from embedpipe.embed.run import legacy_identity
-
+def test_a_store_with_the_identity_written_before_is_embedded_again_saying_why(tmp_path, tiny_model_path, capsys):
+    # issue 30: the identity an older embedpipe wrote did not cover the model's config and
+    # tokenizer files, the family's version or the int8 weight range: not current, said so
     shards, out = _shards(tmp_path), tmp_path / "stores"
     options = EmbedOptions(device="cpu", layers=(-1,))
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
-    for store in out.glob("*.h5"):  # as an older embedpipe wrote it: the options as spelt
+    for store in out.glob("*.h5"):  # as an older embedpipe wrote it
         with h5py.File(store, "r+") as f:
-            computed_as = json.loads(f.attrs["embed_identity"])["computed_as"]
-            f.attrs["embed_identity"] = legacy_identity(options, str(f.attrs["model_sha256"]), computed_as)
-    again = embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
-    assert again.embedded == [] and len(again.kept) == 2
+            old = json.loads(f.attrs["embed_identity"])
+            for key in ("identity_version", "model_files", "model_family"):
+                del old[key]
+            f.attrs["embed_identity"] = json.dumps(old | {"pooling": ["mean"]}, sort_keys=True)
+    capsys.readouterr()
+    again = embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options)
+    assert len(again.embedded) == 2 and again.kept == []
+    said = [line for line in capsys.readouterr().err.splitlines() if "embedding it again" in line]
+    assert said == [f"{out / s.stem}.h5: written by an older embedpipe whose identity did not cover the model's "
+                    "config.json and tokenizer files, the model family's version or the int8 weight range; "
+                    "embedding it again" for s in shards]

@@ -74,6 +74,10 @@ def where() -> str:
     return f"{f.filename[len(PACKAGE) - len('embedpipe'):]}:{f.lineno} ({f.name})"
 
 
+#: ``Trace.ops`` key counting ``abs`` of a floating tensor on the device
+FLOAT_ABS = "aten.abs.default[floating]"
+
+
 @dataclass
 class Trace:
     """What the faked GPU saw."""
@@ -165,6 +169,8 @@ class _SyncCounter(TorchDispatchMode):
         on_cuda = any(is_fake_cuda(a) for a in flat)
         if on_cuda:
             self.t.ops[str(func)] += 1
+            if func is aten.abs.default and flat[0].is_floating_point():
+                self.t.ops[FLOAT_ABS] += 1  # a full |x| copy of an activation (an integer abs is bookkeeping)
             answer = self._data_dependent(func, args, kwargs)
             if answer is not NotImplemented:
                 return answer

@@ -23,9 +23,9 @@ def _edited(tiny_model_path: Path, tmp_path: Path, **cfg: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("key", "value", "mismatch"), [
-    ("encoder_embed_dim", 10**6, r"embed_tokens\.weight has shape \(33, 32\) \(dim 32\)"),
-    ("encoder_layers", 10**6, r"the state dict holds layers 0\.\.1 \(2 distinct\) \(missing layers\.2\)"),
+@pytest.mark.parametrize(("key", "value", "mismatch"), [  # within the bounds (issue 30: larger is refused first)
+    ("encoder_embed_dim", 4096, r"embed_tokens\.weight has shape \(33, 32\) \(dim 32\)"),
+    ("encoder_layers", 1000, r"the state dict holds layers 0\.\.1 \(2 distinct\) \(missing layers\.2\)"),
 ])
 def test_a_cfg_the_weights_contradict_is_refused_before_the_model_is_built(tiny_model_path, tmp_path, key, value,
                                                                            mismatch):

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.fake_cuda import SEAM_NAME, Trace, fake_cuda, is_fake_cuda
+from helpers.fake_cuda import FLOAT_ABS, SEAM_NAME, Trace, fake_cuda, is_fake_cuda
 from embedpipe.runtime import cuda as ep_cuda
 from embedpipe.model import load_model
-from embedpipe.core.options import EmbedOptions
+from embedpipe.core.options import POLICY_NAMES, EmbedOptions
+from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.runtime.precision import FP32
 from embedpipe.embed.engine import Embedder
 
@@ -51,11 +52,17 @@ class NanAnswer:
         return out
 
 
-def trace_embed(model_path, *, nan_row: int | None = None, **options) -> tuple[Embedder, dict, Trace, dict]:
+def _weights(runner) -> list[torch.Tensor]:
+    """The tensors a prepared runner computes with: an ESM-2 module's parameters, or T5's dict."""
+    return list(runner.model.parameters()) if hasattr(runner, "model") else list(runner.w.values())
+
+
+def trace_embed(model_path, *, nan_row: int | None = None, pooling: tuple[str, ...] = ("mean", "bos"),
+                **options) -> tuple[Embedder, dict, Trace, dict]:
     """Embed the records on the faked GPU: (embedder, results, trace of the launch path, facts
     read while the GPU was faked)."""
     loaded = load_model(str(model_path))
-    options = EmbedOptions(device="cuda", per_residue=True, pooling=("mean", "bos"), layers=(1, -1), **options)
+    options = EmbedOptions(device="cuda", per_residue=True, pooling=pooling, layers=(1, -1), **options)
     with fake_cuda(answer=NanAnswer(nan_row)) as trace:
         embedder = Embedder(loaded, options, CUDA)
         embedder.runner(embedder.policy)
@@ -66,7 +73,7 @@ def trace_embed(model_path, *, nan_row: int | None = None, **options) -> tuple[E
         results = dict(embedder.embed(_records()))
         facts = {"preparation": preparation, "attention_path": embedder.attention_path, "fallback_device": embedder.fallback_device,
                  "runner_devices": {name: sorted({str(p.fake_device) if is_fake_cuda(p) else str(p.device)
-                                                  for p in runner.model.parameters()})
+                                                  for p in _weights(runner)})
                                     for name, runner in embedder.prepared.runners.items()}}
     return embedder, results, trace, facts
 
@@ -129,6 +136,51 @@ def test_a_record_whose_check_fails_is_rerun_in_fp32_on_the_device(model_path):
     fp32_matmuls = sum(n for (op, dtype), n in trace.matmul_dtypes.items() if dtype == torch.float32)
     assert fp32_matmuls > 0  # the fp32 re-run computed on the (faked) device
     assert len(trace.varlen_calls) >= 2  # the fp16 batches still took the varlen kernel
+
+
+# -- every family: the same launch-path contract ----------------------------------------------
+
+#: every family in its own on-disk format; the T5 encoders have no BOS and run padded (their
+#: relative-position bias is added to every score, so no varlen kernel)
+FAMILIES = {"esm2-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",)}
+GPU_POLICIES = [name for name in POLICY_NAMES if name != "int8-mixed"]  # int8-mixed is CPU-only
+
+
+@pytest.fixture(scope="module")
+def family_paths(model_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("trace-families")
+    paths = {"esm2-pt": model_path}
+    for family in ("hf-esm", "prot-t5", "ankh"):
+        paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=1)
+    return paths
+
+
+@pytest.mark.parametrize("precision", GPU_POLICIES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_launches_without_a_sync_under_every_gpu_policy(family_paths, family, precision):
+    embedder, results, trace, facts = trace_embed(family_paths[family], pooling=FAMILIES[family], precision=precision)
+    assert sorted(results) == list(range(len(LENGTHS)))
+    assert problems(trace) == []
+    d2h = [t for t in trace.transfers if t[0] == "D2H"]
+    assert d2h and all(SEAM_NAME in where and not blocking for _, blocking, where in d2h)
+    assert facts["runner_devices"][precision] == ["cuda:0"]
+    assert FLOAT_ABS not in trace.ops  # the largest-activation checks make no |x| copy (T5's bucket table is integer)
+    if FAMILIES[family] == ("mean",):  # T5: padded SDPA-free attention, never the varlen kernel
+        assert facts["attention_path"] == "padded-sdpa" and trace.varlen_calls == []
+    elif precision != "fp32":
+        assert facts["attention_path"] == "packed-varlen-flash"
+        assert len(trace.varlen_calls) == embedder.stats["batches"] * 2  # one per layer
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_reruns_a_failing_record_in_fp32_on_the_device(family_paths, family):
+    embedder, results, trace, facts = trace_embed(family_paths[family], pooling=FAMILIES[family], precision="fp16",
+                                                  nan_row=0)  # T5's first read-back holds one record
+    assert problems(trace) == []
+    assert embedder.stats["fallback"] == 1 and embedder.stats["fallback:nonfinite"] == 1
+    assert facts["runner_devices"] == {"fp16": ["cuda:0"], "fp32": ["cuda:0"]}
+    assert sum(1 for r in results.values() if r.precision_used == "fp32") == 1
+    assert sum(n for (op, dtype), n in trace.matmul_dtypes.items() if dtype == torch.float32) > 0
 
 
 # -- planted defects: the trace must catch each -------------------------------------------------

@@ -42,6 +42,7 @@ validate(config, schema="../schemas/config.schema.yaml")
 
 try:
     workflow_config.check_outdir(config["outdir"])
+    workflow_config.check_reuse(config.get("reuse") or [], config["outdir"])
 except workflow_config.ConfigError as exc:
     fail(exc)
 

@@ -118,7 +118,8 @@ class _Plot:
         mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
         step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
         first = math.ceil(lo / step) * step
-        out, v = [], first
+        out: list[tuple[float, str]] = []
+        v: float = first
         while v <= hi + step * 1e-9:
             label = f"{v:.0f}" if step >= 1 else f"{v:.{max(0, -math.floor(math.log10(step)) + 1)}f}"
             out.append((v, label))

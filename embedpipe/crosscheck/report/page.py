@@ -177,7 +177,7 @@ def _worst_table(data: dict, limit: int = 12) -> str:
     worst = sorted(data["records"], key=lambda r: (key(r), r["row"], r["layer"]))[:limit]
     per_residue = data["store"]["per_residue"]
     columns = measures.shown(per_residue)
-    header = ["id", "layer", "length", "precision used", *(m.column for m in columns), "overlap@k", "status"]
+    header = ["id", "layer", "length", "precision used", *(str(m.column) for m in columns), "overlap@k", "status"]
     rows = []
     for r in worst:
         row = [_e(r["id"]), _e(r["layer"]), _e(r["length"]),
