@@ -28,6 +28,12 @@ app = typer.Typer(
 )
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N."
+LIMITS = options.FASTA_LIMITS
+# shard and embed read FASTA through the same reader, held to the same limits (docs/store-format.md)
+MAX_RECORD_LENGTH = typer.Option(LIMITS.max_length, "--max-record-length", min=1,
+                                 help="Most residues one record may hold; a longer one stops the run.")
+MAX_ID_LENGTH = typer.Option(LIMITS.max_id_length, "--max-id-length", min=1,
+                             help="Most characters one ID may hold; a longer one stops the run.")
 #: defaults of the commands' options, from the library (embedpipe/core/options.py)
 EMBED = options.EmbedOptions()
 THRESHOLDS = options.Thresholds()
@@ -97,6 +103,8 @@ def shard(
     model: Optional[str] = typer.Option(
         None, "--model", help="The model the shards are for: its family's special tokens count per record "
                               "(default: ESM-2's BOS and EOS). Described only, never loaded."),
+    max_record_length: int = MAX_RECORD_LENGTH,
+    max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
     from embedpipe.shard.passes import TOKENS_PER_RECORD, shard_fasta
@@ -107,7 +115,8 @@ def shard(
 
         per_record = describe(model).token_layout.extra_tokens
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
-                          max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record)
+                          max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record,
+                          limits=options.FastaLimits(max_record_length, max_id_length))
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -171,6 +180,7 @@ def embed(
                                                    help=INT8_CALIBRATION_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
     from embedpipe.embed.run import embed_command
@@ -182,7 +192,8 @@ def embed(
         batch_layout=batch_layout, attention_inputs=attention_inputs, int8_smoothing=int8_smoothing,
         int8_calibration=int8_calibration,
     )
-    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse)
+    summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
+                            limits=options.FastaLimits(max_record_length, max_id_length))
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

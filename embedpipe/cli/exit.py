@@ -5,7 +5,9 @@ One job: a library ``EmbedpipeError``, an unforeseen ``OSError``, a reader that 
 down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (or
 ``embedpipe: interrupted``) and 1, 2, 130 or 141. SIGTERM (``kill``, ``scancel``, a SLURM
 time limit) is handled as Ctrl-C is, the temporaries removed by the same ``finally`` and
-``except`` blocks, and ends with 143. The commands themselves are in :mod:`embedpipe.cli.commands`.
+``except`` blocks, and ends with 143. Where h5py runs (merge), the library holds both back to
+the points between files and blocks (:mod:`embedpipe.core.interrupts`), which call the
+handlers set here. The commands themselves are in :mod:`embedpipe.cli.commands`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
+    _Interrupts.raised = EXIT_TERMINATED
     raise Terminated()
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C as Python's own handler, remembered: typer turns one that lands outside the
+    command (while it parses the arguments) into a silent 130, which :func:`run_app` reports."""
+    _Interrupts.raised = EXIT_INTERRUPTED
+    raise KeyboardInterrupt()
 
 
 def _interrupt_code(exc: BaseException) -> int:
@@ -85,6 +95,7 @@ def user_errors(func: F) -> F:
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
             print("embedpipe: interrupted", file=sys.stderr)
+            _Interrupts.reported = True
             raise typer.Exit(_interrupt_code(exc)) from None
 
     return wrapper  # type: ignore[return-value]
@@ -103,6 +114,8 @@ class _Interrupts:
 
     swallowed = False
     code = EXIT_INTERRUPTED
+    raised: int | None = None  # the code of the last interrupt a handler raised
+    reported = False  # the command's wrapper said "interrupted"
 
     @classmethod
     def hook(cls, args: Any) -> None:
@@ -159,6 +172,7 @@ def run_app(app: Any) -> None:
     (``format_message`` and ``exit_code``), not by class.
     """
     sys.unraisablehook = _Interrupts.hook
+    signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGALRM, _raise_remembered)
     try:
@@ -179,4 +193,7 @@ def run_app(app: Any) -> None:
     except KeyboardInterrupt as exc:
         print("embedpipe: interrupted", file=sys.stderr)
         finish(_interrupt_code(exc))
+    if result == EXIT_INTERRUPTED and _Interrupts.raised is not None and not _Interrupts.reported:
+        print("embedpipe: interrupted", file=sys.stderr)  # typer's silent 130 (see _raise_interrupt)
+        finish(_Interrupts.raised)
     finish(result if isinstance(result, int) else 0)

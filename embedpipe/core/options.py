@@ -82,6 +82,30 @@ ON_INVALID_DEFAULT = "error"
 #: (docs/cluster.md, "A UniRef50-sized run"; docs/benchmarks.md, "Workflow overhead")
 MAX_JOBS = 1000
 
+
+@dataclass(frozen=True)
+class FastaLimits:
+    """The most one FASTA record may hold, checked while the file streams (``shard`` and
+    ``embed``), so that a hostile input (a 2 MB gzip holding one 2 GiB record) stops at
+    once at bounded memory instead of being read whole (docs/store-format.md, "Input limits").
+
+    ``max_length``: residues of one record; the longest known proteins are about 35,000
+    (human titin) to 45,000 residues, so 100,000 is far above any real protein. ``max_id_length``:
+    characters of one ID (UniProt's are under 30; stores index IDs in memory)."""
+
+    max_length: int = 100_000
+    max_id_length: int = 1_000
+
+    def check(self, error: type[EmbedpipeError]) -> None:
+        """Refuse a limit below 1 (a typo must not make every record an error)."""
+        for flag, value in (("--max-record-length", self.max_length), ("--max-id-length", self.max_id_length)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise error(f"{flag} must be a positive integer, not {value!r}")
+
+
+#: the defaults of ``--max-record-length`` and ``--max-id-length``
+FASTA_LIMITS = FastaLimits()
+
 # ------------------------------------------------------------------------------ embed
 
 #: the smallest batch budget: one residue plus up to two special tokens (ESM-2's BOS and EOS,
@@ -264,6 +288,8 @@ __all__ = [
     "DEFAULT_DEVICE",
     "EmbedOptions",
     "FALLBACK_DEVICES",
+    "FASTA_LIMITS",
+    "FastaLimits",
     "FP32_ISLAND_POLICIES",
     "INT8_SMOOTHINGS",
     "LABEL_KINDS",

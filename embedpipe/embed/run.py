@@ -32,7 +32,7 @@ from embedpipe.core.locks import lock_path_for
 from embedpipe.model import load_model
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.downloads import companion_path
-from embedpipe.core.options import AUTO
+from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.store import StoreWriter, utc_now
@@ -118,34 +118,36 @@ def _indexed_store(path: Path) -> Path | None:
         return Path(str(f.attrs.get("store_path") or "")) if f.attrs.get("store_path") else None
 
 
-def _check_group(fastas: Sequence[Path], done: Path | None) -> None:
+def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits = FASTA_LIMITS) -> None:
     """Up front, before the first shard is embedded: ``--done`` can be written, and no shard is
     empty (the outputs are guarded and locked next, by :func:`_writing`)."""
     if done is not None:
         check_output_path(Path(done))
     for fasta in fastas:
-        with contextlib.closing(read_sequences(Path(fasta))) as records:
+        with contextlib.closing(read_sequences(Path(fasta), limits)) as records:
             empty = next(records, None) is None
         if empty:
             raise EmbedpipeError(f"{fasta}: no records to embed")
 
 
-def _read_records(fasta: Path) -> list[tuple[str, str]]:
-    records = list(read_sequences(Path(fasta)))
+def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
+    records = list(read_sequences(Path(fasta), limits))
     if not records:
         raise EmbedpipeError(f"{fasta}: no records to embed")
     return records
 
 
 def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False,
-                reuse: Sequence[Path] = ()) -> EmbedSummary:
+                reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS) -> EmbedSummary:
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
-    a ``reuse`` store holds is copied (embedpipe.embed.reuse)."""
+    a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
+    ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
     options.validate()
+    limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
-        records = _read_records(fasta)
+        records = _read_records(fasta, limits)
         check_output_path(Path(out))
         with _job(model, options, reuse, quiet) as job:
             return _embed_records(job, records, Path(fasta), Path(out), started,
@@ -305,7 +307,8 @@ def _group_outputs(fastas: Sequence[Path], out_dir: Path) -> list[Path]:
 
 
 def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: EmbedOptions,
-                 done: Path | None = None, quiet: bool = False, reuse: Sequence[Path] = ()) -> GroupSummary:
+                 done: Path | None = None, quiet: bool = False, reuse: Sequence[Path] = (),
+                 limits: FastaLimits = FASTA_LIMITS) -> GroupSummary:
     """Embed each shard into ``out_dir/STEM.h5`` with one model load; keep current stores.
 
     Each store is locked for the whole job (a second job on the same stores is refused), a
@@ -315,12 +318,13 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
     options.validate()
+    limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = _group_outputs(fastas, out_dir)
-    _check_group(fastas, done)
+    _check_group(fastas, done, limits)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
@@ -332,7 +336,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
                 summary.kept.append(store)
                 continue
             summary.embedded.append(_embed_records(
-                job, _read_records(Path(fasta)), Path(fasta), store, time.perf_counter(),
+                job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
                 {"input_sha256": digest}, quiet))
         if done is not None:
             _check_still_current(stores, digests, str(job.identity))
@@ -374,12 +378,13 @@ def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identit
 
 def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_dir: Path | None,
                   done: Path | None, options: EmbedOptions, quiet: bool = False,
-                  reuse: Sequence[Path] = ()) -> EmbedSummary | GroupSummary:
+                  reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS) -> EmbedSummary | GroupSummary:
     """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number."""
     if out_dir is None:
         if out is None or len(fastas) != 1 or done is not None:
             raise EmbedpipeError("give one FASTA with --out STORE.h5, or any number with --out-dir DIR [--done FILE]")
-        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet, reuse=reuse)
+        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet, reuse=reuse, limits=limits)
     if out is not None:
         raise EmbedpipeError("--out and --out-dir exclude each other: --out names the store of one FASTA")
-    return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet, reuse=reuse)
+    return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet, reuse=reuse,
+                        limits=limits)

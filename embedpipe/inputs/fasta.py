@@ -13,6 +13,8 @@ Rules (what a sequence may hold: :mod:`embedpipe.inputs.residue_rules`):
   is not UTF-8 or holds a NUL byte, an ID holding a control character, and the same ID twice
   are *structural* errors:
   :class:`InputError` at once;
+* a record over :class:`~embedpipe.core.options.FastaLimits` (residues, ID characters, bytes of
+  text) is a structural error too, found while the record streams (:mod:`embedpipe.inputs.bounds`);
 * blank lines, spaces and tabs inside a record are ignored;
 * lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (counted in
   ``FastaRecord.normalised``); ``U O B Z X`` are kept (ESM has tokens for them);
@@ -31,6 +33,8 @@ from typing import BinaryIO, Union
 
 from embedpipe.store.idtext import bad_id_char
 from embedpipe.core.errors import InputError
+from embedpipe.core.options import FASTA_LIMITS, FastaLimits
+from embedpipe.inputs.bounds import check_id, check_pending, check_record, text_cap
 from embedpipe.inputs.residue_rules import WHITESPACE, check_sequence, describe_invalid
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -188,6 +192,7 @@ def iter_fasta(
     check_duplicate_ids: bool = True,
     on_bytes: Callable[[int], None] | None = None,
     block_size: int = BLOCK_SIZE,
+    limits: FastaLimits = FASTA_LIMITS,
 ) -> Iterator[FastaRecord]:
     """Stream the records of one or more FASTA files (plain or gzip), in input order.
 
@@ -196,15 +201,16 @@ def iter_fasta(
     ``check_duplicate_ids``, across all ``paths``) an ID seen before, naming both lines.
     Invalid records are yielded with ``invalid``/``error`` set; the caller decides.
     ``on_bytes(n)`` is called with the number of on-disk bytes consumed (for progress bars).
+    A record over ``limits`` raises as soon as the part read so far shows it.
     """
     path_list = _as_paths(paths)
-    seen = _SeenIds(path_list) if check_duplicate_ids else None
+    seen = _SeenIds(path_list, limits) if check_duplicate_ids else None
     for file_index, path in enumerate(path_list):
         display = display_path(path)
         stream, raw_fh = _open_binary(Path(path), display)
         try:
             blocks = _counted(_read_blocks(stream, display, block_size), raw_fh, on_bytes)
-            yield from _parse(blocks, display, file_index, seen)
+            yield from _parse(blocks, display, file_index, seen, limits)
         finally:
             stream.close()
             if raw_fh is not stream:
@@ -217,12 +223,13 @@ class _SeenIds:
     A set, not a dict: the first line is looked up (by re-reading the input) on error only.
     """
 
-    def __init__(self, paths: list[PathLike]) -> None:
+    def __init__(self, paths: list[PathLike], limits: FastaLimits) -> None:
         self.paths = paths
+        self.limits = limits
         self.ids: set[str] = set()
 
     def duplicate(self, rid: str, display: str, line: int) -> InputError:
-        first = _first_source(self.paths, rid)
+        first = _first_source(self.paths, rid, self.limits)
         return InputError(f"{display}:{line}: duplicate ID '{rid}': first seen at {first}, again at {display}:{line}")
 
 
@@ -245,8 +252,10 @@ def _counted(blocks: Iterator[bytes], raw_fh: BinaryIO, on_bytes: Callable[[int]
         on_bytes(now - disk_pos)
 
 
-def _parse(blocks: Iterator[bytes], display: str, file_index: int, seen: _SeenIds | None) -> Iterator[FastaRecord]:
-    """The records of one file's blocks; a record spanning blocks waits for the next one."""
+def _parse(blocks: Iterator[bytes], display: str, file_index: int, seen: _SeenIds | None,
+           limits: FastaLimits) -> Iterator[FastaRecord]:
+    """The records of one file's blocks; a record spanning blocks waits for the next one (at
+    most ``limits`` of it: :func:`~embedpipe.inputs.bounds.check_pending`)."""
     line = 1  # line number of data[0]
     data = b""
     started = False  # seen the first header
@@ -260,14 +269,19 @@ def _parse(blocks: Iterator[bytes], display: str, file_index: int, seen: _SeenId
         pos = 0
         if not started:
             first = _first_header(data, display, line, eof)
-            if first is None:
-                continue  # only blank lines so far; keep them for line counting
+            if first is None:  # only blank lines so far: count them, keep only the last (partial) one
+                cut = data.rfind(b"\n") + 1
+                line += data.count(b"\n", 0, cut)
+                data = data[cut:]
+                continue
             if first < 0:
                 break  # blank-only file
             line += data.count(b"\n", 0, first)
             pos = first
             started = True
-        pos, line = yield from _complete_records(data, pos, eof, display, line, file_index, seen)
+        pos, line = yield from _complete_records(data, pos, eof, display, line, file_index, seen, limits)
+        if not eof:
+            check_pending(data, pos, display, line, limits)
         data = data[pos:] if pos else data
 
 
@@ -290,10 +304,11 @@ def _first_header(data: bytes, display: str, line: int, eof: bool) -> int | None
 
 
 def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int, file_index: int,
-                      seen: _SeenIds | None) -> Generator[FastaRecord, None, tuple[int, int]]:
+                      seen: _SeenIds | None, limits: FastaLimits) -> Generator[FastaRecord, None, tuple[int, int]]:
     """Yield every record of ``data[pos:]`` known to be complete (all of them at ``eof``);
     return where the incomplete rest starts and its line number."""
     seen_ids = None if seen is None else seen.ids
+    max_length, max_id, cap = limits.max_length, limits.max_id_length, text_cap(limits)  # per record: locals
     while True:
         nxt = data.find(b"\n>", pos)
         if nxt < 0:
@@ -308,12 +323,16 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
         if hend < 0:
             hend = end
         header, rid = _header(data[pos + 1 : hend], display, line)
+        if len(rid) > max_id:
+            check_id(rid, display, line, limits)
         if seen_ids is not None:
             if rid in seen_ids:
                 raise seen.duplicate(rid, display, line)  # type: ignore[union-attr]
             seen_ids.add(rid)
         raw = data[hend + 1 : end]
         seq, kinds, reason, bad = check_sequence(raw)
+        if len(seq) > max_length or end - pos > cap:
+            check_record(rid, len(seq), end - pos, display, line, limits)
         record = FastaRecord(rid, header, seq, display, line, file_index, kinds)
         if reason is not None:
             err_line, msg = describe_invalid(reason, raw, seq, bad, line)
@@ -331,8 +350,9 @@ def _header(header_b: bytes, display: str, line: int) -> tuple[str, str]:
     """(header text, ID) of one ``>`` line; an empty, non-UTF-8 or NUL-holding header is an error."""
     try:
         header = header_b.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise InputError(f"{display}:{line}: header is not valid UTF-8 text") from None
+    except UnicodeDecodeError as exc:  # the column counts bytes, the '>' being column 1
+        raise InputError(f"{display}:{line}: header is not valid UTF-8 text (byte 0x{header_b[exc.start]:02x} "
+                         f"at column {exc.start + 2})") from None
     if not header:
         raise InputError(f"{display}:{line}: empty header (a '>' line with no ID)")
     if "\x00" in header:
@@ -344,9 +364,9 @@ def _header(header_b: bytes, display: str, line: int) -> tuple[str, str]:
     return header, rid
 
 
-def _first_source(paths: list[PathLike], rid: str) -> str:
+def _first_source(paths: list[PathLike], rid: str, limits: FastaLimits) -> str:
     """``path:line`` of the first record with ID ``rid`` (error path: re-reads the input)."""
-    for record in iter_fasta(paths, check_duplicate_ids=False):
+    for record in iter_fasta(paths, check_duplicate_ids=False, limits=limits):
         if record.id == rid:
             return record.source
     return "?"  # pragma: no cover - the ID was seen before
@@ -362,13 +382,13 @@ def _raise_text_before(text: bytes, display: str, first_line: int) -> None:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def read_sequences(path: PathLike) -> Iterator[tuple[str, str]]:
+def read_sequences(path: PathLike, limits: FastaLimits = FASTA_LIMITS) -> Iterator[tuple[str, str]]:
     """Yield ``(id, normalised_sequence)`` for every record of a FASTA file to embed.
 
-    Raises :class:`InputError` (naming file, line, ID and reason) at the first invalid record
-    or duplicate ID.
+    Raises :class:`InputError` (naming file, line, ID and reason) at the first invalid record,
+    duplicate ID or record over ``limits``.
     """
-    for record in iter_fasta(path):
+    for record in iter_fasta(path, limits=limits):
         if record.invalid is not None:
             raise InputError(record.error or f"{record.source}: record '{record.id}': {record.invalid}")
         yield record.id, record.data.decode("ascii")

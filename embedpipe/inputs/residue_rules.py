@@ -111,5 +111,8 @@ def describe_invalid(reason: str, raw: bytes, data: bytes, bad_index: int, heade
         return line, f"stop codon '*' inside the sequence {where}"
     if reason == ALIGNMENT_GAP:
         return line, f"gap character '{char}' {where}: this looks like an alignment, not raw sequences"
+    if data[bad_index] >= 0x80:  # not text a residue can be: say which byte, not a decoded guess
+        return line, (f"invalid character (non-ASCII byte 0x{data[bad_index]:02x}) {where}: sequences are ASCII letters "
+                      "(a UTF-16 or binary file?)")
     quoted = f"'{char}'" if char.isprintable() and char.strip() else repr(char)
     return line, f"invalid character {quoted} {where}"

@@ -43,7 +43,7 @@ from embedpipe.core.errors import InputError
 from embedpipe.inputs.fasta import display_path, path_text
 from embedpipe.shard.manifest import MANIFEST
 from embedpipe.model.layout import ESM2_LAYOUT
-from embedpipe.core.options import MAX_JOBS, ON_INVALID, ON_INVALID_DEFAULT, check_choice
+from embedpipe.core.options import FASTA_LIMITS, MAX_JOBS, ON_INVALID, ON_INVALID_DEFAULT, FastaLimits, check_choice
 from embedpipe.core.progress import progress_bar
 from embedpipe.inputs.residue_rules import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.shard.index import (DUPLICATE, NORM_BIT, OK, REASON_CODE, SKIP_BASE, RecordIndex, Unique, dedupe,
@@ -249,6 +249,7 @@ def shard_fasta(
     max_jobs: int = MAX_JOBS,
     quiet: bool = False,
     tokens_per_record: int = TOKENS_PER_RECORD,
+    limits: FastaLimits = FASTA_LIMITS,
 ) -> ShardSummary:
     """Validate, normalise and deduplicate FASTA ``inputs`` and write length-sorted shards to ``out``.
 
@@ -258,10 +259,13 @@ def shard_fasta(
     :class:`InputError`; ``"skip"`` records it in the manifest as ``skipped:<reason>``.
     ``tokens_per_record``: the model family's special tokens per record (its token layout's
     ``extra_tokens``; ESM-2's 2 by default), counted in every shard's token budget.
+    ``limits``: the most one record may hold (``--max-record-length``, ``--max-id-length``),
+    checked while each input streams (docs/store-format.md, "Input limits").
     """
     started = time.perf_counter()
     out = Path(out)
     paths = _check_arguments(inputs, out, tokens_per_shard, on_invalid)
+    limits.check(InputError)
     plan_groups(0, max_jobs)  # refuse a bad --max-jobs before any work
     check_output_entries(out, [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))])
     summary = ShardSummary(
@@ -269,13 +273,14 @@ def shard_fasta(
         on_invalid=on_invalid, max_jobs=max_jobs, tokens_per_record=tokens_per_record,
     )
     with spool_directory(out) as tmp:
-        _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet)
+        _run(paths, tmp, summary, tokens_per_shard, on_invalid, quiet, limits)
         _install(tmp, out, [shard_name(s.index) for s in summary.shards])
     summary.elapsed_s = time.perf_counter() - started
     return summary
 
 
-def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool) -> None:
+def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_invalid: str, quiet: bool,
+         limits: FastaLimits) -> None:
     """Both passes into ``tmp``: read and index, dedupe, count, plan, write shards, manifest, shards.json.
 
     The spool and column files live in ``tmp/.work``, removed before ``tmp`` is installed.
@@ -284,7 +289,7 @@ def _run(paths: list[Path], tmp: Path, summary: ShardSummary, budget: int, on_in
     work = tmp / ".work"
     work.mkdir()
     with Syncer() as syncer:
-        index = read_inputs(paths, work, summary.input_bytes, on_invalid == "skip", quiet)
+        index = read_inputs(paths, work, summary.input_bytes, on_invalid == "skip", quiet, limits)
         if not index.n:
             raise InputError(f"no FASTA records found in {', '.join(summary.inputs)}")
         unique = dedupe(index)

@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import QUOTE_CHARS, StoreError
+from embedpipe.core.interrupts import checkpoint
 from embedpipe.core.options import POOLINGS, STORAGE_DTYPES
 from embedpipe.store import filters
 from embedpipe.store.attrjson import check_attr_text, load_json_attr
@@ -360,6 +361,7 @@ def check_format(f: h5py.File, path: Path | str) -> int:
 def open_h5(path: Path | str, *, cache_bytes: int | None = None) -> h5py.File:
     """Open read-only, turning 'missing', 'not HDF5' and 'truncated' into one-line StoreErrors;
     ``cache_bytes``: HDF5's chunk cache per dataset (default 1 MiB)."""
+    checkpoint()  # between files: where a held-back Ctrl-C or SIGTERM ends a merge (core/interrupts.py)
     path = Path(path)
     if not path.exists():
         raise StoreError(f"{path}: no such file")
@@ -406,6 +408,7 @@ def iter_row_blocks(ds: h5py.Dataset, *, block_bytes: int | None = None) -> Iter
         c = ds.chunks[0]
         rows = max(c, rows // c * c)
     for start in range(0, n, rows):
+        checkpoint()  # between blocks, never inside h5py (embedpipe.core.interrupts)
         yield slice(start, min(n, start + rows))
 
 

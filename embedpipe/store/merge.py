@@ -12,7 +12,9 @@
   (:mod:`embedpipe.store.aliases`).
 
 The header and the final ``complete`` are the writer's (:mod:`embedpipe.store.writer`).
-See ``docs/store-format.md`` ("Merged stores").
+See ``docs/store-format.md`` ("Merged stores"). Ctrl-C and SIGTERM are held back to the points
+between files and blocks (:mod:`embedpipe.core.interrupts`): raised inside h5py, they ended
+the command with ``SystemError`` and exit 1.
 """
 
 from __future__ import annotations
@@ -38,28 +40,11 @@ from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
 from embedpipe.store.encoding import check_encodings
-from embedpipe.store.format import (
-    ALIASES,
-    RESERVED_ATTRS,
-    SKIPPED,
-    STORE_UUID_ATTR,
-    VIRTUAL,
-    check_format,
-    create_array_dataset,
-    create_fixed_string_dataset,
-    create_per_residue_group,
-    create_pooled_group,
-    decode_strings,
-    encode_strings,
-    is_complete,
-    open_h5,
-    poolings_of,
-    read_blocks,
-    read_root_attrs,
-    stored_layers,
-    string_dtype,
-    tag,
-)
+from embedpipe.core.interrupts import checkpoint, deferred
+from embedpipe.store.format import (ALIASES, RESERVED_ATTRS, SKIPPED, STORE_UUID_ATTR, VIRTUAL, check_format,
+                                    create_array_dataset, create_fixed_string_dataset, create_per_residue_group,
+                                    create_pooled_group, decode_strings, encode_strings, is_complete, open_h5,
+                                    poolings_of, read_blocks, read_root_attrs, stored_layers, string_dtype, tag)
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.idsort import STORED, IndexWriter, entries, index_sort, sorted_index
 from embedpipe.store.idtext import bad_id_message
@@ -352,6 +337,7 @@ class _Merge:
                 continue
             layout = h5py.VirtualLayout(shape=(total, self.dim), dtype=self.storage)
             for shard, base in zip(self.shards, self.residue_rows[:-1]):
+                checkpoint()
                 if shard.rows:
                     layout[int(base) : int(base) + shard.rows] = h5py.VirtualSource(
                         shard.rel, f"per_residue/{name}", shape=(shard.rows, self.dim), dtype=self.storage
@@ -374,9 +360,11 @@ class _Merge:
             if self.manifest is not None:
                 plan_manifest(self.manifest, stores, index, skipped, work)
             for lo, ids, _ in stores.blocks(digests=False):
+                checkpoint()
                 index.add(entries(ids, STORED, lo + np.arange(len(ids))))
             writer = None
             for keys, rows, kept in sorted_index(index, stores.name, refuse):
+                checkpoint()
                 if writer is None:
                     writer = IndexWriter(f, index.key_width())
                 writer.add(keys, rows)
@@ -420,7 +408,11 @@ def stores_from(listing: Path) -> list[Path]:
 
 def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = None) -> MergeSummary:
     """Merge shard stores into ``out`` (atomic). See the module docstring."""
-    out = Path(out)
+    with deferred():  # a signal is raised at the next checkpoint, not inside h5py
+        return _merge_stores(stores, Path(out), manifest)
+
+
+def _merge_stores(stores: Sequence[Path], out: Path, manifest: Path | None) -> MergeSummary:
     paths = _check_paths(stores, out, manifest)
     out_dir = out.parent if str(out.parent) else Path(".")
     with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths):
@@ -429,6 +421,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
         merge = _Merge(shards, Path(manifest) if manifest is not None else None)
         with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
             merge.write(f, out_dir)
+            checkpoint()  # before the rename: an interrupted merge leaves no output
     return MergeSummary(
         out=out,
         stores=len(shards), records=merge.n,

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.core.interrupts import checkpoint
 from embedpipe.store import filters
 from embedpipe.store.checks import check_offsets, check_steps
 from embedpipe.store.format import (
@@ -141,6 +142,7 @@ def iter_sequence_blocks(f: h5py.Group, path: Path | str | None = None) -> Itera
     else:
         blocks = _ragged_blocks(obj["offsets"], n)
     for lo, hi in blocks:
+        checkpoint()  # between blocks, never inside h5py (embedpipe.core.interrupts)
         try:
             yield lo, read_sequences(f, lo, hi, path or "")
         except OSError as exc:

@@ -45,6 +45,8 @@ DEFAULTS = {
     "tokens_per_batch": EMBED.tokens_per_batch,
     "tokens_per_shard": options.TOKENS_PER_SHARD,
     "max_jobs": options.MAX_JOBS,
+    "max_record_length": options.FASTA_LIMITS.max_length,
+    "max_id_length": options.FASTA_LIMITS.max_id_length,
     "device": EMBED.device,
     "int8_calibration": EMBED.int8_calibration,
 }
@@ -76,6 +78,7 @@ def test_schema_minimums_and_device_pattern_match_the_library() -> None:
     assert word == {"type": "string", "enum": [options.AUTO]}
     assert PROPERTIES["tokens_per_shard"]["minimum"] == 1
     assert PROPERTIES["max_jobs"]["minimum"] == 1
+    assert PROPERTIES["max_record_length"]["minimum"] == PROPERTIES["max_id_length"]["minimum"] == 1
     pattern = re.compile(PROPERTIES["device"]["pattern"])
     for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12", EMBED.device):
         assert pattern.fullmatch(device), device
@@ -115,6 +118,9 @@ def test_shard_and_crosscheck_defaults_on_the_command_line_are_the_library_ones(
     shard = _cli_defaults("shard")
     assert (shard["tokens_per_shard"], shard["on_invalid"], shard["max_jobs"]) == (
         options.TOKENS_PER_SHARD, options.ON_INVALID_DEFAULT, options.MAX_JOBS)
+    limits = options.FASTA_LIMITS
+    for command in (shard, _cli_defaults("embed")):  # both read FASTA through the same reader
+        assert (command["max_record_length"], command["max_id_length"]) == (limits.max_length, limits.max_id_length)
     crosscheck = _cli_defaults("crosscheck")
     for field in dataclasses.fields(Thresholds):
         assert crosscheck[field.name] == getattr(Thresholds(), field.name), field.name
@@ -133,6 +139,7 @@ def test_library_functions_default_to_the_same_values() -> None:
 
     assert defaults(shard_fasta)["on_invalid"] == options.ON_INVALID_DEFAULT
     assert defaults(shard_fasta)["max_jobs"] == options.MAX_JOBS
+    assert defaults(shard_fasta)["limits"] == options.FASTA_LIMITS
     crosscheck = defaults(run_crosscheck)
     assert (crosscheck["sample"], crosscheck["seed"], crosscheck["k"], crosscheck["device"]) == (
         options.CROSSCHECK_SAMPLE, options.CROSSCHECK_SEED, options.CROSSCHECK_K, options.DEFAULT_DEVICE)

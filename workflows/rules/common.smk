@@ -15,6 +15,7 @@ from snakemake.utils import validate
 if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
 from embedpipe import model as embedpipe_model
+from embedpipe.core.options import FASTA_LIMITS
 from embedpipe.workflow import checks as workflow_checks
 from embedpipe.workflow import config as workflow_config
 from embedpipe.model import fetch as model_fetch
@@ -272,15 +273,28 @@ def embed_options():
         args += ["--int8-smoothing", config["int8_smoothing"]]
     if config["int8_calibration"] is not None:
         args += ["--int8-calibration", config["int8_calibration"]]
-    return _join(args)
+    return _join([*args, *fasta_limit_options()])  # likewise
+
+
+def fasta_limit_options():
+    """`--max-record-length`, `--max-id-length` of shard and embed (the same limits for both:
+    embed reads the shards through the same reader); not passed at the defaults, so existing
+    runs stay up to date (docs/store-format.md, "Input limits")."""
+    args = []
+    for key, flag, default in (("max_record_length", "--max-record-length", FASTA_LIMITS.max_length),
+                               ("max_id_length", "--max-id-length", FASTA_LIMITS.max_id_length)):
+        if config[key] != default:
+            args += [flag, config[key]]
+    return args
 
 
 def shard_options():
-    """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's (the
-    default: not passed, so existing runs stay up to date)."""
-    if MODEL_LAYOUT.extra_tokens == embedpipe_model.ESM2_LAYOUT.extra_tokens:
-        return ""
-    return " " + _join(["--model", MODEL])
+    """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's, and
+    the FASTA limits when not the defaults (otherwise not passed, so existing runs stay up to date)."""
+    args = fasta_limit_options()
+    if MODEL_LAYOUT.extra_tokens != embedpipe_model.ESM2_LAYOUT.extra_tokens:
+        args += ["--model", MODEL]
+    return f" {_join(args)}" if args else ""
 
 
 def reuse_indexes():
