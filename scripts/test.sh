@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: install everything, start the services the tests need, run pytest.
+# The test command: install everything, start the services the tests need, run ruff, mypy, then pytest.
 #   bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,10 @@ bash scripts/install.sh
 if [ -x scripts/slurm/start-cluster.sh ] || [ -f scripts/slurm/start-cluster.sh ]; then
   bash scripts/slurm/start-cluster.sh || echo "warning: SLURM did not start; SLURM tests will be skipped" >&2
 fi
+
+# lint and types first (configured in pyproject.toml): a finding fails the run before pytest
+"$PYTHON" -m ruff check .
+"$PYTHON" -m mypy
 
 set +e
 "$PYTHON" -m pytest "$@"

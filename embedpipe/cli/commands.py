@@ -15,8 +15,8 @@ from typing import Optional
 
 import typer
 
-from embedpipe.core import options
 from embedpipe.cli.exit import run_app, user_errors
+from embedpipe.core import options
 from embedpipe.core.errors import EmbedpipeError
 
 app = typer.Typer(
@@ -166,7 +166,8 @@ def embed(
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
     long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences",
-                                       help=f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."),
+                                       help="Over the model's window (ESM-2: 1022 residues): "
+                                            f"{_one_of(options.LONG_SEQUENCE_MODES)}."),
     attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
@@ -187,7 +188,8 @@ def embed(
 
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
-        tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype, long_sequences=long_sequences,
+        tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
+        long_sequences=long_sequences,
         attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
         batch_layout=batch_layout, attention_inputs=attention_inputs, int8_smoothing=int8_smoothing,
         int8_calibration=int8_calibration,
@@ -253,12 +255,15 @@ def crosscheck(
     ),
     seed: int = typer.Option(options.CROSSCHECK_SEED, "--seed", help="Sampling seed."),
     device: str = typer.Option(options.DEFAULT_DEVICE, "--device", help=DEVICE_HELP),
-    model: Optional[str] = typer.Option(None, "--model", help="Override the store's model (e.g. a moved checkpoint); its sha256 must match."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Override the store's model (e.g. a moved checkpoint); its sha256 must match."),
     allow_model_mismatch: bool = typer.Option(
-        False, "--allow-model-mismatch", help="Compare even when the model's sha256 differs from the store's (verdict at best warn)."
+        False, "--allow-model-mismatch",
+        help="Compare even when the model's sha256 differs from the store's (verdict at best warn)."
     ),
     pass_cosine: float = typer.Option(
-        THRESHOLDS.pass_cosine, "--pass-cosine", "--min-cosine", help="Pass needs every sampled pooled cosine to fp32 at or above this."
+        THRESHOLDS.pass_cosine, "--pass-cosine", "--min-cosine",
+        help="Pass needs every sampled pooled cosine to fp32 at or above this."
     ),
     fail_cosine: float = typer.Option(THRESHOLDS.fail_cosine, "--fail-cosine", help="Any pooled cosine below this fails."),
     pass_overlap: float = typer.Option(
@@ -268,7 +273,8 @@ def crosscheck(
         THRESHOLDS.residue_cosine, "--residue-cosine", help="With per-residue vectors: any residue cosine below this warns."
     ),
     determinism_cosine: float = typer.Option(
-        THRESHOLDS.determinism_cosine, "--determinism-cosine", help="Pass cosine for a store computed in fp32 (a determinism check)."
+        THRESHOLDS.determinism_cosine, "--determinism-cosine",
+        help="Pass cosine for a store computed in fp32 (a determinism check)."
     ),
     k: int = typer.Option(options.CROSSCHECK_K, "--k", min=1, help="Neighbours for overlap@k."),
     labels: Optional[Path] = typer.Option(None, "--labels", help=LABELS_HELP),

@@ -21,31 +21,31 @@ import h5py
 import torch
 
 from embedpipe.core.atomic import check_output_path
-from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.devices import claim_device
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.inputs.fasta import read_sequences
-from embedpipe.embed.group_marker import write_marker
 from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.core.locks import lock_path_for
-from embedpipe.model import load_model
-from embedpipe.model.base import EmbeddingModel
-from embedpipe.model.downloads import companion_path
 from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
+from embedpipe.embed.calibration import calibration_sha256
+from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.embed.group_marker import write_marker
+from embedpipe.embed.identity import describe_difference, embed_identity
+from embedpipe.embed.provenance import batching_attrs, provenance
+from embedpipe.embed.reuse import Job, Reuse, predict_identity
+from embedpipe.embed.writer_thread import BackgroundWriter
+from embedpipe.inputs.fasta import read_sequences
+from embedpipe.model import load_model
+from embedpipe.model.base import EmbeddingModel
+from embedpipe.model.downloads import companion_path
+from embedpipe.model.identity import ModelIdentity
+from embedpipe.model.registry import model_identity
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.reuse_index import is_index
 from embedpipe.store.validate import validate_store
-from embedpipe.embed.engine import EmbedOptions, Embedder
-from embedpipe.embed.calibration import calibration_sha256
-from embedpipe.embed.provenance import batching_attrs, provenance
-from embedpipe.embed.identity import describe_difference, embed_identity
-from embedpipe.embed.reuse import Job, Reuse, predict_identity
-from embedpipe.model.identity import ModelIdentity
-from embedpipe.model.registry import model_identity
 
 
 @dataclass

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Union
 
-from embedpipe.store.idtext import bad_id_char
 from embedpipe.core.errors import InputError
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
 from embedpipe.inputs.bounds import check_id, check_pending, check_record, text_cap
 from embedpipe.inputs.residue_rules import WHITESPACE, check_sequence, describe_invalid
+from embedpipe.store.idtext import bad_id_char
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -182,7 +182,7 @@ def display_path(path: PathLike) -> str:
 
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[PathLike]:
     if isinstance(paths, (str, os.PathLike)):
-        return [paths]  # type: ignore[list-item]
+        return [paths]
     return list(paths)
 
 
@@ -382,7 +382,7 @@ def _raise_text_before(text: bytes, display: str, first_line: int) -> None:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def read_sequences(path: PathLike, limits: FastaLimits = FASTA_LIMITS) -> Iterator[tuple[str, str]]:
+def read_sequences(path: PathLike, limits: FastaLimits = FASTA_LIMITS) -> Generator[tuple[str, str], None, None]:
     """Yield ``(id, normalised_sequence)`` for every record of a FASTA file to embed.
 
     Raises :class:`InputError` (naming file, line, ID and reason) at the first invalid record,

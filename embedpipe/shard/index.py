@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +24,10 @@ import numpy as np
 
 from embedpipe.core.errors import InputError
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
-from embedpipe.inputs.fasta import display_path, iter_fasta
-from embedpipe.shard.manifest import MANIFEST_COLUMNS, ManifestWriter, quote, quote_all
 from embedpipe.core.progress import progress_bar
+from embedpipe.inputs.fasta import display_path, iter_fasta
 from embedpipe.inputs.residue_rules import INVALID_REASONS, NORMALISATION_KINDS
+from embedpipe.shard.manifest import MANIFEST_COLUMNS, ManifestWriter, quote, quote_all
 from embedpipe.shard.output import Syncer, open_for_writing, write_errors
 from embedpipe.shard.spill import CHUNK, Spill
 
@@ -101,7 +101,7 @@ def read_inputs(paths: list[Path], work: Path, total_bytes: int, skipping: bool,
                        head=as_np(head, np.uint32), status=as_np(status, np.uint8), norm=as_np(norm, np.uint8))
 
 
-def _read(paths: list[Path], spill: Spill, spool: object, columns: tuple, skipping: bool, on_bytes: object,
+def _read(paths: list[Path], spill: Spill, spool: object, columns: tuple, skipping: bool, on_bytes: Callable[[int], None] | None,
           limits: FastaLimits) -> None:
     """The per-record loop; it binds what it uses to locals (it runs millions of times)."""
     length, offset, head, status, norm = columns

@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import IO, BinaryIO
 
 from embedpipe.core.errors import StoreError
 
@@ -50,7 +50,7 @@ def quote_all(cells: list[str]) -> list[str]:
 class ManifestWriter:
     """Writes the header, then rows: pre-formatted lines (fast) or cell tuples."""
 
-    def __init__(self, fh: TextIO, columns: Sequence[str] = MANIFEST_COLUMNS) -> None:
+    def __init__(self, fh: IO[str], columns: Sequence[str] = MANIFEST_COLUMNS) -> None:
         self._fh = fh
         self._csv = csv.writer(fh, **DIALECT)  # type: ignore[arg-type]
         self._csv.writerow(columns)

@@ -10,8 +10,9 @@ sequences or IDs (docs/benchmarks.md, "Sharding at scale"):
    its ID, file, line and digest go to column files beside the spool.
 2. Find duplicate IDs and sequences by sorting 64-bit keys, sort the unique sequences by
    length, plan shards greedily under the token budget (residues plus the model family's
-   special tokens per record: 2 for ESM-2's BOS and EOS, the default), copy each entry from the spool into its shard file, then stream ``manifest.tsv``
-   (one row per input record, in input order) and write ``shards.json``.
+   special tokens per record: 2 for ESM-2's BOS and EOS, the default), copy each entry from
+   the spool into its shard file, then stream ``manifest.tsv`` (one row per input record, in
+   input order) and write ``shards.json``.
 
 Everything is written into the temporary directory and moved into ``out`` only once all of
 it is complete, so a failed run leaves no manifest or shard files behind (and never a mix of
@@ -38,16 +39,26 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.core.atomic import check_output_entries, fsync_dir
-from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.errors import InputError
-from embedpipe.inputs.fasta import display_path, path_text
-from embedpipe.shard.manifest import MANIFEST
-from embedpipe.model.layout import ESM2_LAYOUT
 from embedpipe.core.options import FASTA_LIMITS, MAX_JOBS, ON_INVALID, ON_INVALID_DEFAULT, FastaLimits, check_choice
+from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
+from embedpipe.inputs.fasta import display_path, path_text
 from embedpipe.inputs.residue_rules import INVALID_REASONS, NORMALISATION_KINDS
-from embedpipe.shard.index import (DUPLICATE, NORM_BIT, OK, REASON_CODE, SKIP_BASE, RecordIndex, Unique, dedupe,
-                                   read_inputs, write_manifest)
+from embedpipe.model.layout import ESM2_LAYOUT
+from embedpipe.shard.index import (
+    DUPLICATE,
+    NORM_BIT,
+    OK,
+    REASON_CODE,
+    SKIP_BASE,
+    RecordIndex,
+    Unique,
+    dedupe,
+    read_inputs,
+    write_manifest,
+)
+from embedpipe.shard.manifest import MANIFEST
 from embedpipe.shard.output import Syncer, spool_directory
 
 SHARDS_JSON = "shards.json"

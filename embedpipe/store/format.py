@@ -16,8 +16,8 @@ and info all build on this module, so each rule below exists once:
 from __future__ import annotations
 
 import contextlib
-import errno
 import datetime as _dt
+import errno
 import json
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,7 +29,7 @@ import numpy as np
 
 from embedpipe.core.errors import QUOTE_CHARS, StoreError
 from embedpipe.core.interrupts import checkpoint
-from embedpipe.core.options import POOLINGS, STORAGE_DTYPES
+from embedpipe.core.options import POOLINGS
 from embedpipe.store import filters
 from embedpipe.store.attrjson import check_attr_text, load_json_attr
 

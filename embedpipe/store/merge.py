@@ -25,8 +25,8 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +34,42 @@ import h5py
 import numpy as np
 
 from embedpipe.core.atomic import check_output_path
-from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.errors import StoreError
+from embedpipe.core.interrupts import checkpoint, deferred
+from embedpipe.core.output_guard import writing_outputs
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
 from embedpipe.store.encoding import check_encodings
-from embedpipe.core.interrupts import checkpoint, deferred
-from embedpipe.store.format import (ALIASES, RESERVED_ATTRS, SKIPPED, STORE_UUID_ATTR, VIRTUAL, check_format,
-                                    create_array_dataset, create_fixed_string_dataset, create_per_residue_group,
-                                    create_pooled_group, decode_strings, encode_strings, is_complete, open_h5,
-                                    poolings_of, read_blocks, read_root_attrs, stored_layers, string_dtype, tag)
+from embedpipe.store.format import (
+    ALIASES,
+    RESERVED_ATTRS,
+    SKIPPED,
+    STORE_UUID_ATTR,
+    VIRTUAL,
+    check_format,
+    create_array_dataset,
+    create_fixed_string_dataset,
+    create_per_residue_group,
+    create_pooled_group,
+    decode_strings,
+    encode_strings,
+    is_complete,
+    open_h5,
+    poolings_of,
+    read_blocks,
+    read_root_attrs,
+    stored_layers,
+    string_dtype,
+    tag,
+)
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.idsort import STORED, IndexWriter, entries, index_sort, sorted_index
 from embedpipe.store.idtext import bad_id_message
-from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
 from embedpipe.store.info import human_bytes
-from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
 from embedpipe.store.reuse_index import REUSED_ATTRS, reused_totals
+from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
+from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
 from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]

@@ -22,10 +22,10 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import (
     LONG_HANDLING,
-    STORAGE_DTYPES,
     attr_to_python,
     open_h5,
 )

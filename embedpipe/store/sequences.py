@@ -21,11 +21,11 @@ from embedpipe.core.interrupts import checkpoint
 from embedpipe.store import filters
 from embedpipe.store.checks import check_offsets, check_steps
 from embedpipe.store.format import (
+    ARRAY,
     OFFSETS,
     RAGGED_STRINGS,
     READ_BLOCK_BYTES,
     SMALL_CHUNK_BYTES,
-    ARRAY,
     chunk_rows,
     decode_strings,
     iter_row_blocks,
@@ -42,8 +42,8 @@ def _create(f: h5py.Group, n: int, total: int | None) -> tuple[h5py.Dataset, h5p
     g = f.create_group(NAME)
     tag(g, RAGGED_STRINGS)
     size = 0 if total is None else total
-    data = g.create_dataset("data", shape=(size,), dtype=np.uint8, chunks=(chunk_rows(1, max(size, 1 << 20), target=SMALL_CHUNK_BYTES),),
-                            maxshape=(None,), **filters.TEXT)
+    chunks = (chunk_rows(1, max(size, 1 << 20), target=SMALL_CHUNK_BYTES),)
+    data = g.create_dataset("data", shape=(size,), dtype=np.uint8, chunks=chunks, maxshape=(None,), **filters.TEXT)
     tag(data, ARRAY)
     offsets = g.create_dataset("offsets", shape=(n + 1,), dtype=np.int64,
                                chunks=(chunk_rows(8, n + 1, target=SMALL_CHUNK_BYTES),),
@@ -136,6 +136,7 @@ def iter_sequence_blocks(f: h5py.Group, path: Path | str | None = None) -> Itera
     a failed read (checksum mismatch) is one StoreError naming the column and rows."""
     obj = f[NAME]
     n = sequence_count(f) or 0
+    blocks: Iterator[tuple[int, int]]
     if isinstance(obj, h5py.Dataset):  # at most SEQUENCE_ROWS: short padded values are many Python objects
         blocks = ((lo, min(sl.stop, lo + SEQUENCE_ROWS)) for sl in iter_row_blocks(obj)
                   for lo in range(sl.start, sl.stop, SEQUENCE_ROWS))

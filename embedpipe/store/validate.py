@@ -11,13 +11,13 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.checks import count_problems, layout_problems, nonfinite_rows
 from embedpipe.store.columns import COLUMNS, STR, required_columns
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
     LONG_HANDLING,
     POOLINGS,
-    STORAGE_DTYPES,
     attr_to_python,
     check_format,
     decode_strings,

@@ -20,6 +20,7 @@ import numpy as np
 
 from embedpipe.core.atomic import commit, temp_path_for
 from embedpipe.core.errors import StoreError
+from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.columns import COLUMNS, EmbeddedRecord, write_column
 from embedpipe.store.format import (
     FORMAT,
@@ -27,7 +28,6 @@ from embedpipe.store.format import (
     LIBVER,
     LONG_HANDLING,
     RESERVED_ATTRS,
-    STORAGE_DTYPES,
     STORE_UUID_ATTR,
     create_array_dataset,
     create_per_residue_group,

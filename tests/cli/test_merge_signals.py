@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers.processes import wait_until
-from helpers.stores import write_store
 from embedpipe.store import EmbeddedRecord, open_store
 from embedpipe.store.validate import validate_store
+from helpers.processes import wait_until
+from helpers.stores import write_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_signals_at_random_times_during_merge_end_in_one_line(tmp_path: Path, st
         sig, code = (signal.SIGINT, 130) if run % 2 == 0 else (signal.SIGTERM, 143)
         proc = subprocess.Popen([sys.executable, "-c", CHILD_SLOWER, "merge", *map(str, stores), "--out", str(out),
                                  "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-        wait_until(proc, lambda: _leftovers(out) or out.exists(), "the merge began writing")
+        wait_until(proc, lambda: _leftovers(out) or out.exists(), "the merge began writing")  # noqa: B023 - waited on here
         time.sleep(rng.uniform(0, 1.5))
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)

@@ -18,8 +18,8 @@ import pytest
 import typer
 import yaml
 
-from embedpipe.core import options
 from embedpipe.cli import app
+from embedpipe.core import options
 from embedpipe.core.options import EmbedOptions, Thresholds
 
 ROOT = Path(__file__).resolve().parents[2]
