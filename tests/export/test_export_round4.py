@@ -7,23 +7,18 @@ an ``ids.txt`` of more lines than rows, duplicate IDs and NaN means were exporte
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 
-import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.export import export_store
 from embedpipe.export.formats import NAMES
 from embedpipe.store import EmbeddedRecord, merge_stores, validate_store
-from helpers.stores import write_store
+from helpers.processes import run_cli
+from helpers.stores import edit_store, set_row, write_store
 
-ROOT = Path(embedpipe.__file__).resolve().parents[1]
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 OUT = {"npy": "x.npy", "parquet": "x.parquet", "h5-per-id": "x.h5"}
 
@@ -67,25 +62,12 @@ def merged(tmp_path: Path) -> Path:
     return out
 
 
-def edit(path: Path, fn) -> None:
-    with h5py.File(path, "r+") as f:
-        fn(f)
 
-
-def set_row(f: h5py.File, name: str, row: int, value: bytes) -> None:
-    values = f[name][:].tolist()
-    values[row] = value
-    f[name][:] = np.array(values, dtype=f[name].dtype)
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "embedpipe.cli", *args], capture_output=True, text=True, env=env)
 
 
 def refused(store: Path, fmt: str, out_dir: Path, *extra: str) -> str:
     """The one error line of ``embedpipe export``; nothing (no output, no temporary) written."""
-    result = cli("export", str(store), "--format", fmt, "--out", str(out_dir / OUT[fmt]), *extra)
+    result = run_cli("export", str(store), "--format", fmt, "--out", str(out_dir / OUT[fmt]), *extra)
     assert result.returncode != 0, result.stdout
     assert "Traceback" not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("embedpipe: ")]
@@ -107,7 +89,7 @@ def out_dir(tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize("bad, shown, ch", [(b"r\nx", "'r\\nx'", "\\n"), (b"r\rx", "'r\\rx'", "\\r")])
 def test_an_id_with_a_line_break_is_refused_before_writing(store, tmp_path, fmt, bad, shown, ch):
     """(IDs here are at most 3 bytes wide: the crafted ID fits the stored width.)"""
-    edit(store, lambda f: set_row(f, "ids", 3, bad))
+    edit_store(store, lambda f: set_row(f, "ids", 3, bad))
     line = refused(store, fmt, out_dir(tmp_path, "o"))
     assert line == (f"embedpipe: error: {store}: dataset ids: id {shown} (row 3) holds the control character {ch}: "
                     "IDs may not contain control characters or line separators (an export's ids.txt would gain "
@@ -116,7 +98,7 @@ def test_an_id_with_a_line_break_is_refused_before_writing(store, tmp_path, fmt,
 
 @pytest.mark.parametrize("fmt", NAMES)
 def test_duplicate_ids_are_refused_before_writing(store, tmp_path, fmt):
-    edit(store, lambda f: set_row(f, "ids", 3, b"r4"))
+    edit_store(store, lambda f: set_row(f, "ids", 3, b"r4"))
     line = refused(store, fmt, out_dir(tmp_path, "o"))
     assert line.startswith(f"embedpipe: error: {store}: ids are not unique (1 duplicated, e.g. 'r4' in row 3 and "
                            "row 4)"), line
@@ -124,7 +106,7 @@ def test_duplicate_ids_are_refused_before_writing(store, tmp_path, fmt):
 
 
 def test_an_alias_that_is_also_a_record_id_is_refused(merged, tmp_path):
-    edit(merged, lambda f: set_row(f, "aliases/id", 0, b"a2"))
+    edit_store(merged, lambda f: set_row(f, "aliases/id", 0, b"a2"))
     with pytest.raises(StoreError) as info:
         export_store(merged, fmt="h5-per-id", out=tmp_path / "x.h5", quiet=True)
     assert str(info.value).startswith(f"{merged}: alias id 'a2' is also a record id"), info.value
@@ -132,7 +114,7 @@ def test_an_alias_that_is_also_a_record_id_is_refused(merged, tmp_path):
 
 
 def test_an_alias_id_with_a_newline_is_refused(merged, tmp_path):
-    edit(merged, lambda f: set_row(f, "aliases/id", 1, b"du\nB0"))
+    edit_store(merged, lambda f: set_row(f, "aliases/id", 1, b"du\nB0"))
     line = refused(merged, "npy", out_dir(tmp_path, "o"))
     assert f"{merged}: dataset aliases/id: id 'du\\nB0' (row 1) holds the control character \\n" in line, line
 
@@ -149,7 +131,7 @@ def test_a_merged_store_with_clean_ids_still_exports_every_input_id(merged, tmp_
 @pytest.mark.parametrize("fmt", NAMES)
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_a_non_finite_mean_is_refused_and_no_partial_output_remains(store, tmp_path, fmt, value):
-    edit(store, lambda f: f["mean/layer_2"].__setitem__((5, 1), value))
+    edit_store(store, lambda f: f["mean/layer_2"].__setitem__((5, 1), value))
     line = refused(store, fmt, out_dir(tmp_path, "o"))
     assert line == (f"embedpipe: error: {store}: dataset mean/layer_2: record 'r5' (row 5) holds non-finite values "
                     f"(1 row(s) of this block): export refuses them; run embedpipe validate {store}")
@@ -159,7 +141,7 @@ def test_a_non_finite_per_residue_row_names_the_record(store, tmp_path):
     def crafted(f):
         start = int(f["per_residue/offsets"][7])
         f["per_residue/layer_1"][start + 2, 0] = np.nan
-    edit(store, crafted)
+    edit_store(store, crafted)
     line = refused(store, "npy", out_dir(tmp_path, "o"), "--per-residue", "--layer", "1")
     assert line == (f"embedpipe: error: {store}: dataset per_residue/layer_1: record 'r7' (row 7, per-residue row 2) "
                     f"holds non-finite values (1 row(s) of this block): export refuses them; run embedpipe validate "
@@ -171,7 +153,7 @@ def test_a_refusal_in_a_later_block_leaves_the_previous_export_untouched(store, 
     and no temporary or half-written file remains."""
     export_store(store, fmt="npy", out=tmp_path / "x.npy", quiet=True)
     before = {p.name: p.read_bytes() for p in tmp_path.glob("x*")}
-    edit(store, lambda f: f["mean/layer_2"].__setitem__((17, 0), np.nan))
+    edit_store(store, lambda f: f["mean/layer_2"].__setitem__((17, 0), np.nan))
     row_bytes = 4 * 4
     with pytest.raises(StoreError, match=r"dataset mean/layer_2: record 'r17' \(row 17\) holds non-finite"):
         export_store(store, fmt="npy", out=tmp_path / "x.npy", quiet=True, block_bytes=5 * row_bytes)
@@ -181,7 +163,7 @@ def test_a_refusal_in_a_later_block_leaves_the_previous_export_untouched(store, 
 
 @pytest.mark.parametrize("fmt", NAMES)
 def test_an_empty_id_is_refused_before_writing(store, tmp_path, fmt):
-    edit(store, lambda f: set_row(f, "ids", 6, b""))
+    edit_store(store, lambda f: set_row(f, "ids", 6, b""))
     line = refused(store, fmt, out_dir(tmp_path, "o"))
     assert line == (f"embedpipe: error: {store}: ids contains an empty id (row 6): export refuses a store embedpipe "
                     f"validate rejects; run embedpipe validate {store}")

@@ -3,10 +3,16 @@ against a hang, and the child's output in the failure when it ends first."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
+
+#: the checkout whose package the child processes import
+ROOT = Path(__file__).resolve().parents[2]
 
 T = TypeVar("T")
 
@@ -23,3 +29,9 @@ def wait_until(proc: subprocess.Popen, ready: Callable[[], T], what: str, timeou
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
     return found
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m embedpipe.cli ARGS``, output captured, with this checkout's package first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "embedpipe.cli", *args], capture_output=True, text=True, env=env)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import h5py
+import numpy as np
 
 from embedpipe.store import EmbeddedRecord, StoreWriter
 
@@ -52,3 +55,17 @@ def write_store(path: Path, records: Sequence[EmbeddedRecord], rows: Sequence[in
             writer.write(i, record)
         writer.set_attrs(fallback_count=sum(1 for r in records if r.fallback_reason))
     return path
+
+
+def edit_store(path: Path, change: Callable[[h5py.File], object]) -> Path:
+    """``change`` applied to the store opened for writing (a crafted store, as a hostile user makes one)."""
+    with h5py.File(path, "r+") as f:
+        change(f)
+    return path
+
+
+def set_row(f: h5py.File, name: str, row: int, value: bytes) -> None:
+    """Row ``row`` of the string dataset ``name`` replaced by ``value`` (any bytes, same dtype)."""
+    values = f[name][:].tolist()
+    values[row] = value
+    f[name][:] = np.array(values, dtype=f[name].dtype)

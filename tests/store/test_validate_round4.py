@@ -4,9 +4,7 @@ of 10^12 on 20 records), JSON attributes nested 100,000 deep, bytes that are not
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -14,11 +12,11 @@ import numpy as np
 import pytest
 from test_store import synthetic, write_store
 
-import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import merge_stores, open_store, store_info, validate_store
+from helpers.processes import run_cli
+from helpers.stores import edit_store, set_row
 
-ROOT = Path(embedpipe.__file__).resolve().parents[1]
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
@@ -28,21 +26,7 @@ def store(tmp_path: Path) -> Path:
     return write_store(tmp_path / "s.h5", records, rows)
 
 
-def edit(path: Path, fn) -> Path:
-    with h5py.File(path, "r+") as f:
-        fn(f)
-    return path
 
-
-def set_row(f: h5py.File, name: str, row: int, value: bytes) -> None:
-    values = f[name][:].tolist()
-    values[row] = value
-    f[name][:] = np.array(values, dtype=f[name].dtype)
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "embedpipe.cli", *args], capture_output=True, text=True, env=env)
 
 
 def one_line(result: subprocess.CompletedProcess) -> str:
@@ -78,7 +62,7 @@ def test_validate_refuses_merged_rows_of_1e12(results, tmp_path):
         rows = f.attrs["merged_rows"].copy()
         rows[-1] = 10**12
         f.attrs["merged_rows"] = rows
-    edit(out, huge)
+    edit_store(out, huge)
     problems = validate_store(out)
     assert "root attribute merged_rows runs from 0 to 1000000000000, expected 0 to 15 (the store's records) " \
            "without decreasing" in problems, problems
@@ -94,7 +78,7 @@ def test_validate_refuses_merged_rows_of_the_wrong_length_and_counts_that_disagr
         f.attrs["alias_count"] = np.int64(10**12)
         f.attrs["skipped_count"] = np.int64(0)
         f.attrs["reused_count"] = np.int64(-1)
-    edit(out, crafted)
+    edit_store(out, crafted)
     problems = validate_store(out)
     assert "root attribute merged_rows has 2 value(s) of type int64, expected 4 integers (one start per " \
            "merged_from source, then N)" in problems, problems
@@ -104,7 +88,7 @@ def test_validate_refuses_merged_rows_of_the_wrong_length_and_counts_that_disagr
 
 
 def test_fallback_count_past_the_records_is_a_problem(store):
-    edit(store, lambda f: f.attrs.__setitem__("fallback_count", np.int64(10**12)))
+    edit_store(store, lambda f: f.attrs.__setitem__("fallback_count", np.int64(10**12)))
     assert validate_store(store) == ["root attribute fallback_count is 1000000000000, outside 0..20 (the store's "
                                      "records)"]
 
@@ -125,7 +109,7 @@ def test_json_depth_ignores_brackets_inside_strings():
 
 
 def test_config_nested_100000_deep_is_one_line_everywhere(store, tmp_path):
-    edit(store, lambda f: f.attrs.__setitem__("config", DEEP))
+    edit_store(store, lambda f: f.attrs.__setitem__("config", DEEP))
     want = (f"{store}: root attribute 'config' is JSON nested 100000 levels deep, more than 64: "
             "refusing to parse it")
     with pytest.raises(StoreError) as info:
@@ -135,8 +119,8 @@ def test_config_nested_100000_deep_is_one_line_everywhere(store, tmp_path):
         store_info(store)
     assert str(info.value) == want
     assert validate_store(store) == [want.removeprefix(f"{store}: ")]
-    assert one_line(cli("info", str(store))) == f"embedpipe: error: {want}"
-    assert one_line(cli("export", str(store), "--format", "npy", "--out", str(tmp_path / "x.npy"))).endswith(
+    assert one_line(run_cli("info", str(store))) == f"embedpipe: error: {want}"
+    assert one_line(run_cli("export", str(store), "--format", "npy", "--out", str(tmp_path / "x.npy"))).endswith(
         "root attribute 'config' is JSON nested 100000 levels deep, more than 64: refusing to parse it")
     assert not list(tmp_path.glob("x*"))
 
@@ -145,7 +129,7 @@ def test_merged_sources_nested_deep_is_one_line_at_open(results):
     root, paths, records, manifest = results
     out = root / "embeddings.h5"
     merge_stores(paths, out=out, manifest=manifest)
-    edit(out, lambda f: f.attrs.__setitem__("merged_sources", DEEP))
+    edit_store(out, lambda f: f.attrs.__setitem__("merged_sources", DEEP))
     with pytest.raises(StoreError, match=r"embeddings\.h5: root attribute 'merged_sources' is JSON nested 100000 "
                                          r"levels deep"):
         open_store(out)
@@ -156,7 +140,7 @@ def test_merged_sources_nested_deep_is_one_line_at_open(results):
 
 
 def test_an_id_that_is_not_utf8_names_the_dataset_and_row(store, tmp_path):
-    edit(store, lambda f: set_row(f, "ids", 3, b"s0\xffr3"))
+    edit_store(store, lambda f: set_row(f, "ids", 3, b"s0\xffr3"))
     want = "dataset ids row 3: b's0\\xffr3' is not valid UTF-8 (byte 0xff at position 2)"
     assert want in validate_store(store)
     with open_store(store) as st:
@@ -166,20 +150,20 @@ def test_an_id_that_is_not_utf8_names_the_dataset_and_row(store, tmp_path):
         with pytest.raises(StoreError, match=r"dataset ids row 3: b's0\\xffr3' is not valid UTF-8"):
             st.records()
     for fmt in ("npy", "h5-per-id", "parquet"):
-        line = one_line(cli("export", str(store), "--format", fmt, "--out", str(tmp_path / f"x-{fmt}")))
+        line = one_line(run_cli("export", str(store), "--format", fmt, "--out", str(tmp_path / f"x-{fmt}")))
         assert line == (f"embedpipe: error: {store}: {want}: export refuses a store embedpipe validate rejects; "
                         f"run embedpipe validate {store}"), line
     assert not list(tmp_path.glob("x-*")) and not list(tmp_path.glob(".x-*"))
 
 
 def test_a_string_column_that_is_not_utf8_is_a_validate_problem_and_one_line_in_info(store, tmp_path):
-    edit(store, lambda f: set_row(f, "precision_used", 2, b"fp\xff"))
+    edit_store(store, lambda f: set_row(f, "precision_used", 2, b"fp\xff"))
     want = "dataset precision_used row 2: b'fp\\xff' is not valid UTF-8 (byte 0xff at position 2)"
     assert validate_store(store) == [want]
     with pytest.raises(StoreError) as info:
         store_info(store)
     assert str(info.value) == f"{store}: {want}"
-    assert one_line(cli("info", str(store))) == f"embedpipe: error: {store}: {want}"
+    assert one_line(run_cli("info", str(store))) == f"embedpipe: error: {store}: {want}"
     with open_store(store) as st, pytest.raises(StoreError, match=r"dataset precision_used row 2: b'fp\\xff'"):
         st[st.ids[2]]
 
@@ -188,15 +172,15 @@ def test_a_sequence_that_is_not_utf8_names_the_row(store, tmp_path):
     def crafted(f):
         start = int(f["sequence/offsets"][5])
         f["sequence/data"][start] = 0xFF
-    edit(store, crafted)
+    edit_store(store, crafted)
     assert any(p.startswith("dataset sequence row 5: b'\\xff") and "is not valid UTF-8" in p
                for p in validate_store(store)), validate_store(store)
-    line = one_line(cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet")))
+    line = one_line(run_cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet")))
     assert f"{store}: dataset sequence row 5: b'\\xff" in line and "is not valid UTF-8" in line
 
 
 def test_merge_names_the_shard_whose_id_is_not_utf8(store, tmp_path):
-    edit(store, lambda f: set_row(f, "ids", 3, b"s0\xffr3"))
+    edit_store(store, lambda f: set_row(f, "ids", 3, b"s0\xffr3"))
     with pytest.raises(StoreError) as info:
         merge_stores([store], out=tmp_path / "m.h5")
     assert str(info.value) == f"{store}: dataset ids row 3: b's0\\xffr3' is not valid UTF-8 (byte 0xff at position 2)"
@@ -208,7 +192,7 @@ def test_an_id_past_the_first_block_is_named_by_its_own_row(store, monkeypatch):
     import embedpipe.store.validate as validate
 
     monkeypatch.setattr(validate, "ID_ROWS", 4)
-    edit(store, lambda f: set_row(f, "ids", 14, b"s\nx"))
+    edit_store(store, lambda f: set_row(f, "ids", 14, b"s\nx"))
     assert any(p.startswith("dataset ids: id 's\\nx' (row 14) holds the control character \\n")
                for p in validate_store(store)), validate_store(store)
 
@@ -221,14 +205,14 @@ def test_a_root_attribute_that_is_not_utf8_is_one_line(store, tmp_path, fixed):
         del f.attrs["model_name"]
         dtype = h5py.string_dtype("utf-8", 4) if fixed else h5py.string_dtype("utf-8")
         f.attrs.create("model_name", np.array(b"esm\xff", dtype="S4" if fixed else object), dtype=dtype)
-    edit(store, crafted)
+    edit_store(store, crafted)
     want = f"{store}: root attribute 'model_name': b'esm\\xff' is not valid UTF-8"
     with pytest.raises(StoreError) as info:
         open_store(store)
     assert str(info.value) == want
     assert validate_store(store) == [want.removeprefix(f"{store}: ")]
-    assert one_line(cli("info", str(store))) == f"embedpipe: error: {want}"
-    assert one_line(cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet"))) == \
+    assert one_line(run_cli("info", str(store))) == f"embedpipe: error: {want}"
+    assert one_line(run_cli("export", str(store), "--format", "parquet", "--out", str(tmp_path / "x.parquet"))) == \
         f"embedpipe: error: {want}"
 
 
@@ -236,7 +220,7 @@ def test_validate_reports_a_refused_attribute_and_still_checks_the_rest(store):
     def crafted(f):
         f.attrs["config"] = DEEP
         f["mean/layer_2"][5, 1] = np.nan
-    edit(store, crafted)
+    edit_store(store, crafted)
     assert validate_store(store) == [
         "root attribute 'config' is JSON nested 100000 levels deep, more than 64: refusing to parse it",
         "dataset mean/layer_2: 1 row(s) with non-finite values (first at row 5)",
