@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from embedpipe.core.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from embedpipe.store.reader import Store, open_store

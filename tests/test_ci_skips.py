@@ -37,6 +37,8 @@ def _run(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
     # the sample's test names are spelled TEST_ here so that only the inner run collects them
     (tmp_path / "test_sample.py").write_text(SAMPLE.replace("def TEST_", "def test_"))
     env = {k: v for k, v in os.environ.items() if k != "CI"}
+    # the copied conftest imports the shared fixtures from tests/helpers
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(

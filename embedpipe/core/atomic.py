@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.paths import display_path as _display
 
 
 def fsync_dir(directory: Path) -> None:
@@ -246,3 +247,23 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write a whole text file atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
+
+
+def named_write_error(path: Path, exc: OSError) -> EmbedpipeError:
+    """One line naming the output being written (a full disk says only ``No space left on
+    device``): files in the hidden work directory are named by the ``--out`` they become.
+    For an error already known to be a write failure of ``path``; :func:`write_error` first
+    decides whether an error is one."""
+    reason = exc.strerror or exc
+    for work_dir in path.parents:
+        work = _WORK_DIR.match(work_dir.name)
+        if work is not None:
+            out = work_dir.parent / work["out"]
+            return EmbedpipeError(
+                f"{_display(out)}: cannot write {path.relative_to(work_dir)} "
+                f"(in the work directory {_display(work_dir)}): {reason}"
+            )
+    return EmbedpipeError(f"{_display(path)}: cannot write: {reason}")

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from embedpipe.core.atomic import check_output_path
 from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.locks import holding, lock_path_for
-from embedpipe.inputs.fasta import display_path as _d
-
-#: first bytes of an HDF5 file whose superblock is at offset 0 (every store embedpipe writes)
-_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+from embedpipe.core.paths import display_path as _d
 
 
 @dataclass(frozen=True)
@@ -55,31 +52,12 @@ def _how(out: Path, other: Path) -> str:
     return " (a hard link to it)"
 
 
-def pinned_sources(store: Path) -> list[Path]:
-    """The source stores a merged store reads through (``merged_from``/``merged_sources``);
-    empty for anything that is not a readable merged store (a FASTA, a shard store)."""
-    try:
-        with open(store, "rb") as fh:
-            if fh.read(len(_HDF5_MAGIC)) != _HDF5_MAGIC:
-                return []
-        import h5py
-
-        from embedpipe.store.format import attr_to_python
-        from embedpipe.store.sources import recorded_sources, resolve_source
-
-        with h5py.File(store, "r") as f:
-            names = [str(attr_to_python(v) or "") for v in (attr_to_python(f.attrs.get("merged_from")) or [])]
-            names += [rel for rel in recorded_sources(f) if rel not in names]
-    except (OSError, ValueError, TypeError, EmbedpipeError):
-        return []  # the reader says what is wrong with the store itself
-    base = Path(store).resolve().parent
-    return [resolve_source(base, rel) for rel in names if rel]
-
-
 def guard_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Iterable[Path] = (), *,
-                  stores: Iterable[Path] = (), directories: Iterable[tuple[str, Path]] = ()) -> None:
+                  pinned: Mapping[Path, Sequence[Path]] | None = None,
+                  directories: Iterable[tuple[str, Path]] = ()) -> None:
     """Refuse, in one line naming both paths, an output that is an input, another output, or a
-    source pinned by one of the merged ``stores`` read; and an input inside one of the
+    source ``pinned`` by a merged store the command reads (store -> its sources, from
+    :func:`embedpipe.store.sources.pinned_by`); and an input inside one of the
     ``directories`` the command replaces. ``outputs`` and ``directories`` are (label, path)
     pairs, the label being how the user named it (``--out``, ``--done``, ``store``)."""
     ins = [(Path(p), _where(Path(p))) for p in inputs if p is not None]
@@ -101,8 +79,8 @@ def guard_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Ite
                 raise EmbedpipeError(f"{label} {_d(out)} is also {other_label} {_d(other)}{_how(out, other)}; "
                                      "each output needs a path of its own")
         seen.append((label, Path(out), here))
-    for store in stores:
-        for source in pinned_sources(Path(store)):
+    for store, sources in (pinned or {}).items():
+        for source in sources:
             there = _where(source)
             for label, out, here in seen:
                 if here.same(there):
@@ -112,7 +90,8 @@ def guard_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Ite
 
 @contextlib.contextmanager
 def writing_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: Iterable[Path] = (), *,
-                    stores: Iterable[Path] = (), directories: Iterable[tuple[str, Path]] = ()) -> Iterator[None]:
+                    pinned: Mapping[Path, Sequence[Path]] | None = None,
+                    directories: Iterable[tuple[str, Path]] = ()) -> Iterator[None]:
     """:func:`guard_outputs`, then hold the lock of every output (:func:`lock_path_for`, the one
     a group embed job takes for its stores) until the block ends, so that no other embedpipe
     writer replaces them meanwhile: a second one is refused in one line naming the holder.
@@ -121,7 +100,7 @@ def writing_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: I
     output they pin is refused. An output file that cannot be written is refused before its
     lock is made beside it (a directory output, e.g. a Hugging Face model, is the writer's to check)."""
     outputs = [(label, Path(out)) for label, out in outputs]
-    guard_outputs(command, outputs, inputs, stores=stores, directories=directories)
+    guard_outputs(command, outputs, inputs, pinned=pinned, directories=directories)
     for _, out in outputs:
         if not out.is_dir():
             check_output_path(out)  # a device node or an unwritable directory: no lock file made there
@@ -130,4 +109,4 @@ def writing_outputs(command: str, outputs: Sequence[tuple[str, Path]], inputs: I
         yield
 
 
-__all__ = ["guard_outputs", "pinned_sources", "writing_outputs"]
+__all__ = ["guard_outputs", "writing_outputs"]

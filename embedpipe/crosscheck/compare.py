@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe import Store
 from embedpipe.core.progress import progress_bar
 from embedpipe.crosscheck.measures import POOLED, RESIDUE
 from embedpipe.crosscheck.metrics import compare_pooled, compare_residues, knn_overlap, top_k_neighbours
+from embedpipe.store.reader import Store
 
 __all__ = ["compare_records", "neighbour_overlap"]
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from embedpipe.core.stats import aggregate
+
 __all__ = [
     "Z95",
     "aggregate",
@@ -40,8 +42,6 @@ __all__ = [
 #: two-sided 95% normal quantile
 Z95 = 1.959963984540054
 
-#: the quantiles an aggregate reports, by name
-QUANTILES: dict[str, float] = {"min": 0.0, "p1": 0.01, "p5": 0.05, "median": 0.5, "p95": 0.95, "max": 1.0}
 
 
 # --------------------------------------------------------------------------- element metrics
@@ -138,24 +138,6 @@ def compare_residues(stored: Any, ref: Any) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- aggregates
-
-
-def aggregate(values: Iterable[float]) -> dict[str, Any]:
-    """Distribution of ``values``: count, nonfinite count, then min, p1, p5, median, p95,
-    max and mean over the finite values (None when there are none). Percentiles are
-    numpy's default (linear interpolation)."""
-    arr = _f64(list(values)).ravel()
-    finite = arr[np.isfinite(arr)]
-    out: dict[str, Any] = {"count": int(arr.size), "nonfinite": int(arr.size - finite.size)}
-    if finite.size:
-        qs = np.quantile(finite, list(QUANTILES.values()))
-        out.update({name: float(q) for name, q in zip(QUANTILES, qs)})
-        out["min"], out["max"] = float(finite.min()), float(finite.max())  # exact, not interpolated
-        out["mean"] = float(finite.mean())
-    else:
-        out.update({name: None for name in QUANTILES})
-        out["mean"] = None
-    return out
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:

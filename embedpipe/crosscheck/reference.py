@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedpipe import Store
 from embedpipe.core.devices import claim_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions, parse_tokens_per_batch
 from embedpipe.core.progress import say
 from embedpipe.embed.engine import Embedder
 from embedpipe.model import is_model_name, load_model
+from embedpipe.store.reader import Store
 
 
 @dataclass

@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedpipe import Store, __version__, open_store
 from embedpipe.core.atomic import check_output_path, write_text_atomic
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, Thresholds
 from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.version import __version__
 from embedpipe.crosscheck.compare import compare_records, neighbour_overlap
 from embedpipe.crosscheck.downstream import downstream_lines, evaluate_downstream
 from embedpipe.crosscheck.formatting import format_cosine, format_short, json_safe
@@ -54,6 +54,8 @@ from embedpipe.crosscheck.report.page import render_html
 from embedpipe.crosscheck.verdict import VERDICTS, judge, store_figures
 from embedpipe.store import utc_now
 from embedpipe.store.attrjson import load_json_attr
+from embedpipe.store.reader import Store, open_store
+from embedpipe.store.sources import pinned_by
 
 __all__ = ["CROSSCHECK_FORMAT_VERSION", "CrosscheckReport", "LabelOptions", "Thresholds", "VERDICTS", "run_crosscheck"]
 
@@ -196,7 +198,7 @@ def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path,
         check_output_path(out_dir / name)
     inputs = [store_path, *([Path(model)] if model and Path(model).is_file() else []),
               *([Path(labels.path)] if labels is not None else [])]
-    guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES], inputs, stores=[store_path])
+    guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES], inputs, pinned=pinned_by([store_path]))
 
 
 def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, seed: int,

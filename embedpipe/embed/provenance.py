@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from embedpipe import __version__
 from embedpipe.core.options import EmbedOptions
+from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.runtime.precision import Policy

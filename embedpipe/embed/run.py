@@ -45,6 +45,7 @@ from embedpipe.model.registry import model_identity
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.reuse_index import is_index
+from embedpipe.store.sources import pinned_by
 from embedpipe.store.validate import validate_store
 
 
@@ -107,7 +108,7 @@ def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str
     FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
     indexes too), and the reuse stores' pinned sources are inputs too."""
     stores = [*map(Path, reuse), *filter(None, map(_indexed_store, reuse))]
-    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], stores=stores)
+    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], pinned=pinned_by(stores))
 
 
 def _indexed_store(path: Path) -> Path | None:

@@ -22,6 +22,7 @@ from embedpipe.core.progress import progress_bar
 from embedpipe.export import formats
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.store import Store, open_store
+from embedpipe.store.sources import pinned_by
 from embedpipe.store.validate import export_problems
 
 FORMATS = formats.NAMES
@@ -77,7 +78,7 @@ def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str)
         raise EmbedpipeError(f"{out}: the export would overwrite the store it reads")
     companions = getattr(formats.BY_NAME[fmt].load(), "companions", None)
     extra = [(f"the {role} file", p) for role, p in companions(out, per_residue).items()] if companions else []
-    with writing_outputs("export", [("--out", out), *extra], [store.path], stores=[store.path]):
+    with writing_outputs("export", [("--out", out), *extra], [store.path], pinned=pinned_by([store.path])):
         yield
 
 

@@ -29,15 +29,14 @@ import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO
 
 from embedpipe.core.errors import InputError
+from embedpipe.core.idtext import bad_id_char
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
+from embedpipe.core.paths import PathLike, display_path, path_text
 from embedpipe.inputs.bounds import check_id, check_pending, check_record, text_cap
 from embedpipe.inputs.residue_rules import WHITESPACE, check_sequence, describe_invalid
-from embedpipe.store.idtext import bad_id_char
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Bytes read per block; records spanning blocks are carried over.
 BLOCK_SIZE = 8 * 1024 * 1024
@@ -161,23 +160,6 @@ def _read_blocks(stream: BinaryIO, display: str, block_size: int) -> Iterator[by
 
 # --------------------------------------------------------------------------------------------
 # The reader
-
-
-def path_text(path: PathLike) -> str:
-    """``path`` as UTF-8 text for files (the manifest's ``source``): non-UTF-8 bytes as ``\\xNN``.
-
-    File names are bytes on POSIX; Python keeps undecodable ones as lone surrogates, which
-    cannot be written to a UTF-8 file (docs/store-format.md, "Shard manifest").
-    """
-    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
-
-
-_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {9: "\\t", 10: "\\n", 13: "\\r"}
-
-
-def display_path(path: PathLike) -> str:
-    """``path`` for a one-line message: :func:`path_text` with control characters escaped too."""
-    return path_text(path).translate(_CONTROL_ESCAPES)
 
 
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[PathLike]:

@@ -15,14 +15,14 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-import torch
-
 from embedpipe.core.atomic import atomic_path
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
+from embedpipe.model import esm2_spec
 from embedpipe.model.esm2_spec import is_model_name, valid_names
+from embedpipe.model.identity import ModelIdentity, versioned
 
 #: Same URL scheme as fair-esm's ``esm/pretrained.py``.
 MODEL_URL = "https://dl.fbaipublicfiles.com/fair-esm/models/{name}.pt"
@@ -42,6 +42,8 @@ def hub_checkpoint_path(name: str) -> Path:
 
     ``torch.hub.get_dir()`` follows ``TORCH_HOME`` (default ``~/.cache/torch``).
     """
+    import torch  # the hub's directory is torch's to decide; the module itself stays torch-free (model-info)
+
     return Path(torch.hub.get_dir()) / "checkpoints" / f"{name}.pt"
 
 
@@ -213,3 +215,9 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
                 stacklevel=2,
             )
     return target
+
+
+def file_identity(spec: str) -> ModelIdentity:
+    """The checkpoint's sha256 (its config is inside), packs: True, without reading the weights."""
+    family = versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION)  # read at call time: the one place it is set
+    return ModelIdentity(checkpoint_sha256(resolve_checkpoint(spec)), True, {}, family)

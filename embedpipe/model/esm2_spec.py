@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
-from embedpipe.model.identity import ModelIdentity, versioned
 
 FAMILY = "esm2"
 
@@ -110,9 +109,3 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
         hidden_itemsize=weight_itemsize if kind == "plain" else 4,
         widest_values_per_token=4 * dim,
     )
-
-
-def file_identity(spec: str) -> ModelIdentity:
-    """The checkpoint's sha256 (its config is inside), packs: True, without reading the weights."""
-    from embedpipe.model.downloads import checkpoint_sha256, resolve_checkpoint  # torch: imported here
-    return ModelIdentity(checkpoint_sha256(resolve_checkpoint(spec)), True, {}, versioned(FAMILY, FAMILY_VERSION))

@@ -23,7 +23,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from embedpipe.core.errors import ModelError
@@ -31,6 +30,7 @@ from embedpipe.model.config_bounds import esm_config, t5_config
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
 from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
+from embedpipe.model.optional import require
 
 #: Hub names embedpipe knows, with their family (others load too once they are cached).
 HUB_NAMES: dict[str, str] = {
@@ -47,7 +47,6 @@ HUB_NAMES: dict[str, str] = {
 MODULES = {"esm": "embedpipe.model.hf_esm", "t5": "embedpipe.model.t5"}
 
 #: The optional extra that brings the Hugging Face readers (safetensors, transformers).
-EXTRA = "pip install 'embedpipe[hf]'"
 
 #: config.json key of the untrained marker written by make-test-model.
 MARKER_KEY = "embedpipe"
@@ -56,14 +55,6 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PREFETCH = ("on a machine with internet run `huggingface-cli download {name}` (or "
              "`python -c \"import huggingface_hub; huggingface_hub.snapshot_download('{name}')\"`) with "
              "HF_HOME on a file system this machine shares, or pass the model's local directory")
-
-
-def require(module: str, what: str) -> ModuleType:
-    """Import ``module`` for ``what``, or a one-line error naming the extra that brings it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ModelError(f"{what} needs the Python package {module!r}, which is not installed: {EXTRA}") from None
 
 
 def hub_cache() -> Path:

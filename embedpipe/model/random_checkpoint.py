@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from esm.model.esm2 import ESM2
 
-from embedpipe import __version__
 from embedpipe.core.atomic import atomic_paths, check_output_path
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.version import __version__
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, validate_shape
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.esm2 import esm2_alphabet

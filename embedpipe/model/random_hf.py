@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from embedpipe import __version__
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.version import __version__
 from embedpipe.model.checkpoint import validate_shape
-from embedpipe.model.hf_checkpoint import MARKER_KEY, require
+from embedpipe.model.hf_checkpoint import MARKER_KEY
+from embedpipe.model.optional import require
 from embedpipe.model.t5_vocab import LETTERS
 
 HF_FAMILIES = ("prot-t5", "ankh", "hf-esm")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import esm2_spec, hf_checkpoint, plugins
+from embedpipe.model import downloads, esm2_spec, hf_checkpoint, plugins
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity
 
@@ -53,7 +53,7 @@ FAMILIES: list[Family] = [
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
            "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity),
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
-           "embedpipe.model.downloads", esm2_spec.file_identity),
+           "embedpipe.model.downloads", downloads.file_identity),
 ]
 
 

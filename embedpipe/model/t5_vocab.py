@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.core.errors import ModelError
+from embedpipe.model.optional import require
 
 #: Residues one T5 forward window takes (docs/models.md, "Limits"). T5 has no hard window
 #: (relative position buckets), but attention memory is quadratic: the score matrix of one
@@ -53,8 +54,6 @@ def read_vocabulary(directory: Path) -> dict[str, int]:
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise ModelError(f"{path} is not a tokenizer file transformers writes ({type(exc).__name__}: {exc})") from None
     if (directory / "spiece.model").is_file():
-        from embedpipe.model.hf_checkpoint import require
-
         transformers = require("transformers", f"reading {directory / 'spiece.model'} (a directory without tokenizer.json)")
         try:
             return dict(transformers.AutoTokenizer.from_pretrained(str(directory)).get_vocab())

@@ -268,8 +268,9 @@ def add_policies(kind: str, cls: type[Policy]) -> None:
     """Build ``kind``'s policies (:data:`POLICY_KINDS`) as ``cls`` into :data:`POLICIES`.
 
     The int8 kind's class lives in :mod:`embedpipe.runtime.int8_policy` (it subclasses
-    :class:`MixedPolicy`), which adds its policies when imported; this module imports it last,
-    so either module may be imported first."""
+    :class:`MixedPolicy`), which adds its policies when imported; the package
+    (``embedpipe/runtime/__init__.py``) imports it, so whatever module of ``runtime`` is
+    imported first, every policy is there and neither module imports the other's importer."""
     for name, (its_kind, low) in POLICY_KINDS.items():
         if its_kind == kind:
             dtype = getattr(torch, low)
@@ -349,6 +350,3 @@ def exact_fp32(device: torch.device) -> Iterator[None]:
     16 bits). For pooling, whose sums over a thousand residues overflow fp16."""
     with torch.autocast(device_type=device.type, enabled=False):
         yield
-
-
-from embedpipe.runtime import int8_policy as _int8_policy  # noqa: E402,F401  adds the int8 policies (see add_policies)

@@ -24,8 +24,9 @@ import numpy as np
 
 from embedpipe.core.errors import InputError
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
+from embedpipe.core.paths import display_path
 from embedpipe.core.progress import progress_bar
-from embedpipe.inputs.fasta import display_path, iter_fasta
+from embedpipe.inputs.fasta import iter_fasta
 from embedpipe.inputs.residue_rules import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.shard.manifest import MANIFEST_COLUMNS, ManifestWriter, quote, quote_all
 from embedpipe.shard.output import Syncer, open_for_writing, write_errors

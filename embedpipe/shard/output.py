@@ -21,14 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from embedpipe.core.atomic import host_tag, remove_dead_temporaries
-from embedpipe.core.errors import EmbedpipeError
-from embedpipe.inputs.fasta import display_path
+from embedpipe.core.atomic import host_tag, named_write_error, remove_dead_temporaries
 
 #: files waiting for their background fsync (each open until then): far below any ``ulimit -n``
 MAX_PENDING = 32
 
-__all__ = ["MAX_PENDING", "Syncer", "host_tag", "open_for_writing", "spool_directory", "write_error", "write_errors"]
+__all__ = ["MAX_PENDING", "Syncer", "host_tag", "open_for_writing", "spool_directory", "write_errors"]
 
 
 @contextlib.contextmanager
@@ -81,30 +79,12 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
-
-
-def write_error(path: Path, exc: OSError) -> EmbedpipeError:
-    """One line naming the output being written (a full disk says only ``No space left on
-    device``): files in the hidden work directory are named by the ``--out`` they become."""
-    reason = exc.strerror or exc
-    for work_dir in path.parents:
-        work = _WORK_DIR.match(work_dir.name)
-        if work is not None:
-            out = work_dir.parent / work["out"]
-            return EmbedpipeError(
-                f"{display_path(out)}: cannot write {path.relative_to(work_dir)} "
-                f"(in the work directory {display_path(work_dir)}): {reason}"
-            )
-    return EmbedpipeError(f"{display_path(path)}: cannot write: {reason}")
-
-
 def open_for_writing(path: Path, mode: str, **kwargs: Any) -> IO[Any]:
     """``open(path, mode, **kwargs)``; failure is one line naming ``path``. The caller closes it."""
     try:
         return open(path, mode, **kwargs)  # noqa: SIM115 - closed by the caller
     except OSError as exc:
-        raise write_error(path, exc) from None
+        raise named_write_error(path, exc) from None
 
 
 @contextlib.contextmanager
@@ -114,7 +94,7 @@ def write_errors(fh: IO[Any], path: Path) -> Iterator[IO[Any]]:
         with fh:
             yield fh
     except OSError as exc:
-        raise write_error(path, exc) from None
+        raise named_write_error(path, exc) from None
 
 
 class Syncer:
@@ -151,7 +131,7 @@ class Syncer:
             fh.flush()
             os.fsync(fh.fileno())
         except OSError as exc:
-            raise write_error(path, exc) from None
+            raise named_write_error(path, exc) from None
         finally:
             with contextlib.suppress(OSError):
                 fh.close()
@@ -167,7 +147,7 @@ class Syncer:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 fh.close()
-            raise write_error(path, exc) from None
+            raise named_write_error(path, exc) from None
         except BaseException:
             with contextlib.suppress(OSError):
                 fh.close()

@@ -42,8 +42,8 @@ from embedpipe.core.atomic import check_output_entries, fsync_dir
 from embedpipe.core.errors import InputError
 from embedpipe.core.options import FASTA_LIMITS, MAX_JOBS, ON_INVALID, ON_INVALID_DEFAULT, FastaLimits, check_choice
 from embedpipe.core.output_guard import guard_outputs
+from embedpipe.core.paths import display_path, path_text
 from embedpipe.core.progress import progress_bar
-from embedpipe.inputs.fasta import display_path, path_text
 from embedpipe.inputs.residue_rules import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.model.layout import ESM2_LAYOUT
 from embedpipe.shard.index import (

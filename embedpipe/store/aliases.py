@@ -27,9 +27,9 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.external_sort import ExternalSort, group_starts
+from embedpipe.core.idtext import bad_id_message
 from embedpipe.shard.manifest import iter_manifest
 from embedpipe.store.idsort import ALIAS, SKIP, entries, id_rows
-from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import iter_sequence_blocks
 
 BATCH = 4096  # manifest rows handled at once

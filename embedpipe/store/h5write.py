@@ -20,7 +20,7 @@ import h5py
 
 from embedpipe.core.atomic import commit, temp_path_for, write_error
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.store.info import human_bytes
+from embedpipe.core.units import human_bytes
 
 
 def check_free_space(path: Path, needed: int) -> None:

@@ -13,20 +13,13 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
-from embedpipe.crosscheck.metrics import aggregate
+from embedpipe.core.stats import aggregate
+from embedpipe.core.units import human_bytes
 from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
 from embedpipe.store.sources import source_problems
 
 #: root attributes shown as the format line, not as provenance
 _FORMAT_ATTRS = ("format", "format_version", "complete", "encoding-type", "encoding-version")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _distribution(values: np.ndarray) -> dict[str, Any]:

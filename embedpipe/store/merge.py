@@ -35,8 +35,10 @@ import numpy as np
 
 from embedpipe.core.atomic import check_output_path
 from embedpipe.core.errors import StoreError
+from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.interrupts import checkpoint, deferred
 from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.units import human_bytes
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
@@ -65,11 +67,9 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.idsort import STORED, IndexWriter, entries, index_sort, sorted_index
-from embedpipe.store.idtext import bad_id_message
-from embedpipe.store.info import human_bytes
 from embedpipe.store.reuse_index import REUSED_ATTRS, reused_totals
 from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
-from embedpipe.store.sources import MERGED_SOURCES_ATTR, source_identity
+from embedpipe.store.sources import MERGED_SOURCES_ATTR, pinned_by, source_identity
 from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
@@ -433,7 +433,8 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
 def _merge_stores(stores: Sequence[Path], out: Path, manifest: Path | None) -> MergeSummary:
     paths = _check_paths(stores, out, manifest)
     out_dir = out.parent if str(out.parent) else Path(".")
-    with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])], stores=paths):
+    with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])],
+                         pinned=pinned_by(paths)):
         shards = [_read_shard(p, out_dir) for p in paths]
         _check_agreement(shards)
         merge = _Merge(shards, Path(manifest) if manifest is not None else None)

@@ -29,6 +29,7 @@ from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.reuse_checks import check_block, index_problem, read_fence, read_index_rows
 from embedpipe.store.sequences import iter_sequence_blocks
+from embedpipe.store.sources import pinned_by
 
 INDEX_FORMAT = "embedpipe.reuse-index"
 INDEX_VERSION = 1
@@ -71,7 +72,7 @@ def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
     """Write the reuse index of ``store`` to ``out`` (atomic); the number of distinct sequences."""
     store, out = Path(store), Path(out)
     # --out locked for the whole run; a source the store pins is an input (embedpipe.core.output_guard)
-    with writing_outputs("reuse-index", [("--out", out)], [store], stores=[store]), open_h5(store) as f:
+    with writing_outputs("reuse-index", [("--out", out)], [store], pinned=pinned_by([store])), open_h5(store) as f:
         check_format(f, store)
         if not is_complete(f):
             raise StoreError(f"{store}: incomplete store; refusing to index it")

@@ -13,7 +13,7 @@ See docs/store-format.md ("Merged stores", "How a merged store pins its sources"
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.checksums import file_sha256
-from embedpipe.core.errors import StoreError
+from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.store.attrjson import load_json_attr
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, read_strings
 from embedpipe.store.residues import is_resource_error, open_error
@@ -264,3 +264,29 @@ def validate_sources(f: h5py.File, path: Path, ids: Sequence[str] | None, proble
         rows = (merged_rows[i], merged_rows[i + 1]) if rows_known and i + 1 < len(merged_rows) else None
         ok = _open_and_check_source(f, src, rel, sources.get(rel, set()), rows, ids, problems) and ok
     return ok
+
+
+#: first bytes of an HDF5 file whose superblock is at offset 0 (every store embedpipe writes)
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def pinned_sources(store: Path) -> list[Path]:
+    """The source stores a merged store reads through (``merged_from``/``merged_sources``);
+    empty for anything that is not a readable merged store (a FASTA, a shard store)."""
+    try:
+        with open(store, "rb") as fh:
+            if fh.read(len(_HDF5_MAGIC)) != _HDF5_MAGIC:
+                return []
+        with h5py.File(store, "r") as f:
+            names = [str(attr_to_python(v) or "") for v in (attr_to_python(f.attrs.get("merged_from")) or [])]
+            names += [rel for rel in recorded_sources(f) if rel not in names]
+    except (OSError, ValueError, TypeError, EmbedpipeError):
+        return []  # the reader says what is wrong with the store itself
+    base = Path(store).resolve().parent
+    return [resolve_source(base, rel) for rel in names if rel]
+
+
+def pinned_by(stores: Iterable[Path]) -> dict[Path, list[Path]]:
+    """``{store: the sources it pins}`` for the stores a command reads, for
+    :func:`embedpipe.core.output_guard.guard_outputs` (no output may replace one of them)."""
+    return {Path(store): pinned_sources(Path(store)) for store in stores}

@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.checks import count_problems, layout_problems, nonfinite_rows
 from embedpipe.store.columns import COLUMNS, STR, required_columns
@@ -31,7 +32,6 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.idindex import LazyIds
 from embedpipe.store.idsort import index_problems_sorted
-from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count

@@ -20,6 +20,7 @@ import numpy as np
 
 from embedpipe.core.atomic import commit, temp_path_for
 from embedpipe.core.errors import StoreError
+from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.columns import COLUMNS, EmbeddedRecord, write_column
 from embedpipe.store.format import (
@@ -40,7 +41,6 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.h5write import abandon, check_free_space, reraise
 from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
-from embedpipe.store.idtext import bad_id_message
 from embedpipe.store.sequences import write_sequences
 
 #: root attributes the writer derives from its arguments; callers may repeat them only unchanged

@@ -155,11 +155,11 @@ from pathlib import Path
 import embedpipe.embed.run as run
 ready, release = Path(sys.argv[1]), Path(sys.argv[2])
 real = run._read_records
-def gated(fasta):
+def gated(fasta, *args, **kwargs):
     ready.write_text("holding its locks")
     while not release.exists():
         time.sleep(0.05)
-    return real(fasta)
+    return real(fasta, *args, **kwargs)
 run._read_records = gated
 from embedpipe.cli import run as cli
 sys.argv = ["embedpipe", *sys.argv[3:]]

@@ -6,12 +6,9 @@ fails in one line, in bounded memory."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import h5py
@@ -25,6 +22,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.processes import run_measured
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), storage_dtype="float16")
 RECORDS = random_sequences(12, (8, 40), seed=11)
@@ -180,21 +178,9 @@ def test_fence_declaring_2_36_entries_is_refused_unallocated(source, tmp_path):
 
 
 def _run_measured(args: list[str], timeout: float = 300) -> tuple[int, str, int]:
-    """(exit code, stderr, peak RSS in bytes) of one child: os.wait4 gives that child's own rusage."""
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ})
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"{args} ran past {timeout} s")
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        return proc.returncode, err.read(), usage.ru_maxrss * 1024
+    """(exit code, stderr, peak RSS in bytes) of one child (helpers.processes.run_measured)."""
+    rc, _out, err, peak = run_measured(args, timeout)
+    return rc, err, peak
 
 
 def _cli_embed(index: Path, source, out: Path) -> tuple[int, str, int]:
