@@ -71,8 +71,3 @@ def marker_problem(marker: Path) -> str | None:
             return f"{marker}: its store {store} changed since the marker was written"
     return None
 
-
-def marker_stores(marker: Path) -> list[Path]:
-    """The stores a (current) marker lists, as paths from the current directory."""
-    listing = json.loads(Path(marker).read_text(encoding="utf-8"))
-    return [Path(marker).parent / e["stamp"]["path"] for e in listing["stores"]]

@@ -304,11 +304,6 @@ def get_policy(name: str) -> Policy:
         ) from None
 
 
-def cpu_has_native_fp16() -> bool:
-    """True when the CPU advertises native fp16 arithmetic (AVX512-FP16, AMX-FP16, ARM FP16)."""
-    return cpu_features.detect().native_fp16
-
-
 def check_policy_on_device(policy: Policy, device: torch.device,
                            cpu: cpu_features.CpuFeatures | None = None) -> list[str]:
     """Refuse combinations that cannot work; return warnings for ones that are merely slow."""

@@ -227,35 +227,3 @@ def _pairs(f: h5py.File, group: str, second: str) -> list[tuple[str, str]]:
     a, b = f[f"{group}/id"], f[f"{group}/{second}"]
     return list(zip(decode_strings(a[:], dataset_label(a)), decode_strings(b[:], dataset_label(b))))
 
-
-def check_id_index(f: h5py.File, ids: list[str]) -> list[str]:
-    """``embedpipe validate``: the stored index is exactly the one the records, aliases and
-    skipped IDs give (sorted, every key's row right, fences the first key of each block).
-    Format-1 stores have none: nothing to check."""
-    if GROUP not in f:
-        if int(f.attrs.get("format_version", 1)) >= 2:
-            return [f"group {GROUP} is missing"]
-        return []
-    g = f[GROUP]
-    if any(name not in g for name in ("keys", "rows", "fences")):
-        return [f"group {GROUP} needs datasets keys, rows and fences"]
-    pairs = {group: _pairs(f, group, second) for group, second in (("aliases", "of"), ("skipped", "reason"))
-             if group in f and "id" in f[group] and second in f[group] and f[group]["id"].shape == f[group][second].shape}
-    try:
-        keys, rows = index_keys(encode_ids(ids), pairs.get("aliases", ()), pairs.get("skipped", ()))
-    except StoreError as exc:
-        return [f"{GROUP}: {exc}"]  # an alias to an unknown id is reported by the alias check too
-    order = np.argsort(keys, kind="stable")
-    keys, rows = keys[order], rows[order]
-    try:
-        stored_keys, stored_rows = np.asarray(g["keys"][:]), np.asarray(g["rows"][:])
-        fences = np.asarray(g["fences"][:])
-    except OSError as exc:
-        return [f"{GROUP}: checksum mismatch or read error ({exc})"]
-    block = int(g.attrs.get("block_rows", BLOCK_ROWS))
-    if stored_keys.shape != keys.shape or not (np.array_equal(stored_keys, keys) and np.array_equal(stored_rows, rows)):
-        return [f"{GROUP} does not match the store's ids, aliases and skipped ids ({len(stored_keys)} keys, "
-                f"expected {len(keys)}): ID lookups would give wrong rows"]
-    if not np.array_equal(fences, keys[::block]):
-        return [f"{GROUP}/fences is not the first key of every {block}-key block"]
-    return []

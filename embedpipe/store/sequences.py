@@ -27,7 +27,6 @@ from embedpipe.store.format import (
     READ_BLOCK_BYTES,
     SMALL_CHUNK_BYTES,
     chunk_rows,
-    decode_strings,
     iter_row_blocks,
     tag,
 )
@@ -125,10 +124,6 @@ def read_sequences(f: h5py.Group, lo: int, hi: int, path: Path | str = "") -> li
             chars = np.array([len(b.decode("utf-8", "replace")) for b in out], dtype=np.int64)
             check_steps(np.concatenate([[0], np.cumsum(chars)]), lo, lengths, path, "sequence/offsets", "length")
     return out
-
-
-def read_sequence_strs(f: h5py.Group, lo: int, hi: int) -> list[str]:
-    return decode_strings(np.array(read_sequences(f, lo, hi), dtype=object))
 
 
 def iter_sequence_blocks(f: h5py.Group, path: Path | str | None = None) -> Iterator[tuple[int, list[bytes]]]:
