@@ -28,7 +28,7 @@ from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
 from embedpipe.embed.preparation import Preparation
 from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
 from embedpipe.model import capabilities
-from embedpipe.model.base import EmbeddingModel, Runner
+from embedpipe.model.base import EmbeddingModel, PackedRunner, Runner
 from embedpipe.model.layers import resolve_layers  # noqa: F401 - re-exported (tests, crosscheck)
 from embedpipe.runtime import attention as attention_choice
 from embedpipe.runtime import cuda
@@ -154,7 +154,7 @@ class Embedder:
         runner = self.prepared.runners.get(self.policy.name)
         if runner is None:
             return {}
-        return self.policy.runner_provenance(getattr(runner, "fp32_layers", {}))
+        return self.policy.runner_provenance(runner.fp32_layers)
 
     @property
     def computed_as(self) -> dict[str, str]:
@@ -274,7 +274,7 @@ class Embedder:
         with forward_context(policy, device):
             self._busy.start(device)
             if packed:
-                if not hasattr(runner, "packed"):
+                if not isinstance(runner, PackedRunner):
                     raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
                 assert host_batch is not None  # made above for a packed batch
                 out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)

@@ -23,7 +23,7 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
     config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
     return {
         "model_name": loaded.name,
-        "model_family": str(getattr(loaded, "family", "esm2")),
+        "model_family": loaded.family,
         "model_source": loaded.source,
         "model_sha256": loaded.sha256,
         "model_trained": bool(loaded.trained),

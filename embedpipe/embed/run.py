@@ -175,7 +175,7 @@ def _loaded_identity(model: str, loaded: EmbeddingModel) -> ModelIdentity:
     predicts with), or only its sha256 for a family that cannot say (docs/cluster.md)."""
     identity = model_identity(model)
     if identity is None:
-        return ModelIdentity(loaded.sha256, False, {}, str(getattr(loaded, "family", "")))
+        return ModelIdentity(loaded.sha256, False, {}, loaded.family)
     if identity.sha256 != loaded.sha256:
         raise EmbedpipeError(f"--model {model}: its weights changed while it was loaded (sha256 "
                              f"{loaded.sha256[:16]}..., now {identity.sha256[:16]}...); run again")

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from embedpipe.model.facts import MemoryEstimate
 from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout  # re-exported: families import them here
-from embedpipe.runtime.packed import token_max_abs
+from embedpipe.runtime.packed import PackedTokens, token_max_abs
 from embedpipe.runtime.precision import Policy
 
 #: Forward implementations a family may offer: ``sdpa`` (fused attention), ``math``
 #: (explicit scores, fp32 softmax) and ``fair-esm`` (the reference library's own forward).
 
-__all__ = ["ESM2_LAYOUT", "EmbeddingModel", "ForwardOutput", "Runner", "TokenLayout", "masked_max_abs"]
+__all__ = ["ESM2_LAYOUT", "EmbeddingModel", "ForwardOutput", "PackedRunner", "Runner", "TokenLayout", "masked_max_abs"]
 
 
 @dataclass
@@ -33,15 +33,28 @@ class ForwardOutput:
 
 
 class Runner(Protocol):
-    """A model prepared for one policy on one device.
+    """A model prepared for one policy on one device (padded batches).
 
-    A runner may also offer ``packed(batch: PackedTokens, layers) -> ForwardOutput`` for the
-    packed layout (:mod:`embedpipe.runtime.packed`; hidden states (N, D)); the worker uses padded
-    batches with runners that do not.
+    A family whose ``batch_layouts`` include ``packed`` prepares a :class:`PackedRunner`.
     """
 
     def __call__(self, tokens: torch.Tensor, layers: list[int]) -> ForwardOutput:
         """Hidden states of ``layers`` (0 = token embedding) for a batch from ``tokenize``."""
+        ...
+
+    @property
+    def fp32_layers(self) -> dict[str, str]:
+        """Linear layers the policy would run in low precision but keeps fp32, name -> why
+        (int8-mixed: weights too small for int8); empty for every other policy."""
+        ...
+
+
+@runtime_checkable
+class PackedRunner(Runner, Protocol):
+    """A runner that also takes the packed layout (:mod:`embedpipe.runtime.packed`)."""
+
+    def packed(self, batch: PackedTokens, layers: list[int]) -> ForwardOutput:
+        """Hidden states (N, D) of ``layers`` for a packed batch (no padding)."""
         ...
 
 
@@ -49,7 +62,8 @@ class EmbeddingModel(Protocol):
     """A loaded model, fp32 on the CPU, with where it came from.
 
     Token layout (shard budgets, batch planning and pooling follow it): ``token_layout``
-    (:class:`~embedpipe.model.layout.TokenLayout`; ESM-2's when a family declares none).
+    (:class:`~embedpipe.model.layout.TokenLayout`). Every attribute is required: nothing is
+    read with an ESM-2 default (mypy checks each family against this class).
     ``tokenize`` returns (B, extra + longest) int64 on the CPU: BOS at 0 when the layout has
     one, the residues, EOS after them when it has one, then padding.
     """
@@ -58,11 +72,21 @@ class EmbeddingModel(Protocol):
     source: str  # resolved checkpoint path
     sha256: str  # of the checkpoint file's bytes
     trained: bool  # False for random-weight test models (never present them as real)
-    num_layers: int
-    embed_dim: int
     trained_window: int  # residues per forward window the model was trained on
-    token_layout: TokenLayout  # its special tokens (optional: ESM2_LAYOUT when absent)
+    token_layout: TokenLayout  # its special tokens
+    family: str  # the store's model_family (esm2, prot-t5, ankh, ...)
+    batch_layouts: tuple[str, ...]  # ("packed", "padded") when it prepares a PackedRunner, else ("padded",)
     provenance: Mapping[str, str]  # family-specific store attributes (e.g. fair_esm_version)
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer layers (layer 0 is the token embedding, so ``num_layers + 1`` are stored)."""
+        ...
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of every hidden state."""
+        ...
 
     def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
         """Token ids of ``sequences`` (validated protein letters), laid out as above."""

@@ -1,27 +1,31 @@
 """What a loaded model's family can do, asked by the worker before it plans a batch.
 
-Torch-free. A family declares ``token_layout`` (:mod:`embedpipe.model.layout`) and, when it
-has no packed runner, ``batch_layouts = ("padded",)`` (T5); a family that declares neither
-is taken to be ESM-2-like (both layouts, BOS and EOS).
+Torch-free. Every family declares ``token_layout`` (:mod:`embedpipe.model.layout`),
+``family`` and ``batch_layouts`` (``("padded",)`` without a packed runner: T5), as
+:class:`~embedpipe.model.base.EmbeddingModel` requires; nothing is assumed for a family.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.model.layout import layout_of
 
-
-def packs(model: object) -> bool:
-    """Whether the family offers a packed runner (``runner.packed``)."""
-    return "packed" in getattr(model, "batch_layouts", ("packed", "padded"))
+if TYPE_CHECKING:  # torch-free at run time
+    from embedpipe.model.base import EmbeddingModel
 
 
-def check_options(model: object, pooling: Sequence[str], batch_layout: str) -> None:
+def packs(model: EmbeddingModel) -> bool:
+    """Whether the family prepares a :class:`~embedpipe.model.base.PackedRunner`."""
+    return "packed" in model.batch_layouts
+
+
+def check_options(model: EmbeddingModel, pooling: Sequence[str], batch_layout: str) -> None:
     """One-line refusals of what the family cannot do: ``bos`` pooling without a BOS token,
     ``--batch-layout packed`` without a packed runner."""
-    family = getattr(model, "family", getattr(model, "name", "?"))
+    family = model.family
     if "bos" in pooling and not layout_of(model).bos:
         raise EmbedpipeError(f"--pooling bos: the {family} family has no BOS token (its token layout puts none "
                              "before the residues); store the mean or per-residue vectors")

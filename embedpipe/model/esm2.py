@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import esm
 import numpy as np
@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import esm2_spec
-from embedpipe.model.base import ESM2_LAYOUT, TokenLayout
+from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel, TokenLayout
 from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
@@ -53,6 +53,7 @@ class Esm2Model:
     trained_window: int = esm2_spec.TRAINED_RESIDUES
     family: str = esm2_spec.FAMILY  # the store's model_family (a Hugging Face ESM-2 directory too)
     token_layout: TokenLayout = ESM2_LAYOUT
+    batch_layouts: tuple[str, ...] = ("packed", "padded")  # EsmForward takes both
     provenance: Mapping[str, str] = field(
         default_factory=lambda: {"fair_esm_version": getattr(esm, "__version__", "unknown")})
     _lut: np.ndarray = field(init=False, repr=False)
@@ -286,3 +287,7 @@ def fp32_tensor_ids(model: torch.nn.Module) -> set[int]:
         if hasattr(module, "inv_freq"):
             ids.add(id(module.inv_freq))
     return ids
+
+
+if TYPE_CHECKING:  # mypy checks the family against the interface (docs/architecture.md)
+    _model_conforms: type[EmbeddingModel] = Esm2Model

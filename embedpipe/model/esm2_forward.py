@@ -10,13 +10,13 @@ it is tested against (``attention="fair-esm"`` calls that forward directly).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
-from embedpipe.model.base import ForwardOutput, masked_max_abs
+from embedpipe.model.base import ForwardOutput, PackedRunner, masked_max_abs
 from embedpipe.runtime import cuda
 from embedpipe.runtime.attention import packed_kernel
 from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, token_max_abs
@@ -408,3 +408,7 @@ class _PaddedBatch:
     def row_max_abs(self, x: torch.Tensor) -> torch.Tensor:
         """(B,) max |x| over each record's own tokens (padding masked out), fp32."""
         return token_max_abs(x).masked_fill(self.padding, 0.0).amax(dim=1)
+
+
+if TYPE_CHECKING:  # mypy checks the runner against the interface (docs/architecture.md)
+    _runner_conforms: type[PackedRunner] = EsmForward

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ import torch
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model import layout, t5_vocab
+from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.model.config_bounds import t5_config
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.layout import TokenLayout
@@ -169,3 +170,8 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5M
                    name=spec if hf.is_model_name(spec) else directory.name, source=where, sha256=sha,
                    trained=hf.is_trained(config), family=family,
                    provenance={"model_format": "huggingface-t5"})
+
+
+if TYPE_CHECKING:  # mypy checks the family against the interface (docs/architecture.md)
+    _model_conforms: type[EmbeddingModel] = T5Model
+    _runner_conforms: type[Runner] = T5Forward

@@ -67,19 +67,19 @@ class T5Forward:
         self.residual_dtype = self.bias_dtype = policy.stream_dtype
         self.attn_dtype = policy.attention_dtype(attention_inputs)
         #: linear layers the policy prepares its own way (int8-mixed: int8 copies); none otherwise
-        self.packed = {name: policy.pack(w, None) for name, w in weights.items()
+        self.packed_weights = {name: policy.pack(w, None) for name, w in weights.items()
                        if name.rsplit(".", 1)[-1] in LINEARS} if policy.packs(False) else {}
 
     @property
     def fp32_layers(self) -> dict[str, str]:
         """Linear layers the policy packed but keeps fp32, name -> why (int8-mixed: weights too
         small for int8, docs/precision.md "int8-mixed"); read after calibration, for provenance."""
-        return {name: why for name, packed in self.packed.items() if (why := getattr(packed, "fp32_reason", ""))}
+        return {name: why for name, packed in self.packed_weights.items() if (why := getattr(packed, "fp32_reason", ""))}
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A bias-free projection as the policy runs a linear (the input cast to the weights'
         dtype; under autocast, PyTorch picks per op)."""
-        return self.policy.linear(x, self.w[name], None, self.packed.get(name))
+        return self.policy.linear(x, self.w[name], None, self.packed_weights.get(name))
 
     def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """T5's RMS norm: fp32 variance; cast to the weight's dtype when that is 16-bit."""

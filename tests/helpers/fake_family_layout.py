@@ -72,6 +72,11 @@ class Runner:
         self.table = torch.from_numpy(table).to(device, policy.weight_dtype)
         self.weights = [torch.from_numpy(w).to(device, policy.weight_dtype) for w in weights]
 
+    @property
+    def fp32_layers(self) -> dict[str, str]:
+        """No policy keeps a toy layer in fp32 (the Runner interface asks every runner)."""
+        return {}
+
     def __call__(self, tokens: Any, layers: list[int]) -> Any:
         import torch
 
