@@ -134,6 +134,9 @@ REUSE_HELP = ("Copy records whose sequence this earlier store (or its reuse-inde
               "model and options, instead of computing them; repeatable (docs/cluster.md, \"Release to release\").")
 
 
+LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."
+
+
 @app.command()
 @user_errors
 def embed(
@@ -165,9 +168,7 @@ def embed(
     device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
-    long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences",
-                                       help="Over the model's window (ESM-2: 1022 residues): "
-                                            f"{_one_of(options.LONG_SEQUENCE_MODES)}."),
+    long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP),
     attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
@@ -189,11 +190,9 @@ def embed(
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
-        long_sequences=long_sequences,
-        attention=attention, overflow_margin=overflow_margin, threads=threads, fallback_device=fallback_device,
-        batch_layout=batch_layout, attention_inputs=attention_inputs, int8_smoothing=int8_smoothing,
-        int8_calibration=int8_calibration,
-    )
+        long_sequences=long_sequences, attention=attention, overflow_margin=overflow_margin, threads=threads,
+        fallback_device=fallback_device, batch_layout=batch_layout, attention_inputs=attention_inputs,
+        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length))
     if not quiet:
@@ -291,22 +290,14 @@ def crosscheck(
     from embedpipe.crosscheck.run import LabelOptions, run_crosscheck
 
     report = run_crosscheck(
-        store,
-        out=out,
-        sample=sample,
-        seed=seed,
-        device=device,
-        model=model,
+        store, out=out, sample=sample, seed=seed, device=device, model=model,
         thresholds=options.Thresholds(
             pass_cosine=pass_cosine, fail_cosine=fail_cosine, pass_overlap=pass_overlap, residue_cosine=residue_cosine,
             determinism_cosine=determinism_cosine, downstream_tolerance=downstream_tolerance),
         k=k,
         labels=None if labels is None else LabelOptions(labels, kind=label_kind, folds=folds,
                                                         ignore_unknown_ids=ignore_unknown_ids),
-        allow_model_mismatch=allow_model_mismatch,
-        threads=threads,
-        quiet=quiet,
-    )
+        allow_model_mismatch=allow_model_mismatch, threads=threads, quiet=quiet)
     if not quiet:
         print(report.render(), file=sys.stderr)
     if fail_on_threshold and report.verdict == "fail":

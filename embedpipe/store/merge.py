@@ -20,7 +20,6 @@ the command with ``SystemError`` and exit 1.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from collections import Counter
@@ -45,7 +44,6 @@ from embedpipe.store.columns import COLUMNS, STR, Column, create_column, require
 from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (
     ALIASES,
-    RESERVED_ATTRS,
     SKIPPED,
     STORE_UUID_ATTR,
     VIRTUAL,
@@ -67,9 +65,10 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.idsort import STORED, IndexWriter, entries, index_sort, sorted_index
-from embedpipe.store.reuse_index import REUSED_ATTRS, reused_totals
+from embedpipe.store.merged_provenance import MUST_AGREE, check_agreement, common_provenance
+from embedpipe.store.reuse_index import reused_totals
 from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
-from embedpipe.store.sources import MERGED_SOURCES_ATTR, pinned_by, source_identity
+from embedpipe.store.sources import pinned_by, source_identity
 from embedpipe.store.writer import WRITE_OPTIONS, mark_complete, write_header
 
 __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
@@ -79,11 +78,6 @@ __all__ = ["MergeSummary", "merge_stores", "MUST_AGREE"]
 #: 32 MiB each grew to ~320 MiB of cached chunks at 10M records (docs/benchmarks.md)
 MERGE_WRITE_OPTIONS = {**WRITE_OPTIONS, "rdcc_nbytes": 8 << 20}
 
-#: shard attributes that must be identical for stores to be merged
-MUST_AGREE = ("model_sha256", "precision_policy", "layers", "storage_dtype", "dim", "per_residue", "pooling")
-#: attributes describing one file, never carried over as merged provenance
-_PER_FILE = {"created_utc", "complete", "merged_from", "merged_rows", "shard_provenance", "varying_attrs",
-             "config_varying", "alias_count", "skipped_count", MERGED_SOURCES_ATTR, *REUSED_ATTRS} | set(RESERVED_ATTRS)
 
 
 @dataclass
@@ -188,44 +182,6 @@ def _shard_offsets(f: h5py.File, path: Path) -> np.ndarray:
     return off
 
 
-def _check_agreement(shards: Sequence[_Shard]) -> None:
-    first = shards[0]
-    for shard in shards[1:]:
-        for key in MUST_AGREE:
-            a, b = first.attrs.get(key), shard.attrs.get(key)
-            if a != b:
-                raise StoreError(
-                    f"{shard.path}: {key} is {b!r} but {first.path} has {a!r}; "
-                    f"stores to merge must agree on {', '.join(MUST_AGREE)}"
-                )
-
-
-def _common_provenance(shards: Sequence[_Shard]) -> tuple[dict[str, Any], list[str], list[str]]:
-    """Attributes equal in every shard; names that differ; config keys that differ."""
-    keys = sorted({k for s in shards for k in s.attrs} - _PER_FILE)
-    common: dict[str, Any] = {}
-    varying: list[str] = []
-    config_varying: list[str] = []
-    for key in keys:
-        values = [s.attrs.get(key) for s in shards]
-        configs = [v for v in values if isinstance(v, dict)]
-        if key == "config" and len(configs) == len(values):
-            ckeys = sorted({ck for v in configs for ck in v})
-            merged_config = {}
-            for ck in ckeys:
-                cv = [v.get(ck) for v in configs]
-                if all(json.dumps(x, sort_keys=True, default=str) == json.dumps(cv[0], sort_keys=True, default=str) for x in cv):
-                    merged_config[ck] = cv[0]
-                else:
-                    config_varying.append(ck)
-            common["config"] = merged_config
-        elif all(v == values[0] for v in values):
-            common[key] = values[0]
-        else:
-            varying.append(key)
-    return common, varying, config_varying
-
-
 def _check_paths(stores: Sequence[Path], out: Path, manifest: Path | None) -> list[Path]:
     if not stores:
         hint = f" (see {manifest}: every record may have been skipped or invalid)" if manifest else ""
@@ -264,7 +220,7 @@ class _Merge:
         self.record_rows = _starts([s.count for s in self.shards])
         self.residue_rows = _starts([s.rows for s in self.shards])
         self.n = int(self.record_rows[-1])
-        self.common, self.varying, self.config_varying = _common_provenance(self.shards)
+        self.common, self.varying, self.config_varying = common_provenance([s.attrs for s in self.shards])
 
     def header(self) -> dict[str, Any]:
         """Root attributes: those all shards share, the layout, and where each row came from."""
@@ -436,7 +392,7 @@ def _merge_stores(stores: Sequence[Path], out: Path, manifest: Path | None) -> M
     with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])],
                          pinned=pinned_by(paths)):
         shards = [_read_shard(p, out_dir) for p in paths]
-        _check_agreement(shards)
+        check_agreement([(s.path, s.attrs) for s in shards])
         merge = _Merge(shards, Path(manifest) if manifest is not None else None)
         with atomic_h5(out) as target, target.create(**MERGE_WRITE_OPTIONS) as f:
             merge.write(f, out_dir)
