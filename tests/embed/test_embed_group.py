@@ -20,6 +20,7 @@ from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.shard.passes import plan_groups, shard_fasta
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.stores import store_uuid
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1))
 
@@ -34,10 +35,6 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
         f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     return out
 
-
-def _uuid(path: Path) -> str:
-    with h5py.File(path, "r") as f:
-        return str(f.attrs["store_uuid"])
 
 
 def _count_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -76,7 +73,7 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     out = tmp_path / "stores"
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=OPTIONS, quiet=True)
     stores = [out / f"{s.stem}.h5" for s in shards]
-    before = [(_uuid(p), p.stat().st_mtime_ns) for p in stores]
+    before = [(store_uuid(p), p.stat().st_mtime_ns) for p in stores]
     stores[1].unlink()  # missing
     with h5py.File(stores[2], "r+") as f:  # incomplete: a writer that never finished
         f.attrs["complete"] = False
@@ -85,8 +82,8 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     summary = embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=retry, quiet=True)
     assert summary.kept == [stores[0]]
     assert [s.out for s in summary.embedded] == stores[1:]
-    assert (_uuid(stores[0]), stores[0].stat().st_mtime_ns) == before[0]
-    assert _uuid(stores[2]) != before[2][0]
+    assert (store_uuid(stores[0]), stores[0].stat().st_mtime_ns) == before[0]
+    assert store_uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
     identity = embed_module.embed_identity(OPTIONS, _model(tiny_model_path), on_cpu, [0, 2])
     assert all(embed_module.store_is_current(p, identity, _input(p))
@@ -111,7 +108,7 @@ def test_a_store_of_other_options_model_or_shard_content_is_embedded_again(
     shards = _shards(tmp_path, 2)
     out = tmp_path / "stores"
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=OPTIONS, quiet=True)
-    before = _uuid(out / "shard-00000.h5")
+    before = store_uuid(out / "shard-00000.h5")
     model, options = tiny_model_path, OPTIONS
     if change == "options":
         options = EmbedOptions(**{**OPTIONS.__dict__, "storage_dtype": "float16"})
@@ -121,7 +118,7 @@ def test_a_store_of_other_options_model_or_shard_content_is_embedded_again(
         write_fasta(shards[0], random_sequences(4, (8, 50), seed=99))
         write_fasta(shards[1], random_sequences(4, (8, 50), seed=11))  # same content as before
     summary = embed_shards(shards, model=str(model), out_dir=out, options=options, quiet=True)
-    assert _uuid(out / "shard-00000.h5") != before
+    assert store_uuid(out / "shard-00000.h5") != before
     assert len(summary.embedded) == (1 if change == "shard" else 2)
 
 
@@ -135,13 +132,13 @@ def test_a_store_computed_padded_is_not_kept_where_auto_means_packed(tmp_path, t
     out = tmp_path / "stores"
     options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed", "attention_inputs": "compute"})
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
-    before = _uuid(out / "shard-00000.h5")
+    before = store_uuid(out / "shard-00000.h5")
     assert embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True).kept
     monkeypatch.setattr(cuda, "varlen_available", lambda device, dtype: dtype in cuda.VARLEN_DTYPES)
     monkeypatch.setattr(cuda, "varlen_attention",
                         lambda q, k, v, offsets, max_len: per_sequence_attention(q, k, v, offsets.tolist()))
     summary = embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
-    assert len(summary.embedded) == 1 and _uuid(out / "shard-00000.h5") != before
+    assert len(summary.embedded) == 1 and store_uuid(out / "shard-00000.h5") != before
     with h5py.File(out / "shard-00000.h5", "r") as f:
         assert f.attrs["attention_path"] == "packed-varlen-flash" and f.attrs["batch_layout"] == "packed"
 

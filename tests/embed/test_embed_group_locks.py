@@ -22,6 +22,7 @@ from embedpipe.embed.group_marker import marker_problem
 from embedpipe.embed.run import embed_shards
 from embedpipe.store.validate import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.stores import store_uuid
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(-1,))
 
@@ -29,10 +30,6 @@ OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(-1,))
 def _shards(tmp: Path, n: int = 2) -> list[Path]:
     return [write_fasta(tmp / f"shard-{k:05d}.fasta", random_sequences(4, (8, 40), seed=30 + k)) for k in range(n)]
 
-
-def _uuid(path: Path) -> str:
-    with h5py.File(path, "r") as f:
-        return str(f.attrs["store_uuid"])
 
 
 def _corrupt_first_chunk(store: Path, dataset: str) -> None:
@@ -97,12 +94,12 @@ def test_a_complete_store_with_a_corrupt_chunk_is_embedded_again(tmp_path, tiny_
     store = out / "shard-00000.h5"
     with h5py.File(store, "r") as f:
         good = f[dataset][()]
-    before = _uuid(store)
+    before = store_uuid(store)
     _corrupt_first_chunk(store, dataset)
     assert validate_store(store), "the corruption is not visible to validate"
     summary = embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=OPTIONS, done=done, quiet=True)
     assert [p.name for p in summary.kept] == ["shard-00001.h5"]
-    assert _uuid(store) != before and validate_store(store) == []
+    assert store_uuid(store) != before and validate_store(store) == []
     with h5py.File(store, "r") as f:
         np.testing.assert_array_equal(f[dataset][()], good)
     assert marker_problem(done) is None
@@ -115,7 +112,7 @@ def test_the_marker_goes_stale_when_a_store_is_deleted_or_replaced(tmp_path, tin
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=OPTIONS, done=done, quiet=True)
     listing = json.loads(done.read_text())
     assert [e["stamp"]["path"] for e in listing["stores"]] == ["shard-00000.h5", "shard-00001.h5"]
-    assert all(e["stamp"]["store_uuid"] == _uuid(out / e["stamp"]["path"]) for e in listing["stores"])
+    assert all(e["stamp"]["store_uuid"] == store_uuid(out / e["stamp"]["path"]) for e in listing["stores"])
     assert marker_problem(done) is None
     copy = tmp_path / "copy.h5"
     copy.write_bytes((out / "shard-00001.h5").read_bytes())

@@ -22,6 +22,7 @@ import numpy as np
 from embedpipe.store import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import wait_until
+from helpers.stores import store_uuid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,10 +67,6 @@ def _vectors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _uuid(path: Path) -> str:
-    with h5py.File(path, "r") as f:
-        return str(f.attrs["store_uuid"])
-
 
 def test_a_group_job_sigtermed_mid_group_exits_143_and_its_rerun_embeds_only_the_rest(tmp_path, tiny_model_path):
     shards = [write_fasta(tmp_path / f"shard-{k:05d}.fasta", random_sequences(3, (8, 40), seed=40 + k))
@@ -91,15 +88,15 @@ def test_a_group_job_sigtermed_mid_group_exits_143_and_its_rerun_embeds_only_the
     assert validate_store(stores[0]) == []
     assert not stores[1].exists() and not stores[2].exists() and not done.exists()
     assert list(out.glob("*.tmp")) == [] and list(out.glob(".*.tmp")) == []
-    kept = (_uuid(stores[0]), stores[0].stat().st_mtime_ns, stores[0].read_bytes())
+    kept = (store_uuid(stores[0]), stores[0].stat().st_mtime_ns, stores[0].read_bytes())
 
     rerun = subprocess.run([sys.executable, "-c", CLI, *args[:-1]], cwd=tmp_path, env=_env(),
                            capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     assert ": 2 embedded, 1 kept" in rerun.stderr, rerun.stderr  # the summary line
-    assert (_uuid(stores[0]), stores[0].stat().st_mtime_ns, stores[0].read_bytes()) == kept
+    assert (store_uuid(stores[0]), stores[0].stat().st_mtime_ns, stores[0].read_bytes()) == kept
     listing = json.loads(done.read_text())
-    assert [e["stamp"]["store_uuid"] for e in listing["stores"]] == [_uuid(s) for s in stores]
+    assert [e["stamp"]["store_uuid"] for e in listing["stores"]] == [store_uuid(s) for s in stores]
 
     # independent: the same group embedded in one uninterrupted job
     clean = tmp_path / "clean"

@@ -21,6 +21,7 @@ from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime.int8_smoothing import SHIPPED
 from helpers.embed_helpers import embed_and_read, embed_store, random_sequences, write_fasta
+from helpers.stores import cosine
 
 #: the stated int8-mixed tolerance (docs/precision.md; tests/runtime/test_int8_policy.py)
 POOLED_COSINE = 0.99
@@ -29,12 +30,9 @@ SMOOTH = {"precision": "int8-mixed", "int8_smoothing": "smoothquant"}
 OUTLIER_CHANNELS, OUTLIER_GAIN = [3, 17, 40, 51], 30.0
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
 
 def _worst(got: dict, ref: dict, layer: int) -> float:
-    return min(_cosine(got["mean"][layer][r], ref["mean"][layer][r]) for r in ref["mean"][layer])
+    return min(cosine(got["mean"][layer][r], ref["mean"][layer][r]) for r in ref["mean"][layer])
 
 
 def plant_outliers(state: dict) -> None:

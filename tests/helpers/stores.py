@@ -69,3 +69,15 @@ def set_row(f: h5py.File, name: str, row: int, value: bytes) -> None:
     values = f[name][:].tolist()
     values[row] = value
     f[name][:] = np.array(values, dtype=f[name].dtype)
+
+
+def store_uuid(path: Path) -> str:
+    """The store's ``store_uuid``: the same file (kept, not rewritten) has the same one."""
+    with h5py.File(path, "r") as f:
+        return str(f.attrs["store_uuid"])
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two vectors, in float64 (the tests' independent figure)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))

@@ -19,6 +19,7 @@ from embedpipe.runtime.cpu_features import CpuFeatures, emulation_note, fastest_
 from embedpipe.runtime.int8_linear import ENGINES, Int8Linear, quantize_per_token
 from embedpipe.runtime.precision import get_policy
 from helpers.embed_helpers import embed_and_read, random_sequences
+from helpers.stores import cosine
 
 INT8 = get_policy("int8-mixed")
 #: the stated tolerance (docs/precision.md): pooled cosine to fp32 on random-weight models, every layer
@@ -65,9 +66,6 @@ def test_int8_linear_keeps_zero_rows_and_propagates_non_finite_rows() -> None:
     assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
 
 def test_int8_mixed_matches_fp32_on_every_layer_and_records_its_scheme(tmp_path, model_factory) -> None:
     path = model_factory(layers=3, dim=64, heads=4, seed=5)
@@ -76,7 +74,7 @@ def test_int8_mixed_matches_fp32_on_every_layer_and_records_its_scheme(tmp_path,
     ref = embed_and_read(tmp_path, path, records, "ref", precision="fp32", layers=layers, per_residue=True)
     got = embed_and_read(tmp_path, path, records, "int8", precision="int8-mixed", layers=layers, per_residue=True)
     for layer in layers:
-        worst = min(_cosine(got["mean"][layer][r], ref["mean"][layer][r]) for r, _ in records)
+        worst = min(cosine(got["mean"][layer][r], ref["mean"][layer][r]) for r, _ in records)
         assert worst >= POOLED_COSINE, (layer, worst)
         rows = got["per_residue"][layer]["rec000"], ref["per_residue"][layer]["rec000"]
         assert rows[0].shape == rows[1].shape

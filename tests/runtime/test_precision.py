@@ -18,12 +18,10 @@ from embedpipe.runtime import precision
 from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.precision import POLICIES, check_policy_on_device, get_policy
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
+from helpers.stores import cosine
 
 LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
 
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "fair-esm"])
@@ -91,7 +89,7 @@ def test_every_policy_is_finite_recorded_and_close_to_fp32(tmp_path, model_facto
         store = embed_and_read(tmp_path, path, records, policy, precision=policy)
         assert store["attrs"]["precision_policy"] == policy
         assert store["attrs"]["compute_dtype"] == precision.dtype_name(POLICIES[policy].compute_dtype)
-        cosines = [_cosine(store["mean"][3][r], ref["mean"][3][r]) for r, _ in records]
+        cosines = [cosine(store["mean"][3][r], ref["mean"][3][r]) for r, _ in records]
         max_abs = max(float(np.abs(store["mean"][3][r] - ref["mean"][3][r]).max()) for r, _ in records)
         figures[policy] = (min(cosines), max_abs)
         assert set(store["fields"]["precision_used"].values()) == {policy}

@@ -12,10 +12,10 @@ import socket
 import subprocess
 from pathlib import Path
 
-import h5py
 import pytest
 
 from embedpipe.core.locks import acquire
+from helpers.stores import store_uuid
 from helpers.workflow_helpers import demo_config, job_counts, read_manifest, run_workflow, snakemake, validate
 
 pytestmark = pytest.mark.slow
@@ -36,14 +36,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir
 
 
-def _uuid(store: Path) -> str:
-    with h5py.File(store, "r") as f:
-        return str(f.attrs["store_uuid"])
-
 
 def test_a_deleted_shard_store_is_embedded_again(run: Path) -> None:
     stores = run / "out" / "stores"
-    kept = {p.name: _uuid(p) for p in stores.glob("shard-*.h5") if p.name != "shard-00001.h5"}
+    kept = {p.name: store_uuid(p) for p in stores.glob("shard-*.h5") if p.name != "shard-00001.h5"}
     (stores / "shard-00001.h5").unlink()
     proc = run_workflow(run, run / "config.yaml", "--dry-run")
     out = proc.stdout + proc.stderr
@@ -51,7 +47,7 @@ def test_a_deleted_shard_store_is_embedded_again(run: Path) -> None:
     assert job_counts(out) == {"embed": 1, "merge": 1, "crosscheck": 1, "all": 1}, out[-3000:]
     run_workflow(run, run / "config.yaml")
     assert (stores / "shard-00001.h5").is_file()
-    assert {name: _uuid(stores / name) for name in kept} == kept  # the others untouched
+    assert {name: store_uuid(stores / name) for name in kept} == kept  # the others untouched
     assert validate(run / "out" / "embeddings.h5").returncode == 0
     proc = run_workflow(run, run / "config.yaml", "--dry-run")
     assert "Nothing to be done" in proc.stdout + proc.stderr

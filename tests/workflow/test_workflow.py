@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.stores import store_uuid
 from helpers.workflow_helpers import (
     CONTRACT_OUTPUTS,
     CORES,
@@ -311,12 +312,6 @@ def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
 # --------------------------------------------------------------------------- faults
 
 
-def _uuid(store: Path) -> str:
-    import h5py
-
-    with h5py.File(store, "r") as f:
-        return str(f.attrs["store_uuid"])
-
 
 def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) -> None:
     """One embed job for all three shards (max_jobs: 1), killed after its first shard store:
@@ -344,12 +339,12 @@ def test_killed_run_resumes_to_the_same_store(demo_run: Path, tmp_path: Path) ->
             proc.wait()
         log.close()
     assert not (tmp_path / "out" / "embeddings.h5").exists(), "the run finished before it was killed"
-    finished = {p: _uuid(p) for p in stores.glob("shard-*.h5")}
+    finished = {p: store_uuid(p) for p in stores.glob("shard-*.h5")}
     assert 0 < len(finished) < 3
 
     snakemake(tmp_path, "--unlock", configfile=config)
     run_workflow(tmp_path, config, "--rerun-incomplete")
-    assert {p: _uuid(p) for p in finished} == finished
+    assert {p: store_uuid(p) for p in finished} == finished
     log = (tmp_path / "out" / "logs" / "embed" / "group-00000.log").read_text()
     assert f"{3 - len(finished)} embedded, {len(finished)} kept" in log
     assert validate(tmp_path / "out" / "embeddings.h5").returncode == 0
