@@ -197,7 +197,6 @@ def run_hf(loaded: Any, records: list[tuple[str, str]], device: torch.device, dt
            tokens_per_batch: int) -> dict[str, Any]:
     """HF EsmModel (SDPA) converted from the loaded checkpoint (fused q/k/v are views of the same
     values, so the weights are the file's); out of memory halves its token budget."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import hf_esm_peer
 
     model = hf_esm_peer.convert_to_hf(loaded).to(device, dtype)

@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from embed_throughput import OUT, add_input_arguments, bench_model, best_of, system_command, timed  # noqa: E402
 

@@ -35,10 +35,8 @@ import platform
 import sys
 from pathlib import Path
 
+import _family_recipes as recipes
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _family_recipes as recipes  # noqa: E402
 from embed_throughput import matmul_peak, read_means, run_rounds, system_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,6 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from embed_throughput import OUT, add_input_arguments, bench_model, repeat_input, run_rounds, system_command  # noqa: E402
 
 #: the child of ``int8-free``: the int8 layers' forward replaced, then the CLI as usual

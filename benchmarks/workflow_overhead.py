@@ -153,7 +153,6 @@ esac
 
 def stub_shard(out: Path) -> None:
     """The shard stub: $STUB_SHARDS tiny shards, a manifest, and shards.json with the real groups."""
-    sys.path.insert(0, str(ROOT))
     from embedpipe.shard.passes import plan_groups, shard_name
 
     n, max_jobs = int(os.environ["STUB_SHARDS"]), int(os.environ["STUB_MAX_JOBS"])
