@@ -24,7 +24,8 @@ import numpy as np
 from embedpipe.core.errors import EmbedpipeError, quote
 from embedpipe.core.options import CROSSCHECK_BOOTSTRAP, CROSSCHECK_FOLDS, LABEL_KINDS, check_choice
 from embedpipe.crosscheck.metrics import allocate_proportional, stratified_sample
-from embedpipe.store.reader import Store, UnknownIdError
+from embedpipe.store.idindex import UnknownIdError
+from embedpipe.store.reader import Store
 
 __all__ = ["LabelEntry", "LabelOptions", "Labelled", "decide_kind", "read_label_file", "resolve_labels", "sample_labelled"]
 

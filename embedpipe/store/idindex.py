@@ -83,6 +83,13 @@ def index_keys(ids: np.ndarray, aliases: Sequence[tuple[str, str]] = (),
     return np.concatenate([p.astype(f"S{width}") for p in parts]), np.concatenate(part_rows)
 
 
+class UnknownIdError(StoreError, KeyError):
+    """An ID that is neither a record nor an alias in the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class IdIndex:
     """Key -> stored row value (see the module docstring), by bisection over blocks."""
 

@@ -41,7 +41,7 @@ from embedpipe.store.format import (
     read_root_attrs,
     stored_layers,
 )
-from embedpipe.store.idindex import IdIndex, LazyIds
+from embedpipe.store.idindex import IdIndex, LazyIds, UnknownIdError
 from embedpipe.store.readio import H5Rows, dask_array, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
 from embedpipe.store.residues import ShardRows, read_from_sources
 from embedpipe.store.sequences import read_sequences
@@ -51,13 +51,6 @@ __all__ = ["open_store", "Store", "UnknownIdError"]
 
 # HDF5 chunk cache of the open store: per-ID reads of small datasets hit decoded chunks
 _CHUNK_CACHE_BYTES = 4 << 20
-
-
-class UnknownIdError(StoreError, KeyError):
-    """An ID that is neither a record nor an alias in the store."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 def open_store(path: os.PathLike[str] | str) -> Store:

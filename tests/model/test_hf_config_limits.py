@@ -51,7 +51,7 @@ def _edited(source: Path, tmp_path: Path, **fields) -> Path:
     return out
 
 
-def _refused(directory: Path, monkeypatch, pattern: str) -> str:
+def assert_refused(directory: Path, monkeypatch, pattern: str) -> str:
     """The one-line refusal of ``directory`` by load_model and by model-info, before any weight is read."""
     def no_weights(files):
         raise AssertionError("weights were read before the config was checked")
@@ -98,7 +98,7 @@ ESM_CASES = [
 
 @pytest.mark.parametrize(("field", "value", "pattern"), ESM_CASES, ids=lambda v: str(v)[:20])
 def test_a_crafted_esm_config_is_refused_in_one_line(dirs, tmp_path, monkeypatch, field, value, pattern) -> None:
-    _refused(_edited(dirs["hf-esm"], tmp_path, **{field: value}), monkeypatch, pattern)
+    assert_refused(_edited(dirs["hf-esm"], tmp_path, **{field: value}), monkeypatch, pattern)
 
 
 def test_token_dropout_must_be_a_bool(dirs, tmp_path) -> None:
@@ -134,11 +134,11 @@ T5_CASES = [
 @pytest.mark.parametrize("family", ["prot-t5", "ankh"])
 @pytest.mark.parametrize(("field", "value", "pattern"), T5_CASES, ids=lambda v: str(v)[:20])
 def test_a_crafted_t5_config_is_refused_in_one_line(dirs, tmp_path, monkeypatch, family, field, value, pattern) -> None:
-    _refused(_edited(dirs[family], tmp_path, **{field: value}), monkeypatch, pattern)
+    assert_refused(_edited(dirs[family], tmp_path, **{field: value}), monkeypatch, pattern)
 
 
 def test_num_heads_times_d_kv_is_bounded(dirs, tmp_path, monkeypatch) -> None:
-    _refused(_edited(dirs["prot-t5"], tmp_path, num_heads=1024, d_kv=65536), monkeypatch,
+    assert_refused(_edited(dirs["prot-t5"], tmp_path, num_heads=1024, d_kv=65536), monkeypatch,
              r"num_heads x d_kv = 1024 x 65536 is wider than 65536")
 
 

@@ -59,7 +59,7 @@ def _crafted(source, tmp: Path, edit) -> Path:
     return index
 
 
-def _refused(source, tmp: Path, edit, field: str) -> None:
+def assert_refused(source, tmp: Path, edit, field: str) -> None:
     """embed --reuse on the crafted index fails with exactly ``{index}: reuse index {field}...``."""
     index = _crafted(source, tmp, edit)
     with pytest.raises(EmbedpipeError) as info:
@@ -77,32 +77,32 @@ def test_rows_out_of_range(source, tmp_path):
     def edit(f):
         f["rows"][0] = 10**6
     n = len(RECORDS)
-    _refused(source, tmp_path, edit,
+    assert_refused(source, tmp_path, edit,
              f"dataset rows points to row 1000000, outside 0..{n - 1} (the {n} records of {source['store']})")
 
 
 def test_negative_rows(source, tmp_path):
     def edit(f):
         f["rows"][5] = -7
-    _refused(source, tmp_path, edit, "dataset rows row 5 is -7, negative")
+    assert_refused(source, tmp_path, edit, "dataset rows row 5 is -7, negative")
 
 
 @pytest.mark.parametrize(("value", "shown"), [(0, "0"), (-3, "-3"), (2**40, str(2**40)), ("4", "'4'"), (4.5, "4.5")])
 def test_block_not_a_usable_integer(source, tmp_path, value, shown):
     def edit(f):
         f.attrs["block"] = value
-    _refused(source, tmp_path, edit, f"attribute block is {shown}, not an integer in 1..65536")
+    assert_refused(source, tmp_path, edit, f"attribute block is {shown}, not an integer in 1..65536")
 
 
 def test_block_that_does_not_match_the_fence(source, tmp_path):
     def edit(f):
         f.attrs["block"] = 1
-    _refused(source, tmp_path, edit, "dataset fence has 3 keys, expected 12 (one per 1-entry block of 12 keys)")
+    assert_refused(source, tmp_path, edit, "dataset fence has 3 keys, expected 12 (one per 1-entry block of 12 keys)")
 
 
 @pytest.mark.parametrize("name", ["keys", "rows", "fence"])
 def test_missing_dataset(source, tmp_path, name):
-    _refused(source, tmp_path, lambda f: f.__delitem__(name), f"dataset {name} is missing")
+    assert_refused(source, tmp_path, lambda f: f.__delitem__(name), f"dataset {name} is missing")
 
 
 @pytest.mark.parametrize(("name", "data", "shown"), [
@@ -112,27 +112,27 @@ def test_missing_dataset(source, tmp_path, name):
     ("fence", np.zeros(3, dtype=np.int64), "shape (3,) and dtype int64, expected 1-D 32-byte keys (S32)"),
 ])
 def test_wrong_dtype_or_shape(source, tmp_path, name, data, shown):
-    _refused(source, tmp_path, lambda f: _replace(f, name, data), f"dataset {name} has {shown}")
+    assert_refused(source, tmp_path, lambda f: _replace(f, name, data), f"dataset {name} has {shown}")
 
 
 def test_rows_shorter_than_keys(source, tmp_path):
-    _refused(source, tmp_path, lambda f: _replace(f, "rows", np.arange(5)), "dataset rows has 5 entries, dataset keys 12")
+    assert_refused(source, tmp_path, lambda f: _replace(f, "rows", np.arange(5)), "dataset rows has 5 entries, dataset keys 12")
 
 
 def test_missing_store_path_and_huge_chunks(source, tmp_path):
-    _refused(source, tmp_path, lambda f: f.attrs.__delitem__("store_path"), "attribute store_path is missing")
+    assert_refused(source, tmp_path, lambda f: f.attrs.__delitem__("store_path"), "attribute store_path is missing")
     rows = np.arange(12)
 
     def chunked(f):
         del f["rows"]
         f.create_dataset("rows", data=rows, maxshape=(None,), chunks=(1 << 20,), compression="gzip")
-    _refused(source, tmp_path, chunked, "dataset rows has chunks of 1048576 entries, more than 4 MiB")
+    assert_refused(source, tmp_path, chunked, "dataset rows has chunks of 1048576 entries, more than 4 MiB")
 
 
 def test_entries_disagree(source, tmp_path):
     def edit(f):
         f.attrs["entries"] = 13
-    _refused(source, tmp_path, edit, "attribute entries is 13, dataset keys holds 12")
+    assert_refused(source, tmp_path, edit, "attribute entries is 13, dataset keys holds 12")
 
 
 @pytest.mark.parametrize(("value", "shown"), [("{not json", "'{not json'"), ("[1, 2]", "'[1, 2]'"),
@@ -141,26 +141,26 @@ def test_bad_identity(source, tmp_path, value, shown):
     def edit(f):
         f.attrs["embed_identity"] = value
     kind = "not text" if isinstance(value, np.ndarray) else "not a JSON object"
-    _refused(source, tmp_path, edit, f"attribute embed_identity is {shown}, {kind}")
+    assert_refused(source, tmp_path, edit, f"attribute embed_identity is {shown}, {kind}")
 
 
 def test_bad_num_layers(source, tmp_path):
     def edit(f):
         f.attrs["model_num_layers"] = "two"
-    _refused(source, tmp_path, edit, "attribute model_num_layers is 'two', not a positive integer")
+    assert_refused(source, tmp_path, edit, "attribute model_num_layers is 'two', not a positive integer")
 
 
 def test_unsorted_fence_and_block_not_at_its_fence(source, tmp_path):
     def swap(f):
         fence = f["fence"][()]
         f["fence"][:] = fence[::-1]
-    _refused(source, tmp_path, swap, "dataset fence is not sorted (entry 1 is not above entry 0)")
+    assert_refused(source, tmp_path, swap, "dataset fence is not sorted (entry 1 is not above entry 0)")
 
     def shift(f):
         fence = f["fence"][()]
         fence[1] = f["keys"][5]  # still sorted, but block 1 starts at key 4
         f["fence"][:] = fence
-    _refused(source, tmp_path, shift, "dataset keys row 4 is not fence entry 1")
+    assert_refused(source, tmp_path, shift, "dataset keys row 4 is not fence entry 1")
 
 
 def test_fence_declaring_2_36_entries_is_refused_unallocated(source, tmp_path):

@@ -17,8 +17,7 @@ import pytest
 import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, merge_stores, validate_store
-from embedpipe.store.idindex import BLOCK_ROWS, IdIndex, encode_ids, index_keys, write_id_index
-from embedpipe.store.reader import UnknownIdError
+from embedpipe.store.idindex import BLOCK_ROWS, IdIndex, UnknownIdError, encode_ids, index_keys, write_id_index
 from helpers.stores import write_store
 
 ROOT = Path(__file__).resolve().parents[2]
