@@ -95,7 +95,7 @@ def _tampered(made, tmp: Path, edit) -> tuple[Path, Path]:
     return store, tmp / "T.idx.h5"
 
 
-def _refused(made, tmp: Path, edit, what: str, *, regex: bool = False) -> None:
+def assert_refused(made, tmp: Path, edit, what: str, *, regex: bool = False) -> None:
     """embed --reuse from the tampered store fails with exactly ``--reuse STORE: WHAT; ...``
     (``what`` a regular expression when ``regex``), and writes nothing."""
     store, index = _tampered(made, tmp, edit)
@@ -125,14 +125,14 @@ def test_edited_mean_is_refused(made, tmp_path):
             x[3, 5] += 1
             return x
         _rewrite(f, "mean/layer_2", bump)
-    _refused(made, tmp_path, edit, r"record 'rec003' \(row 3\) layer 2: stored mean differs from the mean of its "
+    assert_refused(made, tmp_path, edit, r"record 'rec003' \(row 3\) layer 2: stored mean differs from the mean of its "
              r"\d+ per-residue rows by \S+ at element 5 \(tolerance \S+ for float16\): pooled vectors and "
              r"per-residue rows come from different runs or were edited", regex=True)
 
 
 def test_dataset_without_its_checksum_is_refused(made, tmp_path):
     """Rewritten without fletcher32 (values unchanged): nothing could say its rows are intact."""
-    _refused(made, tmp_path, lambda f: _rewrite(f, "per_residue/layer_0", lambda x: x, plain=True),
+    assert_refused(made, tmp_path, lambda f: _rewrite(f, "per_residue/layer_0", lambda x: x, plain=True),
              "dataset per_residue/layer_0 has no fletcher32 checksum, so its rows cannot be verified")
 
 
@@ -142,7 +142,7 @@ def test_non_finite_source_row_is_refused_naming_the_source(made, tmp_path):
             x[3] = np.nan
             return x
         _rewrite(f, "mean/layer_2", nan)
-    _refused(made, tmp_path, edit, "dataset mean/layer_2: record 'rec003' (row 3) holds non-finite values")
+    assert_refused(made, tmp_path, edit, "dataset mean/layer_2: record 'rec003' (row 3) holds non-finite values")
 
 
 def test_per_residue_nan_is_refused_naming_the_record(made, tmp_path):
@@ -154,7 +154,7 @@ def test_per_residue_nan_is_refused_naming_the_record(made, tmp_path):
             x[start + 1, 0] = np.nan
             return x
         _rewrite(f, "per_residue/layer_0", nan)
-    _refused(made, tmp_path, edit, "dataset per_residue/layer_0: record 'rec004' (row 4) holds non-finite values")
+    assert_refused(made, tmp_path, edit, "dataset per_residue/layer_0: record 'rec004' (row 4) holds non-finite values")
 
 
 def test_unknown_long_handling_is_refused(made, tmp_path):
@@ -162,7 +162,7 @@ def test_unknown_long_handling_is_refused(made, tmp_path):
     the reader itself refuses it, when the store is indexed)."""
     def handling(f):
         _rewrite(f, "long_handling", lambda x: np.where(np.arange(len(x)) == 1, b"odd", x).astype(x.dtype))
-    _refused(made, tmp_path, handling, "record 'rec001' (row 1): long_handling 'odd' is not known")
+    assert_refused(made, tmp_path, handling, "record 'rec001' (row 1): long_handling 'odd' is not known")
 
 
 def test_only_the_rows_copied_are_checked(made, tmp_path):
