@@ -22,7 +22,7 @@ from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.version import __version__
 from embedpipe.model.checkpoint import validate_shape
-from embedpipe.model.hf_checkpoint import MARKER_KEY
+from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
 from embedpipe.model.t5_vocab import LETTERS
 
