@@ -109,7 +109,8 @@ def shape_of(config: Mapping[str, Any], where: str) -> EsmcShape:
                      ffn=sizes["intermediate_size"], rope_theta=sizes["rope_theta"], pad_id=esmc_spec.PAD)
 
 
-def _expected_shapes(s: EsmcShape, vocab: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(s: EsmcShape, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape under embedpipe's names, from the config (the weights must agree)."""
     shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, s.dim), "norm": (s.dim,)}
     for i in range(s.num_layers):
         shapes |= {f"{i}.ln1.weight": (s.dim,), f"{i}.ln1.bias": (s.dim,), f"{i}.qkv": (3 * s.dim, s.dim),
@@ -133,7 +134,7 @@ def esmc_weights(state: Mapping[str, torch.Tensor], shape: EsmcShape, vocab: int
         raise ModelError(f"{where}: unexpected weights {', '.join(unexpected[:4])} for an ESM C with "
                          f"{shape.num_layers} layers")
     weights: dict[str, torch.Tensor] = {}
-    expected = _expected_shapes(shape, vocab)
+    expected = expected_shapes(shape, vocab)
     for ours, theirs in names.items():
         missing = [prefix + t for t in theirs if prefix + t not in state]
         if missing:

@@ -103,32 +103,36 @@ def parameter_count(layers: int, dim: int, ffn: int, vocab: int = 64) -> int:
     return layers * (4 * dim * dim + 6 * dim + 3 * dim * ffn) + vocab * dim + dim
 
 
-#: forward working memory per token, in bytes per unit of D (width) and of F (SwiGLU width), per
-#: kind of policy: the peak of one layer, see :func:`estimate_memory`
-ACTIVATION_BYTES = {"fp32": (40, 12), "plain": (20, 6), "fp32-islands": (40, 6),
-                    "fp32-islands-fp32-attention": (48, 6), "autocast": (36, 6)}
+#: forward working memory per token, in bytes, per kind of policy: the live peak of a traced forward
+#: (tests/runtime/test_cuda_memory_esmc.py: the 300M and 600M shapes on a faked GPU, no weights),
+#: which includes the hidden state of the layer in flight. Attention: D bytes; the feed-forward:
+#: (D bytes, F bytes), F the SwiGLU width; the larger of the two is the layer's peak.
+ATTENTION_D_BYTES = {"fp32": 48, "plain": 24, "fp32-islands": 42, "fp32-islands-fp32-attention": 46,
+                     "autocast": 38}
+FFN_BYTES = {"fp32": (8, 16), "plain": (4, 8), "fp32-islands": (10, 8), "fp32-islands-fp32-attention": (10, 8),
+             "autocast": (10, 8)}
 
 
 def estimate_memory(layers: int, dim: int, ffn: int, weight_itemsize: int, compute_itemsize: int, *,
                     kind: str = "plain") -> MemoryEstimate:
     """Memory of an ESM C under a policy whose weights and matmuls use the given sizes.
 
-    Activations per token, the peak of one layer, as D and F (the SwiGLU width) bytes:
-    - attention: the stream and its norm, fused q/k/v, q and k normed and rotated (in fp32 under
-      the islands), v and the output: 10 D values (fp32 islands: fp32 stream, norm, q/k norms
-      and rotation; 12 D values fp32 when attending in fp32);
-    - the feed-forward: gate and up (2F), their SwiGLU product (F) in the compute dtype.
-    Attention scores are not counted (SDPA and the varlen kernel on CUDA hold none). The residual
-    stream is fp32 except under plain casts; the widest tensor is gate and up, 2F values a token.
+    Activations per token (``kind`` as ESM-2's: ``fp32``, ``plain`` 16-bit, ``fp32-islands``,
+    ``fp32-islands-fp32-attention``, ``autocast``), the peak of one layer: at attention the
+    stream and its norm, fused q/k/v, q and k normed (fp32 under the islands), stacked and
+    rotated, v and the output; at the feed-forward the stream, gate and up (2F values), the
+    SiLU of the gate and the product (F each), in the compute dtype. Attention scores are not
+    counted (SDPA and the varlen kernel on CUDA hold none). The residual stream is fp32 except
+    under plain casts; the widest tensor is gate and up, 2F values a token.
     """
     parameters = parameter_count(layers, dim, ffn)
     if compute_itemsize == 4:
         kind = "fp32"
-    per_d, per_f = ACTIVATION_BYTES[kind]
+    per_d, per_f = FFN_BYTES[kind]
     return MemoryEstimate(
         host_bytes=host_bytes(4 * parameters),
         weight_bytes=weight_itemsize * parameters,
-        activation_bytes_per_token=dim * per_d + ffn * per_f,
+        activation_bytes_per_token=max(dim * ATTENTION_D_BYTES[kind], dim * per_d + ffn * per_f),
         hidden_itemsize=weight_itemsize if kind == "plain" else 4,
         widest_values_per_token=2 * ffn,
     )

@@ -16,7 +16,7 @@ from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.registry import load_model
 from embedpipe.runtime.precision import get_policy
 
-FAMILIES = ["esm2", "hf-esm", "prot-t5", "ankh"]
+FAMILIES = ["esm2", "hf-esm", "prot-t5", "ankh", "esmc"]
 
 
 @pytest.fixture(scope="module")
