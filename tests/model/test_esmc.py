@@ -191,3 +191,35 @@ def test_a_tokenizer_with_other_ids_is_refused(esmc_dir: Path, tmp_path: Path) -
     (bad / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ModelError, match=r"tokenizer.json: not ESM C's vocabulary \('L' is not token 4\)"):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize(("field", "value", "pattern"), [
+    ("num_hidden_layers", 10_000_000, r"num_hidden_layers must be a positive integer no larger than 1024, got 10000000"),
+    ("hidden_size", 30, r"hidden_size 30 is not divisible by num_attention_heads 4"),
+    ("intermediate_size", "64", r"intermediate_size must be a positive integer, got '64'"),
+    ("vocab_size", 10, r"vocab_size must be an integer from 33 no larger than 1048576, got 10"),
+    ("max_position_embeddings", 2, r"max_position_embeddings must be an integer from 3 no larger than 1048576, got 2"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")},
+     r"not an ESM C that embedpipe can run \(rope_theta nan is not a number above 1\)"),
+], ids=lambda v: str(v)[:20])
+def test_a_crafted_config_is_refused_before_any_weight_is_read(esmc_dir, tmp_path, monkeypatch, field, value,
+                                                                pattern) -> None:
+    from test_hf_config_limits import assert_refused
+
+    assert_refused(_edited(esmc_dir, tmp_path / "crafted", **{field: value}), monkeypatch, pattern)
+
+
+def test_there_is_no_fair_esm_forward_for_esmc(esmc_dir: Path) -> None:
+    with pytest.raises(ModelError, match=r"^--attention fair-esm: the esmc family runs sdpa or math$"):
+        load_model(str(esmc_dir)).prepare(get_policy("fp32"), CPU, "fair-esm")
+
+
+def test_the_math_attention_equals_sdpa(esmc_dir: Path) -> None:
+    model = load_model(str(esmc_dir))
+    tokens = model.tokenize(SEQS)
+    layers = [model.num_layers]
+    with torch.inference_mode():
+        sdpa = model.prepare(get_policy("fp32"), CPU, "sdpa")(tokens, layers).hidden[layers[0]]
+        math = model.prepare(get_policy("fp32"), CPU, "math")(tokens, layers).hidden[layers[0]]
+    keep = tokens.ne(1)
+    assert rel(math[keep], sdpa[keep]) <= 1e-5
