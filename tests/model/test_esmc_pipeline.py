@@ -17,12 +17,11 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from test_t5_pipeline import close, embed  # the same store-writing run and relative check
 
-from embedpipe.embed.engine import EmbedOptions
-from embedpipe.embed.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
-from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.stores import cosine
 
 transformers = pytest.importorskip("transformers")
@@ -46,19 +45,6 @@ def transformers_fp32(directory: Path, seqs: list[str]) -> tuple[list[list[np.nd
             rows.append([h[0, 1 : 1 + len(seq)].numpy() for h in out.hidden_states])
     hook.remove()
     return [list(layer) for layer in zip(*rows)], before_norm
-
-
-def embed(directory: Path, tmp: Path, records, name: str, **options) -> dict:
-    fasta = write_fasta(tmp / f"{name}.fasta", records)
-    out = tmp / f"{name}.h5"
-    embed_fasta(fasta, model=str(directory), out=out,
-                options=EmbedOptions(device="cpu", tokens_per_batch=4096, **options), quiet=True)
-    assert validate_store(out) == []
-    return read_store(out)
-
-
-def close(got: np.ndarray, want: np.ndarray, rel: float = 1e-5) -> None:
-    assert float(np.abs(got - want).max()) <= rel * float(np.abs(want).max())
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
