@@ -1,7 +1,9 @@
-"""ESM C from a Hugging Face directory (``model_type: esmc``): loading, tokens, policies, memory.
+"""ESM C from a Hugging Face directory (``model_type: esmc``, or ESM++'s ``ESMplusplus``): loading,
+tokens, policies, memory.
 
 :func:`load_directory` (called by :mod:`embedpipe.model.hf_checkpoint`) reads an ``EsmcModel``
-(or ``EsmcForMaskedLM``: the head is dropped) into an fp32 :class:`EsmcModel`; its runners are
+(or ``EsmcForMaskedLM``: the head is dropped), or ESM++'s weights under their own names
+(:data:`ESM_PLUSPLUS`), into an fp32 :class:`EsmcModel`; its runners are
 :class:`~embedpipe.model.esmc_forward.EsmcForward`, padded and packed like ESM-2's. Tokens are
 ESM C's fixed vocabulary (:data:`embedpipe.model.esmc_spec.VOCABULARY`): ``<cls>``, the residues,
 ``<eos>`` (docs/models.md, "ESM C").
@@ -31,15 +33,40 @@ from embedpipe.runtime.precision import Policy
 LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
 #: Tensors the fp32-island policies keep in fp32: every layer norm (q/k norms too), rotary frequencies.
 FP32_ISLAND_SUFFIXES = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "q_norm", "k_norm", "norm", "inv_freq")
-#: embedpipe's per-layer name -> transformers' ``EsmcLayer`` names (q/k/v and gate/up are fused)
-PER_LAYER = {
-    "ln1.weight": ("input_layernorm.weight",), "ln1.bias": ("input_layernorm.bias",),
-    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "q_norm": ("self_attn.q_norm.weight",), "k_norm": ("self_attn.k_norm.weight",),
-    "o": ("self_attn.o_proj.weight",),
-    "ln2.weight": ("post_attention_layernorm.weight",), "ln2.bias": ("post_attention_layernorm.bias",),
-    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "down": ("mlp.down_proj.weight",),
-}
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """One published layout of ESM C's weights: embedpipe's name -> the layout's names (several
+    are concatenated: q/k/v and gate/up are fused here)."""
+
+    outside: Mapping[str, tuple[str, ...]]  # the token embedding and the final norm
+    layer: str  # a layer's prefix, ``{i}`` its index
+    per_layer: Mapping[str, tuple[str, ...]]
+    heads: tuple[str, ...]  # prefixes of heads embedpipe drops (it never computes logits)
+
+
+#: transformers' ``EsmcModel`` (``esmc.`` before every name in ``EsmcForMaskedLM``)
+TRANSFORMERS = KeyMap(
+    outside={"embed": ("embed_tokens.weight",), "norm": ("norm.weight",)}, layer="layers.{i}.",
+    per_layer={
+        "ln1.weight": ("input_layernorm.weight",), "ln1.bias": ("input_layernorm.bias",),
+        "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "q_norm": ("self_attn.q_norm.weight",), "k_norm": ("self_attn.k_norm.weight",),
+        "o": ("self_attn.o_proj.weight",),
+        "ln2.weight": ("post_attention_layernorm.weight",), "ln2.bias": ("post_attention_layernorm.bias",),
+        "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "down": ("mlp.down_proj.weight",)},
+    heads=("lm_head.",))
+#: ESM++ (``Synthyra/ESMplusplus_*``, ``model_type: ESMplusplus``): the original ``esm`` package's
+#: names, q/k/v already fused behind their LayerNorm, gate and up in one ``ffn.1`` (gate first)
+ESM_PLUSPLUS = KeyMap(
+    outside={"embed": ("embed.weight",), "norm": ("transformer.norm.weight",)}, layer="transformer.blocks.{i}.",
+    per_layer={
+        "ln1.weight": ("attn.layernorm_qkv.0.weight",), "ln1.bias": ("attn.layernorm_qkv.0.bias",),
+        "qkv": ("attn.layernorm_qkv.1.weight",), "q_norm": ("attn.q_ln.weight",), "k_norm": ("attn.k_ln.weight",),
+        "o": ("attn.out_proj.weight",), "ln2.weight": ("ffn.0.weight",), "ln2.bias": ("ffn.0.bias",),
+        "gate_up": ("ffn.1.weight",), "down": ("ffn.3.weight",)},
+    heads=("sequence_head.", "lm_head."))
 #: Recomputed or unused tensors a directory may hold.
 IGNORED_SUFFIXES = ("inv_freq", "original_inv_freq")
 
@@ -102,9 +129,8 @@ def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device:
     return policy.cast_weights(weights, device, lambda name: name.endswith(FP32_ISLAND_SUFFIXES))
 
 
-def shape_of(config: Mapping[str, Any], where: str) -> EsmcShape:
-    """The shape from ``config.json`` (``where``), every size bounded first (:func:`esmc_spec.sizes`)."""
-    sizes = esmc_spec.sizes(config, where)
+def shape_of(sizes: Mapping[str, Any]) -> EsmcShape:
+    """The shape from a config's bounded sizes (the family's ``sizes``: :func:`esmc_spec.sizes`)."""
     return EsmcShape(num_layers=sizes["num_layers"], dim=sizes["embed_dim"], heads=sizes["attention_heads"],
                      ffn=sizes["intermediate_size"], rope_theta=sizes["rope_theta"], pad_id=esmc_spec.PAD)
 
@@ -123,12 +149,14 @@ def expected_shapes(s: EsmcShape, vocab: int) -> dict[str, tuple[int, ...]]:
 def esmc_weights(state: Mapping[str, torch.Tensor], shape: EsmcShape, vocab: int, where: str) -> dict[str, torch.Tensor]:
     """The model's tensors under embedpipe's names (q/k/v and gate/up fused), fp32, checked for
     missing and unexpected names, shape and finiteness."""
+    keys = ESM_PLUSPLUS if "transformer.norm.weight" in state else TRANSFORMERS
     prefix = "esmc." if any(k.startswith("esmc.") for k in state) else ""
-    names: dict[str, tuple[str, ...]] = {"embed": ("embed_tokens.weight",), "norm": ("norm.weight",)}
+    names = dict(keys.outside)
     for i in range(shape.num_layers):
-        names |= {f"{i}.{ours}": tuple(f"layers.{i}.{t}" for t in theirs) for ours, theirs in PER_LAYER.items()}
+        layer = keys.layer.format(i=i)
+        names |= {f"{i}.{ours}": tuple(layer + t for t in theirs) for ours, theirs in keys.per_layer.items()}
     wanted = {prefix + t for theirs in names.values() for t in theirs}
-    unexpected = sorted(k for k in state if k not in wanted and not k.startswith("lm_head.")
+    unexpected = sorted(k for k in state if k not in wanted and not k.startswith(keys.heads)
                         and not k.endswith(IGNORED_SUFFIXES))
     if unexpected:
         raise ModelError(f"{where}: unexpected weights {', '.join(unexpected[:4])} for an ESM C with "
@@ -169,8 +197,8 @@ def check_vocabulary(directory: Path) -> None:
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> EsmcModel:
     """An :class:`EsmcModel` from a Hugging Face ESM C directory (its ``config.json`` already read)."""
     where = str(directory)
-    shape = shape_of(config, str(directory / "config.json"))
-    vocab = esmc_spec.sizes(config, str(directory / "config.json"))["vocab_size"]
+    sizes = hf.FAMILIES[config["model_type"]].sizes(config, str(directory / "config.json"))
+    shape, vocab = shape_of(sizes), sizes["vocab_size"]
     check_vocabulary(directory)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)

@@ -90,6 +90,21 @@ def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
     return ["config.json", "tokenizer.json"]
 
 
+def swiglu_width(dim: int) -> int:
+    """ESM C's SwiGLU width for a model width: 8/3 of it, rounded up to a multiple of 256."""
+    return int(((8 / 3 * dim) + 255) // 256 * 256)
+
+
+def plusplus_sizes(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """An ESM++ ``config.json``'s sizes: it names the width, heads, layers and vocabulary only;
+    the SwiGLU width is ESM C's rule (:func:`swiglu_width`), the rest ESM C's defaults."""
+    dim = config.get("hidden_size")
+    filled = dict(config)
+    if isinstance(dim, int) and not isinstance(dim, bool) and 0 < dim <= MAX_FFN:
+        filled.setdefault("intermediate_size", swiglu_width(dim))
+    return sizes(filled, where)
+
+
 HF_ESMC = HfFamily(
     model_type="esmc", label="ESM C", module="embedpipe.model.esmc",
     family_name=lambda spec, directory, config: FAMILY, sizes=sizes, window=window, layout=layout,
@@ -136,3 +151,12 @@ def estimate_memory(layers: int, dim: int, ffn: int, weight_itemsize: int, compu
         hidden_itemsize=weight_itemsize if kind == "plain" else 4,
         widest_values_per_token=2 * ffn,
     )
+
+#: ESM++ (Synthyra's port of ESM C, ``model_type: ESMplusplus``): the same model under the original
+#: ``esm`` package's weight names (:data:`embedpipe.model.esmc.ESM_PLUSPLUS`), family ``esmc``
+HF_ESM_PLUSPLUS = HfFamily(
+    model_type="ESMplusplus", label="ESM++", module="embedpipe.model.esmc",
+    family_name=lambda spec, directory, config: FAMILY, sizes=plusplus_sizes, window=window, layout=layout,
+    identity_files=identity_files, version=lambda: FAMILY_VERSION, packs=True,
+    hub_names={f"Synthyra/ESMplusplus_{size}": FAMILY for size in ("small", "large")},
+)

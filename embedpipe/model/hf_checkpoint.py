@@ -8,9 +8,10 @@ Hugging Face model; a name that is not cached is a one-line error saying how to 
 
 ``model_type`` picks the family: each is one :class:`~embedpipe.model.hf_families.HfFamily` in
 :data:`FAMILIES`, declared by the family's spec module (``esm``: ESM-2 into the ESM-2 runner,
-``t5``: ProtT5 and Ankh into the T5 encoder, ``esmc``: ESM C); any other type is refused. Untrained test
-directories (``embedpipe make-test-model --family``) carry ``"embedpipe": {"trained": false, ...}``
-in ``config.json``; without that key the weights are taken as trained (docs/models.md). Torch-free until weights are read.
+``t5``: ProtT5 and Ankh into the T5 encoder, ``esmc`` and ESM++'s ``ESMplusplus``: ESM C); any
+other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
+carry ``"embedpipe": {"trained": false, ...}`` in ``config.json``; without that key the weights
+are taken as trained (docs/models.md). Torch-free until weights are read.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
 from embedpipe.model.optional import require
 
 #: ``model_type`` -> its family; a new Hugging Face family is one more entry here.
-FAMILIES: dict[str, HfFamily] = {f.model_type: f for f in (esm2_spec.HF_ESM, t5_spec.HF_T5, esmc_spec.HF_ESMC)}
+FAMILIES: dict[str, HfFamily] = {f.model_type: f for f in (esm2_spec.HF_ESM, t5_spec.HF_T5, esmc_spec.HF_ESMC,
+                                                              esmc_spec.HF_ESM_PLUSPLUS)}
 
 #: Hub names embedpipe knows -> (their family's ``model_type``, family name); others load too
 #: once they are cached.

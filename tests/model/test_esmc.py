@@ -223,3 +223,43 @@ def test_the_math_attention_equals_sdpa(esmc_dir: Path) -> None:
         math = model.prepare(get_policy("fp32"), CPU, "math")(tokens, layers).hidden[layers[0]]
     keep = tokens.ne(1)
     assert rel(math[keep], sdpa[keep]) <= 1e-5
+
+
+def test_an_esm_plusplus_directory_loads_and_equals_transformers_esmc(tmp_path: Path) -> None:
+    """ESM++ (model_type ESMplusplus): transformers' EsmcModel weights under ESM++'s names (its
+    modeling file: ``embed``, ``transformer.blocks.{i}.attn.layernorm_qkv.{0,1}``, ``q_ln``/``k_ln``,
+    ``out_proj``, ``ffn.{0,1,3}`` with gate before up, ``transformer.norm``), config.json with only
+    the width, heads, layers and vocabulary; the SwiGLU width follows ESM C's 8/3 rule."""
+    from safetensors.torch import save_file
+
+    config = transformers.EsmcConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
+    torch.manual_seed(4)
+    transformers.EsmcModel(config).save_pretrained(str(tmp_path / "esmc"))
+    state = transformers.EsmcModel.from_pretrained(str(tmp_path / "esmc")).state_dict()
+    plus = {"embed.weight": state["embed_tokens.weight"], "transformer.norm.weight": state["norm.weight"]}
+    for i in range(2):
+        a, b = f"layers.{i}.", f"transformer.blocks.{i}."
+        plus |= {b + "attn.layernorm_qkv.0.weight": state[a + "input_layernorm.weight"],
+                 b + "attn.layernorm_qkv.0.bias": state[a + "input_layernorm.bias"],
+                 b + "attn.layernorm_qkv.1.weight": torch.cat([state[a + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                 b + "attn.q_ln.weight": state[a + "self_attn.q_norm.weight"],
+                 b + "attn.k_ln.weight": state[a + "self_attn.k_norm.weight"],
+                 b + "attn.out_proj.weight": state[a + "self_attn.o_proj.weight"],
+                 b + "ffn.0.weight": state[a + "post_attention_layernorm.weight"],
+                 b + "ffn.0.bias": state[a + "post_attention_layernorm.bias"],
+                 b + "ffn.1.weight": torch.cat([state[a + "mlp.gate_proj.weight"], state[a + "mlp.up_proj.weight"]]),
+                 b + "ffn.3.weight": state[a + "mlp.down_proj.weight"]}
+    plus["sequence_head.0.weight"] = torch.zeros(64, 64)  # ESMplusplusForMaskedLM's head: dropped
+    directory = tmp_path / "plus"
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in plus.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "ESMplusplus", "architectures": ["ESMplusplusForMaskedLM"], "vocab_size": 64,
+        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}))
+    model, tokens, out = ours(directory)
+    assert (model.family, model.shape.ffn, describe(str(directory)).family) == ("esmc", 256, "esmc")
+    want = reference(tmp_path / "esmc", tokens)
+    keep = tokens.ne(1)
+    for layer, expected in enumerate(want):
+        assert rel(out.hidden[layer][keep], expected[keep]) <= 1e-5, layer
+    assert describe("Synthyra/ESMplusplus_small").family == "esmc"
