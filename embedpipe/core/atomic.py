@@ -112,8 +112,8 @@ def write_error(path: Path, exc: BaseException, tmp: Path | None = None, *,
                 known: bool = False) -> EmbedpipeError | None:
     """The one-line error for a failed write of ``path``, the one message every writer gives
     (docs/store-format.md, "Atomic writes"): ``cannot write PATH: REASON``; a file in the
-    hidden work directory of an output is named by the output it becomes, ``cannot write OUT:
-    REASON (NAME in the work directory DIR)`` (a full disk says only ``No space left on device``).
+    hidden work directory of an output is named by the output it becomes, ``cannot write OUT
+    (NAME in the work directory DIR): REASON`` (a full disk says only ``No space left on device``).
 
     ``known``: the caller caught ``exc`` writing ``path`` itself, so it is one whatever its
     errno. Otherwise None when ``exc`` is not a write failure of ``path`` (through its
@@ -131,8 +131,8 @@ def write_error(path: Path, exc: BaseException, tmp: Path | None = None, *,
         work = _WORK_DIR.match(work_dir.name)
         if work is not None:
             out = work_dir.parent / work["out"]
-            return EmbedpipeError(f"cannot write {_display(out)}: {reason} "
-                                  f"({_display(Path(path).relative_to(work_dir))} in the work directory {_display(work_dir)})")
+            inside = f"{_display(Path(path).relative_to(work_dir))} in the work directory {_display(work_dir)}"
+            return EmbedpipeError(f"cannot write {_display(out)} ({inside}): {reason}")
     return EmbedpipeError(f"cannot write {_display(path)}: {reason}")
 
 

@@ -248,8 +248,8 @@ def test_every_writer_s_failure_is_one_message_style():
     assert str(write_error(Path("/d/o.h5"), full, known=True)) == "cannot write /d/o.h5: No space left on device"
     spooled = Path("/d/.shards.tmp-123-abc/shard-000001.fasta")  # shard's hidden work directory
     assert str(write_error(spooled, full, known=True)) == (
-        "cannot write /d/shards: No space left on device (shard-000001.fasta in the work directory "
-        "/d/.shards.tmp-123-abc)")
+        "cannot write /d/shards (shard-000001.fasta in the work directory /d/.shards.tmp-123-abc): "
+        "No space left on device")
     assert _os_error_message(full, Path("/d/o.h5")) == str(write_error(Path("/d/o.h5"), full, known=True))
     # known: the caller's own write failed, whatever the errno; otherwise only a write errno counts
     missing = OSError(errno.ENOENT, "No such file or directory")
