@@ -16,7 +16,6 @@ from typing import Any
 from embedpipe.core.options import EmbedOptions
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime.precision import Policy
-from embedpipe.store.format import stored_poolings
 
 #: the identity's version: 2 covers the model's config and tokenizer files, the family's forward
 #: version, the int8 weight range and canonical pooling; older stores carry none
@@ -61,7 +60,7 @@ _MISSING = "(not recorded)"
 
 
 def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, computed_as: Mapping[str, str],
-                   layers: Sequence[int], *, calibration: str | None) -> str:
+                   layers: Sequence[int], pooling: Sequence[str], *, calibration: str | None) -> str:
     """What makes a store's numbers, as JSON: the model (:meth:`ModelIdentity.fields`: weights,
     config and tokenizer sha256s, the family's version), every option except how the job ran
     (:data:`HOW_IT_RUNS`), the precision policy's resolved parameters, and what the ``auto``
@@ -75,7 +74,7 @@ def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, 
     :func:`embedpipe.embed.resolved.resolve_run`; nothing is resolved here."""
     chosen: dict[str, Any] = {k: v for k, v in asdict(options).items() if k not in HOW_IT_RUNS + _RESOLVED}
     chosen["layers"] = sorted(int(n) for n in layers)
-    chosen["pooling"] = stored_poolings(options.pooling)
+    chosen["pooling"] = list(pooling)
     if calibration is not None:
         chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
     chosen |= _policy_facts(policy)

@@ -98,5 +98,5 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
                       qkv_dtype=dtype_name(attention_dtype(policy, inputs)), batch_layout=layout,
                       attention_path=path, layers=layers, pooling=pooling, model=model, identity="")
     return dataclasses.replace(run, identity=embed_identity(
-        options, policy, model, run.computed_as, layers,
+        options, policy, model, run.computed_as, layers, pooling,
         calibration=calibration.sha256 if calibration is not None else None))
