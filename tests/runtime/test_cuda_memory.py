@@ -141,14 +141,15 @@ def _residues(lengths: list[int], seed: int = 0) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def family_models(model_factory, tmp_path_factory) -> dict:
-    """Every family from make-test-model: ESM-2 at the 8M width (320, 20 heads), T5s at 64."""
+def family_paths(model_factory, tmp_path_factory) -> dict:
+    """Every family from make-test-model: ESM-2 at the 8M width (320, 20 heads), T5s at 64.
+    Each test loads its own model: preparing an fp32 runner moves the loaded one to the device."""
     root = tmp_path_factory.mktemp("families")
     paths = {"esm2-pt": model_factory(layers=2, dim=320, heads=20, seed=1),
              "hf-esm": make_hf_test_model(root / "hf-esm", family="hf-esm", layers=2, dim=320, heads=20, seed=1)}
     for family in ("prot-t5", "ankh"):
         paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=1)
-    return {family: load_model(str(path)) for family, path in paths.items()}
+    return paths
 
 
 def _is_t5(family: str) -> bool:
@@ -157,9 +158,9 @@ def _is_t5(family: str) -> bool:
 
 @pytest.mark.parametrize("family", ["esm2-pt", "hf-esm", "prot-t5", "ankh"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16", "amp-bf16"])
-def test_every_familys_estimate_matches_the_traced_peak(family_models, family, precision):
+def test_every_familys_estimate_matches_the_traced_peak(family_paths, family, precision):
     """ESM-2's batches of mixed lengths; a T5's batch of two full windows, the length its estimate is for."""
-    loaded = family_models[family]
+    loaded = load_model(str(family_paths[family]))
     lengths, tokens = ([T5_WINDOW, T5_WINDOW], 2 * (T5_WINDOW + 1)) if _is_t5(family) else (LENGTHS, 4096)
     traced, estimate = traced_embed(lambda: loaded, _residues(lengths), precision, tokens=tokens, per_residue=True)
     assert traced > 0
@@ -188,8 +189,8 @@ def fake_t5(small: T5Model, d_model: int, d_kv: int, heads: int, d_ff: int, gate
 
 @pytest.mark.parametrize("shape", list(T5_SHAPES))
 @pytest.mark.parametrize("precision", CUDA_POLICIES)
-def test_the_t5_estimate_holds_full_windows_at_the_real_widths(family_models, shape, precision):
-    small = family_models["prot-t5"]
+def test_the_t5_estimate_holds_full_windows_at_the_real_widths(family_paths, shape, precision):
+    small = load_model(str(family_paths["prot-t5"]))
     traced, estimate = traced_embed(lambda: fake_t5(small, *T5_SHAPES[shape]), _residues([T5_WINDOW, T5_WINDOW]),
                                     precision, tokens=2 * (T5_WINDOW + 1), per_residue=True)
     assert traced <= estimate <= 1.10 * traced, (shape, traced, estimate)
@@ -197,9 +198,9 @@ def test_the_t5_estimate_holds_full_windows_at_the_real_widths(family_models, sh
 
 @pytest.mark.parametrize("shape", list(T5_SHAPES))
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16"])
-def test_the_t5_estimate_is_an_upper_bound_for_shorter_batches(family_models, shape, precision):
+def test_the_t5_estimate_is_an_upper_bound_for_shorter_batches(family_paths, shape, precision):
     """The scores of shorter windows are smaller: the estimate over-counts them, never under."""
-    small = family_models["prot-t5"]
+    small = load_model(str(family_paths["prot-t5"]))
     records = _residues([100, 700, 1500, 300])
     traced, estimate = traced_embed(lambda: fake_t5(small, *T5_SHAPES[shape]), records, precision, tokens=8192,
                                     per_residue=True)
