@@ -98,7 +98,9 @@ def _indexed_store(path: Path) -> Path | None:
     if not is_index(Path(path)):
         return None
     with h5py.File(path, "r") as f:
-        return Path(str(f.attrs.get("store_path") or "")) if f.attrs.get("store_path") else None
+        value = f.attrs.get("store_path")
+    # anything but a path as text is left to the index's own checks (a one-line refusal)
+    return Path(value) if isinstance(value, str) and value else None
 
 
 def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits = FASTA_LIMITS) -> None:
