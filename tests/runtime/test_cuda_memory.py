@@ -39,7 +39,7 @@ DEPTH = 3
 LENGTHS = [400, 1022, 700, 150, 300, 90]
 
 
-def _records(tokens: int) -> list[tuple[str, str]]:
+def records_filling(tokens: int) -> list[tuple[str, str]]:
     """Protein-like records whose tokens (residues + 2) fill ``tokens``."""
     rng = np.random.default_rng(0)
     amino = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
@@ -62,7 +62,7 @@ def fake_model(dim: int, heads: int, depth: int = DEPTH) -> Esm2Model:
 
 def traced_bytes_per_token(shape: str, precision: str, *, tokens: int = 16384, **options) -> tuple[float, int]:
     """(peak device bytes per computed token of the largest batch, the model's estimate)."""
-    return traced_embed(lambda: fake_model(*SHAPES[shape]), _records(tokens), precision, tokens=tokens, **options)
+    return traced_embed(lambda: fake_model(*SHAPES[shape]), records_filling(tokens), precision, tokens=tokens, **options)
 
 
 def traced_embed(make, records: list[tuple[str, str]], precision: str, *, tokens: int, **options) -> tuple[float, int]:
@@ -118,7 +118,7 @@ def test_an_auto_budget_keeps_every_kernel_input_under_2_to_the_31_elements(shap
         loaded = fake_model(*SHAPES[shape])
         embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", device="cuda"), torch.device("cuda", 0))
         budget = embedder.tokens_per_batch
-        records = _records(budget)
+        records = records_filling(budget)
         embedder.runner(embedder.policy)
         trace.clear()
         dict(embedder.embed(records))
