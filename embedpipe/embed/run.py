@@ -30,6 +30,7 @@ from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.embed.calibration import calibration_sha256
+from embedpipe.embed.combinations import check_embed
 from embedpipe.embed.engine import Embedder, EmbedOptions
 from embedpipe.embed.group_marker import write_marker
 from embedpipe.embed.identity import describe_difference, embed_identity
@@ -37,7 +38,7 @@ from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.reuse import Job, Reuse, predict_identity
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
-from embedpipe.model import load_model
+from embedpipe.model import inspect, load_model
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.identity import ModelIdentity
@@ -143,7 +144,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    options.validate()
+    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
     limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
@@ -318,7 +319,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    options.validate()
+    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
     limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
