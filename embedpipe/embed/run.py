@@ -71,9 +71,10 @@ class EmbedSummary:
         fell = sum(self.fallback.values())
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"
         budget = f"tokens per batch {self.tokens_per_batch}" + (f" ({AUTO})" if self.tokens_per_batch_auto else "")
+        speed = f"({rate:,.0f} residues/s)" if not self.reused else "(copies included: no rate)"
         lines = [
-            f"embedded {self.records} records ({self.residues} residues) in {self.seconds:.1f}s "
-            f"({rate:,.0f} residues/s) with {self.precision} on {self.device} -> {self.out}",
+            f"{'wrote' if self.reused else 'embedded'} {self.records} records ({self.residues} residues) in "
+            f"{self.seconds:.1f}s {speed} with {self.precision} on {self.device} -> {self.out}",
             f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}; "
             f"{budget}",
         ]
