@@ -129,3 +129,22 @@ def oversized(requests: Mapping[str, tuple[int | None, int | None]], cluster: li
                        f"{most_mem.mem_mb} MB, {most_mem.name}); its jobs would stay PENDING: set "
                        f"`set-resources: {rule}: mem_mb: {most_mem.mem_mb}` in the profile")
     return out
+
+
+def rule_requests(workflow: Any, computed_mem_mb: Mapping[str, int]) -> dict[str, tuple[int | None, int | None]]:
+    """rule -> (threads, mem_mb) of Snakemake's ``workflow`` as the profile leaves them (its
+    set-threads, set-resources); ``computed_mem_mb`` for a rule whose mem_mb is a function of
+    the job. Local rules run on the submitting host and are left out."""
+    out = {}
+    for rule in workflow.rules:
+        if workflow.is_local(rule):
+            continue
+        threads, mem_mb = _number(rule.resources.get("_cores")), _number(rule.resources.get("mem_mb"))
+        out[rule.name] = (threads, computed_mem_mb.get(rule.name) if mem_mb is None else mem_mb)
+    return out
+
+
+def _number(resource: Any) -> int | None:
+    """A resource's number when it is one (not a function of the job), else None."""
+    value = getattr(resource, "_value", resource)  # snakemake.resources.Resource keeps it there
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -49,3 +49,18 @@ def test_requests_above_every_node_are_named() -> None:
         "rule embed asks for 16 threads, more than any SLURM node has (the most: 8 CPUs, b); its jobs would stay "
         "PENDING: set `set-threads: embed: 8` in the profile"]
     assert cluster.oversized({"embed": (16, 9728)}, []) == []  # sinfo said nothing: no guess
+
+
+def test_rule_requests_read_numbers_and_leave_out_local_rules() -> None:
+    class FakeResource:  # what snakemake.resources.Resource holds a value in
+        def __init__(self, value: object) -> None:
+            self._value = value
+
+    def rule(name: str, **resources: object) -> SimpleNamespace:
+        return SimpleNamespace(name=name, resources={key: FakeResource(value) for key, value in resources.items()})
+
+    rules = [rule("embed", _cores=4, mem_mb=lambda wildcards, attempt: 1), rule("merge", _cores=1, mem_mb=3000),
+             rule("fetch_model", _cores=1, mem_mb=10**9), rule("all", _cores=True)]
+    workflow = SimpleNamespace(rules=rules, is_local=lambda r: r.name == "fetch_model")
+    assert cluster.rule_requests(workflow, {"embed": 2560}) == {
+        "embed": (4, 2560), "merge": (1, 3000), "all": (None, None)}

@@ -141,28 +141,9 @@ def check_slurm():
         fail(exc)
     if _changed:
         print(f"embedpipe: {_changed}", file=sys.stderr)
-    for _line in workflow_cluster.oversized(_cluster_requests(), workflow_cluster.nodes()):
+    _requests = workflow_cluster.rule_requests(workflow, {"embed": model_mem_mb(1), "crosscheck": model_mem_mb(1)})
+    for _line in workflow_cluster.oversized(_requests, workflow_cluster.nodes()):
         print(f"embedpipe: warning: {_line}", file=sys.stderr)
-
-
-def _cluster_requests():
-    """rule -> (threads, mem_mb) as the profile leaves them (its set-threads, set-resources);
-    the model's memory for embed and crosscheck where the rule computes it."""
-    out = {}
-    for rule in workflow.rules:
-        if workflow.is_local(rule):  # runs on the submitting host
-            continue
-        threads, mem_mb = _plain(rule.resources.get("_cores")), _plain(rule.resources.get("mem_mb"))
-        if mem_mb is None and rule.name in ("embed", "crosscheck"):
-            mem_mb = model_mem_mb(1)
-        out[rule.name] = (threads, mem_mb)
-    return out
-
-
-def _plain(resource):
-    """A resource's number when it is one (not a function of the job), else None."""
-    value = getattr(resource, "_value", resource)  # snakemake.resources.Resource
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # ---------------------------------------------------------------- failures
