@@ -415,7 +415,18 @@ def model_info(
         print(json.dumps(data, sort_keys=True))
     else:
         for key, value in data.items():
-            print(f"{key}: {value}")
+            print(f"{key}: {_as_text(value)}")
+
+
+def _as_text(value: object) -> str:
+    """A fact as a person reads it, not a Python repr: unknown, yes/no, ``key=value, ...``."""
+    if value is None:
+        return "unknown"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={'none' if v is None else _as_text(v)}" for k, v in value.items())
+    return str(value)
 
 
 def run() -> None:

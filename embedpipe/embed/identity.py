@@ -125,7 +125,19 @@ def describe_difference(theirs: str, ours: str) -> str | None:
     key, a, b = diff
     if key == "model_files":
         return _files_difference(a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {})
-    return f"embedded with {FIELDS.get(key, key)} {a!r}, this run {b!r}"
+    return f"embedded with {FIELDS.get(key, key)} {_shown(a)}, this run {_shown(b)}"
+
+
+def _shown(value: object) -> str:
+    """A value of the identity as a message shows it: strings quoted, true/false, [a, b],
+    {key: value}; not Python's ``True`` or ``{'key': ...}``."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "none"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 def _files_difference(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:

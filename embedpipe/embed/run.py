@@ -26,6 +26,7 @@ from embedpipe.core.locks import lock_path_for
 from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
+from embedpipe.embed.combinations import check_embed
 from embedpipe.embed.engine import Embedder, EmbedOptions
 from embedpipe.embed.group_marker import write_marker
 from embedpipe.embed.identity import describe_difference
@@ -34,6 +35,7 @@ from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
+from embedpipe.model import inspect
 from embedpipe.model.downloads import companion_path
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
@@ -63,9 +65,10 @@ class EmbedSummary:
         fell = sum(self.fallback.values())
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.fallback.items())) or "none"
         budget = f"tokens per batch {self.tokens_per_batch}" + (f" ({AUTO})" if self.tokens_per_batch_auto else "")
+        speed = f"({rate:,.0f} residues/s)" if not self.reused else "(copies included: no rate)"
         lines = [
-            f"embedded {self.records} records ({self.residues} residues) in {self.seconds:.1f}s "
-            f"({rate:,.0f} residues/s) with {self.precision} on {self.device} -> {self.out}",
+            f"{'wrote' if self.reused else 'embedded'} {self.records} records ({self.residues} residues) in "
+            f"{self.seconds:.1f}s {speed} with {self.precision} on {self.device} -> {self.out}",
             f"fp32 fallback: {fell} of {self.records} records ({why}); padding efficiency {self.padding_efficiency:.3f}; "
             f"{budget}",
         ]
@@ -127,6 +130,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
+    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
     policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
     limits.check(EmbedpipeError)
     started = time.perf_counter()
@@ -266,6 +270,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
+    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
     policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
     limits.check(EmbedpipeError)
     started = time.perf_counter()

@@ -43,7 +43,7 @@ HUB_NAMES: dict[str, tuple[str, str]] = {
     name: (f.model_type, family) for f in FAMILIES.values() for name, family in f.hub_names.items()}
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_PREFETCH = ("on a machine with internet run `huggingface-cli download {name}` (or "
+_PREFETCH = ("on a machine with internet run `hf download {name}` (or "
              "`python -c \"import huggingface_hub; huggingface_hub.snapshot_download('{name}')\"`) with "
              "HF_HOME on a file system this machine shares, or pass the model's local directory")
 

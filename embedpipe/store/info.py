@@ -158,8 +158,9 @@ def _header_lines(info: Mapping[str, Any]) -> list[str]:
         f"fallback {prov.get('fallback_dtype', '?')}; attention {prov.get('attention', '?')}",
         *_batches_line(prov),
         f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}",
-        f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}, "
-        f"fair-esm {prov.get('fair_esm_version', '?')}; created {prov.get('created_utc', '?')}",
+        f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}"
+        + (f", fair-esm {prov['fair_esm_version']}" if "fair_esm_version" in prov else "")  # ESM-2 families only
+        + f"; created {prov.get('created_utc', '?')}",
         f"  layers      {info.get('layers')}  dim {info.get('dim')}  pooled {', '.join(info.get('pooling', ['mean']))}"
         + "  per-residue " + ("on" if info.get("per_residue") else "off"),
         f"  records     {counts.get('records', 0)}  residues {counts.get('residues', 0)}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ import jsonschema
 import yaml
 
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.combinations import CombinationError, check_embed
+from embedpipe.model.facts import ModelFacts
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _TRUE = {"true", "yes", "on"}
@@ -147,3 +151,39 @@ def check_reuse(reuse: list[str], outdir: str) -> None:
             raise ConfigError(f"config 'reuse': {item} lies inside outdir {outdir}, which this run writes "
                               f"(it would reuse its own output); move the earlier release out of {outdir} "
                               "or choose another outdir")
+
+
+#: config keys that are ``embedpipe embed`` options of the same name (``int8_smoothing`` is
+#: ``--int8-smoothing``); embed_options in workflows/rules/common.smk passes them to every job
+EMBED_KEYS = ("precision", "layers", "per_residue", "pooling", "tokens_per_batch", "device", "storage_dtype",
+              "long_sequences", "fallback_device", "batch_layout", "attention_inputs", "int8_smoothing",
+              "int8_calibration")
+
+
+def embed_options(config: dict[str, Any]) -> EmbedOptions:
+    """The options every embed job of ``config`` runs with (schema defaults filled in)."""
+    values = {key: config[key] for key in EMBED_KEYS if key in config}
+    for key in ("layers", "pooling"):
+        if key in values:
+            values[key] = tuple(values[key])
+    return EmbedOptions(**values)
+
+
+def check_embed_config(config: dict[str, Any], facts: ModelFacts) -> None:
+    """The embed jobs' options checked as ``embedpipe embed`` checks them (the same function:
+    embedpipe.embed.combinations), before any job: ``ConfigError`` naming the keys and their
+    values, then the line the job would have failed with. ``test_model``'s depth counts as the
+    model's (its file is written by the first job)."""
+    test_model = config.get("test_model")
+    if isinstance(test_model, dict) and facts.num_layers is None:
+        facts = replace(facts, num_layers=test_model["layers"])
+    try:
+        check_embed(embed_options(config), facts, config.get("reuse") or [])
+    except CombinationError as exc:
+        named = ", ".join(f"{key}={_shown(config[key])}" if key in config else key for key in exc.keys)
+        raise ConfigError(f"config {named}: {exc}") from None
+
+
+def _shown(value: Any) -> str:
+    """A config value as the user writes it (``[0, -1]``, ``true``, ``null``), not a Python repr."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()

@@ -176,7 +176,7 @@ def test_refusals_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert result.exit_code == 1 and "model_type 'bert' is not supported" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    with pytest.raises(ModelError, match=r"not in the local hub cache .*huggingface-cli download ElnaggarLab/ankh-base"):
+    with pytest.raises(ModelError, match=r"not in the local hub cache .*hf download ElnaggarLab/ankh-base"):
         load_model("ElnaggarLab/ankh-base")
     assert describe("ElnaggarLab/ankh-base").family == "ankh"  # known without the files
 

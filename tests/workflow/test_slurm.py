@@ -125,3 +125,25 @@ def test_slurm_run_equals_local_run(tmp_path: Path) -> None:
     # Finished on the cluster means finished: nothing to do on rerun.
     rerun = _snakemake(cluster, "--workflow-profile", str(PROFILE), "--dry-run")
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
+
+
+def test_without_accounting_the_status_command_is_chosen_and_oversized_rules_are_named(tmp_path: Path) -> None:
+    """The CI profile without its `slurm-status-command: squeue`, and `set-threads: embed` above
+    the node's CPUs (issue 34, item 3). Before: sacct (the plugin's default, accounting off here)
+    never saw the shard job finish, and the main process waited in silence. Now the run says it
+    asks squeue and finishes; the embed rule's threads are named with the profile line to change."""
+    profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
+    assert profile.pop("slurm-status-command") == "squeue"
+    cpus = max(int(line.split()[0]) for line in subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split("\n") if line.strip())
+    profile["set-threads"]["embed"] = cpus + 2
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "config.yaml").write_text(yaml.safe_dump(profile))
+    proc = _snakemake(tmp_path, "--workflow-profile", str(tmp_path / "profile"), "--until", "shard", timeout=240)
+    err = proc.stderr
+    assert "embedpipe: SLURM accounting is off on this cluster (accounting_storage/none): job status from squeue" in err
+    assert (f"embedpipe: warning: rule embed asks for {cpus + 2} threads, more than any SLURM node has (the most: "
+            f"{cpus} CPUs") in err and f"set `set-threads: embed: {cpus}` in the profile" in err
+    assert "rule crosscheck asks" not in err  # 1 thread: fits
+    assert len(re.findall(r"has been submitted with SLURM jobid \d+", proc.stdout + err)) == 1
+    assert (tmp_path / "out" / "shards" / "manifest.tsv").is_file()

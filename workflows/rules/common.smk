@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from snakemake.utils import validate
@@ -17,7 +18,9 @@ if workflow.basedir not in sys.path:
 from embedpipe import model as embedpipe_model
 from embedpipe.core.options import FASTA_LIMITS
 from embedpipe.workflow import checks as workflow_checks
+from embedpipe.workflow import cluster as workflow_cluster
 from embedpipe.workflow import config as workflow_config
+from embedpipe.workflow import jobs as workflow_jobs
 from embedpipe.model import fetch as model_fetch
 from embedpipe.export import formats as export_formats
 
@@ -53,11 +56,15 @@ MODEL = config["model"]
 # whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size.
 MODEL_FACTS = embedpipe_model.describe(MODEL)
 
-# The model family's token layout (its special tokens) sets the shard token budgets; a family
-# without BOS cannot store `bos` pooling: refused here, before any job.
+# Every option combination `embedpipe embed` refuses (with this model, these reuse paths) is
+# refused here, before any job, by the same function (embedpipe.embed.combinations).
+try:
+    workflow_config.check_embed_config(config, MODEL_FACTS)
+except workflow_config.ConfigError as exc:
+    fail(exc)
+
+# The model family's token layout (its special tokens) sets the shard token budgets.
 MODEL_LAYOUT = MODEL_FACTS.token_layout
-if "bos" in config["pooling"] and not MODEL_LAYOUT.bos:
-    fail(f"pooling: bos: the {MODEL_FACTS.family} family has no BOS token; store the mean or per-residue vectors")
 
 if config.get("test_model"):
     MODEL_KIND = "test"  # written by rule make_test_model
@@ -118,6 +125,39 @@ onstart:
         RUN_LOCK.append(workflow_checks.lock_run(OUTDIR))
     except workflow_checks.EmbedpipeError as exc:
         fail(exc)
+    if workflow.executor_plugin is not None and workflow.executor_plugin.name == "slurm":
+        check_slurm()
+
+
+# ---------------------------------------------------------------- SLURM
+# Before the first job is submitted: a status command that sees jobs finish on this cluster,
+# and a warning for requests no node can hold (docs/cluster.md, "A silent wait").
+
+
+def check_slurm():
+    try:
+        _changed = workflow_cluster.choose_status_command(workflow.executor_settings, workflow_cluster.slurm_config())
+    except workflow_cluster.ClusterError as exc:
+        fail(exc)
+    if _changed:
+        print(f"embedpipe: {_changed}", file=sys.stderr)
+    _requests = workflow_cluster.rule_requests(workflow, {"embed": model_mem_mb(1), "crosscheck": model_mem_mb(1)})
+    for _line in workflow_cluster.oversized(_requests, workflow_cluster.nodes()):
+        print(f"embedpipe: warning: {_line}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- failures
+# A failed run ends with each failed embed job's last log line (on SLURM the job's stderr is in
+# a file the terminal never shows; docs/cluster.md, "When a job fails").
+
+RUN_STARTED = time.time()
+
+
+onerror:
+    _groups = Path(OUTDIR, "logs", "embed").glob("group-*.log")
+    _jobs = [(log, Path(OUTDIR, "stores", log.with_suffix(".json").name)) for log in _groups]
+    for _line in workflow_jobs.failure_lines(_jobs, RUN_STARTED):
+        print(f"embedpipe: embed job failed: {_line}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- model
@@ -319,7 +359,22 @@ def tokens_per_batch(wildcards, attempt):
     that runs out of GPU memory is split in halves inside the job (docs/precision.md)."""
     if config["tokens_per_batch"] == "auto":
         return "auto"
-    return max(3, config["tokens_per_batch"] // attempt)
+    return max(3, config["tokens_per_batch"] // embed_attempt(wildcards, attempt))
+
+
+def embed_log(wildcards):
+    return f"{OUTDIR}/logs/embed/group-{wildcards.group}.log"
+
+
+def embed_attempt(wildcards, attempt):
+    """The attempt an embed job's resources are sized for: 1 again when the previous attempt
+    refused its inputs (more memory would not help: embedpipe.workflow.jobs)."""
+    return workflow_jobs.attempt_for(embed_log(wildcards), attempt)
+
+
+def embed_refused(wildcards, attempt):
+    """1 when this attempt retries a refusal (the job repeats the refusal at once), else 0."""
+    return int(embed_attempt(wildcards, attempt) != attempt)
 
 
 def gpus(wildcards):

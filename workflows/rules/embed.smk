@@ -4,7 +4,7 @@
 # rerun job resumes at shard granularity. The job's output is the group marker, written last;
 # the shard stores are not outputs, so Snakemake never deletes finished ones before a rerun.
 # Retried with a smaller token budget per batch (tokens_per_batch // attempt; `auto` is sized
-# again from the device's free memory on each attempt). With a CUDA
+# again from the device's free memory on each attempt), unless the job refused its inputs. With a CUDA
 # device the job requests one GPU; `embedpipe embed` locks a GPU of its own when several jobs
 # share a multi-GPU machine (`snakemake --resources gpu=N`).
 
@@ -39,16 +39,20 @@ rule embed:
         stores=lambda wildcards, output: os.path.dirname(output[0]),
         reuse=reuse_options(),
     threads: 4
+    # A retry of a job that refused its inputs (the CLI's user error) gets the first attempt's
+    # resources and repeats the refusal at once (embedpipe.workflow.jobs; docs/cluster.md).
     retries: EMBED_RETRIES
     resources:
         gpu=gpus,
-        mem_mb=lambda wildcards, attempt: model_mem_mb(attempt),
-        runtime=lambda wildcards, attempt: 120 * attempt,
+        mem_mb=lambda wildcards, attempt: model_mem_mb(embed_attempt(wildcards, attempt)),
+        runtime=lambda wildcards, attempt: 120 * embed_attempt(wildcards, attempt),
         tokens_per_batch=tokens_per_batch,
+        refused=embed_refused,
     shell:
-        "embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
+        "python -m embedpipe.workflow.jobs start {log:q} {resources.refused}"
+        " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        " --threads {threads} > {log:q} 2>&1"
+        " --threads {threads} > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 
 # `reuse`: one sorted sha256 index per earlier store, built once (memory bounded by an external

@@ -1,0 +1,119 @@
+"""Which embed options go together, for a model known by its facts: the one check that both
+``embedpipe embed`` (before the model loads) and the workflow (while Snakemake parses the config,
+before any job: embedpipe.workflow.config) run, so the two cannot drift (docs/cluster.md,
+"Before the first job").
+
+Torch-free and plain values in: the options, the model's facts (:func:`embedpipe.model.describe`)
+and the ``--reuse`` paths. A refusal is a :class:`CombinationError`, one line naming the options
+(``--precision``, ``--int8-smoothing``, ...); ``keys`` are the same names as config keys
+(``precision``, ``int8_smoothing``). Each check is one function of :data:`CHECKS`: a new
+option's refusal (``precision: auto`` resolves first, and is then checked as the policy it
+resolved to) is one more function there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedpipe.core.errors import EmbedpipeError, InputError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.inputs.fasta import read_sequences
+from embedpipe.model.capabilities import check_family, packs_by_family
+from embedpipe.model.facts import ModelFacts
+from embedpipe.model.layers import resolve_layers
+
+#: policies whose kernels exist on the CPU only (oneDNN's int8 matmuls): their policy refuses any
+#: other device when the job claims it (embedpipe.runtime.int8_policy); refused here before
+CPU_ONLY_POLICIES = ("int8-mixed",)
+
+_FLAG = re.compile(r"--([a-z0-9]+(?:-[a-z0-9]+)*)")
+
+
+class CombinationError(EmbedpipeError):
+    """Options that do not go together (or do not fit the model); one line naming the options."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        #: the options the message names, as config keys (``--int8-smoothing`` -> ``int8_smoothing``)
+        self.keys = tuple(dict.fromkeys(flag.replace("-", "_") for flag in _FLAG.findall(message)))
+
+
+@dataclass(frozen=True)
+class Combination:
+    """What one embed run is asked to do: its options, its model's facts, its reuse stores."""
+
+    options: EmbedOptions
+    facts: ModelFacts
+    reuse: tuple[str, ...] = ()
+
+
+def _values(run: Combination) -> None:
+    """Each option's allowed values and the pairs :meth:`EmbedOptions.validate` refuses."""
+    run.options.validate()
+
+
+def _device(run: Combination) -> None:
+    precision, device = run.options.precision, run.options.device
+    if precision in CPU_ONLY_POLICIES and device.startswith("cuda"):
+        raise EmbedpipeError(f"--precision {precision} runs on the CPU only (oneDNN's int8 kernels); with "
+                             f"--device {device} use bf16-mixed or fp16-mixed, or --device cpu")
+
+
+def _family(run: Combination) -> None:
+    """What the model's family cannot do (embedpipe.model.capabilities, asked again once loaded)."""
+    facts = run.facts
+    check_family(facts.family, facts.token_layout.bos, packs_by_family(facts.family), run.options.pooling,
+                 run.options.batch_layout)
+
+
+def _layers(run: Combination) -> None:
+    """``--layers`` within the model's depth, where the facts know it (a checkpoint path's depth
+    is read when it loads)."""
+    if run.facts.num_layers is None:
+        return
+    try:
+        resolve_layers(run.options.layers, run.facts.num_layers)
+    except EmbedpipeError as exc:
+        raise EmbedpipeError(f"--layers {','.join(map(str, run.options.layers))}: {exc} ({run.facts.name})") from None
+
+
+def _reuse(run: Combination) -> None:
+    for path in run.reuse:
+        if not Path(path).exists():
+            raise EmbedpipeError(f"--reuse {path}: no such file")
+
+
+def _calibration(run: Combination) -> None:
+    """``--int8-calibration``'s FASTA exists and holds a record (read in full when the job
+    calibrates: embedpipe.runtime.int8_smoothing)."""
+    path = run.options.int8_calibration
+    if path is None or run.options.int8_smoothing == "none":
+        return
+    try:
+        with contextlib.closing(read_sequences(Path(path))) as records:
+            empty = next(records, None) is None
+    except InputError as error:
+        raise EmbedpipeError(f"--int8-calibration: {error}") from None
+    if empty:
+        raise EmbedpipeError(f"--int8-calibration {path}: no records to calibrate on")
+
+
+#: every check, in the order a refusal is reported
+CHECKS: tuple[Callable[[Combination], None], ...] = (_values, _device, _family, _layers, _reuse, _calibration)
+
+
+def check_embed(options: EmbedOptions, facts: ModelFacts, reuse: Sequence[str | Path] = ()) -> None:
+    """Raise :class:`CombinationError` (one line) for the first thing of ``options`` that the
+    model of ``facts`` or the ``reuse`` paths refuse."""
+    run = Combination(options, facts, tuple(map(str, reuse)))
+    for check in CHECKS:
+        try:
+            check(run)
+        except CombinationError:
+            raise
+        except EmbedpipeError as exc:
+            raise CombinationError(str(exc)) from None

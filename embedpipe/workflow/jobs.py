@@ -1,0 +1,116 @@
+"""Why an embed job failed, said in the terminal, and a refusal not retried with more memory.
+
+The embed rule (workflows/rules/embed.smk) runs ``python -m embedpipe.workflow.jobs start LOG
+AGAIN`` before ``embedpipe embed`` and ``python -m embedpipe.workflow.jobs failed LOG RC`` after
+it fails. A failure whose exit code is the CLI's user error (:data:`EXIT_USER_ERROR`) and whose
+log ends with the CLI's one line (``embedpipe: error: ...``) is deterministic: the same inputs
+refuse again, whatever the memory. Its line is kept beside the log (``LOG.refused``); Snakemake's
+retry of that job then gets the first attempt's resources (the rule's resource functions ask
+:func:`attempt_for`) and repeats the refusal at once instead of embedding again. Any other
+failure (killed for memory or time, a traceback such as ``MemoryError``) is retried as before,
+with more memory. The workflow's ``onerror`` prints each failed job's last line
+(:func:`failure_lines`): on SLURM the job's own stderr is in a file the terminal never shows.
+docs/cluster.md, "When a job fails".
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from embedpipe.core.atomic import write_text_atomic
+
+#: the exit code of ``embedpipe`` for a user error (embedpipe.cli.exit): bad input, refused options
+EXIT_USER_ERROR = 1
+#: how the CLI starts the one line of a user error
+ERROR_PREFIX = "embedpipe: error: "
+#: log lines the failing job prints to its stderr (the terminal, or the SLURM job's log)
+TAIL_LINES = 5
+
+
+def refused_marker(log: str | Path) -> Path:
+    """Where a refused attempt keeps its one line: beside its log."""
+    return Path(f"{log}.refused")
+
+
+def last_lines(log: str | Path, count: int = TAIL_LINES) -> list[str]:
+    """The last ``count`` non-empty lines of ``log`` ([] when it cannot be read)."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-count:]
+
+
+def refusal(log: str | Path, code: int) -> str | None:
+    """The CLI's one line when exit ``code`` and ``log`` say the job refused its inputs; else None."""
+    lines = last_lines(log, 1)
+    if code == EXIT_USER_ERROR and lines and lines[-1].startswith(ERROR_PREFIX):
+        return lines[-1]
+    return None
+
+
+def attempt_for(log: str | Path, attempt: int) -> int:
+    """The attempt a retried job's resources are sized for: the first again after a refusal."""
+    return 1 if attempt > 1 and refused_marker(log).exists() else attempt
+
+
+def start(log: str | Path, again: bool) -> int:
+    """Before a job runs: a retry after a refusal repeats the line (exit :data:`EXIT_USER_ERROR`);
+    a first attempt removes a refusal left by an earlier run."""
+    marker = refused_marker(log)
+    if again and marker.exists():
+        line = marker.read_text(encoding="utf-8").strip()
+        print(f"{line} (refused by the previous attempt; not run again)", file=sys.stderr)
+        with open(log, "a", encoding="utf-8") as fh:  # Snakemake empties the log before a retry
+            fh.write(line + "\n")
+        return EXIT_USER_ERROR
+    marker.unlink(missing_ok=True)
+    return 0
+
+
+def failed(log: str | Path, code: int) -> int:
+    """After a job failed with ``code``: its last log lines to stderr, a refusal kept (see the
+    module's docstring); returns ``code`` for the shell to exit with."""
+    lines = last_lines(log)
+    print(f"embed job failed (exit {code}); the last lines of {log}:", file=sys.stderr)
+    for line in lines:
+        print(f"    {line}", file=sys.stderr)
+    refused = refusal(log, code)
+    if refused is not None:
+        write_text_atomic(refused_marker(log), refused + "\n")
+        print("    a refusal of these inputs: retrying with more memory would refuse again", file=sys.stderr)
+    return code
+
+
+def failure_lines(jobs: Sequence[tuple[Path, Path]], since: float) -> list[str]:
+    """``LOG: LAST LINE`` for each (log, output) of ``jobs`` whose log was written since
+    ``since`` (a time) and whose output is missing: what ``onerror`` prints when a run fails."""
+    out = []
+    for log, output in sorted(jobs):
+        try:
+            recent = log.stat().st_mtime >= since
+        except OSError:
+            continue
+        lines = last_lines(log, 1)
+        if recent and not output.exists():
+            out.append(f"{log}: {lines[-1] if lines else '(empty log)'}")
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """``start LOG 0|1`` or ``failed LOG CODE`` (the embed rule's shell)."""
+    if len(argv) != 3 or argv[0] not in ("start", "failed"):
+        print("usage: python -m embedpipe.workflow.jobs start LOG 0|1 | failed LOG CODE", file=sys.stderr)
+        return 2
+    if argv[0] == "start":
+        return start(argv[1], argv[2] == "1")
+    return failed(argv[1], int(argv[2]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
