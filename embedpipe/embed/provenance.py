@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from embedpipe.core import cpus
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
@@ -36,6 +37,7 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,
+        **cpus.provenance(options.threads),  # threads, threads_from
         **loaded.provenance,
         "embedpipe_version": __version__,
         "config": json.dumps(config, sort_keys=True),

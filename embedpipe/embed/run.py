@@ -22,6 +22,7 @@ import torch
 
 from embedpipe.core.atomic import check_output_path
 from embedpipe.core.checksums import file_sha256
+from embedpipe.core.cpus import use_threads
 from embedpipe.core.devices import claim_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
@@ -42,6 +43,7 @@ from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.registry import model_identity
+from embedpipe.runtime.auto_precision import resolve as resolve_precision
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.reuse_index import is_index
@@ -85,8 +87,7 @@ class EmbedSummary:
 @contextlib.contextmanager
 def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
     """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    use_threads(options.threads)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     with claim_device(options.device) as device:
         if device.type == "cpu":
             keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
@@ -143,7 +144,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    options.validate()
+    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
     limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
@@ -152,7 +153,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         check_output_path(Path(out))
         with _job(model, options, reuse, quiet) as job:
             return _embed_records(job, records, Path(fasta), Path(out), started,
-                                  {"input_sha256": file_sha256(Path(fasta))}, quiet)
+                                  {"input_sha256": file_sha256(Path(fasta)), **chosen}, quiet)
 
 
 @contextlib.contextmanager
@@ -318,7 +319,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    options.validate()
+    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
     limits.check(EmbedpipeError)
     calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
@@ -338,7 +339,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
                 continue
             summary.embedded.append(_embed_records(
                 job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
-                {"input_sha256": digest}, quiet))
+                {"input_sha256": digest, **chosen}, quiet))
         if done is not None:
             _check_still_current(stores, digests, str(job.identity))
             write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)
