@@ -159,5 +159,5 @@ def set_wait_policy(env: MutableMapping[str, str] = os.environ) -> None:
     """Set :data:`WAIT_POLICY` unless the user chose one (either of :data:`WAIT_VARIABLES`:
     ``KMP_BLOCKTIME`` alone keeps libgomp's own default, which the benchmark compares). Must
     run before torch is imported: the OpenMP runtime reads it when it loads."""
-    if not any(env.get(name) for name in WAIT_VARIABLES):
+    if WAIT_POLICY and not any(env.get(name) for name in WAIT_VARIABLES):  # "": the runtime's own default
         env["OMP_WAIT_POLICY"] = WAIT_POLICY

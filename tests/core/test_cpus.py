@@ -83,7 +83,7 @@ def test_explicit_threads_win_over_the_allocation(node) -> None:
     assert cpus.thread_count(None, {}, root).count == 1
 
 
-def test_the_wait_policy_is_set_only_when_the_user_chose_none() -> None:
+def test_the_wait_policy_is_set_only_when_the_user_chose_none(monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
     cpus.set_wait_policy(env)
     assert env == {"OMP_WAIT_POLICY": cpus.WAIT_POLICY}
@@ -91,6 +91,10 @@ def test_the_wait_policy_is_set_only_when_the_user_chose_none() -> None:
         env = dict(chosen)
         cpus.set_wait_policy(env)
         assert env == chosen
+    monkeypatch.setattr(cpus, "WAIT_POLICY", "")  # the runtime's own default: nothing set
+    env = {}
+    cpus.set_wait_policy(env)
+    assert env == {}
 
 
 def test_the_console_script_sets_the_wait_policy_before_torch_loads(tmp_path: Path) -> None:
