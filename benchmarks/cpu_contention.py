@@ -26,6 +26,7 @@ one run.
     python benchmarks/cpu_contention.py --repeat-input 2 --rounds 3               # 200 proteins, 35M shape
     python benchmarks/cpu_contention.py --repeat-input 2 --rounds 3 --wait-policies embedpipe default ACTIVE
     python benchmarks/cpu_contention.py --layers 2 --dim 64 --heads 4 --max-records 8 --rounds 1   # smoke run
+    python benchmarks/cpu_contention.py --count-ops --threads 2     # eager ops per int8 linear (a count, no timing)
 """
 
 from __future__ import annotations
@@ -133,6 +134,35 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
           "pinned / quiet <= 1.3")
 
 
+def count_ops(dim: int, tokens: int = 4096) -> None:
+    """Top-level aten ops of one int8 linear call per layer shape (each a parallel region once
+    above ATen's grain), at 1 MiB chunks and at 1 MiB per thread, against the prepacked fp32
+    linear: a count, so it does not depend on the machine's load."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import embedpipe.runtime.int8_linear as m
+    from embedpipe.runtime.packed_linear import pack_linear
+
+    def ops(run, x) -> int:
+        run(x)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(x)
+        return sum(1 for e in prof.events() if e.cpu_parent is None)
+
+    per_thread = m.row_chunks
+    print(f"\n{torch.get_num_threads()} threads, {tokens} tokens\n\n| layer | int8, 1 MiB chunks | int8, 1 MiB per thread "
+          "| fp32 prepacked |\n|---|---|---|---|")
+    for name, (k, n) in {"q/k/v": (dim, 3 * dim), "fc1": (dim, 4 * dim), "fc2": (4 * dim, dim)}.items():
+        weight, x = torch.randn(n, k), torch.randn(tokens, k)
+        layer, packed = m.Int8Linear(weight, torch.zeros(n)), pack_linear(weight, torch.zeros(n))
+        m.row_chunks = lambda rows, cols: range(0, rows, max(16, m.CHUNK_BYTES // (4 * max(cols, 1))))
+        fixed = ops(layer, x)
+        m.row_chunks = per_thread
+        fp32 = ops(packed, x) if packed is not None else "-"
+        print(f"| {name} {k} -> {n} | {fixed} | {ops(layer, x)} | {fp32} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_input_arguments(parser)  # its --threads is unused here: the runs take their allocation
@@ -144,7 +174,14 @@ def main() -> None:
     parser.add_argument("--neighbours", type=int, default=1, help="processes that each keep one core busy")
     parser.add_argument("--pinned-cpus", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2))
     parser.add_argument("--wait-policies", nargs="+", default=["embedpipe"], choices=list(WAIT_POLICIES))
+    parser.add_argument("--count-ops", action="store_true",
+                        help="only count the eager ops of one int8 linear per layer shape (no timing)")
     args = parser.parse_args()
+    if args.count_ops:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return count_ops(args.dim)
     if "fp32" not in args.systems:
         parser.error("--systems must include fp32 (the slowdowns are compared with its own)")
     OUT.mkdir(parents=True, exist_ok=True)
