@@ -18,6 +18,9 @@ implementation: its default, ``sdpa``, for T5 and ESM alike in transformers 5).
 * **hf-esm**: the same batching with ``EsmModel`` (``add_pooling_layer=False``, transformers'
   default SDPA attention) and its ``EsmTokenizer`` (``<cls>`` ... ``<eos>``), mean over rows
   ``1 .. len(seq)``.
+* **esmc**: the same batching with transformers' ``EsmcModel`` (its default SDPA attention) and
+  ``EsmcTokenizer`` (``<cls>`` ... ``<eos>``), mean over rows ``1 .. len(seq)``; ``esmc:bf16`` runs
+  the model cast to bf16 (as a user with ``dtype=torch.bfloat16`` does), means in fp32.
 
 Sequence ids are the header's first word (ProtTrans keeps the whole header line).
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 MAX_RESIDUES = 4000
 MAX_SEQ_LEN = 1000
 MAX_BATCH = 100
-FAMILIES = ("prot-t5", "ankh", "hf-esm")
+FAMILIES = ("prot-t5", "ankh", "hf-esm", "esmc")
 
 
 def read_fasta(path: Path) -> dict[str, str]:
@@ -65,13 +68,16 @@ def prott5_batches(seqs: dict[str, str]) -> Iterator[list[tuple[str, str]]]:
 def load(family: str, model_dir: Path):
     """(model, tokenizer) as the family's recipe loads them: fp32, eval mode."""
     import torch
-    from transformers import AutoTokenizer, EsmModel, T5EncoderModel, T5Tokenizer
+    from transformers import AutoTokenizer, EsmcModel, EsmModel, T5EncoderModel, T5Tokenizer
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # EsmForMaskedLM -> EsmModel lists the unused lm_head
     logging.disable_progress_bar()
     if family == "hf-esm":
         model = EsmModel.from_pretrained(str(model_dir), add_pooling_layer=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    elif family == "esmc":
+        model = EsmcModel.from_pretrained(str(model_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     else:
         model = T5EncoderModel.from_pretrained(str(model_dir))
@@ -92,15 +98,19 @@ def encode(family: str, tokenizer, seqs: list[str]) -> dict:
 
 
 def run_recipe(family: str, model_dir: Path, fasta: Path, out: Path, threads: int) -> None:
-    """Embed ``fasta`` the family's recipe way into ``out`` (one dataset of means per id)."""
+    """Embed ``fasta`` the family's recipe way into ``out`` (one dataset of means per id);
+    ``family:bf16`` runs the model cast to bf16."""
     import h5py
     import torch
 
-    if family not in FAMILIES:
-        raise SystemExit(f"unknown family {family!r}")
+    family, _, dtype = family.partition(":")
+    if family not in FAMILIES or dtype not in ("", "bf16"):
+        raise SystemExit(f"unknown family {family!r} (or dtype {dtype!r})")
     torch.set_num_threads(threads)
     model, tokenizer = load(family, model_dir)
-    first = 1 if family == "hf-esm" else 0  # ESM-2 rows start after <cls>; T5 has no BOS
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    first = 1 if family in ("hf-esm", "esmc") else 0  # ESM rows start after <cls>; T5 has no BOS
     means, real, computed = {}, 0, 0
     with torch.no_grad():
         for batch in prott5_batches(read_fasta(fasta)):
@@ -110,7 +120,7 @@ def run_recipe(family: str, model_dir: Path, fasta: Path, out: Path, threads: in
             computed += inputs["input_ids"].numel()
             real += int(inputs["attention_mask"].sum())
             for i, (sid, seq) in enumerate(batch):
-                means[sid] = hidden[i, first : first + len(seq)].mean(0).numpy()
+                means[sid] = hidden[i, first : first + len(seq)].float().mean(0).numpy()
     with h5py.File(out, "w") as f:
         for sid, mean in means.items():
             f.create_dataset(sid, data=mean)

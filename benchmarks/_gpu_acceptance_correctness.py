@@ -5,7 +5,6 @@ stay exact. A module, not a script."""
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -13,14 +12,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from _gpu_acceptance_setup import checkpoint, random_records, release
+from _gpu_acceptance_setup import checkpoint, release
+from _helpers import edit_weights, random_records, token_rows
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POLICY_NAMES, EmbedOptions
 from embedpipe.embed.engine import Embedder
 from embedpipe.runtime.precision import get_policy, true_fp32_matmuls
 
-ROOT = Path(__file__).resolve().parent.parent
 #: max |difference| allowed between fp32 outputs of two exact computations (TF32 off)
 TOLERANCE = 1e-4
 #: bf16-mixed packed (on CUDA the varlen flash kernel) against padded (SDPA with a mask):
@@ -180,24 +179,23 @@ def overflow_records(count: int) -> list[tuple[str, str]]:
     return [(rid, seq[:10] + "C" + seq[10:]) if i % 3 == 1 else (rid, seq) for i, (rid, seq) in enumerate(records)]
 
 
-def overflow_model(directory: Path, dims: tuple[int, int, int]) -> Path:
-    """A random checkpoint whose 'C' embedding row is 7e4: inf in fp16 (max 65504), finite in
-    fp32; edited by the tests' own helper (tests/helpers/embed_helpers.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers.embed_helpers import edit_test_checkpoint
+def overflow_model(directory: Path, dims: tuple[int, int, int]) -> Any:
+    """A random ESM-2 whose 'C' embedding row is 7e4: inf in fp16 (max 65504), finite in fp32;
+    the row set in the loaded model (benchmarks/_helpers.py)."""
+    from embedpipe.model import load_model
 
-    return edit_test_checkpoint(checkpoint(directory, dims, seed=21), token_row_overrides={"C": 7e4})
+    loaded = load_model(str(checkpoint(directory, dims, seed=21)))
+    edit_weights(loaded, token_rows(loaded, {"C": 7e4}))
+    return loaded
 
 
 def overflow_section(device: torch.device, count: int, dims: tuple[int, int, int] = OVERFLOW_DIMS) -> dict:
     """Records with 'C' fall back to fp32 under the fp16-weight policies, and their stored
     vectors equal an fp32 run of the record alone bit for bit (mean and per-residue)."""
-    from embedpipe.model import load_model
-
     records = overflow_records(count)
     with_c = {i for i, (_, seq) in enumerate(records) if "C" in seq}
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(str(overflow_model(Path(tmp), dims)))
+        loaded = overflow_model(Path(tmp), dims)
         fp32 = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, device=str(device)), device)
         alone = {i: next(iter(fp32.embed([records[i]])))[1] for i in sorted(with_c)}
         section = {"shape": dict(zip(("layers", "dim", "heads"), dims)), "records": len(records),

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
 #: human reference proteome: median ~415 aa, mean ~560 (log-normal sigma 0.77), titin 34,350
 HUMAN_MEDIAN, HUMAN_SIGMA, TITIN = 415, 0.77, 34_350
 #: fair-esm's trained window: records up to this many residues are embedded whole by every system
@@ -132,12 +131,6 @@ def proxy_lengths(count: int, seed: int, scale: float = 1.0) -> list[int]:
         if max(lengths[:-1]) <= 5000 * scale:
             lengths[-2] = round(5500 * scale)
     return lengths
-
-
-def random_records(lengths: list[int], seed: int, prefix: str = "r") -> list[tuple[str, str]]:
-    """Deterministic random proteins (the 20 standard residues) of the given lengths."""
-    rng = np.random.default_rng(seed)
-    return [(f"{prefix}{i:05d}", "".join(rng.choice(AMINO, n))) for i, n in enumerate(lengths)]
 
 
 def write_fasta(path: Path, records: list[tuple[str, str]]) -> Path:

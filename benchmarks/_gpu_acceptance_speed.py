@@ -27,10 +27,10 @@ from _gpu_acceptance_setup import (
     length_scale,
     park_on_host,
     proxy_lengths,
-    random_records,
     release,
     write_fasta,
 )
+from _helpers import random_records
 
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.engine import Embedder

@@ -1,12 +1,13 @@
 """Per model family, side by side: the recipe a user would run vs `embedpipe embed` per policy.
 
-Families (docs/models.md): ProtT5 and Ankh (T5 encoders) and ESM-2 as a Hugging Face
-directory. For each, in one run, whole processes on the same input:
+Families (docs/models.md): ProtT5 and Ankh (T5 encoders), ESM-2 as a Hugging Face
+directory, and ESM C. For each, in one run, whole processes on the same input:
 
 * **recipe**: the family's user recipe in transformers (benchmarks/_family_recipes.py):
   ProtTrans' ``prott5_embedder.py`` logic for ProtT5 (``T5EncoderModel``, ``T5Tokenizer`` on
   space-separated residues with UZOB -> X, length-sorted batches, mean over the residue rows,
-  ``</s>`` excluded), the same with per-character tokens for Ankh, ``EsmModel`` for hf-esm;
+  ``</s>`` excluded), the same with per-character tokens for Ankh, ``EsmModel`` for hf-esm,
+  ``EsmcModel`` (SDPA) for esmc, in fp32 and also cast to bf16 (**recipe bf16**);
 * **embedpipe P**: ``python -m embedpipe.cli embed --precision P`` on the same directory;
 * hf-esm also: **fair-esm** (scripts/extract.py's logic, embed_throughput.py's recipe) and
   **embedpipe fp32 (.pt)** on the fair-esm checkpoint the directory was converted from.
@@ -48,11 +49,15 @@ SHAPES = {
     "ankh": {"layers": 6, "dim": 384, "heads": 6, "d_kv": 64, "d_ff": 1536},
     # facebook/esm2_t6_8M_UR50D's own shape (6 layers, 320 dims, 20 heads)
     "hf-esm": {"layers": 6, "dim": 320, "heads": 20},
+    # ESMC-300M: 30 layers, width 960, 15 heads of 64, SwiGLU 2560 (8/3 x width); scaled: 6 layers,
+    # width 384, 6 heads of 64, SwiGLU 1024 (the same proportions)
+    "esmc": {"layers": 6, "dim": 384, "heads": 6, "d_ff": 1024},
 }
 QUICK_SHAPES = {
     "prot-t5": {"layers": 2, "dim": 32, "heads": 2, "d_kv": 16, "d_ff": 512},
     "ankh": {"layers": 2, "dim": 32, "heads": 2, "d_kv": 16, "d_ff": 128},
     "hf-esm": {"layers": 2, "dim": 32, "heads": 4},
+    "esmc": {"layers": 2, "dim": 32, "heads": 2, "d_ff": 64},
 }
 POLICIES = ("fp32", "bf16-mixed", "bf16")
 
@@ -137,6 +142,10 @@ def family_systems(args: argparse.Namespace, family: str, models: dict[str, Path
         pt_store = out / "hf-esm-embedpipe-pt-fp32.h5"
         systems["hf-esm embedpipe fp32 (.pt)"] = (
             embedpipe_command(models["fair-esm"], fasta, pt_store, "fp32", args.threads), pt_store)
+    if family == "esmc":  # transformers' EsmcModel in bf16 too
+        systems[f"{family} recipe bf16"] = (
+            [sys.executable, __file__, "--threads", str(args.threads), "--run-recipe", f"{family}:bf16", str(model),
+             str(fasta), str(out / f"{family}-recipe-bf16.h5")], out / f"{family}-recipe-bf16.h5")
     for policy in args.policies:
         target = out / f"{family}-embedpipe-{policy}.h5"
         command = embedpipe_command(model, fasta, target, policy, args.threads)
@@ -145,7 +154,7 @@ def family_systems(args: argparse.Namespace, family: str, models: dict[str, Path
 
 
 def means_of(system: str, target: Path, layer: int) -> dict[str, np.ndarray]:
-    if system.endswith(" recipe"):
+    if " recipe" in system:
         return recipes.read_recipe(target)
     return read_means("fair-esm" if system == "fair-esm" else "fp32", target, layer)
 

@@ -49,12 +49,12 @@ from _gpu_acceptance_setup import (
     human_lengths,
     length_scale,
     park_on_host,
-    random_records,
     release,
     shape_dims,
     shape_skip_reason,
 )
 from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_records, proxy_section, shape_speed
+from _helpers import random_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "embedpipe.gpu-acceptance/1"

@@ -17,21 +17,20 @@ each int8 run's embed time, the two interleaved in this process, best of ``--rep
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from _helpers import edit_weights
+
+from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.inputs.fasta import read_sequences
+from embedpipe.model import load_model
+from embedpipe.model.random_checkpoint import make_test_model
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from embedpipe.embed.engine import Embedder, EmbedOptions  # noqa: E402
-from embedpipe.inputs.fasta import read_sequences  # noqa: E402
-from embedpipe.model import load_model  # noqa: E402
-from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
-from helpers.embed_helpers import edit_test_checkpoint  # noqa: E402
 
 #: the planted outliers (see the module docstring)
 CHANNELS, GAIN = [7, 100, 250, 401], 30.0
@@ -44,11 +43,14 @@ def plant(state: dict) -> None:
             value[CHANNELS] *= GAIN
 
 
-def _models(out: Path) -> dict[str, Path]:
+def _models(out: Path) -> dict[str, Any]:
+    """The loaded models: the random checkpoint as written, and the same with the planted
+    outliers (edited in the loaded model, benchmarks/_helpers.py)."""
     shape = {"layers": 12, "dim": 480, "heads": 20, "seed": 11}
-    plain = make_test_model(out / "esm2_smooth_t12_480.pt", **shape)
-    planted = edit_test_checkpoint(make_test_model(out / "esm2_smooth_t12_480_planted.pt", **shape), edit=plant)
-    return {"random weights": plain, f"planted outliers ({len(CHANNELS)} ch x{GAIN:g})": planted}
+    path = make_test_model(out / "esm2_smooth_t12_480.pt", **shape)
+    planted = load_model(str(path))
+    edit_weights(planted, plant)
+    return {"random weights": load_model(str(path)), f"planted outliers ({len(CHANNELS)} ch x{GAIN:g})": planted}
 
 
 def _embed(embedder: Embedder, records: list) -> tuple[dict, float]:
@@ -83,8 +85,7 @@ def main() -> None:
     print("| model | smoothing | layer 1 cosine min / median | layer 6 | layer 12 | max abs diff |")
     print("|---|---|---|---|---|---|")
     timing = []
-    for name, path in _models(out).items():
-        loaded = load_model(str(path))
+    for name, loaded in _models(out).items():
         embedders = {s: Embedder(loaded, EmbedOptions(precision=p, layers=tuple(layers), int8_smoothing=smooth),
                                  torch.device("cpu"))
                      for s, p, smooth in (("fp32", "fp32", "none"), ("none", "int8-mixed", "none"),

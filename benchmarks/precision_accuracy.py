@@ -16,22 +16,20 @@ residues/s of each run on this machine (docs/precision.md, "Attention inputs").
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from _helpers import random_records
+
+from embedpipe.core.options import FP32_ISLAND_POLICIES
+from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.model import load_model
+from embedpipe.model.random_checkpoint import make_test_model
+from embedpipe.runtime.precision import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from embedpipe.core.options import FP32_ISLAND_POLICIES  # noqa: E402
-from embedpipe.embed.engine import Embedder, EmbedOptions  # noqa: E402
-from embedpipe.model import load_model  # noqa: E402
-from embedpipe.model.random_checkpoint import make_test_model  # noqa: E402
-from embedpipe.runtime.precision import POLICIES  # noqa: E402
-from helpers.embed_helpers import random_sequences  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +46,8 @@ def main() -> None:
     path = make_test_model(out / f"esm2_acc_t{args.layers}_{args.dim}.pt", layers=args.layers, dim=args.dim,
                            heads=args.heads, seed=3)
     loaded = load_model(str(path))
-    records = random_sequences(args.records, (700, 1022), seed=args.seed)
+    rng = np.random.default_rng(args.seed)  # the lengths, then the residues, from one generator
+    records = random_records(rng.integers(700, 1023, size=args.records).tolist(), seed=rng, prefix="rec")
     last = loaded.num_layers
 
     residues = sum(len(seq) for _, seq in records)

@@ -19,6 +19,7 @@ from embedpipe.cli.exit import run_app, user_errors
 from embedpipe.core import options
 from embedpipe.core.cpus import set_wait_policy
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.export import formats as export_formats  # import-light: the registry, no format module
 
 app = typer.Typer(
     add_completion=False,
@@ -137,6 +138,7 @@ REUSE_HELP = ("Copy records whose sequence this earlier store (or its reuse-inde
               "model and options, instead of computing them; repeatable (docs/cluster.md, \"Release to release\").")
 
 
+EXPORT_FORMAT_HELP = f"{_one_of(export_formats.NAMES, {f.name: f.what for f in export_formats.REGISTRY if f.what})}."
 LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."
 
 
@@ -367,7 +369,7 @@ def make_test_model(
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
     family: str = typer.Option("esm2", "--family", help="esm2 (a fair-esm .pt), or a Hugging Face directory: "
-                               "prot-t5, ankh, hf-esm (needs the hf extra; docs/models.md)."),
+                               "prot-t5, ankh, hf-esm, esmc (needs the hf extra; docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 checkpoint in fair-esm's format, or a
     Hugging Face model directory (--family)."""
@@ -386,7 +388,7 @@ def make_test_model(
 @user_errors
 def export(
     store: Path = typer.Argument(..., help="Store to export (a merged store exports every input ID, aliases too)."),
-    fmt: str = typer.Option(..., "--format", help="h5-per-id (one dataset per ID), parquet, or npy (matrix + IDs)."),
+    fmt: str = typer.Option(..., "--format", help=EXPORT_FORMAT_HELP),
     out: Path = typer.Option(..., "--out", help="Output file (npy: OUT.npy plus OUT.ids.txt, OUT.provenance.json)."),
     layer: int = typer.Option(-1, "--layer", help="Stored layer to export (-1 = the highest stored)."),
     per_residue: bool = typer.Option(False, "--per-residue", help="Per-residue vectors instead of pooled ones."),

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -58,13 +59,13 @@ def _interrupt_code(exc: BaseException) -> int:
 def _os_error_message(exc: OSError, out: Any) -> str:
     """One line for an OSError the library did not foresee, naming a path: the file the error
     names, else (for a write failure such as a full disk) the command's ``--out``."""
-    from embedpipe.core.atomic import WRITE_ERRNOS
+    from embedpipe.core.atomic import WRITE_ERRNOS, write_error
 
     reason = exc.strerror or str(exc)
     if getattr(exc, "filename", None):
         return f"{reason}: {exc.filename}"
     if out is not None and exc.errno in WRITE_ERRNOS:
-        return f"cannot write {out}: {reason}"
+        return str(write_error(Path(out), exc, known=True))
     return reason
 
 

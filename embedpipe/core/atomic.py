@@ -19,6 +19,7 @@ import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Literal, overload
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.paths import display_path as _display
@@ -84,13 +85,11 @@ _HDF5_ERRNO = re.compile(r"errno = (\d+)")
 _HDF5_FILE = re.compile(r"(?:file)?name = '([^']*)'")
 
 
-def write_error(path: Path, tmp: Path | None, exc: BaseException) -> EmbedpipeError | None:
-    """The one-line error for a failed write of ``path`` (through ``tmp``), or None when ``exc``
-    is not a write failure of that file (a bug, an interrupt, a problem with another file).
+_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
 
-    Understands plain ``OSError`` and h5py's errors, which carry HDF5's message
-    (``... filename = '...', errno = 28, error message = 'No space left on device' ...``).
-    """
+
+def _write_errno(path: Path, tmp: Path | None, exc: BaseException) -> int | None:
+    """The errno of ``exc`` when it is a write failure of ``path`` (or ``tmp``), else None."""
     if isinstance(exc, EmbedpipeError) or not isinstance(exc, (OSError, RuntimeError)):
         return None
     text = str(exc)
@@ -101,9 +100,40 @@ def write_error(path: Path, tmp: Path | None, exc: BaseException) -> EmbedpipeEr
     code = getattr(exc, "errno", None)
     if code is None and (m := _HDF5_ERRNO.search(text)):
         code = int(m.group(1))
-    if not isinstance(code, int) or code not in WRITE_ERRNOS:
+    return code if isinstance(code, int) and code in WRITE_ERRNOS else None
+
+
+@overload
+def write_error(path: Path, exc: BaseException, tmp: Path | None = None, *, known: Literal[True]) -> EmbedpipeError: ...
+@overload
+def write_error(path: Path, exc: BaseException, tmp: Path | None = None, *,
+                known: bool = False) -> EmbedpipeError | None: ...
+def write_error(path: Path, exc: BaseException, tmp: Path | None = None, *,
+                known: bool = False) -> EmbedpipeError | None:
+    """The one-line error for a failed write of ``path``, the one message every writer gives
+    (docs/store-format.md, "Atomic writes"): ``cannot write PATH: REASON``; a file in the
+    hidden work directory of an output is named by the output it becomes, ``cannot write OUT
+    (NAME in the work directory DIR): REASON`` (a full disk says only ``No space left on device``).
+
+    ``known``: the caller caught ``exc`` writing ``path`` itself, so it is one whatever its
+    errno. Otherwise None when ``exc`` is not a write failure of ``path`` (through its
+    temporary ``tmp``): a bug, an interrupt, a problem with another file. Understands plain
+    ``OSError`` and h5py's errors, which carry HDF5's message
+    (``... filename = '...', errno = 28, error message = 'No space left on device' ...``).
+    """
+    if known:
+        reason = str(getattr(exc, "strerror", None) or exc)
+    elif (code := _write_errno(path, tmp, exc)) is not None:
+        reason = os.strerror(code)
+    else:
         return None
-    return EmbedpipeError(f"cannot write {path}: {os.strerror(code)}")
+    for work_dir in Path(path).parents:
+        work = _WORK_DIR.match(work_dir.name)
+        if work is not None:
+            out = work_dir.parent / work["out"]
+            inside = f"{_display(Path(path).relative_to(work_dir))} in the work directory {_display(work_dir)}"
+            return EmbedpipeError(f"cannot write {_display(out)} ({inside}): {reason}")
+    return EmbedpipeError(f"cannot write {_display(path)}: {reason}")
 
 
 def host_tag() -> str:
@@ -188,7 +218,7 @@ def temp_path_for(path: Path) -> Path:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-{host_tag()}-", suffix=".tmp",
                                     dir=path.parent)
     except OSError as exc:
-        raise EmbedpipeError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise write_error(path, exc, known=True) from None
     os.close(fd)
     return Path(name)
 
@@ -209,7 +239,7 @@ def commit(tmp: Path, path: Path) -> None:
         refuse_non_regular(Path(path))  # a FIFO or device made while we worked
         os.replace(tmp, path)
     except OSError as exc:
-        raise EmbedpipeError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise write_error(Path(path), exc, tmp, known=True) from None
     fsync_dir(Path(path).parent)
 
 
@@ -238,7 +268,7 @@ def atomic_paths(*paths: Path) -> Iterator[tuple[Path, ...]]:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         for tmp, final in zip(temps, finals):
-            if (err := write_error(final, tmp, exc)) is not None:
+            if (err := write_error(final, exc, tmp)) is not None:
                 raise err from None
         raise
 
@@ -248,22 +278,3 @@ def write_text_atomic(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
-
-_WORK_DIR = re.compile(r"^\.(?P<out>.+)\.tmp-\d+-")
-
-
-def named_write_error(path: Path, exc: OSError) -> EmbedpipeError:
-    """One line naming the output being written (a full disk says only ``No space left on
-    device``): files in the hidden work directory are named by the ``--out`` they become.
-    For an error already known to be a write failure of ``path``; :func:`write_error` first
-    decides whether an error is one."""
-    reason = exc.strerror or exc
-    for work_dir in path.parents:
-        work = _WORK_DIR.match(work_dir.name)
-        if work is not None:
-            out = work_dir.parent / work["out"]
-            return EmbedpipeError(
-                f"{_display(out)}: cannot write {path.relative_to(work_dir)} "
-                f"(in the work directory {_display(work_dir)}): {reason}"
-            )
-    return EmbedpipeError(f"{_display(path)}: cannot write: {reason}")

@@ -20,7 +20,7 @@ from typing import IO
 
 import numpy as np
 
-from embedpipe.core.atomic import make_owned_dir, named_write_error
+from embedpipe.core.atomic import make_owned_dir, write_error
 
 __all__ = ["CHUNK_BYTES", "ExternalSort", "group_starts", "promote"]
 
@@ -147,7 +147,7 @@ class ExternalSort:
         try:
             block.tofile(path)
         except OSError as exc:
-            raise named_write_error(path, exc) from None
+            raise write_error(path, exc, known=True) from None
         self._runs.append(_Run(path, block.dtype, len(block)))
 
     def __iter__(self) -> Iterator[np.ndarray]:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from embedpipe.core import long_sequences as long_modes
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.export import formats as export_formats  # import-light: names, files, modules
 
@@ -39,8 +40,9 @@ POLICY_NAMES = tuple(POLICY_KINDS)
 FP32_ISLAND_POLICIES = tuple(name for name, (kind, _) in POLICY_KINDS.items() if kind in ("mixed", "int8"))
 #: dtypes of the stored vectors (docs/store-format.md)
 STORAGE_DTYPES = ("float32", "float16")
-#: what happens to sequences longer than the model's trained window
-LONG_SEQUENCE_MODES = ("chunk", "truncate", "error", "full")
+#: what happens to sequences longer than the model's trained window (each mode, with what the
+#: store records of it, in core/long_sequences.py)
+LONG_SEQUENCE_MODES = long_modes.NAMES
 #: attention implementations of the forward pass
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
 #: how a batch's tokens are laid out (docs/precision.md, "Batch layout"): packed = the
@@ -141,7 +143,7 @@ class EmbedOptions:
     tokens_per_batch: int | str = AUTO
     device: str = DEFAULT_DEVICE
     storage_dtype: str = "float32"
-    long_sequences: str = "chunk"
+    long_sequences: str = long_modes.DEFAULT
     attention: str = "sdpa"
     overflow_margin: float | None = None
     threads: int | None = None

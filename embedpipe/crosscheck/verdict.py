@@ -15,7 +15,7 @@ import numpy as np
 from embedpipe.core.options import Thresholds
 from embedpipe.crosscheck.downstream import downstream_rules
 from embedpipe.crosscheck.formatting import format_cosine
-from embedpipe.crosscheck.measures import MEASURES, POOLED_COSINE, POOLED_MAX_ABS_DIFF, POOLED_REL_L2, RESIDUE_MIN_COSINE
+from embedpipe.crosscheck.measures import MEASURES, POOLED_COSINE, RESIDUE_MIN_COSINE, binned
 from embedpipe.crosscheck.metrics import aggregate, is_finite_number, wilson_interval
 
 __all__ = ["VERDICTS", "applied_rules", "decide_verdict", "judge", "record_status", "store_figures", "summarise"]
@@ -86,9 +86,7 @@ def summarise(records: list[dict], layers: list[int], bins: list[dict], pass_cos
             in_bin = [r for r in recs if r["length_bin"] == b["bin"]]
             entry["by_length_bin"].append({
                 "bin": b["bin"], "min_length": b["min_length"], "max_length": b["max_length"], "n": len(in_bin),
-                POOLED_COSINE: aggregate([r[POOLED_COSINE] for r in in_bin]),
-                POOLED_REL_L2: aggregate([r[POOLED_REL_L2] for r in in_bin]),
-                POOLED_MAX_ABS_DIFF: aggregate([r[POOLED_MAX_ABS_DIFF] for r in in_bin]),
+                **{m.key: aggregate([r[m.key] for r in in_bin]) for m in binned()},
             })
         entry["by_precision_used"] = {
             used: aggregate([r[POOLED_COSINE] for r in recs if r["precision_used"] == used])

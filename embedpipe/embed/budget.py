@@ -17,7 +17,7 @@ from embedpipe.core.options import AUTO, CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BA
 from embedpipe.embed.planning import BATCH_OVERHEAD_TOKENS as CPU_BATCH_OVERHEAD_TOKENS
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.runtime import cuda
-from embedpipe.runtime.precision import FP32, Policy, resolve_attention_inputs
+from embedpipe.runtime.precision import FP32, Policy
 
 #: share of the memory left after the weights that batches may fill (the rest: the CUDA
 #: context's growth, allocator fragmentation, what the estimate misses)
@@ -37,17 +37,17 @@ MAX_KERNEL_ELEMENTS = 2**31 - 1
 
 
 def resolve_tokens_per_batch(options: EmbedOptions, loaded: EmbeddingModel, policy: Policy,
-                             device: torch.device, stored_layers: Sequence[int]) -> int:
+                             device: torch.device, stored_layers: Sequence[int], *, attention_inputs: str) -> int:
     """The token budget a run uses: the number given, or for ``auto`` one that fits ``device``
-    (``stored_layers``: the resolved layers the run returns and stores)."""
+    (``stored_layers``: the resolved layers the run returns and stores; ``attention_inputs``:
+    ``--attention-inputs`` as the run resolved it, embedpipe.embed.resolved)."""
     if options.tokens_per_batch != AUTO:
         return int(options.tokens_per_batch)
     if device.type != "cuda":
         return CPU_TOKENS_PER_BATCH
     free = cuda.free_memory(device)
     weights = device_weight_bytes(loaded, policy, options.fallback_device, free)
-    inputs = resolve_attention_inputs(options.attention_inputs, device)
-    per_token = bytes_per_token(loaded, policy, stored_layers, options.per_residue, attention_inputs=inputs)
+    per_token = bytes_per_token(loaded, policy, stored_layers, options.per_residue, attention_inputs=attention_inputs)
     return min(tokens_that_fit(free - weights, per_token), kernel_token_cap(loaded, policy))
 
 

@@ -36,14 +36,6 @@ def configured_policy(options: EmbedOptions) -> Policy:
     return dataclasses.replace(policy, calibration=int8_smoothing.load_calibration(options.int8_calibration))
 
 
-def calibration_sha256(options: EmbedOptions) -> str | None:
-    """The calibration file's sha256 when smoothing is on (part of a store's identity for resuming
-    and reuse: the same path with other contents is another calibration); None otherwise."""
-    if options.int8_smoothing == "none":
-        return None
-    return int8_smoothing.load_calibration(options.int8_calibration).sha256
-
-
 def prepare_calibrated(loaded: EmbeddingModel, policy: Policy, device: torch.device,
                        prepare: Callable[[], Runner]) -> Runner:
     """``prepare()``'s runner, calibrated on the policy's calibration records when it has any."""

@@ -12,7 +12,7 @@ a record stitched from its windows (:mod:`embedpipe.embed.stitching`), pooling
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,16 +21,16 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import progress_bar, say
 from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
-from embedpipe.embed.calibration import configured_policy
 from embedpipe.embed.fallback import RecordCheck
 from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
 from embedpipe.embed.preparation import Preparation
+from embedpipe.embed.resolved import ResolvedRun, resolve_run
 from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
 from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel, PackedRunner, Runner
+from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers  # noqa: F401 - re-exported (tests, crosscheck)
-from embedpipe.runtime import attention as attention_choice
 from embedpipe.runtime import cuda
 from embedpipe.runtime.cuda import BusyTimer, HostCopy
 from embedpipe.runtime.packed import PackedTokens
@@ -38,13 +38,11 @@ from embedpipe.runtime.precision import (
     FP32,
     Policy,
     check_policy_on_device,
-    dtype_name,
     exact_fp32,
     forward_context,
     true_fp32_matmuls,
 )
 from embedpipe.store import EmbeddedRecord
-from embedpipe.store.format import stored_poolings
 
 Records = Sequence[tuple[str, str]]
 
@@ -73,6 +71,16 @@ class _Launched:
     residue_starts: list[int] | None
 
 
+def resolved_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device | None) -> ResolvedRun:
+    """Plain options resolved for ``loaded`` on ``device`` (its identity from the loaded weights
+    only: a job resolves its own from the model's files, embedpipe.embed.job)."""
+    if device is None:
+        raise TypeError("Embedder(loaded, options, device): the device is needed to resolve plain options")
+    packs = capabilities.packs(loaded)
+    return resolve_run(options, device, num_layers=loaded.num_layers, packs=packs,
+                       model=ModelIdentity(loaded.sha256, packs, {}, loaded.family))
+
+
 class Embedder:
     """Embeds sequences with one loaded model under one policy; reusable for many inputs.
 
@@ -81,23 +89,28 @@ class Embedder:
     model prepared lazily, once.
     """
 
-    def __init__(self, loaded: EmbeddingModel, options: EmbedOptions, device: torch.device) -> None:
-        options.validate()
+    def __init__(self, loaded: EmbeddingModel, options: EmbedOptions | ResolvedRun,
+                 device: torch.device | None = None) -> None:
+        """``options`` resolved by the job (:class:`ResolvedRun`, the engine re-derives nothing),
+        or plain options resolved here for ``device`` and ``loaded`` (tests, benchmarks, crosscheck)."""
+        run = options if isinstance(options, ResolvedRun) else resolved_for(loaded, options, device)
         self.loaded = loaded
-        self.options = options
-        self.policy = configured_policy(options)  # int8-mixed smoothing: a policy of its own
-        self.prepared = Preparation(loaded, options, self.policy, device, on_moved=self._fallback_moved)
-        self.layers = resolve_layers(options.layers, loaded.num_layers)
-        self.pooling = stored_poolings(options.pooling)
-        capabilities.check_options(loaded, options.pooling, options.batch_layout)
-        self.check = RecordCheck.for_storage(options.storage_dtype, options.overflow_margin)
-        self.notes = check_policy_on_device(self.policy, device)
-        #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for ``device``)
-        self.tokens_per_batch = resolve_tokens_per_batch(options, loaded, self.policy, device, self.layers)
+        self.run = run
+        self.options = run.options
+        self.policy = run.policy  # int8-mixed smoothing: a policy of its own
+        self.prepared = Preparation(loaded, run, on_moved=self._fallback_moved)
+        self.layers = list(run.layers)
+        self.pooling = list(run.pooling)
+        capabilities.check_options(loaded, run.options.pooling, run.options.batch_layout)
+        self.check = RecordCheck.for_storage(run.options.storage_dtype, run.options.overflow_margin)
+        self.notes = check_policy_on_device(self.policy, run.device)
+        #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for the device)
+        self.tokens_per_batch = resolve_tokens_per_batch(run.options, loaded, self.policy, run.device, self.layers,
+                                                         attention_inputs=run.attention_inputs)
         self.quiet = True
         self.stats: Counter[str] = Counter()
         self._busy = BusyTimer()
-        self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * options.per_residue)  # one batch's read-back
+        self._ring = cuda.PinnedRing(keep=1 + len(self.layers) * run.options.per_residue)  # one batch's read-back
 
     # -- model preparation (once per policy: embed/preparation.py) ----------------------------
     @property
@@ -138,14 +151,12 @@ class Embedder:
     @property
     def attention_path(self) -> str:
         """The main policy's attention kernel as recorded in the store (docs/precision.md)."""
-        if self.batch_layout == "padded":
-            return f"padded-{self.options.attention}"
-        return attention_choice.attention_path(self.options, self.policy, self.device)
+        return self.run.attention_path
 
     @property
     def attention_inputs(self) -> str:
         """dtype name of q/k/v at the main policy's attention kernel."""
-        return dtype_name(attention_choice.qkv_dtype(self.options, self.policy, self.device))
+        return self.run.qkv_dtype
 
     @property
     def runner_provenance(self) -> dict[str, str]:
@@ -155,13 +166,6 @@ class Embedder:
         if runner is None:
             return {}
         return self.policy.runner_provenance(runner.fp32_layers)
-
-    @property
-    def computed_as(self) -> dict[str, str]:
-        """What the run's ``auto`` options resolved to on its device: part of a store's
-        identity for resuming (:func:`embedpipe.embed.run.embed_identity`)."""
-        return {"device_type": self.device.type, "batch_layout": self.batch_layout,
-                "attention_inputs": self.attention_inputs}
 
     # -- public ---------------------------------------------------------------------------------
     def new_input(self) -> None:
@@ -187,7 +191,7 @@ class Embedder:
         return Plan(plan_batches(pieces, self.tokens_per_batch, overhead), handling, rows)
 
     def embed(self, records: Records, plan: Plan | None = None, *,
-              quiet: bool = True) -> Iterator[tuple[int, EmbeddedRecord]]:
+              quiet: bool = True) -> Generator[tuple[int, EmbeddedRecord], None, None]:
         plan = plan or self.plan(records)
         self.quiet = quiet
         assemblies = Assemblies(plan.batches)

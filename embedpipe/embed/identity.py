@@ -14,10 +14,8 @@ from dataclasses import asdict
 from typing import Any
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.calibration import calibration_sha256
 from embedpipe.model.identity import ModelIdentity
-from embedpipe.runtime.precision import get_policy
-from embedpipe.store.format import stored_poolings
+from embedpipe.runtime.precision import Policy
 
 #: the identity's version: 2 covers the model's config and tokenizer files, the family's forward
 #: version, the int8 weight range and canonical pooling; older stores carry none
@@ -61,8 +59,8 @@ _OLDER = ("written by an older embedpipe whose identity did not cover the model'
 _MISSING = "(not recorded)"
 
 
-def embed_identity(options: EmbedOptions, model: ModelIdentity, computed_as: Mapping[str, str],
-                   layers: Sequence[int]) -> str:
+def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, computed_as: Mapping[str, str],
+                   layers: Sequence[int], pooling: Sequence[str], *, calibration: str | None) -> str:
     """What makes a store's numbers, as JSON: the model (:meth:`ModelIdentity.fields`: weights,
     config and tokenizer sha256s, the family's version), every option except how the job ran
     (:data:`HOW_IT_RUNS`), the precision policy's resolved parameters, and what the ``auto``
@@ -71,22 +69,23 @@ def embed_identity(options: EmbedOptions, model: ModelIdentity, computed_as: Map
     Resolved values, not spellings: ``layers`` (non-negative indices: ``--layers -1`` and
     ``--layers 2`` of a 2-layer model agree), ``pooling`` as stored (the mean always is:
     ``--pooling bos`` and ``--pooling mean --pooling bos`` agree), the device only as the type
-    used (``--device auto`` and ``--device cpu`` agree on the CPU), the calibration set's bytes."""
+    used (``--device auto`` and ``--device cpu`` agree on the CPU), the calibration set's bytes
+    (``calibration``: its sha256, None without smoothing). The values come resolved from
+    :func:`embedpipe.embed.resolved.resolve_run`; nothing is resolved here."""
     chosen: dict[str, Any] = {k: v for k, v in asdict(options).items() if k not in HOW_IT_RUNS + _RESOLVED}
     chosen["layers"] = sorted(int(n) for n in layers)
-    chosen["pooling"] = stored_poolings(options.pooling)
-    calibration = calibration_sha256(options)
+    chosen["pooling"] = list(pooling)
     if calibration is not None:
         chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
-    chosen |= _policy_facts(options)
+    chosen |= _policy_facts(policy)
     chosen |= model.fields() | {"identity_version": IDENTITY_VERSION, "computed_as": dict(computed_as)}
     return json.dumps(chosen, sort_keys=True)
 
 
-def _policy_facts(options: EmbedOptions) -> dict[str, str]:
+def _policy_facts(policy: Policy) -> dict[str, str]:
     """What the policy resolved on this machine that changes the numbers: int8-mixed's weight
     range (7-bit where the CPU's int8 kernels saturate, docs/precision.md)."""
-    weight_range = get_policy(options.precision).provenance().get("quantization_weight_range")
+    weight_range = policy.provenance().get("quantization_weight_range")
     return {"int8_weight_range": weight_range} if weight_range else {}
 
 

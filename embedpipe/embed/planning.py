@@ -1,4 +1,5 @@
-"""Pure planning for the worker: long sequences cut into windows, pieces grouped into batches.
+"""Pure planning for the worker: long sequences cut into windows (the spans of the long-sequence
+modes, core/long_sequences.py), pieces grouped into batches.
 
 Kept free of torch (numpy only) so the invariants (windows within the trained length, every residue
 covered exactly once when stitching, batches within budget) are cheap to test. The trained window
@@ -7,14 +8,13 @@ is the model's (``EmbeddingModel.trained_window``), passed in.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from embedpipe.core.errors import InputError
-from embedpipe.core.options import LONG_SEQUENCE_MODES
+from embedpipe.core.long_sequences import BY_NAME, EMBEDDING, NAMES, WITHIN_WINDOW
 from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 
 DEFAULT_OVERLAP = 256
@@ -45,44 +45,24 @@ class Piece:
         return self.residues + self.layout.extra_tokens
 
 
-def window_starts(length: int, window: int, overlap: int) -> list[int]:
-    """Evenly spread window starts so consecutive windows overlap by at least ``overlap``."""
-    if length <= window:
-        return [0]
-    stride = window - overlap
-    count = math.ceil((length - window) / stride) + 1
-    last = length - window
-    return [round(i * last / (count - 1)) for i in range(count)]
-
-
 def plan_record(record: int, length: int, mode: str, *, window: int,
                 overlap: int = DEFAULT_OVERLAP, record_id: str = "",
                 layout: TokenLayout = ESM2_LAYOUT) -> tuple[list[Piece], str]:
-    """The pieces for one record and what happened to it (none, chunked, truncated, full);
-    ``window``: residues per forward window (the model's trained window); ``layout``: the
-    family's special tokens around each window. The overlap is at most half a window, so
-    that windows advance for models with short windows."""
+    """The pieces for one record and its ``long_handling``: within ``window`` (residues per
+    forward, the model's trained window) one piece; over it, the spans the long-sequence
+    ``mode`` cuts (core/long_sequences.py). ``layout``: the family's special tokens around
+    each window."""
     if length <= window:
-        return [Piece(record, 0, length, 0, length, layout)], "none"
-    if mode == "full":
-        return [Piece(record, 0, length, 0, length, layout)], "full"
-    if mode == "truncate":
-        return [Piece(record, 0, window, 0, window, layout)], "truncated"
-    if mode == "error":
+        return [Piece(record, 0, length, 0, length, layout)], WITHIN_WINDOW
+    chosen = BY_NAME.get(mode)
+    if chosen is None:
+        raise InputError(f"--long-sequences must be one of {', '.join(NAMES)}, not {mode!r}")
+    if chosen.spans is None or chosen.handling is None:
         raise InputError(
             f"record {record_id!r} has {length} residues, over the model's trained length of {window}; "
-            "use --long-sequences chunk, truncate or full"
+            f"use --long-sequences {', '.join(EMBEDDING[:-1])} or {EMBEDDING[-1]}"
         )
-    if mode != "chunk":
-        raise InputError(f"--long-sequences must be one of {', '.join(LONG_SEQUENCE_MODES)}, not {mode!r}")
-    starts = window_starts(length, window, min(overlap, window // 2))
-    centres = [s + window / 2 for s in starts]
-    pieces = []
-    for i, start in enumerate(starts):
-        keep_start = 0 if i == 0 else math.floor((centres[i - 1] + centres[i]) / 2)
-        keep_end = length if i == len(starts) - 1 else math.floor((centres[i] + centres[i + 1]) / 2)
-        pieces.append(Piece(record, start, start + window, keep_start, keep_end, layout))
-    return pieces, "chunked"
+    return [Piece(record, *span, layout) for span in chosen.spans(length, window, overlap)], chosen.handling
 
 
 BATCH_OVERHEAD_TOKENS = 256  # what one more forward call costs, in padded tokens (launches, Python)

@@ -13,12 +13,10 @@ from collections.abc import Callable
 import torch
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.calibration import prepare_calibrated
-from embedpipe.model import capabilities
+from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.model.base import EmbeddingModel, Runner
-from embedpipe.runtime import attention as attention_choice
-from embedpipe.runtime.precision import Policy, resolve_attention_inputs
+from embedpipe.runtime.precision import Policy
 
 
 class Preparation:
@@ -29,9 +27,9 @@ class Preparation:
     sentence, when the fallback moved to the CPU.
     """
 
-    def __init__(self, loaded: EmbeddingModel, options: EmbedOptions, main: Policy, device: torch.device,
-                 on_moved: Callable[[str], None]) -> None:
-        self.loaded, self.options, self.main, self.device = loaded, options, main, device
+    def __init__(self, loaded: EmbeddingModel, run: ResolvedRun, on_moved: Callable[[str], None]) -> None:
+        self.loaded, self.run, self.options = loaded, run, run.options
+        self.main, self.device = run.policy, run.device
         self.on_moved = on_moved
         self.runners: dict[str, Runner] = {}
         self.devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
@@ -71,15 +69,14 @@ class Preparation:
         return self.devices.get(policy.name) or self.planned_device(policy)
 
     def layout(self, policy: Policy) -> str:
-        """``--batch-layout`` for ``policy`` on the device its runner lives on."""
-        if not capabilities.packs(self.loaded):  # no packed runner (T5); explicit packed is refused
-            return "padded"
-        return attention_choice.batch_layout(self.options, policy, self.device_of(policy))
+        """``--batch-layout`` for ``policy`` on the device its runner lives on (the run's)."""
+        return self.run.layout_for(policy, self.device_of(policy))
 
     def _prepare(self, policy: Policy, device: torch.device) -> Runner:
+        # the run's resolved q/k/v inputs: only the main policy reads them, and it runs on the
+        # run's device (the fp32 fallback attends in fp32 wherever it runs)
         self.runners[policy.name] = prepare_calibrated(self.loaded, policy, device, lambda: self.loaded.prepare(
-            policy, device, self.options.attention,
-            attention_inputs=resolve_attention_inputs(self.options.attention_inputs, device)))
+            policy, device, self.options.attention, attention_inputs=self.run.attention_inputs))
         self.devices[policy.name] = device
         return self.runners[policy.name]
 

@@ -11,17 +11,17 @@ from typing import Any
 import torch
 
 from embedpipe.core import cpus
-from embedpipe.core.options import EmbedOptions
 from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
+from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.model.base import EmbeddingModel
-from embedpipe.runtime.precision import Policy
 
 
-def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, policy: Policy,
-               layers: list[int], source: Path | None) -> dict:
-    """Root attributes: which weights, which numerics, where, with what."""
-    config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None, "layers": layers}
+def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) -> dict:
+    """Root attributes: which weights, which numerics, where, with what (all as the run resolved them)."""
+    options, device = run.options, run.device
+    config = asdict(options) | {"model": loaded.source, "input": str(source) if source else None,
+                                "layers": list(run.layers)}
     return {
         "model_name": loaded.name,
         "model_family": loaded.family,
@@ -29,7 +29,7 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
         "model_sha256": loaded.sha256,
         "model_trained": bool(loaded.trained),
         "model_num_layers": loaded.num_layers,
-        **policy.provenance(),  # precision_policy, weight/compute/island dtypes (int8: its scheme)
+        **run.policy.provenance(),  # precision_policy, weight/compute/island dtypes (int8: its scheme)
         "fallback_dtype": "float32",
         "attention": options.attention,
         "long_sequences": options.long_sequences,
@@ -37,7 +37,7 @@ def provenance(loaded: EmbeddingModel, options: EmbedOptions, device: torch.devi
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,
-        **cpus.provenance(options.threads),  # threads, threads_from
+        **cpus.provenance(run.threads),  # threads, threads_from
         **loaded.provenance,
         "embedpipe_version": __version__,
         "config": json.dumps(config, sort_keys=True),

@@ -6,7 +6,7 @@ resume identity, :func:`embedpipe.embed.identity.embed_identity`) is copied: its
 per-record column, with ``reused_from`` set to the source's ``store_uuid``. Lookups go
 through the source's reuse index (:mod:`embedpipe.store.reuse_index`), so a job reads only
 what its own records need. The identity is checked before the model is loaded
-(:func:`predicted_computed_as`): a job whose records are all reused loads no model.
+(:func:`embedpipe.embed.job.predict_run`): a job whose records are all reused loads no model.
 docs/cluster.md, "Release to release"; docs/store-format.md, ``reused_from``.
 """
 
@@ -15,24 +15,18 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
-import torch
 
 from embedpipe.core.atomic import owned_work_dir
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import say
-from embedpipe.embed.identity import describe_difference, embed_identity, first_difference
-from embedpipe.model import registry
-from embedpipe.model.layers import resolve_layers
-from embedpipe.runtime import attention as attention_choice
-from embedpipe.runtime.precision import dtype_name, get_policy
+from embedpipe.embed.identity import describe_difference
 from embedpipe.store import EmbeddedRecord
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import RESERVED_ATTRS, read_root_attrs
@@ -48,14 +42,6 @@ _NOT_CARRIED = frozenset({
     "padding_efficiency", "reused_count", "reused_sources", "merged_from", "merged_rows", "shard_provenance",
     "varying_attrs", "config_varying", "alias_count", "skipped_count", "merged_sources",
     "storage_dtype", "layers", "dim", "per_residue", "pooling"}) | RESERVED_ATTRS
-
-
-def predicted_computed_as(options: EmbedOptions, device: torch.device, packs: bool) -> dict[str, str]:
-    """``Embedder.computed_as`` without a model: the same decisions (embedpipe.runtime.attention)."""
-    policy = get_policy(options.precision)
-    layout = attention_choice.batch_layout(options, policy, device) if packs else "padded"
-    return {"device_type": device.type, "batch_layout": layout,
-            "attention_inputs": dtype_name(attention_choice.qkv_dtype(options, policy, device))}
 
 
 def _plain(value: Any) -> Any:
@@ -220,94 +206,3 @@ class Reuse:
         sources = [{"store_uuid": self.sources[s].uuid, "path": str(self.sources[s].path), "records": n}
                    for s, n in sorted(per.items())]
         return {"reused_count": len(found), "reused_sources": json.dumps(sources)}
-
-
-@dataclass
-class Work:
-    """One store's records split: copies (index -> source, row) and the indices to compute."""
-
-    records: Sequence[tuple[str, str]]
-    found: dict[int, tuple[int, int]]
-    todo: list[int]
-    reuse: Reuse | None
-
-    @property
-    def computing(self) -> list[tuple[str, str]]:
-        return [self.records[i] for i in self.todo]
-
-    def residue_rows(self, plan_rows: Sequence[int] | None) -> list[int]:
-        """Per-residue rows of every record: the copies' from their sources, the plan's for the rest."""
-        rows = [0] * len(self.records)
-        for j, i in enumerate(self.todo):
-            rows[i] = int(plan_rows[j])  # type: ignore[index]
-        if self.found:
-            for i, n in self.reuse.embedded_rows(self.found).items():  # type: ignore[union-attr]
-                rows[i] = n
-        return rows
-
-    def copies(self) -> Iterator[tuple[int, EmbeddedRecord]]:
-        return self.reuse.copies(self.records, self.found) if self.found else iter(())  # type: ignore[union-attr]
-
-    def counts(self) -> dict[str, Any]:
-        return self.reuse.counts(self.found) if self.reuse is not None else {}
-
-    def fallbacks(self) -> int:
-        """Copies that carry an fp32 fallback (counted in the store's ``fallback_count``)."""
-        return self.reuse.copied_fallbacks if self.reuse is not None else 0
-
-
-class Job:
-    """What one embed job embeds with: the reuse stores, and the model, loaded only when a
-    record must be computed (``load`` returns the job's embedder and its identity)."""
-
-    def __init__(self, reuse: Reuse | None, load: Callable[[], tuple[Any, str]], predicted: str | None,
-                 options: EmbedOptions) -> None:
-        self.reuse = reuse
-        self.options = options
-        self._load = load
-        self._embedder: Any = None
-        #: the identity of every store the job writes: predicted without the model when reuse allows
-        self.identity = predicted
-
-    def split(self, records: Sequence[tuple[str, str]]) -> Work:
-        found = self.reuse.find(records) if self.reuse is not None else {}
-        return Work(records, found, [i for i in range(len(records)) if i not in found], self.reuse)
-
-    def embedder(self) -> Any:
-        """The job's embedder, the model loaded on first use; its identity checked against the
-        reuse stores and the one predicted before loading."""
-        if self._embedder is None:
-            self._embedder, identity = self._load()
-            if self.reuse is not None:
-                self.reuse.check(identity)
-            if self.identity is not None and self.identity != identity:
-                key = (first_difference(self.identity, identity) or ("?",))[0]
-                raise EmbedpipeError(f"--reuse: the loaded model resolves {key} differently than predicted "
-                                     "from its files; run without --reuse")
-            self.identity = identity
-        return self._embedder
-
-    def layout(self) -> tuple[list[int], int, list[str]]:
-        """(layers, dim, pooling) of the stores: the embedder's, or the first source's without a model."""
-        if self._embedder is not None:
-            return self._embedder.layers, self._embedder.loaded.embed_dim, self._embedder.pooling
-        st = self.reuse.sources[0].store  # type: ignore[union-attr]
-        return st.layers, st.dim, st.pooling
-
-
-def predict_identity(reuse: Reuse | None, model: str, options: EmbedOptions) -> str | None:
-    """The job's identity without loading the model (checked against every reuse store), or
-    None when it cannot be known so (no reuse store, a family without ``file_identity``)."""
-    if reuse is None or not reuse.sources or reuse.sources[0].num_layers is None:
-        return None
-    facts = registry.model_identity(model)
-    if facts is None:
-        return None
-    from embedpipe.core.devices import resolve_device
-
-    computed_as = predicted_computed_as(options, resolve_device(options.device), facts.packs)
-    for source in reuse.sources:
-        source.check_model(facts.sha256)
-    identity = embed_identity(options, facts, computed_as, resolve_layers(options.layers, reuse.sources[0].num_layers))
-    reuse.check(identity)
-    return identity

@@ -12,37 +12,29 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import h5py
-import torch
 
 from embedpipe.core.atomic import check_output_path
 from embedpipe.core.checksums import file_sha256
-from embedpipe.core.cpus import use_threads
-from embedpipe.core.devices import claim_device
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.core.locks import lock_path_for
 from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
-from embedpipe.embed.calibration import calibration_sha256
 from embedpipe.embed.engine import Embedder, EmbedOptions
 from embedpipe.embed.group_marker import write_marker
-from embedpipe.embed.identity import describe_difference, embed_identity
+from embedpipe.embed.identity import describe_difference
+from embedpipe.embed.job import Job, open_job
 from embedpipe.embed.provenance import batching_attrs, provenance
-from embedpipe.embed.reuse import Job, Reuse, predict_identity
+from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
-from embedpipe.model import load_model
-from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.downloads import companion_path
-from embedpipe.model.identity import ModelIdentity
-from embedpipe.model.registry import model_identity
 from embedpipe.runtime.auto_precision import resolve as resolve_precision
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
@@ -84,16 +76,6 @@ class EmbedSummary:
         return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
-    """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
-    use_threads(options.threads)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
-    with claim_device(options.device) as device:
-        if device.type == "cpu":
-            keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch
-        yield load_model(model), device
-
-
 def _model_file(model: str) -> list[Path]:
     """The files of ``--model`` when it names them: inputs no output may replace (the checkpoint
     and its contact-regression companion, which fair-esm's loader reads beside it)."""
@@ -117,7 +99,9 @@ def _indexed_store(path: Path) -> Path | None:
     if not is_index(Path(path)):
         return None
     with h5py.File(path, "r") as f:
-        return Path(str(f.attrs.get("store_path") or "")) if f.attrs.get("store_path") else None
+        value = f.attrs.get("store_path")
+    # anything but a path as text is left to the index's own checks (a one-line refusal)
+    return Path(value) if isinstance(value, str) and value else None
 
 
 def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits = FASTA_LIMITS) -> None:
@@ -145,50 +129,15 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
     options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
+    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
     limits.check(EmbedpipeError)
-    calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
         records = _read_records(fasta, limits)
         check_output_path(Path(out))
-        with _job(model, options, reuse, quiet) as job:
+        with open_job(model, options, policy, reuse, quiet) as job:
             return _embed_records(job, records, Path(fasta), Path(out), started,
                                   {"input_sha256": file_sha256(Path(fasta)), **chosen}, quiet)
-
-
-@contextlib.contextmanager
-def _job(model: str, options: EmbedOptions, reuse: Sequence[Path], quiet: bool) -> Iterator[Job]:
-    """The job's reuse stores and its model, claimed and loaded only when a record must be computed."""
-    with contextlib.ExitStack() as stack:
-        sources = stack.enter_context(Reuse(reuse, quiet)) if reuse else None
-
-        def load() -> tuple[Embedder, str]:
-            loaded, device = stack.enter_context(_model_on(model, options))
-            embedder = _embedder(loaded, options, device, quiet)
-            return embedder, embed_identity(options, _loaded_identity(model, loaded), embedder.computed_as,
-                                            embedder.layers)
-
-        yield Job(sources, load, predict_identity(sources, model, options), options)
-
-
-def _loaded_identity(model: str, loaded: EmbeddingModel) -> ModelIdentity:
-    """The loaded model's part of the identity: from its files (the same function ``--reuse``
-    predicts with), or only its sha256 for a family that cannot say (docs/cluster.md)."""
-    identity = model_identity(model)
-    if identity is None:
-        return ModelIdentity(loaded.sha256, False, {}, loaded.family)
-    if identity.sha256 != loaded.sha256:
-        raise EmbedpipeError(f"--model {model}: its weights changed while it was loaded (sha256 "
-                             f"{loaded.sha256[:16]}..., now {identity.sha256[:16]}...); run again")
-    return identity
-
-
-def _embedder(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, quiet: bool) -> Embedder:
-    """The job's one embedder (its prepared models serve every input), its warnings said once."""
-    embedder = Embedder(loaded, options, device)
-    for note in embedder.notes:
-        say(f"warning: {note}", quiet=quiet)
-    return embedder
 
 
 def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
@@ -201,7 +150,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
     if embedder is not None:
         embedder.new_input()
         plan = embedder.plan(work.computing)
-        attrs = provenance(embedder.loaded, embedder.options, embedder.device, embedder.policy, embedder.layers, fasta)
+        attrs = provenance(embedder.loaded, embedder.run, fasta)
     else:
         attrs = job.reuse.provenance(work.found, fasta)  # type: ignore[union-attr]
     options = job.options
@@ -320,8 +269,8 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
     options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
+    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
     limits.check(EmbedpipeError)
-    calibration_sha256(options)  # reads --int8-calibration now: a bad file fails before the model loads
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -330,7 +279,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
-    with _writing(outputs, fastas, model, reuse), _job(model, options, reuse, quiet) as job:
+    with _writing(outputs, fastas, model, reuse), open_job(model, options, policy, reuse, quiet) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for fasta, store, digest in zip(fastas, stores, digests):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_MODULE_OF = {"ExportSummary": "run", "export_store": "run", "export_attrs": "run", "FORMATS": "run"}
+_MODULE_OF = {"ExportSummary": "run", "export_store": "run", "export_attrs": "run"}
 
-__all__ = ["FORMATS", "ExportSummary", "export_store"]
+__all__ = ["ExportSummary", "export_store"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,11 +17,13 @@ from types import ModuleType
 @dataclass(frozen=True)
 class ExportFormat:
     """One format: ``name`` (``--format``, the config key ``exports``), ``file`` (what the
-    workflow writes under ``{outdir}/exports/``) and the ``module`` that writes it."""
+    workflow writes under ``{outdir}/exports/``), the ``module`` that writes it and ``what``
+    the ``--format`` help says of it (none: the name says it)."""
 
     name: str
     file: str
     module: str
+    what: str = ""
 
     @property
     def ext(self) -> str:
@@ -32,21 +34,22 @@ class ExportFormat:
         return importlib.import_module(self.module)
 
 
-FORMATS: tuple[ExportFormat, ...] = (
-    ExportFormat("h5-per-id", "embeddings.h5", "embedpipe.export.h5_per_id"),
+#: the registered formats (``NAMES`` are their ``--format`` names)
+REGISTRY: tuple[ExportFormat, ...] = (
+    ExportFormat("h5-per-id", "embeddings.h5", "embedpipe.export.h5_per_id", "one dataset per ID"),
     ExportFormat("parquet", "embeddings.parquet", "embedpipe.export.parquet"),
-    ExportFormat("npy", "embeddings.npy", "embedpipe.export.npy"),
+    ExportFormat("npy", "embeddings.npy", "embedpipe.export.npy", "matrix + IDs"),
 )
 #: the ``--format`` names, in the order the help lists them
-NAMES: tuple[str, ...] = tuple(f.name for f in FORMATS)
-BY_NAME: dict[str, ExportFormat] = {f.name: f for f in FORMATS}
+NAMES: tuple[str, ...] = tuple(f.name for f in REGISTRY)
+BY_NAME: dict[str, ExportFormat] = {f.name: f for f in REGISTRY}
 
 
 def workflow_files() -> dict[str, str]:
     """Format name -> the file the workflow's export rule writes (``common.smk``)."""
-    return {f.name: f.file for f in FORMATS}
+    return {f.name: f.file for f in REGISTRY}
 
 
 def ext_pattern() -> str:
     """The export rule's wildcard constraint for ``{ext}``: ``h5|parquet|npy``."""
-    return "|".join(f.ext.replace(".", r"\.") for f in FORMATS)
+    return "|".join(f.ext.replace(".", r"\.") for f in REGISTRY)

@@ -25,8 +25,6 @@ from embedpipe.store import Store, open_store
 from embedpipe.store.sources import pinned_by
 from embedpipe.store.validate import export_problems
 
-FORMATS = formats.NAMES
-
 
 @dataclass
 class ExportSummary:
@@ -65,8 +63,8 @@ def export_attrs(store: Store, fmt: str, layer: int, per_residue: bool, counts: 
 @contextlib.contextmanager
 def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -> Iterator[None]:
     """The export's checks; then its outputs guarded and locked while the block writes them."""
-    if fmt not in FORMATS:
-        raise EmbedpipeError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if fmt not in formats.BY_NAME:
+        raise EmbedpipeError(f"--format must be one of {', '.join(formats.NAMES)}, not {fmt!r}")
     if per_residue and pooling != "mean":
         raise EmbedpipeError("--pooling chooses a pooled vector; it does not apply with --per-residue")
     if not per_residue and pooling not in store.pooling:
@@ -115,4 +113,4 @@ def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_
                          counts["skipped"], time.perf_counter() - started)
 
 
-__all__ = ["FORMATS", "ExportSummary", "export_store"]
+__all__ = ["ExportSummary", "export_store"]

@@ -6,9 +6,14 @@ a spec; :mod:`embedpipe.model.esm2` builds the model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
+from embedpipe.model.hf_families import HfFamily
+from embedpipe.model.layout import ESM2_LAYOUT
 
 FAMILY = "esm2"
 
@@ -109,3 +114,21 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
         hidden_itemsize=weight_itemsize if kind == "plain" else 4,
         widest_values_per_token=4 * dim,
     )
+
+
+# --------------------------------------------------------------------------- Hugging Face ESM-2
+
+
+def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
+    """``config.json`` and ``vocab.txt`` (checked against fair-esm's alphabet on load)."""
+    return ["config.json", "vocab.txt"]
+
+
+#: ``model_type: esm`` directories, loaded into the ESM-2 runner (:mod:`embedpipe.model.hf_esm`)
+HF_ESM = HfFamily(
+    model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
+    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
+    window=lambda config: TRAINED_RESIDUES, layout=lambda config: ESM2_LAYOUT,
+    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=True,
+    hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
+)

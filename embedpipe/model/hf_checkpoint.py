@@ -6,11 +6,12 @@ Hub names resolve through the cache only (``HF_HUB_CACHE``, else ``HF_HOME/hub``
 ``~/.cache/huggingface/hub``), as ``HF_HUB_OFFLINE=1`` does: embedpipe never downloads a
 Hugging Face model; a name that is not cached is a one-line error saying how to pre-fetch it.
 
-``model_type`` picks the family: ``esm`` loads into the ESM-2 runner
-(:mod:`embedpipe.model.hf_esm`), ``t5`` into the T5 encoder (:mod:`embedpipe.model.t5`); any
+``model_type`` picks the family: each is one :class:`~embedpipe.model.hf_families.HfFamily` in
+:data:`FAMILIES`, declared by the family's spec module (``esm``: ESM-2 into the ESM-2 runner,
+``t5``: ProtT5 and Ankh into the T5 encoder, ``esmc`` and ESM++'s ``ESMplusplus``: ESM C); any
 other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
-carry ``"embedpipe": {"trained": false, ...}`` in ``config.json``; without that key the
-weights are taken as trained (docs/models.md). Torch-free until weights are read.
+carry ``"embedpipe": {"trained": false, ...}`` in ``config.json``; without that key the weights
+are taken as trained (docs/models.md). Torch-free until weights are read.
 """
 
 from __future__ import annotations
@@ -26,30 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model.config_bounds import esm_config, t5_config
+from embedpipe.model import esm2_spec, esmc_spec, t5_spec
 from embedpipe.model.facts import ModelFacts
+from embedpipe.model.hf_families import HfFamily, is_trained
 from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
-from embedpipe.model.layout import ESM2_LAYOUT, T5_LAYOUT, TokenLayout
 from embedpipe.model.optional import require
 
-#: Hub names embedpipe knows, with their family (others load too once they are cached).
-HUB_NAMES: dict[str, str] = {
-    **{f"facebook/esm2_{n}": "esm2" for n in ("t6_8M_UR50D", "t12_35M_UR50D", "t30_150M_UR50D",
-                                              "t33_650M_UR50D", "t36_3B_UR50D", "t48_15B_UR50D")},
-    "Rostlab/prot_t5_xl_uniref50": "prot-t5",
-    "Rostlab/prot_t5_xl_half_uniref50-enc": "prot-t5",
-    "Rostlab/prot_t5_xl_bfd": "prot-t5",
-    "ElnaggarLab/ankh-base": "ankh",
-    "ElnaggarLab/ankh-large": "ankh",
-}
+#: ``model_type`` -> its family; a new Hugging Face family is one more entry here.
+FAMILIES: dict[str, HfFamily] = {f.model_type: f for f in (esm2_spec.HF_ESM, t5_spec.HF_T5, esmc_spec.HF_ESMC,
+                                                              esmc_spec.HF_ESM_PLUSPLUS)}
 
-#: ``model_type`` -> the module that loads it.
-MODULES = {"esm": "embedpipe.model.hf_esm", "t5": "embedpipe.model.t5"}
-
-#: The optional extra that brings the Hugging Face readers (safetensors, transformers).
-
-#: config.json key of the untrained marker written by make-test-model.
-MARKER_KEY = "embedpipe"
+#: Hub names embedpipe knows -> (their family's ``model_type``, family name); others load too
+#: once they are cached.
+HUB_NAMES: dict[str, tuple[str, str]] = {
+    name: (f.model_type, family) for f in FAMILIES.values() for name, family in f.hub_names.items()}
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PREFETCH = ("on a machine with internet run `huggingface-cli download {name}` (or "
@@ -117,16 +108,11 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ModelError(f"{where} is not a JSON object")
     model_type = config.get("model_type")
-    if model_type not in MODULES:
+    if model_type not in FAMILIES:
         raise ModelError(f"{where}: model_type {model_type!r} is not supported (embedpipe reads "
-                         f"{', '.join(repr(t) for t in MODULES)}: ESM-2, ProtT5, Ankh)")
+                         f"{', '.join(repr(t) for t in FAMILIES)}: "
+                         f"{', '.join(f.label for f in FAMILIES.values())})")
     return config
-
-
-def is_trained(config: Mapping[str, Any]) -> bool:
-    """False when make-test-model's marker says so (anything but ``trained: true`` in it)."""
-    marker = config.get(MARKER_KEY)
-    return marker is None or (isinstance(marker, Mapping) and marker.get("trained") is True)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -181,17 +167,8 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
 
 
 def family_of(spec: str, directory: Path, config: Mapping[str, Any]) -> str:
-    """``esm2``, ``prot-t5`` or ``ankh``: the marker, then the hub name, then the vocabulary."""
-    if config.get("model_type") == "esm":
-        return "esm2"
-    marker = config.get(MARKER_KEY)
-    if isinstance(marker, Mapping) and marker.get("family") in ("prot-t5", "ankh"):
-        return str(marker["family"])
-    if HUB_NAMES.get(spec) in ("prot-t5", "ankh"):
-        return HUB_NAMES[spec]
-    from embedpipe.model.t5_vocab import tokenization_style
-
-    return tokenization_style(directory)
+    """The store's ``model_family`` (``esm2``, ``prot-t5``, ``ankh``, ...), as the type's family says."""
+    return FAMILIES[config["model_type"]].family_name(spec, directory, config)
 
 
 def describe(spec: str) -> ModelFacts:
@@ -200,35 +177,24 @@ def describe(spec: str) -> ModelFacts:
     path = Path(spec).expanduser()
     directory = path.resolve() if path.is_dir() else hub_snapshot(spec)
     if directory is None:
-        family = HUB_NAMES.get(spec, "esm2")
+        model_type, family = HUB_NAMES.get(spec, ("esm", esm2_spec.FAMILY))
+        kind = FAMILIES[model_type]
         return ModelFacts(family=family, spec=spec, kind="name", name=spec.split("/")[-1],
-                          trained_window=_window(family), trained=True, token_layout=_layout(family))
+                          trained_window=kind.window(None), trained=True, token_layout=kind.layout(None))
     config = read_config(directory)
-    family = family_of(spec, directory, config)
-    t5 = config["model_type"] == "t5"
+    kind = FAMILIES[config["model_type"]]
     # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
-    sizes = (t5_config if t5 else esm_config)(config, str(directory / "config.json"))
+    sizes = kind.sizes(config, str(directory / "config.json"))
     try:
         size = sum(f.stat().st_size for f in weight_files(directory))
     except ModelError:
         size = None
     return ModelFacts(
-        family=family, spec=spec, kind="path" if path.is_dir() else "name",
-        name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=_window(family),
-        num_layers=sizes["num_layers"], embed_dim=sizes["d_model" if t5 else "embed_dim"],
-        attention_heads=sizes["num_heads" if t5 else "attention_heads"],
-        weights_bytes=size, trained=is_trained(config), token_layout=_layout(family),
+        family=kind.family_name(spec, directory, config), spec=spec, kind="path" if path.is_dir() else "name",
+        name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=kind.window(config),
+        num_layers=sizes["num_layers"], embed_dim=sizes["embed_dim"], attention_heads=sizes["attention_heads"],
+        weights_bytes=size, trained=is_trained(config), token_layout=kind.layout(config),
     )
-
-
-def _window(family: str) -> int:
-    from embedpipe.model.t5_vocab import T5_MAX_RESIDUES
-
-    return 1022 if family == "esm2" else T5_MAX_RESIDUES
-
-
-def _layout(family: str) -> TokenLayout:
-    return ESM2_LAYOUT if family == "esm2" else T5_LAYOUT
 
 
 def inspect(facts: ModelFacts) -> ModelFacts:
@@ -240,30 +206,21 @@ def load(spec: str) -> Any:
     """Load ``spec`` with the module its ``model_type`` names."""
     directory = resolve_directory(spec)
     config = read_config(directory)
-    return importlib.import_module(MODULES[config["model_type"]]).load_directory(spec, directory, config)
-
-
-#: what decides a T5 directory's tokens besides tokenizer.json: the files transformers' tokenizer
-#: reads when only spiece.model is there (embedpipe.model.t5_vocab.read_vocabulary)
-SPIECE_FILES = ("spiece.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+    return importlib.import_module(FAMILIES[config["model_type"]].module).load_directory(spec, directory, config)
 
 
 def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
-    """The files besides the weights whose bytes decide the numbers, as the loader reads them:
-    ``config.json``, and ESM's ``vocab.txt`` (checked) or T5's ``tokenizer.json`` (else ``spiece.model``)."""
-    if config["model_type"] == "esm":
-        return ["config.json", "vocab.txt"]
-    return ["config.json", *(("tokenizer.json",) if (directory / "tokenizer.json").is_file() else SPIECE_FILES)]
+    """The files besides the weights whose bytes decide the numbers, as the family's loader reads
+    them (``config.json``, and ESM's ``vocab.txt`` or T5's tokenizer files: its ``identity_files``)."""
+    return FAMILIES[config["model_type"]].identity_files(directory, config)
 
 
 def file_identity(spec: str) -> ModelIdentity:
-    """Weights, config and tokenizer sha256s, the family and its version, packs (ESM-2 only),
+    """Weights, config and tokenizer sha256s, the family and its version, whether it packs,
     without reading the weights (docs/cluster.md, "Resuming, rerunning")."""
-    from embedpipe.model import esm2_spec, t5_vocab
-
     directory = resolve_directory(spec)
     config = read_config(directory)
-    family = family_of(spec, directory, config)
-    version = esm2_spec.FAMILY_VERSION if family == "esm2" else t5_vocab.FAMILY_VERSION
-    return ModelIdentity(weights_sha256(weight_files(directory)), config["model_type"] == "esm",
-                         files_sha256(directory, identity_files(directory, config)), versioned(family, version))
+    kind = FAMILIES[config["model_type"]]
+    return ModelIdentity(weights_sha256(weight_files(directory)), kind.packs,
+                         files_sha256(directory, identity_files(directory, config)),
+                         versioned(kind.family_name(spec, directory, config), kind.version()))

@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|ankh|hf-esm``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|ankh|hf-esm|esmc``.
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
@@ -22,11 +22,11 @@ from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.version import __version__
 from embedpipe.model.checkpoint import validate_shape
-from embedpipe.model.hf_checkpoint import MARKER_KEY
+from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
 from embedpipe.model.t5_vocab import LETTERS
 
-HF_FAMILIES = ("prot-t5", "ankh", "hf-esm")
+HF_FAMILIES = ("prot-t5", "ankh", "hf-esm", "esmc")
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:
@@ -101,6 +101,57 @@ def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: i
                            hf_esm_tensors(fair_state, layers))
 
 
+# --------------------------------------------------------------------------- ESM C
+
+
+def esmc_files(layers: int, dim: int, heads: int, ffn: int, mark: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json (an ``EsmcConfig``) and a ``tokenizer.json`` of ESM C's fixed vocabulary
+    (character-level, ``<cls>`` ... ``<eos>`` around every sequence) that transformers reads."""
+    from embedpipe.model import esmc_spec
+
+    tokenizers = require("tokenizers", "make-test-model --family esmc (writing tokenizer.json)")
+    vocab = {token: i for i, token in enumerate(esmc_spec.VOCABULARY)}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens([t for t in esmc_spec.VOCABULARY if t.startswith("<")])
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<cls> $A <eos>", special_tokens=[("<cls>", esmc_spec.BOS), ("<eos>", esmc_spec.EOS)])
+    config = {"model_type": "esmc", "architectures": ["EsmcModel"], "vocab_size": 64, "hidden_size": dim,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+              "head_dim": dim // heads, "intermediate_size": ffn, "hidden_act": "silu",
+              "max_position_embeddings": esmc_spec.DEFAULT_POSITIONS, "attention_bias": False, "mlp_bias": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": esmc_spec.DEFAULT_ROPE_THETA},
+              "pad_token_id": esmc_spec.PAD, "bos_token_id": esmc_spec.BOS, "eos_token_id": esmc_spec.EOS,
+              "mask_token_id": esmc_spec.VOCABULARY.index("<mask>"), "tie_word_embeddings": False,
+              MARKER_KEY: dict(mark)}
+    specials = {"bos_token": "<cls>", "cls_token": "<cls>", "eos_token": "<eos>", "pad_token": "<pad>",
+                "unk_token": "<unk>", "mask_token": "<mask>"}
+    return {"config.json": config, "tokenizer.json": tok.to_str(), "special_tokens_map.json": specials,
+            "tokenizer_config.json": {"tokenizer_class": "EsmcTokenizer", "model_max_length": 2048, **specials}}
+
+
+def random_esmc(layers: int, dim: int, heads: int, ffn: int, seed: int) -> dict[str, torch.Tensor]:
+    """``EsmcModel`` weights under transformers' names, drawn in ``seed`` (norm scales around 1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return mean + std * torch.randn(*shape, generator=gen)
+
+    state = {"embed_tokens.weight": draw(64, dim, std=1.0), "norm.weight": draw(dim, std=0.1, mean=1.0)}
+    for i in range(layers):
+        layer = f"layers.{i}"
+        for n in ("q", "k", "v", "o"):
+            state[f"{layer}.self_attn.{n}_proj.weight"] = draw(dim, dim, std=dim ** -0.5)
+        for n in ("q_norm", "k_norm"):
+            state[f"{layer}.self_attn.{n}.weight"] = draw(dim, std=0.1, mean=1.0)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            state[f"{layer}.{n}.weight"] = draw(dim, std=0.1, mean=1.0)
+            state[f"{layer}.{n}.bias"] = draw(dim, std=0.1)
+        state[f"{layer}.mlp.gate_proj.weight"] = draw(ffn, dim, std=dim ** -0.5)
+        state[f"{layer}.mlp.up_proj.weight"] = draw(ffn, dim, std=dim ** -0.5)
+        state[f"{layer}.mlp.down_proj.weight"] = draw(dim, ffn, std=ffn ** -0.5)
+    return state
+
+
 # --------------------------------------------------------------------------- T5
 
 
@@ -155,11 +206,14 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
                        seed: int = 0, d_kv: int | None = None, d_ff: int | None = None) -> Path:
     """Write a random-weight Hugging Face directory of ``family`` (prot-t5, ankh or hf-esm).
 
-    ``d_kv`` and ``d_ff`` (T5 only; default dim / heads and 2 x dim) let benchmarks give a
+    ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
     if family not in HF_FAMILIES:
         raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, {', '.join(HF_FAMILIES)}")
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    if family == "esmc":
+        return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),
+                               random_esmc(layers, dim, heads, d_ff or 2 * dim, seed))
     if family == "hf-esm":
         from embedpipe.model.random_checkpoint import _random_esm2
 

@@ -76,17 +76,31 @@ class T5Model:
 
     def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
         """Per token: fp32 residual and norm (8D), q/k/v/context (4 x H d_kv, in the dtype
-        ``attention_inputs`` resolves to) and the feed-forward's hidden layer (1 or 2 x d_ff) in
-        the compute dtype. The L x L scores are not counted per token: they are quadratic
-        (docs/models.md, "Limits")."""
+        ``attention_inputs`` resolves to), the feed-forward's hidden layer (1 or 2 x d_ff) in
+        the compute dtype, and the attention scores of the longest window the planner cuts
+        (``trained_window`` residues and ``</s>``): they are quadratic, H x L per token. An upper
+        bound for shorter batches; with ``--long-sequences full`` a longer record costs more, and
+        a batch that runs out of memory is split (docs/models.md, "Limits"). Checked against a
+        traced forward (tests/runtime/test_cuda_memory.py).
+
+        Bytes per score at the peak of :meth:`T5Forward.attention`: the position bias (held for
+        the whole forward, in the stream dtype), plus the largest of three moments: q k^T made
+        (attention dtype), cast to the bias dtype and the bias added; the softmax (an fp32 copy,
+        fp32 probabilities); the probabilities cast back beside the scores."""
         s = self.shape
         parameters = sum(w.numel() for w in self.weights.values())
         inner = s.d_ff * (2 if s.gated else 1)
-        attention_itemsize = policy.attention_dtype(attention_inputs).itemsize
+        attention, bias, fp32 = policy.attention_dtype(attention_inputs), policy.stream_dtype, torch.float32
+        a, b = attention.itemsize, bias.itemsize
+        made = a + (b if attention != bias else 0) + b
+        softmax = b + (4 if bias != fp32 else 0) + 4
+        cast = b + 4 + (a if attention != fp32 else 0)
+        window = self.trained_window + self.token_layout.extra_tokens
+        scores = s.num_heads * window * (b + max(made, softmax, cast))
         return MemoryEstimate(host_bytes=host_bytes(4 * parameters),
                               weight_bytes=policy.weight_dtype.itemsize * parameters,
-                              activation_bytes_per_token=8 * s.d_model + attention_itemsize * 4 * s.num_heads * s.d_kv
-                              + policy.compute_dtype.itemsize * inner)
+                              activation_bytes_per_token=8 * s.d_model + attention.itemsize * 4 * s.num_heads * s.d_kv
+                              + policy.compute_dtype.itemsize * inner + scores)
 
 
 def prepare_weights(weights: Mapping[str, torch.Tensor], policy: Policy, device: torch.device) -> dict[str, torch.Tensor]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,21 +126,11 @@ def load_calibration(path: str | Path | None) -> Calibration:
     """The calibration set at ``path`` (the shipped one when None); a one-line error naming
     the file when it is missing, unreadable, invalid FASTA or empty.
 
-    Read once per process and file version: the up-front check, the run's policy and every
-    shard's identity (embed/run.py) all ask for it; a rewritten file (new size or mtime) is read again."""
-    where = SHIPPED if path is None else Path(path)
-    try:
-        stat = where.stat()
-        version = (stat.st_size, stat.st_mtime_ns)
-    except OSError:
-        version = None  # the read below fails with the file's own error
-    return _read_calibration(where, version)
-
-
-@functools.lru_cache(maxsize=8)
-def _read_calibration(where: Path, version: tuple[int, int] | None) -> Calibration:
+    Read once per embed job: the job resolves its policy once and hands it on
+    (:func:`embedpipe.embed.resolved.resolve_policy`), so nothing here is cached."""
     from embedpipe.inputs.fasta import read_sequences  # import-light callers (options) never need it
 
+    where = SHIPPED if path is None else Path(path)
     try:
         records = tuple(read_sequences(where))
     except InputError as error:  # already names the file (and line)

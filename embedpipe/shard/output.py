@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from embedpipe.core.atomic import host_tag, named_write_error, remove_dead_temporaries
+from embedpipe.core.atomic import host_tag, remove_dead_temporaries, write_error
 
 #: files waiting for their background fsync (each open until then): far below any ``ulimit -n``
 MAX_PENDING = 32
@@ -84,7 +84,7 @@ def open_for_writing(path: Path, mode: str, **kwargs: Any) -> IO[Any]:
     try:
         return open(path, mode, **kwargs)  # noqa: SIM115 - closed by the caller
     except OSError as exc:
-        raise named_write_error(path, exc) from None
+        raise write_error(path, exc, known=True) from None
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def write_errors(fh: IO[Any], path: Path) -> Iterator[IO[Any]]:
         with fh:
             yield fh
     except OSError as exc:
-        raise named_write_error(path, exc) from None
+        raise write_error(path, exc, known=True) from None
 
 
 class Syncer:
@@ -131,7 +131,7 @@ class Syncer:
             fh.flush()
             os.fsync(fh.fileno())
         except OSError as exc:
-            raise named_write_error(path, exc) from None
+            raise write_error(path, exc, known=True) from None
         finally:
             with contextlib.suppress(OSError):
                 fh.close()
@@ -147,7 +147,7 @@ class Syncer:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 fh.close()
-            raise named_write_error(path, exc) from None
+            raise write_error(path, exc, known=True) from None
         except BaseException:
             with contextlib.suppress(OSError):
                 fh.close()

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from embedpipe.core.atomic import named_write_error
+from embedpipe.core.atomic import write_error
 from embedpipe.shard.output import open_for_writing
 
 __all__ = ["CHUNK", "COLUMNS", "Spill"]
@@ -65,7 +65,7 @@ class Spill:
                 self.records += len(self.ids)
                 self.ids.clear()
         except OSError as exc:
-            raise named_write_error(self.root, exc) from None
+            raise write_error(self.root, exc, known=True) from None
 
     def close(self) -> None:
         """Flush and close the files (before reading them back)."""
@@ -74,7 +74,7 @@ class Spill:
             try:
                 fh.close()
             except OSError as exc:
-                raise named_write_error(self.root, exc) from None
+                raise write_error(self.root, exc, known=True) from None
 
     def abort(self) -> None:
         """Close whatever is still open, without writing (after an error)."""

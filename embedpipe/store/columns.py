@@ -50,7 +50,7 @@ class EmbeddedRecord:
     per_residue: dict[int, np.ndarray] | None = None  # layer -> (length, D), or None
     bos: dict[int, np.ndarray] | None = None  # layer -> (D,), or None
     max_abs_activation: float = float("nan")  # largest |x| of the residual stream, every layer, requested-policy pass
-    long_handling: str = "none"  # none | chunked | truncated | full
+    long_handling: str = "none"  # core/long_sequences.py: WITHIN_WINDOW or a mode's handling
     embedded_length: int = -1  # residues actually embedded (== length unless truncated)
     windows: int = 1  # forward windows used (chunked long sequences)
     reused_from: str = ""  # store_uuid of the store it was copied from (embed --reuse); "" = computed

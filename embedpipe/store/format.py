@@ -27,6 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from embedpipe.core import long_sequences
 from embedpipe.core.errors import QUOTE_CHARS, StoreError
 from embedpipe.core.interrupts import checkpoint
 from embedpipe.core.options import POOLINGS
@@ -36,7 +37,8 @@ from embedpipe.store.attrjson import check_attr_text, load_json_attr
 FORMAT = "embedpipe.store"
 FORMAT_VERSION = 2
 
-LONG_HANDLING = ("none", "chunked", "truncated", "full")
+#: values of the ``long_handling`` column, from the long-sequence modes (core/long_sequences.py)
+LONG_HANDLING = long_sequences.HANDLING
 #: pooled outputs a store can hold, each a group ``{pooling}/layer_{k}`` (N, D); ``mean`` is
 #: always stored, ``bos`` (the BOS token's hidden state) on request (docs/store-format.md)
 

@@ -66,31 +66,58 @@ def discard(f: h5py.File | None, tmp: Path) -> None:
 
 def reraise(path: Path, tmp: Path, exc: BaseException) -> None:
     """Raise ``exc`` as the one-line error for writing ``path`` when it is a write failure."""
-    err = write_error(path, tmp, exc)
+    err = write_error(path, exc, tmp)
     if err is not None:
         raise err from None
 
 
 class H5Target:
-    """The temporary file of :func:`atomic_h5`; ``create`` opens it for writing."""
+    """An HDF5 file written under a temporary name beside ``path`` and renamed into place only
+    once complete: :func:`atomic_h5`'s target, and :class:`~embedpipe.store.writer.StoreWriter`'s
+    for its whole life (open, then ``commit`` or ``discard``)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tmp = temp_path_for(self.path)
         self.file: h5py.File | None = None
+
+    def open(self, **kwargs: Any) -> h5py.File:
+        """``h5py.File(tmp, "w", **kwargs)``; the caller ends with ``commit`` or ``discard``."""
+        self.file = h5py.File(self.tmp, "w", **kwargs)
+        return self.file
 
     @contextlib.contextmanager
     def create(self, **kwargs: Any) -> Iterator[h5py.File]:
-        """``h5py.File(tmp, "w", **kwargs)``, closed on success and abandoned on failure."""
-        self.file = h5py.File(self.tmp, "w", **kwargs)
+        """:meth:`open`, closed on success and abandoned on failure."""
+        f = self.open(**kwargs)
         try:
-            yield self.file
+            yield f
         except BaseException:
-            abandon(self.file)
+            abandon(f)
             # abandoned once: h5py's handle of a file whose close failed must not be touched
-            # again (asking it for its driver segfaults), so atomic_h5 only deletes the file
+            # again (asking it for its driver segfaults), so discard only deletes the file
             self.file = None
             raise
-        self.file.close()
+        self.close()
+
+    def close(self) -> None:
+        """Close the file; one whose close fails stays for :meth:`discard` to abandon."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def commit(self) -> None:
+        """Close the file, fsync it and rename it to ``path``."""
+        self.close()
+        commit(self.tmp, self.path)
+
+    def discard(self, exc: BaseException | None = None) -> None:
+        """Abandon the file and delete it; ``path`` is never touched. A write failure ``exc``
+        (a full disk) is raised as one line naming ``path``; any other is left to the caller."""
+        discard(self.file, self.tmp)
+        self.file = None
+        if exc is not None:
+            reraise(self.path, self.tmp, exc)
 
 
 @contextlib.contextmanager
@@ -100,12 +127,10 @@ def atomic_h5(path: Path) -> Iterator[H5Target]:
     On success the temporary file is renamed to ``path``; on any exception it is discarded
     (no partial file, no crash) and a write failure becomes ``cannot write PATH: <reason>``.
     """
-    path = Path(path)
-    target = H5Target(temp_path_for(path))
+    target = H5Target(path)
     try:
         yield target
-        commit(target.tmp, path)
+        target.commit()
     except BaseException as exc:
-        discard(target.file, target.tmp)
-        reraise(path, target.tmp, exc)
+        target.discard(exc)
         raise

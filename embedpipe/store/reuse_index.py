@@ -25,6 +25,7 @@ import numpy as np
 from embedpipe.core.errors import StoreError
 from embedpipe.core.external_sort import ExternalSort, group_starts
 from embedpipe.core.output_guard import writing_outputs
+from embedpipe.store import filters
 from embedpipe.store.format import STORE_UUID_ATTR, attr_to_python, check_format, is_complete, open_h5, read_root_attrs
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.reuse_checks import check_block, index_problem, read_fence, read_index_rows
@@ -78,8 +79,10 @@ def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
             raise StoreError(f"{store}: incomplete store; refusing to index it")
         attrs = read_root_attrs(f, only=[STORE_UUID_ATTR, *_STORE_ATTRS])
         with atomic_h5(out) as target, target.create(libver="latest") as g:
-            keys = g.create_dataset("keys", shape=(0,), maxshape=(None,), dtype="S32", chunks=(BLOCK,), fletcher32=True)
-            rows = g.create_dataset("rows", shape=(0,), maxshape=(None,), dtype="<i8", chunks=(BLOCK,), fletcher32=True)
+            # one chunk per block; filters from store/filters.py (checksummed, not compressed: the
+            # sha256 keys do not compress, and a lookup reads whole blocks)
+            keys = g.create_dataset("keys", shape=(0,), maxshape=(None,), dtype="S32", chunks=(BLOCK,), **filters.PLAIN)
+            rows = g.create_dataset("rows", shape=(0,), maxshape=(None,), dtype="<i8", chunks=(BLOCK,), **filters.PLAIN)
             fence: list[bytes] = []
             n = 0
             for block in _sorted_entries(f, store, work):
@@ -88,6 +91,8 @@ def build_index(store: Path, out: Path, *, work: Path | None = None) -> int:
                 rows.resize((n + len(block),))
                 keys[n:], rows[n:] = block["key"], block["row"]
                 n += len(block)
+            # contiguous and unfiltered (docs/store-format.md, "Reuse index"): read whole at open
+            # and checked key by key there (strictly increasing, one per block)
             g.create_dataset("fence", data=np.array(fence, dtype="S32"))
             g.attrs.update({"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "block": BLOCK,
                             "entries": n, "store_path": str(store.absolute()),

@@ -7,9 +7,7 @@ once it is complete; the root attribute ``complete`` is written last.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,7 +16,6 @@ from typing import Any
 import h5py
 import numpy as np
 
-from embedpipe.core.atomic import commit, temp_path_for
 from embedpipe.core.errors import StoreError
 from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
@@ -39,7 +36,7 @@ from embedpipe.store.format import (
     utc_now,
     write_root_attrs,
 )
-from embedpipe.store.h5write import abandon, check_free_space, reraise
+from embedpipe.store.h5write import H5Target, check_free_space
 from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
 from embedpipe.store.sequences import write_sequences
 
@@ -154,10 +151,11 @@ class StoreWriter:
 
         total_rows = int(self.offsets[-1]) if self.offsets is not None else 0
         check_free_space(self.path, (n * len(self.pooling) + total_rows) * self.dim * len(self.layers) * self._np_dtype.itemsize)
-        self._tmp = temp_path_for(self.path)
+        # temp name beside the store, renamed once complete (store/h5write.py, like every HDF5 output)
+        self._target = H5Target(self.path)
         self._file: h5py.File | None = None
         try:
-            self._file = h5py.File(self._tmp, "w", **WRITE_OPTIONS)
+            self._file = self._target.open(**WRITE_OPTIONS)
             self._create(attrs)
         except BaseException as exc:
             self._fail(exc)
@@ -366,10 +364,8 @@ class StoreWriter:
                 write_column(f, COLUMNS[name], buffer)
             mark_complete(f)
             f.flush()
-            f.close()
-            self._closed = True
-            commit(self._tmp, self.path)
-            self._finalized = True
+            self._target.commit()  # close, fsync, rename into place
+            self._closed = self._finalized = True
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -377,18 +373,15 @@ class StoreWriter:
     def _fail(self, exc: BaseException) -> None:
         """Abort, and raise a write failure of the temp file (a full disk) as one line naming
         the output path; any other exception is left for the caller to re-raise."""
-        self.abort()
-        reraise(self.path, self._tmp, exc)
+        self._closed = True
+        self._target.discard(exc)
 
     def abort(self) -> None:
         """Close and delete the temporary file; the final path is never touched. Safe after a
         failed write (see embedpipe.store.h5write)."""
-        if not self._closed:
-            self._closed = True
-            abandon(self._file)
+        self._closed = True
         if not self._finalized:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp)
+            self._target.discard()
 
     def __enter__(self) -> StoreWriter:
         return self

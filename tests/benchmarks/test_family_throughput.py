@@ -77,3 +77,22 @@ def test_a_t5_test_model_takes_the_real_models_proportions(tmp_path: Path) -> No
     assert tuple(weights["encoder.block.0.layer.1.DenseReluDense.wi.weight"].shape) == (256, 16)
     shape = load_model(str(out)).shape
     assert (shape.d_kv, shape.d_ff, shape.num_heads) == (24, 256, 2)
+
+
+@pytest.mark.peer
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is not installed")
+def test_quick_esmc_run_agrees_with_transformers_esmc(tmp_path: Path) -> None:
+    """ESM C beside transformers' EsmcModel (SDPA) in fp32 and bf16: embedpipe's fp32 means equal
+    the fp32 recipe's; the bf16 ones (both sides) stay close to it."""
+    out = tmp_path / "bench"
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent))
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "family_throughput.py"), "--quick", "--families",
+                           "esmc", "--policies", "fp32", "bf16-mixed", "--out-dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {"esmc recipe", "esmc recipe bf16", "esmc embedpipe fp32", "esmc embedpipe bf16-mixed"}
+    assert rows["esmc recipe"]["attention"] == "sdpa"
+    assert rows["esmc embedpipe fp32"]["min_cosine"] > 0.99999
+    assert min(r["min_cosine"] for r in rows.values()) > 0.99
+    assert all(r["records"] == 6 and r["residues_per_s"] > 0 for r in rows.values())

@@ -232,10 +232,30 @@ def test_write_error_reads_hdf5_messages():
         "Unable to flush file's cached information (file write failed: time = Mon, "
         f"filename = '{tmp}', file descriptor = 3, errno = 28, error message = 'No space left on device')"
     )
-    assert str(write_error(Path("/d/o.h5"), tmp, hdf5)) == "cannot write /d/o.h5: No space left on device"
+    assert str(write_error(Path("/d/o.h5"), hdf5, tmp)) == "cannot write /d/o.h5: No space left on device"
     other = OSError(errno.EIO, "Input/output error", "/d/source.h5")  # another file: not ours to name
-    assert write_error(Path("/d/o.h5"), tmp, other) is None
-    assert write_error(Path("/d/o.h5"), tmp, KeyError("x")) is None
+    assert write_error(Path("/d/o.h5"), other, tmp) is None
+    assert write_error(Path("/d/o.h5"), KeyError("x"), tmp) is None
+
+
+def test_every_writer_s_failure_is_one_message_style():
+    """One write_error for every writer (issue 31): the atomic HDF5 and text writers, shard's
+    spool and spill files, the external sort's runs, the CLI's fallback."""
+    from embedpipe.cli.exit import _os_error_message
+    from embedpipe.core.atomic import write_error
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert str(write_error(Path("/d/o.h5"), full, known=True)) == "cannot write /d/o.h5: No space left on device"
+    spooled = Path("/d/.shards.tmp-123-abc/shard-000001.fasta")  # shard's hidden work directory
+    assert str(write_error(spooled, full, known=True)) == (
+        "cannot write /d/shards (shard-000001.fasta in the work directory /d/.shards.tmp-123-abc): "
+        "No space left on device")
+    assert _os_error_message(full, Path("/d/o.h5")) == str(write_error(Path("/d/o.h5"), full, known=True))
+    # known: the caller's own write failed, whatever the errno; otherwise only a write errno counts
+    missing = OSError(errno.ENOENT, "No such file or directory")
+    assert str(write_error(Path("/d/x"), missing, known=True)) == "cannot write /d/x: No such file or directory"
+    assert write_error(Path("/d/x"), missing) is None
+    assert str(write_error(Path("/d/new\nline"), full, known=True)) == "cannot write /d/new\\nline: No space left on device"
 
 
 def test_cli_names_the_output_for_an_os_error_without_a_file_name():

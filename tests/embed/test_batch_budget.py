@@ -16,7 +16,7 @@ import torch
 from embedpipe.core.options import CPU_TOKENS_PER_BATCH, MIN_TOKENS_PER_BATCH, EmbedOptions
 from embedpipe.embed.budget import resolve_tokens_per_batch
 from embedpipe.model.facts import MemoryEstimate
-from embedpipe.runtime.precision import Policy, get_policy
+from embedpipe.runtime.precision import Policy, get_policy, resolve_attention_inputs
 
 CUDA = torch.device("cuda")
 MiB = 2**20
@@ -42,7 +42,8 @@ class FakeModel:
 def budget(free: int, stored_layers: tuple[int, ...] = (30,), model: FakeModel | None = None, **options) -> int:
     chosen = EmbedOptions(**options)
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=free) as free_memory:
-        tokens = resolve_tokens_per_batch(chosen, model or FakeModel(), get_policy(chosen.precision), CUDA, list(stored_layers))
+        tokens = resolve_tokens_per_batch(chosen, model or FakeModel(), get_policy(chosen.precision), CUDA, list(stored_layers),
+                                          attention_inputs=resolve_attention_inputs(chosen.attention_inputs, CUDA))
     free_memory.assert_called_once_with(CUDA)
     return tokens
 
@@ -105,10 +106,14 @@ def test_clamped_to_the_minimum_and_the_maximum():
 def test_an_explicit_number_is_kept_and_the_cpu_gets_its_default():
     with mock.patch("embedpipe.runtime.cuda.free_memory", side_effect=AssertionError("no memory query")):
         model, policy = FakeModel(), get_policy("fp32")
-        assert resolve_tokens_per_batch(EmbedOptions(tokens_per_batch=1234), model, policy, CUDA, [30]) == 1234
-        assert resolve_tokens_per_batch(EmbedOptions(tokens_per_batch=3), model, policy, CUDA, [30]) == 3
-        assert resolve_tokens_per_batch(EmbedOptions(), model, policy, torch.device("cpu"), [30]) == CPU_TOKENS_PER_BATCH
-        assert resolve_tokens_per_batch(EmbedOptions(tokens_per_batch=777), model, policy, torch.device("cpu"), [30]) == 777
+
+        def tokens(options: EmbedOptions, device: torch.device) -> int:
+            return resolve_tokens_per_batch(options, model, policy, device, [30], attention_inputs="fp32")
+
+        assert tokens(EmbedOptions(tokens_per_batch=1234), CUDA) == 1234
+        assert tokens(EmbedOptions(tokens_per_batch=3), CUDA) == 3
+        assert tokens(EmbedOptions(), torch.device("cpu")) == CPU_TOKENS_PER_BATCH
+        assert tokens(EmbedOptions(tokens_per_batch=777), torch.device("cpu")) == 777
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
@@ -118,10 +123,10 @@ def test_a_real_model_estimate_gives_a_budget_in_range(tiny_model_path, precisio
     loaded = load_model(str(tiny_model_path))
     options = EmbedOptions(precision=precision, per_residue=True)
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=80 * GiB):
-        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2])
+        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2], attention_inputs="compute")
     assert tokens == 2**20  # a 2-layer dim-32 model: 80 GiB holds far more than the cap
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=64 * MiB):
-        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2])
+        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2], attention_inputs="compute")
     assert MIN_TOKENS_PER_BATCH <= tokens < 2**20 and tokens % 256 == 0
 
 

@@ -16,7 +16,7 @@ from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.registry import load_model
 from embedpipe.runtime.precision import get_policy
 
-FAMILIES = ["esm2", "hf-esm", "prot-t5", "ankh"]
+FAMILIES = ["esm2", "hf-esm", "prot-t5", "ankh", "esmc"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,11 @@ def test_bytes_per_token_answers_for_every_family_and_policy(loaded_models, fami
     per_token = {inputs: budget.bytes_per_token(loaded, policy, [loaded.num_layers], False, attention_inputs=inputs)
                  for inputs in ("fp32", "compute")}
     assert all(isinstance(v, int) and v > 0 for v in per_token.values()), per_token
-    # q, k and v attended in fp32 never cost less than in the compute dtype
-    assert per_token["fp32"] >= per_token["compute"], per_token
+    # q, k and v attended in fp32 never cost an ESM-2 less than in the compute dtype. A T5's
+    # scores dominate at the window it is sized for, and compute-dtype q k^T is cast to the
+    # fp32 bias (one more copy), so there fp32 inputs may cost less: both values are checked
+    # against the traced forward instead (tests/runtime/test_cuda_memory.py)
+    if family not in ("prot-t5", "ankh"):
+        assert per_token["fp32"] >= per_token["compute"], per_token
     if policy.attention_dtype("compute") == torch.float32:
         assert per_token["fp32"] == per_token["compute"], per_token

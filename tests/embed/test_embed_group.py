@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import embedpipe.embed.job as job_module
 import embedpipe.embed.run as embed_module
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.identity import embed_identity
 from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.runtime.precision import get_policy
 from embedpipe.shard.passes import plan_groups, shard_fasta
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.stores import store_uuid
@@ -39,13 +42,13 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
 
 def _count_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     loads: list[str] = []
-    real = embed_module.load_model
+    real = job_module.load_model
 
     def counting(spec: str):
         loads.append(spec)
         return real(spec)
 
-    monkeypatch.setattr(embed_module, "load_model", counting)
+    monkeypatch.setattr(job_module, "load_model", counting)
     return loads
 
 
@@ -85,7 +88,8 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert (store_uuid(stores[0]), stores[0].stat().st_mtime_ns) == before[0]
     assert store_uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
-    identity = embed_module.embed_identity(OPTIONS, _model(tiny_model_path), on_cpu, [0, 2])
+    identity = embed_identity(OPTIONS, get_policy(OPTIONS.precision), _model(tiny_model_path), on_cpu, [0, 2],
+                              ["mean"], calibration=None)
     assert all(embed_module.store_is_current(p, identity, _input(p))
                for p in stores)
 

@@ -9,14 +9,16 @@ import hashlib
 import json
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_identity
+from embedpipe.embed.resolved import resolve_run
 from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime.int8_smoothing import SHIPPED
@@ -147,10 +149,9 @@ def test_smoothing_options_outside_int8_mixed_smoothquant_are_refused(options, m
 
 
 def test_the_identity_separates_smoothing_and_calibration_contents(tmp_path) -> None:
-    computed_as = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
-
     def identity(**options) -> str:
-        return embed_identity(EmbedOptions(precision="int8-mixed", **options), ModelIdentity("abc", True), computed_as, [2])
+        chosen = EmbedOptions(precision="int8-mixed", layers=(2,), **options)
+        return resolve_run(chosen, torch.device("cpu"), num_layers=2, packs=True, model=ModelIdentity("abc", True)).identity
 
     plain = identity()
     assert "int8_smoothing" not in json.loads(plain)  # none: left out, as before the option
@@ -172,3 +173,27 @@ def test_reuse_refuses_a_store_embedded_with_other_smoothing(tmp_path, tiny_mode
 
         embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "again.h5",
                     options=EmbedOptions(precision="int8-mixed", **second), quiet=True, reuse=[earlier])
+
+
+def test_a_group_job_reads_its_calibration_file_once_and_its_stores_record_it(tmp_path, tiny_model_path,
+                                                                                  monkeypatch) -> None:
+    """The job resolves its policy once (embed/resolved.py) and every shard's store and identity
+    take the set from it: one read of the file for the whole group, its sha256 in each store."""
+    import embedpipe.inputs.fasta as fasta
+    from embedpipe.embed.run import embed_shards
+
+    calibration = write_fasta(tmp_path / "calib.fasta", random_sequences(3, (10, 30), seed=4))
+    shards = [write_fasta(tmp_path / f"shard-{k}.fasta", random_sequences(4, (10, 40), seed=10 + k)) for k in range(3)]
+    reads: list[Path] = []
+    real = fasta.read_sequences
+    monkeypatch.setattr(fasta, "read_sequences", lambda p, *a, **k: reads.append(Path(p)) or real(p, *a, **k))
+    options = EmbedOptions(precision="int8-mixed", int8_smoothing="smoothquant", int8_calibration=str(calibration),
+                           device="cpu")
+    summary = embed_shards(shards, model=str(tiny_model_path), out_dir=tmp_path / "stores", options=options, quiet=True)
+    assert len(summary.embedded) == 3
+    assert reads.count(calibration) == 1
+    digest = hashlib.sha256(calibration.read_bytes()).hexdigest()
+    for store in summary.embedded:
+        with h5py.File(store.out, "r") as f:
+            assert digest[:16] in str(f.attrs["quantization_scales"])
+            assert json.loads(f.attrs["embed_identity"])["int8_smoothing"] == f"smoothquant, calibration sha256 {digest}"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import embedpipe
-import embedpipe.embed.run as embed_module
+import embedpipe.embed.job as job_module
 import embedpipe.store.reuse_index as reuse_index
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
@@ -123,7 +123,7 @@ def test_all_reused_group_job_loads_no_model(tmp_path, tiny_model_path, monkeypa
     def no_model(spec: str):
         raise AssertionError(f"load_model({spec!r}) called for a job with nothing to compute")
 
-    monkeypatch.setattr(embed_module, "load_model", no_model)
+    monkeypatch.setattr(job_module, "load_model", no_model)
     shards = [write_fasta(tmp_path / f"shard-{k}.fasta", first[k * 10:(k + 1) * 10]) for k in range(2)]
     summary = embed_shards(shards, model=str(tiny_model_path), out_dir=tmp_path / "stores", options=OPTIONS,
                            done=tmp_path / "done.json", quiet=True, reuse=[index])

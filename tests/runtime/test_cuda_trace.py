@@ -142,8 +142,9 @@ def test_a_record_whose_check_fails_is_rerun_in_fp32_on_the_device(model_path):
 # -- every family: the same launch-path contract ----------------------------------------------
 
 #: every family in its own on-disk format; the T5 encoders have no BOS and run padded (their
-#: relative-position bias is added to every score, so no varlen kernel)
-FAMILIES = {"esm2-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",)}
+#: relative-position bias is added to every score, so no varlen kernel); ESM C packs like ESM-2
+FAMILIES = {"esm2-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",),
+            "esmc": ("mean", "bos")}
 GPU_POLICIES = [name for name in POLICY_NAMES if name != "int8-mixed"]  # int8-mixed is CPU-only
 
 
@@ -151,7 +152,7 @@ GPU_POLICIES = [name for name in POLICY_NAMES if name != "int8-mixed"]  # int8-m
 def family_paths(model_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("trace-families")
     paths = {"esm2-pt": model_path}
-    for family in ("hf-esm", "prot-t5", "ankh"):
+    for family in ("hf-esm", "prot-t5", "ankh", "esmc"):
         paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=1)
     return paths
 

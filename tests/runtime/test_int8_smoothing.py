@@ -112,21 +112,3 @@ def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, text, why) -> No
     message = str(info.value)
     assert message.startswith("--int8-calibration") and str(path) in message and why in message
     assert "\n" not in message
-
-
-def test_the_calibration_set_is_read_once_per_file_version(tmp_path, monkeypatch) -> None:
-    """The up-front check, the policy and each shard's identity share one read; a rewritten
-    file is read again (its sha256 is part of the stores' identity)."""
-    import embedpipe.inputs.fasta as fasta
-
-    path = tmp_path / "calib.fasta"
-    path.write_text(">a\nMKVL\n")
-    reads = []
-    real = fasta.read_sequences
-    monkeypatch.setattr(fasta, "read_sequences", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
-    first = load_calibration(path)
-    assert load_calibration(path) is first and len(reads) == 1
-    path.write_text(">a\nMKVL\n>b\nWW\n")
-    second = load_calibration(path)
-    assert len(reads) == 2 and len(second.records) == 2
-    assert second.sha256 == hashlib.sha256(path.read_bytes()).hexdigest() != first.sha256

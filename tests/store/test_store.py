@@ -191,6 +191,30 @@ def test_exception_inside_with_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_at_the_rename_is_atomic_h5_s_one_line(tmp_path, monkeypatch):
+    """StoreWriter writes through store/h5write.py's H5Target, the primitive atomic_h5 uses: a
+    failure where the finished file is renamed into place is one line naming the store, and
+    leaves neither the store nor its temporary (issue 31)."""
+    import errno
+
+    from embedpipe.core.errors import EmbedpipeError
+    from embedpipe.store import h5write
+
+    seen: list[Path] = []
+
+    def full(tmp: Path, path: Path) -> None:
+        seen.append(tmp)
+        assert tmp.exists() and h5py.is_hdf5(tmp) and not path.exists()  # written in full, under its temp name
+        raise h5write.write_error(path, OSError(errno.ENOSPC, "No space left on device"), tmp, known=True)
+
+    monkeypatch.setattr(h5write, "commit", full)
+    records, rows = synthetic(3)
+    out = tmp_path / "x.h5"
+    with pytest.raises(EmbedpipeError, match=rf"^cannot write {out}: No space left on device$"):
+        write_store(out, records, rows)
+    assert len(seen) == 1 and seen[0].name.startswith(".x.h5.") and list(tmp_path.iterdir()) == []
+
+
 def test_missing_index_refused_at_finalize(tmp_path):
     records, rows = synthetic(5)
     with pytest.raises(StoreError, match=r"first missing id 's0r3'"):

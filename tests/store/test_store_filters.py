@@ -61,3 +61,24 @@ def test_the_three_filter_sets_are_what_the_archive_holds():
                 for name, f in (("plain", filters.PLAIN), ("numbers", filters.NUMBERS), ("text", filters.TEXT))}
     assert set(as_tuple.values()) == archived
     assert filters.numbers(True) is filters.NUMBERS and filters.numbers(False) is filters.PLAIN
+
+
+def test_the_reuse_index_takes_its_filters_from_the_module(tmp_path):
+    from embedpipe.store.reuse_index import build_index
+
+    store = write_store(tmp_path / "s.h5", _records("r", 5), storage_dtype="float16")
+    build_index(store, tmp_path / "index.h5")
+    got = _filters(tmp_path / "index.h5")
+    plain = (None, None, False, True)
+    assert got == {"keys": plain, "rows": plain, "fence": (None, None, False, False)}  # fence: docs/store-format.md
+    assert filters.PLAIN == {"fletcher32": True}
+
+
+def test_no_store_module_spells_a_filter_argument():
+    """Store compression is a change to filters.py alone (docs/architecture.md, "Where a change starts")."""
+    package = Path(filters.__file__).resolve().parent
+    for module in sorted(package.glob("*.py")):
+        if module.name != "filters.py":
+            text = module.read_text(encoding="utf-8")
+            for argument in ("fletcher32=", "compression=", "compression_opts=", "shuffle="):
+                assert argument not in text, (module.name, argument)

@@ -117,26 +117,28 @@ def _verdict_section(data: dict) -> str:
     )
 
 
+def _stat(cells: dict, m: measures.Measure, stat: str) -> str:
+    """One aggregate of a measure in the report's format (absent: n/a)."""
+    return (_cos if m.cosine else _num)((cells.get(m.key) or {}).get(stat))
+
+
 def _layer_table(data: dict) -> str:
+    """Per stored layer: the measures' per-layer columns (measures.py), the pass fraction,
+    overlap and the record counts."""
     k = data["neighbours"]["k"]
-    per_residue = data["store"]["per_residue"]
-    header = ["layer", "n", "min cos", "p1 cos", "p5 cos", "median cos", "max cos", "max |diff|", "median rel L2",
-              "max rel L2", "cos >= pass, 95% CI"]
-    if per_residue:
-        header += ["min residue cos"]
+    pooled = measures.per_layer_columns("pooled")
+    residue = measures.per_layer_columns("residue") if data["store"]["per_residue"] else ()
+    header = ["layer", "n", *(h for _, _, h in pooled), "cos >= pass, 95% CI", *(h for _, _, h in residue)]
     if k:
         header += [f"median overlap@{k}"]
     header += ["pass / warn / fail"]
     rows = []
     for layer in data["store"]["layers"]:
         e = data["summary"]["layers"][str(layer)]
-        c, f = e[measures.POOLED_COSINE], e["fraction_above_pass"]
-        row = [_e(layer), _e(e["n"]), _cos(c["min"]), _cos(c["p1"]), _cos(c["p5"]), _cos(c["median"]), _cos(c["max"]),
-               _num(e[measures.POOLED_MAX_ABS_DIFF]["max"]), _num(e[measures.POOLED_REL_L2]["median"]),
-               _num(e[measures.POOLED_REL_L2]["max"]),
-               _e(f"{f['count']}/{f['n']} [{100 * f['ci95'][0]:.1f}, {100 * f['ci95'][1]:.1f}]%")]
-        if per_residue:
-            row += [_cos((e.get(measures.RESIDUE_MIN_COSINE) or {}).get("min"))]
+        f = e["fraction_above_pass"]
+        row = [_e(layer), _e(e["n"]), *(_stat(e, m, stat) for m, stat, _ in pooled),
+               _e(f"{f['count']}/{f['n']} [{100 * f['ci95'][0]:.1f}, {100 * f['ci95'][1]:.1f}]%"),
+               *(_stat(e, m, stat) for m, stat, _ in residue)]
         if k:
             row += [_num(e["overlap"]["median"])]
         s = e["status"]
@@ -147,18 +149,17 @@ def _layer_table(data: dict) -> str:
 
 
 def _length_bin_table(data: dict) -> str:
+    """Per layer and length bin: the measures' per-length-bin columns (measures.py)."""
+    columns = measures.per_length_bin_columns()
     rows = []
     for layer in data["store"]["layers"]:
         for b in data["summary"]["layers"][str(layer)]["by_length_bin"]:
             info = data["length_bins"][b["bin"]]
             close = "]" if info["closed_right"] else ")"
-            rows.append([str(layer), f"[{format_count(b['min_length'])}, {format_count(b['max_length'])}{close}",
-                         f"{info['records']:,}",
-                         str(b["n"]), _cos(b[measures.POOLED_COSINE]["min"]), _cos(b[measures.POOLED_COSINE]["median"]),
-                         _num(b[measures.POOLED_REL_L2]["median"]), _num(b[measures.POOLED_REL_L2]["max"]),
-                         _num(b[measures.POOLED_MAX_ABS_DIFF]["max"])])
-    return _table(["layer", "length bin", "records in store", "sampled", "min cos", "median cos", "median rel L2",
-                   "max rel L2", "max |diff|"], rows, text_cols=(0, 1))
+            rows.append([_e(layer), _e(f"[{format_count(b['min_length'])}, {format_count(b['max_length'])}{close}"),
+                         _e(f"{info['records']:,}"), _e(b["n"]), *(_stat(b, m, stat) for m, stat, _ in columns)])
+    return _table(["layer", "length bin", "records in store", "sampled", *(h for _, _, h in columns)], rows,
+                  text_cols=(0, 1), raw=True)
 
 
 def _overlap_table(data: dict) -> str:

@@ -1,0 +1,45 @@
+"""What several benchmark scripts share: random records and in-memory weight edits.
+
+A module, not a script (tests/benchmarks/test_benchmark_scripts.py runs only the scripts, no
+leading _). Benchmarks import the package and modules like this one, never tests/ (issue 31):
+the tests' helpers (tests/helpers/) edit checkpoint files for the CLI and the workflow; a
+benchmark that embeds in-process edits the loaded model instead, the same weights without a
+second checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+
+
+def random_records(lengths: Sequence[int], seed: int | np.random.Generator,
+                   prefix: str = "r") -> list[tuple[str, str]]:
+    """Deterministic random proteins (the 20 standard residues) of the given lengths; ``seed``
+    may be a generator that drew the lengths (it goes on from there)."""
+    rng = np.random.default_rng(seed)
+    return [(f"{prefix}{i:05d}", "".join(rng.choice(AMINO, n))) for i, n in enumerate(lengths)]
+
+
+def edit_weights(loaded: object, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Change an ESM-2's weights in place (``load_model`` of a ``.pt``): ``edit`` gets its state
+    dict, tensors aliasing the model's (embedding and LM head tied). Call before building an
+    ``Embedder``: a policy's prepared copy is made from these weights."""
+    model = loaded.model  # type: ignore[attr-defined]
+    with torch.no_grad():
+        edit(model.state_dict())
+
+
+def token_rows(loaded: object, values: Mapping[str, float]) -> Callable[[dict[str, torch.Tensor]], None]:
+    """An edit for :func:`edit_weights` setting whole rows of ``embed_tokens.weight`` (``{"C": 7e4}``)."""
+    alphabet = loaded.alphabet  # type: ignore[attr-defined]
+
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        for token, value in values.items():
+            state["embed_tokens.weight"][alphabet.get_idx(token)].fill_(float(value))
+
+    return edit
