@@ -17,6 +17,7 @@ import typer
 
 from embedpipe.cli.exit import run_app, user_errors
 from embedpipe.core import options
+from embedpipe.core.cpus import set_wait_policy
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.export import formats as export_formats  # import-light: the registry, no format module
 
@@ -35,6 +36,8 @@ MAX_RECORD_LENGTH = typer.Option(LIMITS.max_length, "--max-record-length", min=1
                                  help="Most residues one record may hold; a longer one stops the run.")
 MAX_ID_LENGTH = typer.Option(LIMITS.max_id_length, "--max-id-length", min=1,
                              help="Most characters one ID may hold; a longer one stops the run.")
+PRECISION_HELP = ", ".join(options.PRECISION_CHOICES) + " (auto: the policy measured fastest on this machine)."
+THREADS_HELP = "CPU threads for torch (default: the CPUs the job may use: affinity, cgroup quota, SLURM_CPUS_PER_TASK)."
 #: defaults of the commands' options, from the library (embedpipe/core/options.py)
 EMBED = options.EmbedOptions()
 THRESHOLDS = options.Thresholds()
@@ -152,7 +155,7 @@ def embed(
                                 "for the job (a second job on it is refused)."),
     done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores with "
                                         "their size, mtime and uuid, written last."),
-    precision: str = typer.Option(EMBED.precision, "--precision", help=", ".join(options.POLICY_NAMES) + "."),
+    precision: str = typer.Option(EMBED.precision, "--precision", help=PRECISION_HELP),
     layers: list[str] = typer.Option(
         [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
         help="Layers to store (0 = token embedding, -1 = last): a comma list, or the flag repeated.",
@@ -175,7 +178,7 @@ def embed(
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
-    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
     fallback_device: str = typer.Option(EMBED.fallback_device, "--fallback-device", help=FALLBACK_DEVICE_HELP),
     batch_layout: str = typer.Option(EMBED.batch_layout, "--batch-layout", help=BATCH_LAYOUT_HELP),
     attention_inputs: str = typer.Option(EMBED.attention_inputs, "--attention-inputs", help=ATTENTION_INPUTS_HELP),
@@ -284,7 +287,7 @@ def crosscheck(
     ignore_unknown_ids: bool = typer.Option(False, "--ignore-unknown-ids", help=UNKNOWN_IDS_HELP),
     downstream_tolerance: float = typer.Option(THRESHOLDS.downstream_tolerance, "--downstream-tolerance",
                                                help=TOLERANCE_HELP),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     fail_on_threshold: bool = typer.Option(False, "--fail-on-threshold", help="Exit 1 when the verdict is fail."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
@@ -431,7 +434,9 @@ def _as_text(value: object) -> str:
 
 def run() -> None:
     """Console entry point: ``app()`` with every failure, usage errors included, one line on
-    stderr and a shell-like exit code (:mod:`embedpipe.cli.exit`)."""
+    stderr and a shell-like exit code (:mod:`embedpipe.cli.exit`). The OpenMP wait policy is
+    chosen first, before any command imports torch (docs/cluster.md, "CPU threads")."""
+    set_wait_policy()
     run_app(app)
 
 

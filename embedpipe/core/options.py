@@ -117,6 +117,9 @@ MIN_TOKENS_PER_BATCH = 3
 #: on the CPU (docs/precision.md, "Batch size")
 AUTO = "auto"
 CPU_TOKENS_PER_BATCH = 4096
+#: what ``--precision`` takes: a policy, or ``auto``: the policy measured fastest on the job's
+#: hardware, chosen when the job starts (docs/precision.md, "precision: auto")
+PRECISION_CHOICES = (*POLICY_NAMES, AUTO)
 #: ``auto`` = CUDA when available, else the CPU
 DEFAULT_DEVICE = "auto"
 
@@ -133,7 +136,7 @@ class EmbedOptions:
     ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
     """
 
-    precision: str = "fp32"
+    precision: str = "fp32"  # a policy, or auto (resolved when the job starts: runtime/auto_precision.py)
     layers: tuple[int, ...] = (-1,)
     per_residue: bool = False
     pooling: tuple[str, ...] = ("mean",)
@@ -152,9 +155,9 @@ class EmbedOptions:
 
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""
-        if self.precision not in POLICY_NAMES:
+        if self.precision not in PRECISION_CHOICES:
             raise EmbedpipeError(
-                f"unknown precision policy {self.precision!r}; choose one of: {', '.join(POLICY_NAMES)}"
+                f"unknown precision policy {self.precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}"
             )
         check_choice("--fallback-device", self.fallback_device, FALLBACK_DEVICES)
         for pooling in self.pooling:
@@ -303,6 +306,7 @@ __all__ = [
     "ON_INVALID_DEFAULT",
     "POLICY_KINDS",
     "POLICY_NAMES",
+    "PRECISION_CHOICES",
     "STORAGE_DTYPES",
     "TOKENS_PER_SHARD",
     "Thresholds",

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from embedpipe.core.atomic import check_output_path, write_text_atomic
 from embedpipe.core.checksums import file_sha256
+from embedpipe.core.cpus import use_threads
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, Thresholds
 from embedpipe.core.output_guard import guard_outputs
@@ -138,8 +138,7 @@ def run_crosscheck(
     fp32 and write the report to ``out``; ``threads`` caps torch's CPU threads (a job's cores)."""
     thresholds, store_path, out_dir = thresholds or Thresholds(), Path(store), Path(out)
     _check_arguments(thresholds, sample, k, out_dir, labels, store_path, model)
-    if threads:
-        torch.set_num_threads(threads)
+    use_threads(threads)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     started = time.perf_counter()
     notes: list[str] = []
     with open_store(store_path) as st:

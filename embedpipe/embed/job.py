@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from embedpipe.core.cpus import use_threads
 from embedpipe.core.devices import claim_device, resolve_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
@@ -140,9 +141,7 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
 @contextlib.contextmanager
 def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
     """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
-    threads = resolve_threads(options)
-    if threads:
-        torch.set_num_threads(threads)
+    use_threads(resolve_threads(options))  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     with claim_device(options.device) as device:
         if device.type == "cpu":
             keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from embedpipe.core import cpus
 from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.resolved import ResolvedRun
@@ -36,6 +37,7 @@ def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) ->
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,
+        **cpus.provenance(run.threads),  # threads, threads_from
         **loaded.provenance,
         "embedpipe_version": __version__,
         "config": json.dumps(config, sort_keys=True),

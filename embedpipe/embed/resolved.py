@@ -40,7 +40,7 @@ class ResolvedRun:
     policy: Policy  # the configured policy (int8-mixed smoothing: carrying its calibration set)
     calibration: Calibration | None  # the calibration set, read once (None: no smoothing)
     device: torch.device  # the job's device (for a prediction: the one --device resolves to)
-    threads: int | None  # --threads (None: torch's default)
+    threads: int | None  # --threads (None: the CPUs the job owns, embedpipe/core/cpus.py)
     packs: bool  # the family has a packed runner
     attention_inputs: str  # --attention-inputs resolved on the device: fp32 or compute
     qkv_dtype: str  # dtype name of q/k/v at the main policy's attention kernel
@@ -68,8 +68,9 @@ class ResolvedRun:
 
 
 def resolve_threads(options: EmbedOptions) -> int | None:
-    """The CPU threads a job computes with (``--threads``; None: torch's default), set before
-    the model loads (:mod:`embedpipe.embed.job`) and recorded in the run."""
+    """The CPU threads a job asks for (``--threads``; None: the CPUs the job owns, counted by
+    :func:`embedpipe.core.cpus.use_threads` when the model loads in :mod:`embedpipe.embed.job`),
+    recorded in the run."""
     return options.threads
 
 

@@ -37,6 +37,7 @@ from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import inspect
 from embedpipe.model.downloads import companion_path
+from embedpipe.runtime.auto_precision import resolve as resolve_precision
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.reuse_index import is_index
@@ -130,6 +131,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
+    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
     check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
     policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
     limits.check(EmbedpipeError)
@@ -139,7 +141,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
         check_output_path(Path(out))
         with open_job(model, options, policy, reuse, quiet) as job:
             return _embed_records(job, records, Path(fasta), Path(out), started,
-                                  {"input_sha256": file_sha256(Path(fasta))}, quiet)
+                                  {"input_sha256": file_sha256(Path(fasta)), **chosen}, quiet)
 
 
 def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
@@ -270,6 +272,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
+    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
     check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
     policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
     limits.check(EmbedpipeError)
@@ -290,7 +293,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
                 continue
             summary.embedded.append(_embed_records(
                 job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
-                {"input_sha256": digest}, quiet))
+                {"input_sha256": digest, **chosen}, quiet))
         if done is not None:
             _check_still_current(stores, digests, str(job.identity))
             write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)

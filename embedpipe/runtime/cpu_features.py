@@ -1,5 +1,5 @@
-"""What this CPU computes natively, and the advice that follows from it (docs/precision.md,
-"Which policy on which CPU").
+"""What this CPU computes natively: its flags and class; the advice per class is
+:mod:`embedpipe.runtime.advice` (docs/precision.md, "Which policy on which CPU").
 
 Why: most CPU nodes (AMD EPYC Rome/Milan, many Intel nodes) have AVX2 only, where bf16 and
 fp16 arithmetic is emulated through fp32 and several times slower than fp32 itself; a
@@ -30,26 +30,6 @@ NATIVE = {
 INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm")
 #: the x86 ones among them (oneDNN's VNNI kernels, measured); ARM's are a class of their own
 X86_INT8_DOT = ("amx_int8", "avx512_vnni", "avx_vnni")
-
-#: The fastest policy per CPU class, and its measured wall time against fp32 (fp32 time /
-#: its time; docs/precision.md, "Which policy on which CPU"; None where not measured).
-#: amx: 2-vCPU Xeon (AMX, AVX512-BF16/FP16), 35M shape, 200 proteins, median of 2 interleaved
-#: rounds (42.0 s / 22.8 s; int8-mixed 25.5 s; docs/benchmarks.md, "int8 on VNNI CPUs");
-#: avx512_bf16: Zen 4 EPYC, 35M shape (18.2 s / 13.3 s); int8-dot: the same Xeon with torch,
-#: oneDNN, MKL and fbgemm capped to AVX512-VNNI (emulated Cascade/Ice Lake: 40.7 s / 30.0 s;
-#: bf16-mixed 0.37x and fp16 0.16x there; capped to AVX2 + AVX-VNNI 1.75x); avx2: capped to
-#: AVX2 (emulated, not an EPYC: 59.7 s / 47.0 s; bf16-mixed and fp16 4x slower than fp32 there,
-#: as on the AVX2-only EPYC);
-#: arm-int8-dot (ARM dot product, no bf16): not measured
-FASTEST: dict[str, tuple[str, float | None]] = {
-    "amx": ("bf16-mixed", 1.84),
-    "avx512_bf16": ("bf16-mixed", 1.37),
-    "int8-dot": ("int8-mixed", 1.36),
-    "arm-int8-dot": ("fp32", None),
-    "avx2": ("int8-mixed", 1.27),
-    "other": ("fp32", None),
-}
-
 
 @dataclass(frozen=True)
 class CpuFeatures:
@@ -141,21 +121,3 @@ def isa_caps() -> str:
     """The caps in effect, as ``NAME=value`` words ('' when none): the flags alone would not say
     that a table was measured with the kernels of an older CPU."""
     return " ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
-
-
-def fastest_policy(cpu: CpuFeatures) -> tuple[str, float | None]:
-    """The policy measured fastest on CPUs of ``cpu``'s class, and its factor against fp32."""
-    return FASTEST[cpu.cpu_class]
-
-
-def emulation_note(policy: str, dtype: torch.dtype, cpu: CpuFeatures) -> str:
-    """The warning for ``policy`` computing in ``dtype`` on a CPU without native ``dtype``
-    arithmetic ('' when the CPU has it): it names the fastest policy on this CPU."""
-    if cpu.native(dtype):
-        return ""
-    low = "fp16" if dtype == torch.float16 else "bf16"
-    best, factor = fastest_policy(cpu)
-    measured = f", {factor:.2f}x fp32's speed as measured" if factor else ""
-    return (f"precision {policy!r} on a CPU without native {low} arithmetic (no {' or '.join(NATIVE[dtype][:2])}) "
-            f"is emulated and slower than fp32; the fastest policy on this CPU ({cpu.cpu_class}) is "
-            f"{best}{measured} (docs/precision.md, \"Which policy on which CPU\")")

@@ -72,14 +72,21 @@ def weights_lost(weight: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return ""
 
 
-#: rows per eager pass: about 1 MiB of fp32 activations, so the passes after the first read
-#: from L2 (4096 x 1920 quantized in 10 ms instead of 15 on one core here)
+#: rows per eager pass: about 1 MiB of fp32 activations per thread, so the passes after the
+#: first read from each core's L2 (4096 x 1920 quantized in 10 ms instead of 15 on one core here)
 CHUNK_BYTES = 1 << 20
 
 
 def row_chunks(n: int, k: int) -> range:
-    """Start rows of the L2-sized chunks of an (n, k) fp32 tensor."""
-    return range(0, n, max(16, CHUNK_BYTES // (4 * max(k, 1))))
+    """Start rows of the L2-sized chunks of an (n, k) fp32 tensor: 1 MiB per intra-op thread.
+
+    Per thread, not per process: every pass over a chunk is one parallel region whose threads
+    all wait for the slowest, and beside other work on the node a thread that lost its core
+    makes each region wait a scheduler slice. A fixed 1 MiB chunk made a 4096-token fc2 over
+    500 eager ops at any thread count; scaled, the regions fall with the threads while each
+    thread's share of a chunk stays L2-sized (docs/benchmarks.md, "CPU contention")."""
+    per_chunk = CHUNK_BYTES * max(1, torch.get_num_threads())
+    return range(0, n, max(16, per_chunk // (4 * max(k, 1))))
 
 
 def quantize_per_token(x: torch.Tensor, zero_point: int = 0,

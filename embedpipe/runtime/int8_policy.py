@@ -55,7 +55,7 @@ class Int8MixedPolicy(MixedPolicy):
             raise EmbedpipeError(
                 f"precision {self.name!r} runs on the CPU only (oneDNN's int8 kernels); on {device.type} "
                 "use bf16-mixed or fp16-mixed")
-        return []
+        return super().check_device(device, cpu)  # the CPU advice (runtime/advice.py)
 
     def provenance(self) -> dict[str, str]:
         scales = SCALES if self.calibration is None else f"{SCALES_FROM}; {self.calibration.describe()}"

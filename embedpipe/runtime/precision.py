@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POLICY_KINDS
-from embedpipe.runtime import cpu_features
+from embedpipe.runtime import advice, cpu_features
 from embedpipe.runtime.packed_linear import pack_linear
 
 #: Native arithmetic on CUDA, by compute capability. bfloat16 starts with Ampere (8.0):
@@ -66,8 +66,8 @@ class Policy:
         ``cpu``: the CPU's features (detected when not given; tests pass mocked ones)."""
         if device.type == "cuda":
             self._check_cuda(device)
-        elif device.type == "cpu" and self.compute_dtype in cpu_features.SIXTEEN_BIT:
-            note = cpu_features.emulation_note(self.name, self.compute_dtype, cpu or cpu_features.detect())
+        elif device.type == "cpu":  # emulated 16 bits, or measured not worth it here (runtime/advice.py)
+            note = advice.cpu_note(self.name, self.compute_dtype, cpu or cpu_features.detect())
             return [note] if note else []
         return []
 

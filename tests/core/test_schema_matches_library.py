@@ -29,7 +29,7 @@ EMBED = EmbedOptions()
 
 #: schema key -> (allowed values, default) in the library
 CHOICES = {
-    "precision": (options.POLICY_NAMES, EMBED.precision),
+    "precision": (options.PRECISION_CHOICES, EMBED.precision),
     "storage_dtype": (options.STORAGE_DTYPES, EMBED.storage_dtype),
     "long_sequences": (options.LONG_SEQUENCE_MODES, EMBED.long_sequences),
     "fallback_device": (options.FALLBACK_DEVICES, EMBED.fallback_device),

@@ -121,3 +121,24 @@ def test_the_int8_matmul_runs_a_jit_kernel_not_onednns_reference(isa) -> None:
                if line.startswith("onednn_verbose") and ",exec," in line and ",matmul," in line]
     assert kernels, done.stdout[-2000:]
     assert not [k for k in kernels if k.startswith("ref")], kernels
+
+
+def test_the_quantize_chunks_grow_with_the_threads_and_change_no_integer() -> None:
+    """1 MiB of rows per intra-op thread (fewer parallel regions beside a neighbour:
+    docs/benchmarks.md, "CPU contention"); each row is quantized on its own, so the integers,
+    the scales and the layer's output are the same bytes at any chunk size."""
+    saved = torch.get_num_threads()
+    x = torch.randn(3000, 1920, generator=torch.Generator().manual_seed(4))
+    layer = Int8Linear(torch.randn(480, 1920, generator=torch.Generator().manual_seed(5)), torch.randn(480))
+    got = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = (int8_linear.row_chunks(*x.shape).step, *quantize_per_token(x, layer.zero_point), layer(x))
+    finally:
+        torch.set_num_threads(saved)
+    assert (got[1][0], got[2][0]) == (int8_linear.CHUNK_BYTES // (4 * 1920), 2 * int8_linear.CHUNK_BYTES // (4 * 1920))
+    for a, b in zip(got[1][1:], got[2][1:]):
+        assert torch.equal(a, b)
+    exact = F.linear(x.double(), layer.qweight.double() * layer.weight_scale.double()[:, None], layer.bias.double())
+    assert float((got[1][3].double() - exact).norm() / exact.norm()) < 1e-2  # int8 activations' rounding only

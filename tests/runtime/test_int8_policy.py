@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.model.esm2_forward import EsmForward
-from embedpipe.runtime import cpu_features
-from embedpipe.runtime.cpu_features import CpuFeatures, emulation_note, fastest_policy
+from embedpipe.runtime import advice
+from embedpipe.runtime.advice import cpu_note, fastest_policy
+from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.int8_linear import ENGINES, Int8Linear, quantize_per_token
 from embedpipe.runtime.precision import get_policy
 from helpers.embed_helpers import embed_and_read, random_sequences
@@ -135,12 +136,12 @@ def test_int8_mixed_is_refused_off_the_cpu_in_one_line() -> None:
 ])
 def test_the_advice_names_the_fastest_policy_for_the_cpu(flags, dtype, best) -> None:
     cpu = CpuFeatures(frozenset(flags))
-    note = emulation_note("x16", dtype, cpu)
+    note = cpu_note("x16", dtype, cpu)
     if best is None:
         assert note == ""
         return
     assert fastest_policy(cpu)[0] == best
     assert f"the fastest policy on this CPU ({cpu.cpu_class}) is {best}" in note and "\n" not in note
-    factor = cpu_features.FASTEST[cpu.cpu_class][1]
+    factor = advice.ADVICE[cpu.cpu_class].factor
     if factor:
         assert f"{factor:.2f}x" in note

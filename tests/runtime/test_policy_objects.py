@@ -53,11 +53,12 @@ def test_cuda_capability_per_policy(gpu, capability, name, refused) -> None:
 
 @pytest.mark.parametrize(("cpu", "warned"), [
     (AVX2, {"fp16", "amp-fp16", "fp16-mixed", "bf16", "amp-bf16", "bf16-mixed"}),
-    (SAPPHIRE, set()),
-    (CpuFeatures(frozenset({"avx2", "avx512f", "avx512_bf16"})), {"fp16", "amp-fp16", "fp16-mixed"}),
+    # native fp16 there, but measured no faster than fp32; int8-mixed not faster than bf16-mixed
+    (SAPPHIRE, {"fp16", "amp-fp16", "fp16-mixed", "int8-mixed"}),
+    (CpuFeatures(frozenset({"avx2", "avx512f", "avx512_bf16"})), {"fp16", "amp-fp16", "fp16-mixed", "int8-mixed"}),
     (GRAVITON3, set()),
 ])
-def test_cpu_warnings_follow_the_native_16_bit_flags(cpu, warned) -> None:
+def test_cpu_warnings_follow_the_native_16_bit_flags_and_the_advice_table(cpu, warned) -> None:
     for policy in POLICIES.values():
         notes = policy.check_device(CPU, cpu)
         assert bool(notes) is (policy.name in warned), policy.name

@@ -94,3 +94,13 @@ def test_batch_layout_and_attention_inputs_are_checked(schema):
         check(_base() | {"batch_layout": "ragged"}, schema)
     with pytest.raises(ConfigError, match=r"'attention_inputs'"):
         check(_base() | {"attention_inputs": "fp16"}, schema)
+
+
+def test_precision_auto_is_accepted_and_left_for_the_job_to_resolve(schema):
+    """`precision: auto` passes the schema as written; the rules pass it on verbatim (each embed job
+    chooses on its own node: docs/precision.md, "precision: auto"), never resolved at parse time."""
+    check(_base() | {"precision": "auto"}, schema)
+    common = (ROOT / "workflows" / "rules" / "common.smk").read_text()
+    assert 'args = ["--precision", config["precision"]]' in common
+    with pytest.raises(ConfigError, match=r"'precision'.*'automatic'"):
+        check(_base() | {"precision": "automatic"}, schema)

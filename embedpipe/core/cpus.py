@@ -1,0 +1,163 @@
+"""How many CPUs this process may really use, and how its threads wait (docs/cluster.md, "CPU threads").
+
+Why: torch starts one thread per CPU it sees, but a job on a shared node owns fewer: an
+affinity mask (``taskset``, SLURM's task/affinity), a cgroup CPU quota (containers, SLURM's
+cgroup plugin: a job given 4 CPUs of a 64-core node sees 64 cores and would start 64
+threads), or only ``SLURM_CPUS_PER_TASK``. The smallest of these is the default thread count
+of ``embed`` for torch's intra-op pool (which oneDNN and MKL share) and its inter-op pool;
+``--threads`` wins over it. Torch-free: the wait policy must be set before torch is imported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+#: the OpenMP wait policy ``embed`` sets when the user has not (docs/cluster.md, "CPU threads"):
+#: how idle pool threads wait between parallel regions. ``PASSIVE`` sleeps at once instead of
+#: spinning, which leaves a shared core to its neighbour. Provisional until
+#: ``benchmarks/cpu_contention.py --wait-policies`` has compared it with ACTIVE and the
+#: runtime's default on a quiet machine (docs/benchmarks.md, "CPU contention")
+WAIT_POLICY = "PASSIVE"
+#: the variables that choose it (libgomp and Intel's OpenMP read the first; Intel's the second)
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+#: the cgroup file systems' usual mount point
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: this process's cgroups, one ``id:controllers:path`` line each (v2: ``0::path``)
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+@dataclass(frozen=True)
+class CpuAllocation:
+    """A thread count and where it came from (the store's ``threads_from``)."""
+
+    count: int
+    source: str
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _quota_v2(directory: Path) -> tuple[int, int] | None:
+    """(quota, period) of a cgroup v2 ``cpu.max`` (``max 100000``: none)."""
+    text = _read(directory / "cpu.max")
+    parts = text.split() if text else []
+    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) > 0:
+        return int(parts[0]), int(parts[1])
+    return None
+
+
+def _quota_v1(directory: Path) -> tuple[int, int] | None:
+    """(quota, period) of a cgroup v1 ``cpu.cfs_quota_us`` (-1: none)."""
+    quota, period = _read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us")
+    if quota and period and quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
+        return int(quota), int(period)
+    return None
+
+
+def _cgroup_dirs(root: Path) -> list[tuple[Path, bool]]:
+    """Candidate directories of this process's CPU cgroup, innermost first, each with whether
+    it is v2: from ``/proc/self/cgroup``'s paths, each under the mount and every parent up to
+    it (a quota on an ancestor binds too), and the mount itself (inside a container's cgroup
+    namespace the path is ``/`` and the files are at the mount)."""
+    text = _read(PROC_CGROUP) or ""
+    found: list[tuple[Path, bool]] = []
+    for line in text.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            mounts = [(root, True)]
+        elif "cpu" in controllers.split(","):
+            mounts = [(root / name, False) for name in ("cpu,cpuacct", "cpu", "cpuacct,cpu")]
+        else:
+            continue
+        for mount, v2 in mounts:
+            directory = mount / path.lstrip("/")
+            while True:
+                found.append((directory, v2))
+                if directory == mount or mount not in directory.parents:
+                    break
+                directory = directory.parent
+    return found
+
+
+def cgroup_quota(root: Path = CGROUP_ROOT) -> tuple[int, str] | None:
+    """The tightest CPU quota of this process's cgroups, rounded up to whole CPUs, with its
+    file and value; None when there is none."""
+    best: tuple[int, str] | None = None
+    for directory, v2 in _cgroup_dirs(root):
+        quota = _quota_v2(directory) if v2 else _quota_v1(directory)
+        if quota is None:
+            continue
+        cpus = max(1, math.ceil(quota[0] / quota[1]))
+        name = "cpu.max" if v2 else "cpu.cfs_quota_us"
+        if best is None or cpus < best[0]:
+            best = (cpus, f"cgroup {directory / name} {quota[0]}/{quota[1]}")
+    return best
+
+
+def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> CpuAllocation:
+    """The CPUs this process may run on: the smallest of its affinity mask, its cgroup's CPU
+    quota and ``SLURM_CPUS_PER_TASK`` (a value that is not a positive integer is not a limit)."""
+    count = _affinity()
+    limits = [(count, f"affinity ({count} CPUs)")]
+    quota = cgroup_quota(root)
+    if quota is not None:
+        limits.append(quota)
+    slurm = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if slurm.isdigit() and int(slurm) > 0:
+        limits.append((int(slurm), f"SLURM_CPUS_PER_TASK={slurm}"))
+    cpus, source = min(limits, key=lambda item: item[0])
+    return CpuAllocation(cpus, source)
+
+
+def thread_count(requested: int | None, env: Mapping[str, str] = os.environ,
+                 root: Path = CGROUP_ROOT) -> CpuAllocation:
+    """``--threads`` when given, else :func:`allocated`."""
+    if requested:
+        return CpuAllocation(int(requested), "--threads")
+    return allocated(env, root)
+
+
+def use_threads(requested: int | None) -> CpuAllocation:
+    """Size torch's intra-op pool (shared by oneDNN and MKL) and, while it can still be set,
+    its inter-op pool to :func:`thread_count`; returns it."""
+    import torch
+
+    allocation = thread_count(requested)
+    torch.set_num_threads(allocation.count)
+    try:
+        torch.set_num_interop_threads(allocation.count)
+    except RuntimeError:  # only settable before the first inter-op work (a second job in one process)
+        pass
+    return allocation
+
+
+def provenance(requested: int | None) -> dict[str, int | str]:
+    """Root attributes (docs/store-format.md): ``threads``, the intra-op threads the run used,
+    and ``threads_from``, where that count came from."""
+    import torch
+
+    allocation = thread_count(requested)
+    return {"threads": int(torch.get_num_threads()), "threads_from": allocation.source}
+
+
+def set_wait_policy(env: MutableMapping[str, str] = os.environ) -> None:
+    """Set :data:`WAIT_POLICY` unless the user chose one (either of :data:`WAIT_VARIABLES`:
+    ``KMP_BLOCKTIME`` alone keeps libgomp's own default, which the benchmark compares). Must
+    run before torch is imported: the OpenMP runtime reads it when it loads."""
+    if WAIT_POLICY and not any(env.get(name) for name in WAIT_VARIABLES):  # "": the runtime's own default
+        env["OMP_WAIT_POLICY"] = WAIT_POLICY

@@ -1,0 +1,123 @@
+"""The default thread count is the CPUs the process may run on (docs/cluster.md, "CPU threads"):
+affinity, the cgroup quota (v1 and v2, the tightest of the process's cgroup and its parents)
+and SLURM_CPUS_PER_TASK, whichever is smallest; --threads wins. Fake cgroup trees, a faked
+affinity mask and environment: nothing here depends on the machine running it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+from embedpipe.core import cpus
+from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.processes import ROOT
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``node(cpus, cgroup_lines, files)``: an affinity mask of ``cpus`` CPUs, a /proc/self/cgroup
+    of ``cgroup_lines`` and the cgroup files ``{relative path: text}`` under a fake mount; returns
+    the mount."""
+    root = tmp_path / "cgroup"
+
+    def make(count: int, lines: list[str], files: dict[str, str] | None = None) -> Path:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(count)))
+        proc = tmp_path / "proc-self-cgroup"
+        proc.write_text("".join(f"{line}\n" for line in lines))
+        monkeypatch.setattr(cpus, "PROC_CGROUP", proc)
+        for name, text in (files or {}).items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text + "\n")
+        return root
+
+    return make
+
+
+def test_without_limits_the_affinity_mask_decides(node) -> None:
+    root = node(6, ["0::/"], {"cpu.max": "max 100000"})
+    assert cpus.allocated({}, root) == cpus.CpuAllocation(6, "affinity (6 CPUs)")
+
+
+def test_a_cgroup_v2_quota_binds_rounded_up_and_the_tightest_ancestor_wins(node) -> None:
+    root = node(64, ["0::/job/step"], {"job/step/cpu.max": "250000 100000", "job/cpu.max": "max 100000"})
+    got = cpus.allocated({}, root)
+    assert got.count == 3  # 2.5 CPUs of quota: 3 threads
+    assert got.source == f"cgroup {root / 'job' / 'step' / 'cpu.max'} 250000/100000"
+    (root / "job" / "cpu.max").write_text("100000 100000\n")  # a parent's 1 CPU binds the child too
+    assert cpus.allocated({}, root).count == 1
+
+
+def test_a_cgroup_v1_cfs_quota_binds_and_minus_one_means_none(node) -> None:
+    root = node(64, ["4:memory:/x", "3:cpu,cpuacct:/slurm/uid_1/job_7"], {
+        "cpu,cpuacct/slurm/uid_1/job_7/cpu.cfs_quota_us": "400000",
+        "cpu,cpuacct/slurm/uid_1/job_7/cpu.cfs_period_us": "100000"})
+    assert cpus.allocated({}, root) == cpus.CpuAllocation(
+        4, f"cgroup {root / 'cpu,cpuacct/slurm/uid_1/job_7/cpu.cfs_quota_us'} 400000/100000")
+    (root / "cpu,cpuacct/slurm/uid_1/job_7/cpu.cfs_quota_us").write_text("-1\n")
+    assert cpus.allocated({}, root) == cpus.CpuAllocation(64, "affinity (64 CPUs)")
+
+
+def test_inside_a_cgroup_namespace_the_quota_is_read_at_the_mount(node) -> None:
+    root = node(16, ["0::/"], {"cpu.max": "200000 100000"})
+    assert cpus.allocated({}, root).count == 2
+
+
+def test_slurm_cpus_per_task_binds_and_a_value_that_is_no_count_does_not(node) -> None:
+    root = node(8, ["0::/"])
+    assert cpus.allocated({"SLURM_CPUS_PER_TASK": "3"}, root) == cpus.CpuAllocation(3, "SLURM_CPUS_PER_TASK=3")
+    for junk in ("0", "two", "", "-2"):
+        assert cpus.allocated({"SLURM_CPUS_PER_TASK": junk}, root).count == 8, junk
+    # the smallest limit decides, whichever it is
+    assert cpus.allocated({"SLURM_CPUS_PER_TASK": "12"}, root).source == "affinity (8 CPUs)"
+
+
+def test_explicit_threads_win_over_the_allocation(node) -> None:
+    root = node(2, ["0::/"], {"cpu.max": "100000 100000"})
+    assert cpus.thread_count(6, {"SLURM_CPUS_PER_TASK": "1"}, root) == cpus.CpuAllocation(6, "--threads")
+    assert cpus.thread_count(None, {}, root).count == 1
+
+
+def test_the_wait_policy_is_set_only_when_the_user_chose_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    env: dict[str, str] = {}
+    cpus.set_wait_policy(env)
+    assert env == {"OMP_WAIT_POLICY": cpus.WAIT_POLICY}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"KMP_BLOCKTIME": "200"}):
+        env = dict(chosen)
+        cpus.set_wait_policy(env)
+        assert env == chosen
+    monkeypatch.setattr(cpus, "WAIT_POLICY", "")  # the runtime's own default: nothing set
+    env = {}
+    cpus.set_wait_policy(env)
+    assert env == {}
+
+
+def test_the_console_script_sets_the_wait_policy_before_torch_loads(tmp_path: Path) -> None:
+    child = ("import os, sys\nfrom embedpipe.cli.commands import run\nsys.argv = ['embedpipe', '--help']\n"
+             "try:\n    run()\nexcept SystemExit:\n    pass\n"
+             "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if k not in cpus.WAIT_VARIABLES} | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"{cpus.WAIT_POLICY} False"
+
+
+@pytest.mark.parametrize(("args", "env", "want"), [
+    ((), {"SLURM_CPUS_PER_TASK": "1"}, (1, "SLURM_CPUS_PER_TASK=1")),
+    (("--threads", "2"), {"SLURM_CPUS_PER_TASK": "1"}, (2, "--threads")),
+])
+def test_the_store_records_the_threads_and_where_they_came_from(tiny_model_path, tmp_path, args, env, want) -> None:
+    fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=3))
+    out = tmp_path / "out.h5"
+    proc = subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(tiny_model_path),
+                           "--out", str(out), "--device", "cpu", "-q", *args],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out, "r") as f:
+        assert (int(f.attrs["threads"]), str(f.attrs["threads_from"])) == want
+        assert json.loads(f.attrs["config"])["threads"] == (None if not args else 2)

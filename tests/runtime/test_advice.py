@@ -1,0 +1,107 @@
+"""The one advice table (embedpipe/runtime/advice.py): docs/precision.md shows it as it is, its
+numbers are docs/benchmarks.md's, the warnings and ``--precision auto`` follow it, and an
+``auto`` store records the request, the choice and why (issue 34 item 4, issue 35 item 5)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.runtime import advice, auto_precision, cpu_features
+from embedpipe.runtime.cpu_features import CpuFeatures
+from embedpipe.runtime.precision import CUDA_CAPABILITY, POLICIES
+from helpers.embed_helpers import embed_store, random_sequences, read_store
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+AMX = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16", "avx512_vnni"}))
+ZEN5 = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni"}))  # no AMX, no FP16
+CASCADE = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_vnni"}))
+CPU = torch.device("cpu")
+
+
+def test_docs_precision_shows_the_table_the_code_uses() -> None:
+    text = (DOCS / "precision.md").read_text()
+    found = re.search(r"<!-- advice-table: embedpipe/runtime/advice.py -->\n(.*?)\n<!-- /advice-table -->", text, re.S)
+    assert found, "docs/precision.md lost its advice-table markers"
+    assert found[1] == advice.markdown_table()
+
+
+def test_every_measured_factor_and_cited_section_is_in_docs_benchmarks() -> None:
+    benchmarks = (DOCS / "benchmarks.md").read_text()
+    headings = re.findall(r"^#+ (.*)$", benchmarks, re.M)
+    for entry in advice.ADVICE.values():
+        if entry.factor is not None:
+            assert f"{entry.factor:.2f}" in benchmarks, entry.cpu_class
+        for text in (entry.measured, *entry.not_advised.values()):
+            for section in re.findall(r'docs/benchmarks.md, "([^"]+)"', text):
+                assert any(h.startswith(section) for h in headings), (entry.cpu_class, section)
+
+
+def test_where_bf16_is_native_int8_mixed_is_not_advised_and_bf16_mixed_is() -> None:
+    for cpu in (AMX, ZEN5):
+        assert advice.fastest_policy(cpu)[0] == "bf16-mixed"
+        assert "int8-mixed" in advice.advice_for(cpu).not_advised
+    assert advice.fastest_policy(CASCADE)[0] == "int8-mixed"  # bf16 emulated there
+
+
+def test_the_warnings_name_the_advised_policy_on_an_amx_cpu() -> None:
+    for name in ("fp16", "fp16-mixed", "int8-mixed"):
+        notes = POLICIES[name].check_device(CPU, AMX)
+        assert len(notes) == 1 and "bf16-mixed, 1.84x fp32's speed" in notes[0] and name in notes[0], name
+    assert "no faster than fp32" in POLICIES["fp16"].check_device(CPU, AMX)[0]
+    assert POLICIES["bf16-mixed"].check_device(CPU, AMX) == POLICIES["fp32"].check_device(CPU, AMX) == []
+
+
+def test_auto_on_the_cpu_is_the_advised_policy_for_its_class() -> None:
+    for cpu in (AMX, ZEN5, CASCADE, CpuFeatures(frozenset({"avx2"})), CpuFeatures()):
+        chosen, attrs = auto_precision.resolve(EmbedOptions(precision="auto", device="cpu"), quiet=True, cpu=cpu)
+        want = advice.advice_for(cpu).advised
+        assert chosen.precision == want and chosen.device == "cpu"
+        assert attrs["precision_requested"] == "auto"
+        assert attrs["precision_reason"].startswith(f"auto -> {want}: CPU class {cpu.cpu_class} (flags: {cpu.named()})")
+    named = EmbedOptions(precision="fp16", device="cpu")
+    assert auto_precision.resolve(named, quiet=True, cpu=AMX) == (named, {})
+
+
+@pytest.mark.parametrize(("capability", "want"), [((9, 0), "bf16-mixed"), ((8, 0), "bf16-mixed"),
+                                                  ((7, 5), "fp16-mixed"), ((5, 3), "fp16-mixed"), ((5, 2), "fp32")])
+def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, capability, want) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Some GPU")
+    policy, why = auto_precision.choose(torch.device("cuda"))
+    assert policy == want and f"Some GPU, compute capability {capability[0]}.{capability[1]}" in why
+    # the thresholds are the ones the policies' own CUDA check refuses below
+    need = CUDA_CAPABILITY.get(POLICIES[policy].compute_dtype)
+    assert need is None or capability >= need
+    assert POLICIES[policy].check_device(torch.device("cuda")) == []
+
+
+def test_auto_refuses_what_the_chosen_policy_excludes_in_one_line() -> None:
+    with pytest.raises(EmbedpipeError, match=r"^--precision auto chose bf16-mixed on this machine \(CPU class amx[^\n]*"
+                                             r"fair-esm[^\n]*name a policy with --precision$"):
+        auto_precision.resolve(EmbedOptions(precision="auto", device="cpu", attention="fair-esm"), quiet=True, cpu=AMX)
+    with pytest.raises(EmbedpipeError, match="applies to --precision int8-mixed only, not auto"):
+        auto_precision.resolve(EmbedOptions(precision="auto", int8_smoothing="smoothquant"), quiet=True, cpu=CASCADE)
+
+
+def test_an_auto_store_records_the_choice_and_holds_what_the_chosen_policy_computes(tiny_model_path, tmp_path) -> None:
+    records = random_sequences(4, (20, 60), seed=5)
+    auto = embed_store(tmp_path, tiny_model_path, records, "auto", precision="auto", device="cpu")
+    policy, why = advice.cpu_choice(cpu_features.detect())
+    named = embed_store(tmp_path, tiny_model_path, records, "named", precision=policy, device="cpu")
+    got, want = read_store(auto), read_store(named)
+    with h5py.File(auto, "r") as f, h5py.File(named, "r") as g:
+        assert (f.attrs["precision_policy"], f.attrs["precision_requested"]) == (policy, "auto")
+        assert f.attrs["precision_reason"] == f"auto -> {policy}: {why}"
+        assert f.attrs["embed_identity"] == g.attrs["embed_identity"]  # resume and --reuse see the policy
+        assert "precision_requested" not in g.attrs
+    for layer, vectors in want["mean"].items():
+        for rid, vector in vectors.items():
+            np.testing.assert_array_equal(got["mean"][layer][rid], vector)
