@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -198,8 +199,43 @@ def describe(spec: str) -> ModelFacts:
 
 
 def inspect(facts: ModelFacts) -> ModelFacts:
-    """Everything is in config.json already (:func:`describe`)."""
-    return replace(facts)
+    """:func:`describe`'s facts and the parameter count, from the safetensors headers (a few KiB
+    read, no weights; ``.bin`` weights: unknown)."""
+    try:
+        files = weight_files(resolve_directory(facts.spec))
+    except ModelError:  # no weights yet: describe's facts still stand (loading says what is missing)
+        return replace(facts)
+    return replace(facts, parameters=stored_parameters(files))
+
+
+#: a safetensors header larger than this is refused (the format's own limit is 100 MB)
+MAX_HEADER_BYTES = 100_000_000
+
+
+def stored_parameters(files: list[Path]) -> int | None:
+    """The number of values the safetensors ``files`` store, read from their headers (None for
+    ``.bin`` files, whose count needs unpickling); a header that is not one is a one-line error."""
+    total = 0
+    for path in files:
+        if path.suffix != ".safetensors":
+            return None
+        try:
+            with path.open("rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                if not 0 < size <= MAX_HEADER_BYTES:
+                    raise ModelError(f"{path}: not a safetensors file (header length {size})")
+                header = json.loads(fh.read(size))
+        except OSError as exc:
+            raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError:
+            raise ModelError(f"{path}: not a safetensors file (its header is not JSON)") from None
+        try:
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    total += math.prod(int(n) for n in entry["shape"])
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ModelError(f"{path}: not a safetensors file (a tensor without a shape)") from None
+    return total
 
 
 def load(spec: str) -> Any:

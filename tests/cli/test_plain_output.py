@@ -26,9 +26,34 @@ def test_model_info_of_a_hf_directory_prints_no_python_values(tmp_path: Path) ->
     facts = json.loads(CliRunner().invoke(app, ["model-info", str(directory), "--json"]).stdout)
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["trained"] == ("yes" if facts["trained"] else "no") == "no"
-    assert lines["parameters"] == "unknown" and facts["parameters"] is None
+    # counted from the safetensors headers: the values the weight file holds, loaded independently
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() for t in load_file(str(directory / "model.safetensors")).values())
+    assert lines["parameters"] == str(facts["parameters"]) == str(stored)
     assert lines["token_layout"] == "bos=no, eos=yes, window=none"
     assert lines["num_layers"] == str(facts["num_layers"]) == "1"
+
+
+def test_model_info_of_bin_weights_says_unknown_parameters(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    directory = make_hf_test_model(tmp_path / "esm", family="hf-esm", layers=1, dim=16, heads=2)
+    weights = directory / "model.safetensors"
+    torch.save(load_file(str(weights)), directory / "pytorch_model.bin")
+    weights.unlink()
+    result = CliRunner().invoke(app, ["model-info", str(directory)])
+    assert result.exit_code == 0, result.stdout
+    assert dict(line.split(": ", 1) for line in result.stdout.splitlines())["parameters"] == "unknown"
+
+
+def test_a_corrupt_safetensors_header_is_one_line(tmp_path: Path) -> None:
+    directory = make_hf_test_model(tmp_path / "esm", family="hf-esm", layers=1, dim=16, heads=2)
+    (directory / "model.safetensors").write_bytes((12).to_bytes(8, "little") + b"not json !!")
+    result = CliRunner().invoke(app, ["model-info", str(directory)])
+    assert result.exit_code != 0
+    assert "model.safetensors: not a safetensors file (its header is not JSON)" in result.output
 
 
 def test_info_names_fair_esm_only_for_stores_it_made(tmp_path: Path) -> None:

@@ -143,7 +143,7 @@ def test_a_hub_name_resolves_through_the_offline_cache(esmc_dir: Path, tmp_path:
     with pytest.raises(ModelError) as refused:
         load_model("biohub/ESMC-600M")
     assert "'biohub/ESMC-600M' is not in the local hub cache" in str(refused.value)
-    assert "huggingface-cli download biohub/ESMC-600M" in str(refused.value) and "\n" not in str(refused.value)
+    assert "hf download biohub/ESMC-600M" in str(refused.value) and "\n" not in str(refused.value)
     snapshot = _hub_snapshot(tmp_path, esmc_dir)
     model, tokens, out = ours(Path(snapshot))
     named = load_model("biohub/ESMC-300M")
