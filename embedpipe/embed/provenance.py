@@ -14,6 +14,7 @@ from embedpipe.core.options import EmbedOptions
 from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
 from embedpipe.model.base import EmbeddingModel
+from embedpipe.runtime.attention import invariance_attrs
 from embedpipe.runtime.precision import Policy
 
 
@@ -51,5 +52,6 @@ def batching_attrs(embedder: Embedder) -> dict[str, Any]:
         "batch_layout": embedder.batch_layout,
         "attention_path": embedder.attention_path,
         "attention_inputs": embedder.attention_inputs,
+        **invariance_attrs(embedder.attention_path, embedder.device),  # batch_invariant, batch_tile_rows
         **embedder.runner_provenance,  # int8-mixed: quantization_fp32_layers
     }
