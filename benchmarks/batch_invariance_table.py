@@ -7,7 +7,7 @@ absolute difference of the pooled means and per-residue rows. Run it with anothe
 checkout on ``PYTHONPATH`` for the numbers before a change (docs/precision.md,
 "Reproducibility")::
 
-    python benchmarks/batch_invariance_table.py --records 120
+    python benchmarks/batch_invariance_table.py --records 120 [--layout padded]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=120)
     parser.add_argument("--precisions", default="fp32,bf16-mixed,int8-mixed")
+    parser.add_argument("--layout", default="packed", choices=["packed", "padded"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -65,11 +66,11 @@ def main() -> None:
         recs = records(args.records, 40, 400, seed=1)
         more = recs[::-1] + records(30, 400, 700, seed=2)
         for precision in args.precisions.split(","):
-            common = dict(precision=precision, layers=(6,), per_residue=True, batch_layout="packed", threads=2)
+            common = dict(precision=precision, layers=(6,), per_residue=True, batch_layout=args.layout, threads=2)
             big = embed(tmp, model, recs, f"{precision}-4096", tokens_per_batch=4096, **common)
             small = embed(tmp, model, recs, f"{precision}-1000", tokens_per_batch=1000, **common)
             mixed = embed(tmp, model, more, f"{precision}-more", tokens_per_batch=4096, **common)
-            print(f"{precision:11s} tokens-per-batch 1000 vs 4096: {compare(big, small)}; "
+            print(f"{precision:11s} {args.layout} tokens-per-batch 1000 vs 4096: {compare(big, small)}; "
                   f"reversed + 30 longer: {compare(big, mixed)}")
 
 
