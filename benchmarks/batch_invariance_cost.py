@@ -1,7 +1,7 @@
 """What batch invariance costs: the row-tiled, per-record path beside the previous one, per shape and policy.
 
     python benchmarks/batch_invariance_cost.py [--shapes 35M 150M --policies fp32 bf16-mixed int8-mixed
-                                                --records 120 --median 300 --rounds 3 --layout auto]
+                                                --records 120 --median 300 --rounds 3 --layout auto --tile N]
 
 Random-weight ESM-2 checkpoints of the 35M (12 x 480, 20 heads) and 150M (30 x 640, 20 heads)
 shapes (``tiny``: 2 x 64, for a smoke run), random records with log-normal lengths. Each
@@ -74,10 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layout", default="auto", choices=["auto", "packed", "padded"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tile", type=int, default=None,
+                        help="CPU row tile to measure instead of packed_linear.BATCH_TILE_ROWS['cpu'] (benchmark only)")
     parser.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tile:
+        packed_linear.BATCH_TILE_ROWS["cpu"] = args.tile
     import tempfile
     from pathlib import Path
 
