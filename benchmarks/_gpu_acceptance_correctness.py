@@ -148,16 +148,36 @@ def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.
             (_, alone), = embedder.embed([records[index]])
             alone_diffs.append(float(np.max(np.abs(alone.mean[last] - full[index].mean[last]))))
             equal &= bool(np.array_equal(alone.mean[last], full[index].mean[last]))
+        batchings = two_batchings(loaded, records, policy, device, full)
         section[policy] = {
             **reported(embedder),
             "finite": all(bool(np.isfinite(r.mean[last]).all()) for r in full.values()),
             "fallback": int(embedder.stats["fallback"]),
             "min_cosine_to_fp32": min(cosine(full[i].mean[last], reference[i].mean[last]) for i in full),
             "batch_invariance": {"records": len(alone_diffs), "max_abs_diff": max(alone_diffs), "equal": equal},
+            "two_batchings": batchings,
         }
         del embedder
         release(device)
     return section
+
+
+def two_batchings(loaded: Any, records: list[tuple[str, str]], policy: str, device: torch.device,
+                  full: dict) -> dict:
+    """Every record embedded again in small batches (a budget of about two of the longest
+    records) by a fresh Embedder: its pooled last layer bit-identical to the full batch's
+    (docs/precision.md, "Reproducibility"). Records that fell back are compared too."""
+    last = loaded.num_layers
+    budget = max(2 * (max(len(s) for _, s in records) + 2), 64)
+    embedder = Embedder(loaded, EmbedOptions(precision=policy, device=str(device), tokens_per_batch=budget), device)
+    small = dict(embedder.embed(records))
+    batches = int(embedder.stats["batches"])
+    del embedder
+    release(device)
+    differ = [i for i in full if not np.array_equal(small[i].mean[last], full[i].mean[last])]
+    diff = max(float(np.max(np.abs(small[i].mean[last] - full[i].mean[last]))) for i in full)
+    return {"tokens_per_batch": budget, "batches": batches, "records_not_bit_equal": len(differ),
+            "max_abs_diff": diff, "equal": not differ}
 
 
 def shape_correctness(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],

@@ -89,7 +89,9 @@ REQUIRED_FIELDS: tuple[str, ...] = (
                 "max_abs_diff_mean_vs_fair_esm", "max_abs_diff_per_residue_vs_fair_esm", "within_tolerance")),
     *(f"{_P}.{k}" for k in ("batch_layout", "attention_path", "attention_inputs", "tokens_per_batch", "finite",
                             "fallback", "min_cosine_to_fp32", "batch_invariance.records",
-                            "batch_invariance.max_abs_diff", "batch_invariance.equal")),
+                            "batch_invariance.max_abs_diff", "batch_invariance.equal",
+                            *(f"two_batchings.{k}" for k in ("tokens_per_batch", "batches", "records_not_bit_equal",
+                                                             "max_abs_diff", "equal")))),
     *(f"overflow_fallback.{k}" for k in ("shape", "records", "records_with_c")),
     *(f"overflow_fallback.policies.*.{k}" for k in ("fallback", "fallback_ids_match", "reasons", "finite",
                                                     "max_abs_diff_vs_fp32_alone", "exact", "batch_layout")),
@@ -287,12 +289,14 @@ def speed_table(results: dict[str, Any]) -> list[str]:
 def correctness_table(results: dict[str, Any]) -> list[str]:
     """One row per shape: the layouts against fair-esm, what packed ran as, policies, invariance."""
     lines = ["| shape | packed vs fair-esm | padded vs fair-esm | packed vs padded | layout asked packed -> ran "
-             "| bf16-mixed packed vs padded (cos, rel. diff) | policies finite | batch-invariant (max diff) |",
+             "| bf16-mixed packed vs padded (cos, rel. diff) | policies finite "
+             "| batch-invariant: alone/two batchings (max diff) |",
              "|---|---|---|---|---|---|---|---|"]
     for key, c in results["correctness"].items():
         policies, mixed = c["policies"], c["bf16_mixed_packed_vs_padded"]
         invariant = ", ".join(
             f"{p} {'yes' if v['batch_invariance']['equal'] else _f(v['batch_invariance']['max_abs_diff'], '.1e')}"
+            f"/{'yes' if v['two_batchings']['equal'] else _f(v['two_batchings']['max_abs_diff'], '.1e')}"
             for p, v in policies.items())
         lines.append(
             f"| {key} | {c['packed']['max_abs_diff_per_residue_vs_fair_esm']:.1e} | "

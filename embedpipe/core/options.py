@@ -130,10 +130,10 @@ class EmbedOptions:
 
     What is computed: ``precision``, ``layers``, ``per_residue``, ``pooling`` (what is
     stored besides the mean, which always is), ``storage_dtype``, ``long_sequences``,
-    ``attention``, ``overflow_margin`` (which records fall back), ``device`` and
-    ``tokens_per_batch`` (rounding differs with the hardware and with the padding of
-    low-precision batches). How it runs, not what: ``threads`` and
-    ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
+    ``attention``, ``overflow_margin`` (which records fall back) and ``device`` (rounding
+    differs with the hardware). How it runs, not what: ``tokens_per_batch`` and ``threads``
+    (a record's numbers never depend on its batch: docs/precision.md, "Reproducibility")
+    and ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
     """
 
     precision: str = "fp32"  # a policy, or auto (resolved when the job starts: runtime/auto_precision.py)

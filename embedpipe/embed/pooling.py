@@ -53,20 +53,24 @@ def _first_residue(batch: Sequence[Piece]) -> int:
 
 def pool_padded(out: ForwardOutput, batch: Sequence[Piece], layers: Sequence[int], *, bos: bool,
                 per_residue: bool) -> DevicePooled:
-    """Pool a padded batch: masks over (B, T) positions, one einsum per layer."""
+    """Pool a padded batch: masks over (B, T) positions for the maxima; the sums as segment
+    reductions over each record's own rows, summed in order as the packed layout's are (an
+    einsum over the pad length summed a record's rows differently with every batch width;
+    docs/precision.md, "Reproducibility")."""
     hidden0 = out.hidden[layers[0]]
     device, width = hidden0.device, hidden0.shape[1]
     longest, first = max(p.residues for p in batch), _first_residue(batch)
     bounds = to_device(torch.tensor([[*_stored(p, bos), *_kept(p)] for p in batch]), device)
     positions = torch.arange(width, device=device)[None, :]
     stored = (positions >= bounds[:, 0:1]) & (positions < bounds[:, 1:2])
-    kept = ((positions >= bounds[:, 2:3]) & (positions < bounds[:, 3:4])).float()
+    rows = range(0, width * (len(batch) + 1), width)  # each record's row offsets in the flattened batch
+    kept = to_device(range_segments(rows, [_kept(p) for p in batch]), device)
     sums, firsts, stored_max, residues = [], [], [], {}
     for layer in layers:
         h = out.hidden[layer]
         stored_max.append(token_max_abs(h).masked_fill(~stored, 0.0).amax(dim=1))
         hf = h.float()  # the one fp32 copy
-        sums.append(torch.einsum("bt,btd->bd", kept, hf))
+        sums.append(range_sums(hf.reshape(-1, hf.shape[-1]), kept))
         if bos:
             firsts.append(hf[:, 0])
         if per_residue:

@@ -15,6 +15,7 @@ from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.model.base import EmbeddingModel
+from embedpipe.runtime.attention import invariance_attrs
 
 
 def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) -> dict:
@@ -53,5 +54,6 @@ def batching_attrs(embedder: Embedder) -> dict[str, Any]:
         "batch_layout": embedder.batch_layout,
         "attention_path": embedder.attention_path,
         "attention_inputs": embedder.attention_inputs,
+        **invariance_attrs(embedder.attention_path, embedder.device),  # batch_invariant, batch_tile_rows
         **embedder.runner_provenance,  # int8-mixed: quantization_fp32_layers
     }

@@ -19,7 +19,8 @@ from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.model.base import ForwardOutput, PackedRunner, masked_max_abs
 from embedpipe.runtime import cuda
 from embedpipe.runtime.attention import packed_kernel
-from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, token_max_abs
+from embedpipe.runtime.packed import PackedTokens, padded_per_sequence_attention, per_sequence_attention, token_max_abs
+from embedpipe.runtime.packed_linear import batch_invariant
 from embedpipe.runtime.precision import Packed, Policy
 
 #: fair-esm's ``ESM2`` and its submodules: their attributes (``layers``, ``q_proj``, ``rot_emb``, ...)
@@ -350,13 +351,16 @@ class EsmForward:
         if isinstance(batch, PackedTokens):
             out = self._attend_packed(q, k, v, batch)
         else:
-            out = self._attend_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch.attn_mask)
+            out = self._attend_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
             out = out.transpose(1, 2)  # SDPA's CPU output is laid out (B, T, H, d) here: a view, no copy
         return self._linear(attn.out_proj, out.reshape(*lead, heads * head_dim))
 
-    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """(B, H, T, d) attention with q pre-scaled; ``attn_mask`` True = attend."""
+    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
+        """(B, H, T, d) attention with q pre-scaled; ``batch.attn_mask`` True = attend. On the
+        CPU each record at its own length (batch-invariant; docs/precision.md, "Reproducibility")."""
+        attn_mask = batch.attn_mask
+        if self.attention == "sdpa" and batch.lengths is not None and batch_invariant():
+            return padded_per_sequence_attention(q, k, v, batch.lengths)
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
         # "math": explicit scores, fp32 softmax, as fair-esm computes it
@@ -393,6 +397,9 @@ class _PaddedBatch:
         # batch, and no host sync to ask whether there is padding (docs/precision.md).
         mask = self.keep[:, None, None, :]
         self.attn_mask = mask if tokens.device.type != "cpu" or self.padding.any() else None
+        #: each record's token count, on the CPU only (read back from a device it would sync;
+        #: CUDA's batch-invariant layout is the packed one)
+        self.lengths: list[int] | None = self.keep.sum(1).tolist() if tokens.device.type == "cpu" else None
 
     def rows(self, table: torch.Tensor) -> torch.Tensor:
         """A (T, ...) per-position table as it broadcasts over (B, T, ...)."""

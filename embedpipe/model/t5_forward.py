@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.model.base import ForwardOutput, masked_max_abs
+from embedpipe.runtime.packed_linear import batch_invariant
 from embedpipe.runtime.precision import Policy
 
 #: names of the bias-free linear layers in a block (attention, feed-forward)
@@ -89,22 +90,29 @@ class T5Forward:
             normed = normed.to(weight.dtype)
         return weight * normed
 
-    def position_bias(self, length: int, keep: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L) relative-position bias with padded keys at -inf."""
+    def position_bias(self, length: int, keep: torch.Tensor | None) -> torch.Tensor:
+        """(B, H, L, L) relative-position bias with padded keys at -inf; (1, H, L, L) unmasked
+        when ``keep`` is None (each record attended at its own length)."""
         buckets = relative_buckets(length, self.shape.num_buckets, self.shape.max_distance, self.device)
         bias = F.embedding(buckets, self.w["relative_bias"]).permute(2, 0, 1)[None].to(self.bias_dtype)
-        return bias.masked_fill(~keep[:, None, None, :], float("-inf"))
+        return bias if keep is None else bias.masked_fill(~keep[:, None, None, :], float("-inf"))
 
-    def attention(self, h: torch.Tensor, i: int, bias: torch.Tensor) -> torch.Tensor:
-        """Self-attention of block ``i``: no 1/sqrt(d) scaling (T5 folds it into the weights)."""
+    def attention(self, h: torch.Tensor, i: int, bias: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+        """Self-attention of block ``i``: no 1/sqrt(d) scaling (T5 folds it into the weights).
+        ``lengths``: each record attended at its own length, so its keys are summed the same
+        way whatever the batch's pad length (docs/precision.md, "Reproducibility"); None: one
+        masked attention over the batch."""
         b, t, _ = h.shape
         heads, d_kv = self.shape.num_heads, self.shape.d_kv
         q, k, v = (self._linear(h, f"{i}.{n}").view(b, t, heads, d_kv).transpose(1, 2) for n in ("q", "k", "v"))
         q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
-        scores = torch.matmul(q, k.transpose(-1, -2)).to(bias.dtype) + bias
-        probs = F.softmax(scores.float(), dim=-1).to(v.dtype)
-        context = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, heads * d_kv)
-        return self._linear(context, f"{i}.o")
+        if lengths is None:
+            context = _attend(q, k, v, bias).transpose(1, 2)
+        else:  # padding rows stay 0: nothing reads them
+            context = torch.zeros((b, t, heads, d_kv), dtype=v.dtype, device=v.device)
+            for row, n in enumerate(lengths):
+                context[row, :n] = _attend(q[row, :, :n], k[row, :, :n], v[row, :, :n], bias[0, :, :n, :n]).transpose(0, 1)
+        return self._linear(context.reshape(b, t, heads * d_kv), f"{i}.o")
 
     def feed_forward(self, h: torch.Tensor, i: int) -> torch.Tensor:
         if self.shape.gated:
@@ -117,16 +125,18 @@ class T5Forward:
         """Hidden states of ``layers`` (0 = embeddings, N = after the final norm), (B, T, D), and
         each record's largest |residual| over its own tokens entering every block and leaving
         the last one (inf/NaN kept)."""
+        # each record's length from the host tokens (no device read-back)
+        lengths = tokens.ne(self.pad_id).sum(1).tolist() if tokens.device.type == "cpu" and batch_invariant() else None
         tokens = tokens.to(self.device)
         keep = tokens.ne(self.pad_id)
         wanted, last = set(layers), self.shape.num_layers
         x = F.embedding(tokens, self.w["embed"]).to(self.residual_dtype)
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
-        bias = self.position_bias(tokens.shape[1], keep)
+        bias = self.position_bias(tokens.shape[1], None if lengths is not None else keep)
         max_abs = torch.zeros(tokens.shape[0], device=self.device)
         for i in range(last):
             max_abs = torch.maximum(max_abs, masked_max_abs(x, keep))
-            x = x + self.attention(self.rms(x, self.w[f"{i}.ln0"]), i, bias).to(self.residual_dtype)
+            x = x + self.attention(self.rms(x, self.w[f"{i}.ln0"]), i, bias, lengths).to(self.residual_dtype)
             x = x + self.feed_forward(self.rms(x, self.w[f"{i}.ln1"]), i).to(self.residual_dtype)
             if i + 1 in wanted and i + 1 < last:
                 hidden[i + 1] = x
@@ -134,3 +144,11 @@ class T5Forward:
         if last in wanted:
             hidden[last] = self.rms(x, self.w["final_ln"])
         return ForwardOutput(hidden=hidden, max_abs=max_abs)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """T5's attention of (..., L, d) q/k/v with an additive (..., L, L) bias: scores in the bias's
+    dtype, softmax in fp32, the context in v's dtype."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(bias.dtype) + bias
+    probs = F.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)

@@ -21,6 +21,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime import cpu_features
 from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.int8_smoothing import CalibratingLinear, Calibration
+from embedpipe.runtime.packed_linear import row_tiled
 from embedpipe.runtime.precision import MixedPolicy, Packed, add_policies
 
 #: root attributes of an int8-mixed store (docs/store-format.md)
@@ -97,7 +98,7 @@ class Int8MixedPolicy(MixedPolicy):
                packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
         if packed is None:
             raise RuntimeError(f"{self.name}: a linear layer without its int8 copy (the forward did not pack it)")
-        return packed(x.float(), gelu=gelu)
+        return row_tiled(lambda rows: packed(rows, gelu=gelu), x.float())
 
 
 add_policies("int8", Int8MixedPolicy)

@@ -140,3 +140,21 @@ def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1), scale=1.0
         ).transpose(0, 1)
     return out
+
+
+def padded_per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  lengths: Sequence[int]) -> torch.Tensor:
+    """Attention of padded (B, H, T, head_dim) q/k/v, each record at its own length (its
+    first ``lengths[i]`` positions, no mask), q pre-scaled; the padding's output rows are 0.
+
+    Why: a masked kernel over the batch's pad length blocks and sums each record's keys by
+    that length, so its numbers changed with the longest record beside it; at its own length
+    they are the same in every batch, and the same as the packed layout's stand-in
+    (:func:`per_sequence_attention`; docs/precision.md, "Reproducibility"). Returns a
+    (B, H, T, d) view of a (B, T, H, d) buffer, the layout the out projection reads."""
+    b, h, t, d = q.shape
+    out = torch.zeros((b, t, h, d), dtype=v.dtype, device=q.device)
+    for row, length in enumerate(lengths):
+        out[row, :length] = F.scaled_dot_product_attention(
+            q[row, :, :length], k[row, :, :length], v[row, :, :length], scale=1.0).transpose(0, 1)
+    return out.transpose(1, 2)

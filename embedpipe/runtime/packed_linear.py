@@ -14,10 +14,67 @@ mismatch) falls back to ``F.linear``. Costs one extra copy of the packed weights
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+#: rows of every matmul a linear layer runs, by device type (docs/precision.md,
+#: "Reproducibility"): each policy's linear computes its rows in tiles of exactly this many,
+#: the last one padded, so a row goes through the same kernel, blocking and shape whatever the
+#: batch's row count. CPU: a multiple of the AMX (16) and AVX-512 (8, 16, 32) row blocks, small
+#: enough that padding the last tile costs little at CPU batch sizes; CUDA: enough rows for
+#: cuBLAS's 128 x 256 tiles to fill an H100's SMs in the feed-forward of a 650M model, few enough
+#: that the padded tile held beside the output stays inside the memory estimate
+#: (tests/runtime/test_cuda_memory.py)
+BATCH_TILE_ROWS = {"cpu": 128, "cuda": 1024}
+#: benchmark-only switch (benchmarks/batch_invariance_cost.py times the untiled path beside
+#: the tiled one); False makes a record's numbers depend on its batch again. Never set elsewhere
+_batch_invariant = True
+
+
+def batch_invariant() -> bool:
+    """Whether linear layers, padded attention and pooling run batch-invariantly (always,
+    except inside benchmarks/batch_invariance_cost.py's untiled rounds)."""
+    return _batch_invariant
+
+
+def tile_rows(device: torch.device) -> int:
+    """The matmul row tile on ``device`` (:data:`BATCH_TILE_ROWS`; a device type not listed: CUDA's)."""
+    return BATCH_TILE_ROWS.get(device.type, BATCH_TILE_ROWS["cuda"])
+
+
+def row_tiled(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` over x's rows (any leading shape), computed :func:`tile_rows` rows at a time.
+
+    Why: a GEMM's kernel and blocking follow its row count (oneDNN's small-M and AMX paths,
+    BLAS's GEMV), so a record's row rounded differently with every batch it sat in. Each tile
+    is one matmul of the same (tile, K) shape; the last is padded to it with copies of its
+    last row (zeros would send int8's per-token quantization down its tiny-row path, and
+    a copy leaves int8 calibration's per-channel absmax as it is). One copy of the
+    output (tile results into one buffer of the real rows) and one tile of each held beside
+    it are the cost, measured in
+    benchmarks/batch_invariance_cost.py."""
+    if not _batch_invariant:
+        return linear(x)
+    lead, width, tile = x.shape[:-1], x.shape[-1], tile_rows(x.device)
+    rows = x.reshape(-1, width)
+    n = rows.shape[0]
+    out: torch.Tensor | None = None
+    if n == 0:
+        return linear(x)
+    for start in range(0, n, tile):
+        part = rows[start:start + tile]
+        if part.shape[0] < tile:  # the last tile: padded with copies of its last row, outputs dropped
+            part = torch.cat((part, part[-1:].expand(tile - part.shape[0], width)))
+        y = linear(part)
+        if out is None:
+            out = torch.empty((n, y.shape[-1]), dtype=y.dtype, device=y.device)
+        out[start:start + tile] = y[:n - start]
+    assert out is not None
+    return out.view(*lead, out.shape[-1])
 
 
 class PackedLinear:

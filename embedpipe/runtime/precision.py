@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POLICY_KINDS
 from embedpipe.runtime import advice, cpu_features
-from embedpipe.runtime.packed_linear import pack_linear
+from embedpipe.runtime.packed_linear import pack_linear, row_tiled
 
 #: Native arithmetic on CUDA, by compute capability. bfloat16 starts with Ampere (8.0):
 #: current torch's ``torch.cuda.is_bf16_supported()`` answers True on older GPUs too, where
@@ -192,13 +192,15 @@ class Policy:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
         """How a linear layer runs under this policy: the input in the weights' dtype (a no-op
-        except at an fp32 island's edge), through ``packed`` when there is one."""
+        except at an fp32 island's edge), through ``packed`` when there is one; every policy's
+        rows in fixed-size tiles (:func:`~embedpipe.runtime.packed_linear.row_tiled`), so a
+        record's numbers do not depend on its batch (docs/precision.md, "Reproducibility")."""
         x = x.to(weight.dtype)
         if packed is not None:
-            return packed(x, gelu=gelu)
+            return row_tiled(lambda rows: packed(rows, gelu=gelu), x)
         # Unfused GELU runs in the matmul dtype: PyTorch evaluates it in fp32 internally and
         # rounds once, where an fp32 GELU's output would be rounded anyway before the next matmul.
-        h = F.linear(x, weight, bias)
+        h = row_tiled(lambda rows: F.linear(rows, weight, bias), x)
         return F.gelu(h) if gelu else h
 
 
@@ -234,7 +236,7 @@ class AutocastPolicy(Policy):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
-        h = F.linear(x, weight, bias)  # autocast casts
+        h = row_tiled(lambda rows: F.linear(rows, weight, bias), x)  # autocast casts
         return F.gelu(h) if gelu else h
 
 

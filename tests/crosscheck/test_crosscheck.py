@@ -584,3 +584,17 @@ def test_store_table_read_in_blocks_gives_the_whole_table_figures(low_store, mon
         whole = st.records()
     np.testing.assert_array_equal(lengths, whole["length"])
     assert store_figures(table, lengths) == store_figures(whole, np.asarray(whole["length"], dtype=np.int64))
+
+
+def test_an_fp32_stores_crosscheck_reports_exactly_zero_difference(tmp_path, tiny_model_path, records):
+    """Batch invariance (docs/precision.md, "Reproducibility"): the cross-check's fp32
+    recomputation batches the sampled records its own way, yet every pooled and per-residue
+    value it recomputes is bit-identical to the store's, which embedded them 300 tokens a batch."""
+    store = embed_store(tmp_path, tiny_model_path, records, "small-batches", precision="fp32", layers=(0, 2),
+                        per_residue=True, tokens_per_batch=300)
+    report = run_crosscheck(store, out=tmp_path / "cc", sample=12, seed=3, device="cpu", quiet=True)
+    rows = report.data["records"]
+    assert report.data["mode"] == "determinism" and len(rows) == 12 * 2  # 12 records, 2 layers
+    diffs = {key: [r[key] for r in rows] for key in rows[0] if key.endswith("max_abs_diff")}
+    assert "pooled_max_abs_diff" in diffs and "residue_max_abs_diff" in diffs, sorted(rows[0])
+    assert all(value == 0.0 for values in diffs.values() for value in values), diffs

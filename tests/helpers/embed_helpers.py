@@ -168,3 +168,41 @@ def overflowing_prot_t5(directory: Path) -> Path:
     state["shared.weight"][[p for p, _ in vocab].index("▁C")] = 7e4
     save_file(state, str(directory / "model.safetensors"))
     return directory
+
+
+def stored_values(path: Path) -> dict[str, dict[str, np.ndarray]]:
+    """Every number a store holds for each record, by plain h5py: id -> {dataset: value}
+    (pooled vectors and BOS of every layer, per-residue rows, the largest activation and the
+    precision used), for comparing stores bit for bit record by record."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    with h5py.File(path, "r") as f:
+        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in f["ids"][()]]
+        columns = {name: f[name][()] for name in ("max_abs_activation", "precision_used", "fallback_reason")}
+        for group in ("mean", "bos"):
+            columns |= {f"{group}/{key}": f[group][key][()] for key in f.get(group, {})}
+        offsets = f["per_residue/offsets"][()] if "per_residue" in f else None
+        rows = {key: f["per_residue"][key][()] for key in f.get("per_residue", {}) if key != "offsets"}
+        for n, rid in enumerate(ids):
+            out[rid] = {name: np.asarray(values[n]) for name, values in columns.items()}
+            if offsets is not None:
+                out[rid] |= {f"per_residue/{key}": data[offsets[n]:offsets[n + 1]] for key, data in rows.items()}
+    return out
+
+
+def bitwise_differences(reference: Mapping[str, Mapping[str, np.ndarray]],
+                        other: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
+    """'record dataset: max |diff|' for every value of a record both hold that is not
+    bit-identical (NaN equal to NaN); empty when every shared record matches exactly."""
+    out = []
+    for rid in sorted(set(reference) & set(other)):
+        if set(reference[rid]) != set(other[rid]):
+            out.append(f"{rid}: datasets {sorted(reference[rid])} != {sorted(other[rid])}")
+            continue
+        for name, want in reference[rid].items():
+            got = other[rid][name]
+            same = want.shape == got.shape and (want.tobytes() == got.tobytes())
+            if not same:
+                diff = float(np.nanmax(np.abs(want.astype(np.float64) - got.astype(np.float64)))) \
+                    if want.dtype.kind == "f" and want.shape == got.shape else float("nan")
+                out.append(f"{rid} {name}: max |diff| {diff:.3g}")
+    return out

@@ -89,6 +89,8 @@ class Trace:
     mismatches: list[tuple[str, str]] = field(default_factory=list)
     ops: Counter = field(default_factory=Counter)  # aten op -> calls on CUDA tensors
     matmul_dtypes: Counter = field(default_factory=Counter)
+    #: (op, shapes of its tensor inputs) of every matmul: fixed row tiles make this set the same for any batching
+    matmul_shapes: Counter = field(default_factory=Counter)
     events: list[str] = field(default_factory=list)
     pinned: dict = field(default_factory=dict)  # id -> weakref of tensors pin_memory() returned
     live: dict = field(default_factory=dict)  # storage -> (weakref, bytes), when tracking memory
@@ -99,7 +101,7 @@ class Trace:
     def clear(self) -> None:
         """Forget what was seen so far (model preparation), keep the live memory."""
         for name in ("syncs", "transfers", "varlen_calls", "violations", "mismatches", "events", "ops",
-                     "matmul_dtypes", "traffic"):
+                     "matmul_dtypes", "matmul_shapes", "traffic"):
             getattr(self, name).clear()
         self.peak_bytes = self.live_bytes()
         self.largest = 0
@@ -238,6 +240,7 @@ class _SyncCounter(TorchDispatchMode):
     def _account(self, func, name: str, flat: list, out) -> None:  # noqa: ANN001
         if "mm" in name or "linear" in name:
             self.t.matmul_dtypes[(name, out.dtype if isinstance(out, torch.Tensor) else None)] += 1
+            self.t.matmul_shapes[(name, tuple(tuple(a.shape) for a in flat if isinstance(a, torch.Tensor)))] += 1
         outs = [o for o in tree_leaves(out) if is_fake_cuda(o)]
         self.t.largest = max([self.t.largest, *(o.numel() for o in outs), *(a.numel() for a in flat if is_fake_cuda(a))])
         if self.track_traffic and not func.is_view and func not in (aten.detach.default, aten.lift_fresh.default):

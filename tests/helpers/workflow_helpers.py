@@ -149,13 +149,19 @@ def store_values(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
     return out
 
 
-def assert_same_store(a: Path, b: Path, atol: float = 1e-6) -> None:
+def assert_same_store(a: Path, b: Path, atol: float = 1e-6, *, exact: bool = False) -> None:
+    """Two stores hold the same IDs and values: within ``atol``, or bit for bit (``exact``,
+    ``np.array_equal``: batch-invariant runs, docs/precision.md "Reproducibility")."""
     va, vb = store_values(a), store_values(b)
     assert sorted(va) == sorted(vb), "the stores hold different IDs"
     for name in va:
-        np.testing.assert_allclose(va[name][0], vb[name][0], rtol=0, atol=atol, err_msg=name)
-        if va[name][1] is not None or vb[name][1] is not None:
-            np.testing.assert_allclose(va[name][1], vb[name][1], rtol=0, atol=atol, err_msg=name)
+        for got, want in zip(va[name], vb[name]):
+            if got is None and want is None:
+                continue
+            if exact:
+                assert got is not None and want is not None and np.array_equal(got, want), name
+            else:
+                np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=name)
 
 
 def validate(path: Path) -> subprocess.CompletedProcess[str]:

@@ -223,3 +223,25 @@ def test_the_trace_catches_a_planted_defect(model_path, monkeypatch, plant, expe
     caught = [line for line in found if line.startswith(expected)]
     assert caught, "\n".join(found)
     assert all(at in line for line in caught), caught  # located where it was planted (the kernel's call for the offsets)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+@pytest.mark.parametrize("family", ["esm2-pt", "prot-t5"])
+def test_every_matmul_shape_is_fixed_whatever_the_batching(family_paths, family, precision):
+    """Issue 32 on the CUDA path: the linear layers run in fixed row tiles, so the set of matmul
+    shapes is the same for one batch of every record and for many small ones, and every
+    projection's rows are exactly one tile (docs/precision.md, "Reproducibility")."""
+    from embedpipe.runtime.packed_linear import tile_rows
+
+    pooling = FAMILIES[family]
+    shapes = []
+    for budget in ("auto", 700):
+        embedder, results, trace, _ = trace_embed(family_paths[family], pooling=pooling, precision=precision,
+                                                  tokens_per_batch=budget)
+        assert sorted(results) == list(range(len(LENGTHS)))
+        shapes.append(set(trace.matmul_shapes))
+    assert embedder.stats["batches"] > 1  # the second batching really is another one
+    assert shapes[0] == shapes[1]
+    linears = [inputs for op, inputs in shapes[0] if op == "aten.linear.default"]
+    assert len(linears) >= 3, sorted(shapes[0])  # q/k/v or their fused projection, out projection, feed-forward
+    assert {inputs[0] for inputs in linears} <= {(tile_rows(CUDA), width) for width in (64, 128, 256)}, sorted(shapes[0])

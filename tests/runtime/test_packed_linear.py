@@ -133,3 +133,63 @@ def test_forward_prepacks_where_it_can_and_matches_unpacked(tiny_model_path, pre
 def test_keep_freed_memory_applies_on_glibc():
     assert keep_freed_memory() is True
     assert keep_freed_memory() is True  # idempotent
+
+
+# --------------------------------------------------------------------- batch invariance (issue 32)
+
+def _row_count_dependent(weight: torch.Tensor, calls: list[int]):
+    """A linear whose rounding follows its row count, as a GEMM whose kernel or blocking
+    changes with M does: each output is nudged by a last-bit amount that depends on how many
+    rows the call had. ``calls`` records each call's row count."""
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        y = F.linear(x, weight)
+        return y + y * (x.shape[0] % 5) * 2.0 ** -22
+    return linear
+
+
+def test_row_tiles_make_a_row_count_dependent_linear_batch_invariant(monkeypatch):
+    weight, _ = _weights(torch.float32)
+    x = torch.randn(700, weight.shape[1], generator=torch.Generator().manual_seed(2))
+    calls: list[int] = []
+    linear = _row_count_dependent(weight, calls)
+    tile = packed_linear.tile_rows(torch.device("cpu"))
+    reference = packed_linear.row_tiled(linear, x[:5])  # 5 rows: one padded tile
+    for n in (1, 5, tile - 1, tile, tile + 1, 700):
+        got = packed_linear.row_tiled(linear, x[:n])
+        assert got.shape == (n, weight.shape[0])
+        assert torch.equal(got[:min(n, 5)], reference[:min(n, 5)]), n
+        # every call is one whole tile, and the rows are the plain linear's up to the planted nudge
+        torch.testing.assert_close(got, F.linear(x[:n], weight), rtol=1e-5, atol=1e-5)
+    assert set(calls) == {tile}
+    # (B, T, K) inputs keep their leading shape
+    assert packed_linear.row_tiled(linear, x[:600].view(4, 150, -1)).shape == (4, 150, weight.shape[0])
+    # the benchmark-only switch: untiled, the same rows round differently with the batch's size
+    monkeypatch.setattr(packed_linear, "_batch_invariant", False)
+    assert not torch.equal(packed_linear.row_tiled(linear, x[:5]), packed_linear.row_tiled(linear, x[:6])[:5])
+
+
+def test_every_policy_runs_its_linear_layers_in_whole_tiles(monkeypatch):
+    """fp32 (F.linear and prepacked), bf16-mixed and int8-mixed: each matmul a policy's linear
+    runs gets exactly one tile of rows, whatever the batch's row count."""
+    from embedpipe.runtime import int8_linear
+    seen: list[int] = []
+    original = int8_linear.Int8Linear.scaled_matmul
+    monkeypatch.setattr(int8_linear.Int8Linear, "scaled_matmul",
+                        lambda self, xq: (seen.append(xq.shape[0]), original(self, xq))[1])
+    weight, bias = _weights(torch.float32)
+    tile = packed_linear.tile_rows(torch.device("cpu"))
+    for name in ("fp32", "bf16-mixed", "int8-mixed"):
+        policy = get_policy(name)
+        w, b = weight.to(policy.weight_dtype), bias.to(policy.weight_dtype)
+        packed = policy.pack(w, b) if policy.packs(True) else None
+        seen.clear()  # int8's probe of its engine when packed
+        real = packed if packed is not None else (lambda rows, gelu=False, w=w, b=b: F.linear(rows, w, b))
+        counted = lambda rows, gelu=False, real=real: (seen.append(rows.shape[0]), real(rows, gelu=gelu))[1]  # noqa: E731
+        with forward_context(policy, torch.device("cpu")):
+            for n in (3, 300):
+                x = torch.randn(n, weight.shape[1], generator=torch.Generator().manual_seed(n))
+                out = policy.linear(x, w, b, counted)
+                assert out.shape == (n, weight.shape[0])
+                torch.testing.assert_close(out.float(), F.linear(x, weight, bias), rtol=0.05, atol=0.3)
+        assert seen and set(seen) == {tile}, name
