@@ -13,14 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.model.base import ForwardOutput, PackedRunner, masked_max_abs
-from embedpipe.runtime import cuda
 from embedpipe.runtime.attention import packed_kernel
-from embedpipe.runtime.packed import PackedTokens, padded_per_sequence_attention, per_sequence_attention, token_max_abs
-from embedpipe.runtime.packed_linear import batch_invariant
+from embedpipe.runtime.packed import PackedTokens, packed_attention, padded_attention, token_max_abs
 from embedpipe.runtime.precision import Packed, Policy
 
 #: fair-esm's ``ESM2`` and its submodules: their attributes (``layers``, ``q_proj``, ``rot_emb``, ...)
@@ -356,33 +353,14 @@ class EsmForward:
         return self._linear(attn.out_proj, out.reshape(*lead, heads * head_dim))
 
     def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
-        """(B, H, T, d) attention with q pre-scaled; ``batch.attn_mask`` True = attend. On the
-        CPU each record at its own length (batch-invariant; docs/precision.md, "Reproducibility")."""
-        attn_mask = batch.attn_mask
-        if self.attention == "sdpa" and batch.lengths is not None and batch_invariant():
-            return padded_per_sequence_attention(q, k, v, batch.lengths)
-        if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
-        # "math": explicit scores, fp32 softmax, as fair-esm computes it
-        scores = torch.matmul(q, k.transpose(-1, -2))
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
-        return torch.matmul(probs, v.to(probs.dtype))
+        """(B, H, T, d) attention with q pre-scaled; on the CPU each record at its own length
+        (batch-invariant; docs/precision.md, "Reproducibility")."""
+        return padded_attention(q, k, v, batch.attn_mask, batch.lengths, self.attention)
 
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedTokens) -> torch.Tensor:
         """(N, H, d) attention within each sequence of ``batch``, q pre-scaled."""
         q, k, v = self.policy.kernel_inputs(q, k, v)  # autocast: cast, as SDPA would under it
-        if self.packed_attention == "varlen-flash":  # flash needs only the last dim contiguous
-            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-            return cuda.varlen_attention(q, k, v, batch.offsets, batch.max_len)
-        return per_sequence_attention(q, k, v, batch.host_offsets)
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its last dim has stride 1 (rows of q/k/v inside the fused projection
-    need no copy), else a contiguous copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+        return packed_attention(q, k, v, batch, self.packed_attention)
 
 
 class _PaddedBatch:

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from embedpipe.core.errors import ModelError
 from embedpipe.model.base import ForwardOutput, PackedRunner
 from embedpipe.model.esm2_forward import RotaryTables, _PaddedBatch, rotate_into
-from embedpipe.runtime import cuda
 from embedpipe.runtime.attention import packed_kernel
-from embedpipe.runtime.packed import PackedTokens, per_sequence_attention
+from embedpipe.runtime.packed import PackedTokens, packed_attention, padded_attention
 from embedpipe.runtime.precision import Packed, Policy
 
 #: the linear layers of a block, by embedpipe's weight name (``{layer}.{name}``)
@@ -170,28 +169,19 @@ class EsmcForward:
         if isinstance(batch, PackedTokens):
             out = self._attend_packed(q, k, v, batch)
         else:
-            out = self._attend_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch.attn_mask)
+            out = self._attend_padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
             out = out.transpose(1, 2)
         return self._linear(out.reshape(*lead, s.dim), f"{i}.o")
 
-    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """(B, H, T, d) attention, q pre-scaled, ``attn_mask`` True = attend; ``math``: explicit
-        scores with an fp32 softmax."""
-        if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
-        scores = torch.matmul(q, k.transpose(-1, -2))
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
+        """(B, H, T, d) attention, q pre-scaled: ESM-2's padded attention (each record at its own
+        length on the CPU, batch-invariant; ``math``: explicit scores with an fp32 softmax)."""
+        return padded_attention(q, k, v, batch.attn_mask, batch.lengths, self.attention)
 
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedTokens) -> torch.Tensor:
         """(N, H, d) attention within each sequence (ESM-2's kernels: varlen flash or per sequence)."""
         q, k, v = self.policy.kernel_inputs(q, k, v)
-        if self.packed_attention == "varlen-flash":
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-            return cuda.varlen_attention(q, k, v, batch.offsets, batch.max_len)
-        return per_sequence_attention(q, k, v, batch.host_offsets)
+        return packed_attention(q, k, v, batch, self.packed_attention)
 
 
 if TYPE_CHECKING:  # mypy checks the runner against the interface (docs/architecture.md)

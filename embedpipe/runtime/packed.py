@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from embedpipe.runtime import cuda
+from embedpipe.runtime.packed_linear import batch_invariant
+
 
 @dataclass(frozen=True)
 class PackedTokens:
@@ -158,3 +161,29 @@ def padded_per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         out[row, :length] = F.scaled_dot_product_attention(
             q[row, :, :length], k[row, :, :length], v[row, :, :length], scale=1.0).transpose(0, 1)
     return out.transpose(1, 2)
+
+
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                     lengths: Sequence[int] | None, attention: str) -> torch.Tensor:
+    """(B, H, T, d) attention of a padded batch, q pre-scaled, ``attn_mask`` True = attend; the one
+    padded attention every family with ``sdpa``/``math`` uses. SDPA with ``lengths`` (the CPU):
+    each record at its own length (:func:`padded_per_sequence_attention`, batch-invariant); ``math``:
+    explicit scores and an fp32 softmax, as fair-esm computes them."""
+    if attention == "sdpa" and lengths is not None and batch_invariant():
+        return padded_per_sequence_attention(q, k, v, lengths)
+    if attention == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).type_as(scores)
+    return torch.matmul(probs, v.to(probs.dtype))
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedTokens, kernel: str) -> torch.Tensor:
+    """(N, H, d) attention within each sequence of ``batch``, q pre-scaled: CUDA's flash varlen
+    kernel (``kernel == "varlen-flash"``) or each sequence alone; both batch-invariant."""
+    if kernel == "varlen-flash":  # flash needs only the last dim contiguous
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        return cuda.varlen_attention(q, k, v, batch.offsets, batch.max_len)
+    return per_sequence_attention(q, k, v, batch.host_offsets)

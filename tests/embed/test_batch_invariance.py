@@ -6,7 +6,7 @@ subsets, other batch-mates, one record alone, one thread or two) and every value
 holds for a record (every layer's pooled mean and BOS, per-residue rows, the largest
 activation, the precision used, the fp32 fallback's re-run) is compared bit for bit with
 the store of one batch of them all: ESM-2 (fair-esm .pt, both layouts; Hugging Face ESM-2)
-and T5 (ProtT5, Ankh; padded) under fp32, bf16-mixed and int8-mixed.
+T5 (ProtT5, Ankh; padded) and ESM C (both layouts) under fp32, bf16-mixed and int8-mixed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ MATES = [(f"mate{i}", seq) for i, (_, seq) in enumerate(random_sequences(3, [400
 LAYERS = (0, 1, 2)
 #: what every batching computes: every layer, BOS (where the family has one) and per-residue rows
 WHAT = dict(layers=LAYERS, per_residue=True)
-POOLING = {"esm2-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",)}
+POOLING = {"esm2-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",),
+           "esmc": ("mean", "bos")}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def models(model_factory, tmp_path_factory) -> dict[str, Path]:
     """Small random models of each family: 2 layers, width 64."""
     root = tmp_path_factory.mktemp("invariance-models")
     paths = {"esm2-pt": model_factory(layers=2, dim=64, heads=4, seed=32)}
-    for family in ("hf-esm", "prot-t5", "ankh"):
+    for family in ("hf-esm", "prot-t5", "ankh", "esmc"):
         paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=32)
     return paths
 
@@ -59,6 +60,8 @@ CASES = [
     ("hf-esm", "fp32", "packed"), ("hf-esm", "bf16-mixed", "padded"),
     ("prot-t5", "fp32", "padded"), ("prot-t5", "bf16-mixed", "padded"), ("prot-t5", "int8-mixed", "padded"),
     ("ankh", "fp32", "padded"), ("ankh", "bf16-mixed", "padded"), ("ankh", "int8-mixed", "padded"),
+    ("esmc", "fp32", "packed"), ("esmc", "bf16-mixed", "packed"), ("esmc", "int8-mixed", "packed"),
+    ("esmc", "fp32", "padded"), ("esmc", "bf16-mixed", "padded"), ("esmc", "int8-mixed", "padded"),
 ]
 
 
@@ -135,7 +138,8 @@ def test_the_fp32_fallback_rerun_is_batch_invariant(overflow_model, overflow_rec
 #: the property's cases: each policy once per layout and family kind
 PROPERTY_CASES = [("esm2-pt", "fp32", "packed"), ("esm2-pt", "bf16-mixed", "padded"),
                   ("esm2-pt", "int8-mixed", "packed"), ("prot-t5", "fp32", "padded"),
-                  ("prot-t5", "bf16-mixed", "padded"), ("ankh", "int8-mixed", "padded")]
+                  ("prot-t5", "bf16-mixed", "padded"), ("ankh", "int8-mixed", "padded"),
+                  ("esmc", "bf16-mixed", "packed"), ("esmc", "int8-mixed", "padded")]
 _references: dict[tuple, dict] = {}
 
 

@@ -212,8 +212,8 @@ def _int64_offsets(q, k, v, cu, m):
 
 
 @pytest.mark.parametrize("plant, expected, at", [
-    (_nan_check, "host sync: is_nonzero", "esm2_forward.py"),
-    (_round_trip, "device-to-host copy outside", "esm2_forward.py"),
+    (_nan_check, "host sync: is_nonzero", "runtime/packed.py"),
+    (_round_trip, "device-to-host copy outside", "runtime/packed.py"),
     (_int64_offsets, "varlen contract: cu_seqlens_q dtype torch.int64", "cuda.py"),
 ], ids=["host-sync", "device-to-host-round-trip", "int64-offsets"])
 def test_the_trace_catches_a_planted_defect(model_path, monkeypatch, plant, expected, at):
