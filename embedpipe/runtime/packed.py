@@ -138,10 +138,12 @@ def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stand-in for the varlen kernel where it does not run (CPU, fp32 inputs, pre-Ampere GPUs)."""
     out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
     for lo, hi in zip(host_offsets[:-1], host_offsets[1:]):
-        # (T, H, d) -> (H, T, d) views; the output is written back into the packed rows
+        # (T, H, d) -> (1, H, T, d) views, four dimensions: with three, SDPA's CPU dispatch skips
+        # its flash kernel for the math path (scores materialised, 2x slower; docs/benchmarks.md,
+        # "Batch invariance"); the output is written back into the packed rows
         out[lo:hi] = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1), scale=1.0
-        ).transpose(0, 1)
+            q[None, lo:hi].transpose(1, 2), k[None, lo:hi].transpose(1, 2), v[None, lo:hi].transpose(1, 2), scale=1.0
+        )[0].transpose(0, 1)
     return out
 
 
@@ -158,8 +160,10 @@ def padded_per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     b, h, t, d = q.shape
     out = torch.zeros((b, t, h, d), dtype=v.dtype, device=q.device)
     for row, length in enumerate(lengths):
+        # four dimensions, as per_sequence_attention: SDPA's CPU flash kernel, not its math path
         out[row, :length] = F.scaled_dot_product_attention(
-            q[row, :, :length], k[row, :, :length], v[row, :, :length], scale=1.0).transpose(0, 1)
+            q[row:row + 1, :, :length], k[row:row + 1, :, :length], v[row:row + 1, :, :length], scale=1.0
+        )[0].transpose(0, 1)
     return out.transpose(1, 2)
 
 
