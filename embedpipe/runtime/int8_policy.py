@@ -21,7 +21,6 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime import cpu_features
 from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.int8_smoothing import CalibratingLinear, Calibration
-from embedpipe.runtime.packed_linear import row_tiled
 from embedpipe.runtime.precision import MixedPolicy, Packed, add_policies
 
 #: root attributes of an int8-mixed store (docs/store-format.md)
@@ -98,7 +97,11 @@ class Int8MixedPolicy(MixedPolicy):
                packed: Packed | None = None, *, gelu: bool = False) -> torch.Tensor:
         if packed is None:
             raise RuntimeError(f"{self.name}: a linear layer without its int8 copy (the forward did not pack it)")
-        return row_tiled(lambda rows: packed(rows, gelu=gelu), x.float())
+        # no row tiles (docs/precision.md, "Reproducibility"): a row's int8 result cannot depend on
+        # its batch-mates. Its scale is its own (per token: a max, exact in any order), the int32
+        # sums are exact whatever the kernel's blocking, and the rescale and bias are per element.
+        # Tiles cost int8 a quarter of its time (benchmarks/batch_invariance_cost.py) for nothing.
+        return packed(x.float(), gelu=gelu)
 
 
 add_policies("int8", Int8MixedPolicy)

@@ -169,21 +169,17 @@ def test_row_tiles_make_a_row_count_dependent_linear_batch_invariant(monkeypatch
     assert not torch.equal(packed_linear.row_tiled(linear, x[:5]), packed_linear.row_tiled(linear, x[:6])[:5])
 
 
-def test_every_policy_runs_its_linear_layers_in_whole_tiles(monkeypatch):
-    """fp32 (F.linear and prepacked), bf16-mixed and int8-mixed: each matmul a policy's linear
-    runs gets exactly one tile of rows, whatever the batch's row count."""
-    from embedpipe.runtime import int8_linear
-    seen: list[int] = []
-    original = int8_linear.Int8Linear.scaled_matmul
-    monkeypatch.setattr(int8_linear.Int8Linear, "scaled_matmul",
-                        lambda self, xq: (seen.append(xq.shape[0]), original(self, xq))[1])
+def test_every_float_policy_runs_its_linear_layers_in_whole_tiles():
+    """fp32 (F.linear and prepacked) and bf16-mixed: each matmul a policy's linear runs gets
+    exactly one tile of rows, whatever the batch's row count."""
     weight, bias = _weights(torch.float32)
     tile = packed_linear.tile_rows(torch.device("cpu"))
-    for name in ("fp32", "bf16-mixed", "int8-mixed"):
+    seen: list[int] = []
+    for name in ("fp32", "bf16-mixed"):
         policy = get_policy(name)
         w, b = weight.to(policy.weight_dtype), bias.to(policy.weight_dtype)
         packed = policy.pack(w, b) if policy.packs(True) else None
-        seen.clear()  # int8's probe of its engine when packed
+        seen.clear()
         real = packed if packed is not None else (lambda rows, gelu=False, w=w, b=b: F.linear(rows, w, b))
         counted = lambda rows, gelu=False, real=real: (seen.append(rows.shape[0]), real(rows, gelu=gelu))[1]  # noqa: E731
         with forward_context(policy, torch.device("cpu")):
@@ -193,3 +189,18 @@ def test_every_policy_runs_its_linear_layers_in_whole_tiles(monkeypatch):
                 assert out.shape == (n, weight.shape[0])
                 torch.testing.assert_close(out.float(), F.linear(x, weight, bias), rtol=0.05, atol=0.3)
         assert seen and set(seen) == {tile}, name
+
+
+def test_int8_rows_need_no_tile_they_are_the_same_in_any_row_count():
+    """int8-mixed's linear runs untiled: a row's per-token scale is its own, the int32 sums are
+    exact in any blocking and the rescale is per element, so each row's output is bit for bit
+    the same alone, in 2, 3 (oneDNN's small-M paths), 127, 129 or 1000 rows, at any offset."""
+    weight, bias = _weights(torch.float32)
+    policy = get_policy("int8-mixed")
+    packed = policy.pack(weight, bias)
+    x = torch.randn(1000, weight.shape[1], generator=torch.Generator().manual_seed(8)) * 3
+    with forward_context(policy, torch.device("cpu")):
+        whole = policy.linear(x, weight, bias, packed)
+        for lo, hi in ((0, 1), (5, 7), (10, 13), (0, 127), (300, 429), (999, 1000), (1, 1000)):
+            assert torch.equal(policy.linear(x[lo:hi], weight, bias, packed), whole[lo:hi]), (lo, hi)
+    torch.testing.assert_close(whole, F.linear(x, weight, bias), rtol=0.05, atol=0.3 * 3)
