@@ -21,6 +21,18 @@ import _family_recipes as recipes  # noqa: E402
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
+def quick_run(tmp_path: Path, families: list[str], policies: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+    """``family_throughput.py --quick`` on ``families`` and ``policies``: (the finished process,
+    its results.json rows by system); a failed run fails the test with its stderr."""
+    out = tmp_path / "bench"
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent))
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "family_throughput.py"), "--quick", "--families",
+                           *families, "--policies", *policies, "--out-dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, {r["system"]: r for r in json.loads((out / "results.json").read_text())}
+
+
 def test_batches_follow_prott5_embedders_rules() -> None:
     """Longest first; a batch closes at 4000 residues (the last one counted twice), after a
     record over 1000 residues, at 100 records, and at the end."""
@@ -44,13 +56,7 @@ def test_read_fasta_keeps_the_first_word_and_drops_gaps(tmp_path: Path) -> None:
 def test_quick_run_agrees_with_the_recipes(tmp_path: Path) -> None:
     """A --quick run of a T5 family and hf-esm: every system's means against the recipe's.
     embedpipe's fp32 and the transformers recipe are independent implementations."""
-    out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent))
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "family_throughput.py"), "--quick", "--families",
-                           "prot-t5", "hf-esm", "--policies", "fp32", "--out-dir", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())}
+    proc, rows = quick_run(tmp_path, ["prot-t5", "hf-esm"], ["fp32"])
     assert set(rows) == {"prot-t5 recipe", "prot-t5 embedpipe fp32", "hf-esm recipe", "fair-esm",
                          "hf-esm embedpipe fp32 (.pt)", "hf-esm embedpipe fp32"}
     for row in rows.values():
@@ -84,13 +90,7 @@ def test_a_t5_test_model_takes_the_real_models_proportions(tmp_path: Path) -> No
 def test_quick_esmc_run_agrees_with_transformers_esmc(tmp_path: Path) -> None:
     """ESM C beside transformers' EsmcModel (SDPA) in fp32 and bf16: embedpipe's fp32 means equal
     the fp32 recipe's; the bf16 ones (both sides) stay close to it."""
-    out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent))
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "family_throughput.py"), "--quick", "--families",
-                           "esmc", "--policies", "fp32", "bf16-mixed", "--out-dir", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())}
+    _, rows = quick_run(tmp_path, ["esmc"], ["fp32", "bf16-mixed"])
     assert set(rows) == {"esmc recipe", "esmc recipe bf16", "esmc embedpipe fp32", "esmc embedpipe bf16-mixed"}
     assert rows["esmc recipe"]["attention"] == "sdpa"
     assert rows["esmc embedpipe fp32"]["min_cosine"] > 0.99999
