@@ -132,6 +132,20 @@ def thread_count(requested: int | None, env: Mapping[str, str] = os.environ,
     return allocated(env, root)
 
 
+def oversubscribed(requested: int | None, env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> str:
+    """The warning for ``--threads`` above the CPUs the job owns ('' when it is not): threads
+    beyond the allocation take turns on its cores, and every parallel region then waits for
+    the one that lost its turn (docs/benchmarks.md, "CPU contention")."""
+    if not requested:
+        return ""
+    owned = allocated(env, root)
+    if requested <= owned.count:
+        return ""
+    return (f"--threads {requested} is more than the {owned.count} CPU(s) this job may use ({owned.source}): "
+            f"the extra threads share cores and slow every step down; give --threads {owned.count} or leave it "
+            "out (docs/cluster.md, \"CPU threads\")")
+
+
 def use_threads(requested: int | None) -> CpuAllocation:
     """Size torch's intra-op pool (shared by oneDNN and MKL) and, while it can still be set,
     its inter-op pool to :func:`thread_count`; returns it."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from embedpipe.core.cpus import use_threads
+from embedpipe.core.cpus import oversubscribed, use_threads
 from embedpipe.core.devices import claim_device, resolve_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
@@ -94,7 +94,7 @@ class Job:
             run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=packs,
                               model=_loaded_identity(self.model, loaded), policy=self.policy)
             embedder = Embedder(loaded, run)
-            for note in embedder.notes:
+            for note in filter(None, (oversubscribed(resolve_threads(self.options)), *embedder.notes)):
                 say(f"warning: {note}", quiet=self.quiet)
             if self.reuse is not None:
                 self.reuse.check(run.identity)

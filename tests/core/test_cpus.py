@@ -83,6 +83,16 @@ def test_explicit_threads_win_over_the_allocation(node) -> None:
     assert cpus.thread_count(None, {}, root).count == 1
 
 
+def test_threads_above_the_allocation_are_named_with_where_the_allocation_came_from(node) -> None:
+    root = node(8, ["0::/job"], {"job/cpu.max": "400000 100000"})
+    assert cpus.oversubscribed(None, {}, root) == ""  # the default is the allocation itself
+    assert cpus.oversubscribed(4, {}, root) == ""
+    note = cpus.oversubscribed(6, {}, root)
+    assert note.startswith(f"--threads 6 is more than the 4 CPU(s) this job may use (cgroup {root / 'job' / 'cpu.max'} ")
+    assert "give --threads 4" in note
+    assert "the 2 CPU(s)" in cpus.oversubscribed(3, {"SLURM_CPUS_PER_TASK": "2"}, root)
+
+
 def test_the_wait_policy_is_set_only_when_the_user_chose_none(monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
     cpus.set_wait_policy(env)
@@ -115,9 +125,15 @@ def test_the_store_records_the_threads_and_where_they_came_from(tiny_model_path,
     fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=3))
     out = tmp_path / "out.h5"
     proc = subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(tiny_model_path),
-                           "--out", str(out), "--device", "cpu", "-q", *args],
+                           "--out", str(out), "--device", "cpu", *args],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
     assert proc.returncode == 0, proc.stderr
     with h5py.File(out, "r") as f:
         assert (int(f.attrs["threads"]), str(f.attrs["threads_from"])) == want
         assert json.loads(f.attrs["config"])["threads"] == (None if not args else 2)
+    # threads above the allocation run, and say so once (docs/cluster.md, "CPU threads")
+    warned = [line for line in proc.stderr.splitlines() if "CPU(s) this job may use" in line]
+    assert warned == ([] if not args else [
+        "warning: --threads 2 is more than the 1 CPU(s) this job may use (SLURM_CPUS_PER_TASK=1): the extra threads "
+        "share cores and slow every step down; give --threads 1 or leave it out (docs/cluster.md, \"CPU threads\")"])
+
