@@ -18,13 +18,17 @@ fp32's slowdown and stays faster than fp32 there, and pinned / quiet-P <= 1.3.
 ``--wait-policies`` repeats everything per OpenMP wait policy (``embedpipe`` sets
 ``OMP_WAIT_POLICY=PASSIVE`` unless one is set: docs/cluster.md): ``embedpipe`` (its own
 choice), ``PASSIVE``, ``ACTIVE`` and ``default`` (the OpenMP runtime's own: ``KMP_BLOCKTIME=200``,
-which libgomp ignores, so embedpipe sets nothing). ``int8-mixed-1mib`` is int8-mixed with
+which libgomp ignores, so embedpipe sets nothing), and ``spin-1k`` .. ``spin-100k``: libgomp's
+``GOMP_SPINCOUNT`` (how long a waiting thread spins before it sleeps; its default is 300000,
+about 3 ms, PASSIVE's 0). ``--conditions quiet neighbour`` skips the pinned runs. ``int8-mixed-1mib`` is int8-mixed with
 the quantize passes' chunks fixed at 1 MiB whatever the threads (the code before the
 per-thread chunks; embedpipe/runtime/int8_linear.py, ``row_chunks``), for a before/after in
 one run.
 
     python benchmarks/cpu_contention.py --repeat-input 2 --rounds 3               # 200 proteins, 35M shape
     python benchmarks/cpu_contention.py --repeat-input 2 --rounds 3 --wait-policies embedpipe default ACTIVE
+    python benchmarks/cpu_contention.py --repeat-input 2 --rounds 3 --conditions quiet neighbour \
+        --wait-policies embedpipe default spin-1k spin-10k spin-100k
     python benchmarks/cpu_contention.py --layers 2 --dim 64 --heads 4 --max-records 8 --rounds 1   # smoke run
     python benchmarks/cpu_contention.py --count-ops --threads 2     # eager ops per int8 linear (a count, no timing)
 """
@@ -42,10 +46,15 @@ from pathlib import Path
 
 from embed_throughput import OUT, add_input_arguments, bench_model, repeat_input, system_command
 
+from embedpipe.core.cpus import WAIT_VARIABLES
+
 POLICIES = ("fp32", "bf16-mixed", "int8-mixed")
 #: the environment of each wait policy (embedpipe: none set, so its own choice applies)
 WAIT_POLICIES = {"embedpipe": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
-                 "default": {"KMP_BLOCKTIME": "200"}}
+                 "default": {"KMP_BLOCKTIME": "200"},
+                 # libgomp's spin before a waiting thread sleeps (its default 300000 is ~3 ms, PASSIVE 0)
+                 **{f"spin-{n // 1000}k": {"GOMP_SPINCOUNT": str(n)} for n in (1000, 10000, 30000, 100000)}}
+CONDITIONS = ("quiet", "neighbour", "pinned", "quiet-P")
 #: int8-mixed with the quantize chunks of the code before per-thread chunks (1 MiB whatever the threads)
 FIXED_CHUNKS = (
     "import sys; import embedpipe.runtime.int8_linear as m\n"
@@ -91,9 +100,10 @@ def conditions(args: argparse.Namespace, system: str, model: Path, fasta: Path) 
     """condition -> (command, neighbours) for one system."""
     target = OUT / f"contention-{system}.h5"
     free = embed_command(system, model, fasta, target, None)
-    return {"quiet": (free, 0), "neighbour": (free, args.neighbours),
-            "pinned": (pinned(free, args.pinned_cpus), 0),
-            "quiet-P": (embed_command(system, model, fasta, target, args.pinned_cpus), 0)}
+    every = {"quiet": (free, 0), "neighbour": (free, args.neighbours),
+             "pinned": (pinned(free, args.pinned_cpus), 0),
+             "quiet-P": (embed_command(system, model, fasta, target, args.pinned_cpus), 0)}
+    return {name: every[name] for name in args.conditions}
 
 
 def measure(args: argparse.Namespace, model: Path, fasta: Path) -> dict[tuple[str, str, str], list[float]]:
@@ -101,8 +111,7 @@ def measure(args: argparse.Namespace, model: Path, fasta: Path) -> dict[tuple[st
     walls: dict[tuple[str, str, str], list[float]] = {}
     for round_index in range(args.rounds):
         for wait in args.wait_policies:
-            env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME",
-                                                                     "OMP_NUM_THREADS")}
+            env = {k: v for k, v in os.environ.items() if k not in (*WAIT_VARIABLES, "OMP_NUM_THREADS")}
             env |= WAIT_POLICIES[wait]
             for system in args.systems:
                 for condition, (cmd, neighbours) in conditions(args, system, model, fasta).items():
@@ -124,7 +133,7 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
               "| pinned / quiet |\n|---|---|---|---|---|---|---|---|---|")
         fp32_slow = median[(wait, "fp32", "neighbour")] / median[(wait, "fp32", "quiet")]
         for system in args.systems:
-            m = {c: median[(wait, system, c)] for c in ("quiet", "neighbour", "pinned", "quiet-P")}
+            m = {c: median.get((wait, system, c), float("nan")) for c in CONDITIONS}
             slow = m["neighbour"] / m["quiet"]
             rounds = "/".join(f"{t:.1f}" for t in walls[(wait, system, "neighbour")])
             print(f"| {system} | {m['quiet']:.1f} | {m['neighbour']:.1f} ({rounds}) | {slow:.2f} | {slow / fp32_slow:.2f} "
@@ -173,6 +182,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--neighbours", type=int, default=1, help="processes that each keep one core busy")
     parser.add_argument("--pinned-cpus", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2))
+    parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS,
+                        help="quiet and neighbour are needed for the slowdowns")
     parser.add_argument("--wait-policies", nargs="+", default=["embedpipe"], choices=list(WAIT_POLICIES))
     parser.add_argument("--count-ops", action="store_true",
                         help="only count the eager ops of one int8 linear per layer shape (no timing)")

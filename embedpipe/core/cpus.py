@@ -22,8 +22,9 @@ from pathlib import Path
 #: ``benchmarks/cpu_contention.py --wait-policies`` has compared it with ACTIVE and the
 #: runtime's default on a quiet machine (docs/benchmarks.md, "CPU contention")
 WAIT_POLICY = "PASSIVE"
-#: the variables that choose it (libgomp and Intel's OpenMP read the first; Intel's the second)
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+#: the variables that choose it (libgomp and Intel's OpenMP read the first; Intel's the
+#: second; libgomp's spin count before a waiting thread sleeps the third)
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
 #: the cgroup file systems' usual mount point
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: this process's cgroups, one ``id:controllers:path`` line each (v2: ``0::path``)
@@ -170,7 +171,7 @@ def provenance(requested: int | None) -> dict[str, int | str]:
 
 
 def set_wait_policy(env: MutableMapping[str, str] = os.environ) -> None:
-    """Set :data:`WAIT_POLICY` unless the user chose one (either of :data:`WAIT_VARIABLES`:
+    """Set :data:`WAIT_POLICY` unless the user chose one (any of :data:`WAIT_VARIABLES`:
     ``KMP_BLOCKTIME`` alone keeps libgomp's own default, which the benchmark compares). Must
     run before torch is imported: the OpenMP runtime reads it when it loads."""
     if WAIT_POLICY and not any(env.get(name) for name in WAIT_VARIABLES):  # "": the runtime's own default

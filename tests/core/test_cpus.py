@@ -97,7 +97,7 @@ def test_the_wait_policy_is_set_only_when_the_user_chose_none(monkeypatch: pytes
     env: dict[str, str] = {}
     cpus.set_wait_policy(env)
     assert env == {"OMP_WAIT_POLICY": cpus.WAIT_POLICY}
-    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"KMP_BLOCKTIME": "200"}):
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"KMP_BLOCKTIME": "200"}, {"GOMP_SPINCOUNT": "10000"}):
         env = dict(chosen)
         cpus.set_wait_policy(env)
         assert env == chosen
