@@ -1,4 +1,4 @@
-"""How fast can bf16-mixed be on this CPU at all? A floor built from measured parts, beside the real run.
+"""How fast can bf16-mixed or int8-mixed be on this CPU at all? A floor from measured parts, beside the real runs.
 
 bf16-mixed runs every projection and FFN matmul in bf16 and keeps attention scores and
 softmax in fp32 (docs/precision.md). So no implementation of that policy can take
@@ -62,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_input_arguments(parser)
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each measured part")
+    parser.add_argument("--policies", nargs="+", default=["bf16-mixed", "int8-mixed"],
+                        help="whole embed runs to set against the floor (the advised policy for this CPU is marked)")
     args = parser.parse_args()
 
     import torch
@@ -71,6 +73,8 @@ def main() -> None:
     from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
     from embedpipe.runtime.packed_linear import pack_linear
+    from embedpipe.runtime.advice import fastest_policy
+    from embedpipe.runtime.cpu_features import detect
 
     torch.set_num_threads(args.threads)
     model_path = bench_model(args)
@@ -80,9 +84,12 @@ def main() -> None:
 
     # -- whole processes: the recipe and the real bf16-mixed run ---------------------------------
     recipe_s, _ = timed(system_command("fair-esm", model_path, args.fasta, OUT / "fair-esm", args.threads), env)
-    store = OUT / "ceiling-bf16-mixed.h5"
-    store.unlink(missing_ok=True)
-    embed_s, _ = timed(system_command("bf16-mixed", model_path, args.fasta, store, args.threads), env)
+    embed_s = {}
+    for policy in args.policies:
+        store = OUT / f"ceiling-{policy}.h5"
+        store.unlink(missing_ok=True)
+        embed_s[policy], _ = timed(system_command(policy, model_path, args.fasta, store, args.threads), env)
+    advised, _ = fastest_policy(detect())
     startup_s = min(timed([sys.executable, "-c", "import torch, esm, h5py; from embedpipe.model import load_model; "
                            f"torch.set_num_threads({args.threads}); load_model({str(model_path)!r})"], env)[0]
                     for _ in range(args.repeats))
@@ -138,7 +145,8 @@ def main() -> None:
     floor_s = startup_s + matmul_s + attention_s
     rows = [
         ("fair-esm recipe (fp32, whole process)", recipe_s),
-        ("embedpipe bf16-mixed (whole process)", embed_s),
+        *((f"embedpipe {policy}{' (advised here)' if policy == advised else ''} (whole process)", seconds)
+          for policy, seconds in embed_s.items()),
         ("floor: start-up + the fastest matmuls + fp32 attention", floor_s),
         ("  start-up (imports + checkpoint load)", startup_s),
         ("  bf16 matmuls, worker's batch shapes", bf16_matmul_s),
@@ -152,10 +160,13 @@ def main() -> None:
     print("|---|---|---|")
     for name, seconds in rows:
         print(f"| {name} | {seconds:.1f} | {recipe_s / seconds:.2f} |")
-    print(f"\nbf16-mixed reaches {recipe_s / embed_s:.2f}x the recipe; no implementation can pass "
-          f"{recipe_s / floor_s:.2f}x here (everything but the matmuls, at the faster of bf16 and int8, and the "
-          f"attention free); floor / embedpipe = {floor_s / embed_s:.0%} (issue 35's target: >= 50%). bf16 "
-          f"attention would change the floor by {attention_s - attention_bf16_s:+.1f} s.")
+    cpu = detect()
+    print(f"\nCPU class {cpu.cpu_class} ({cpu.named()}); advised policy {advised}. No implementation can pass "
+          f"{recipe_s / floor_s:.2f}x the recipe here (everything but the matmuls, at the faster of bf16 and int8, "
+          f"and the attention free); bf16 attention would change the floor by {attention_s - attention_bf16_s:+.1f} s.")
+    for policy, seconds in embed_s.items():
+        print(f"{policy}: {recipe_s / seconds:.2f}x the recipe; floor / embedpipe = {floor_s / seconds:.0%} "
+              "(issue 35's target for the advised policy: >= 50%)")
 
 
 if __name__ == "__main__":
