@@ -72,9 +72,9 @@ def main() -> None:
     from embedpipe.embed.engine import Embedder, EmbedOptions
     from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
-    from embedpipe.runtime.packed_linear import pack_linear
     from embedpipe.runtime.advice import fastest_policy
     from embedpipe.runtime.cpu_features import detect
+    from embedpipe.runtime.packed_linear import pack_linear
 
     torch.set_num_threads(args.threads)
     model_path = bench_model(args)

@@ -48,6 +48,9 @@ DIRECTORY_SYSTEMS = ("fair-esm", "hf-transformers", "hf-transformers-bf16", "esm
 ESM_CPP_SYSTEMS = {"esm-cpp": "float32", "esm-cpp-int8": "int8"}  # system -> its matmul dtype
 HF_SYSTEMS = {"hf-transformers": "float32", "hf-transformers-bf16": "bfloat16"}  # system -> the peer's --dtype
 POLICIES = list(POLICY_NAMES)
+#: embedpipe runs with options beyond the policy: system -> (policy, extra arguments)
+VARIANTS = {f"{policy}-bf16-attention": (policy, ["--attention-inputs", "compute"])
+            for policy in ("bf16-mixed", "int8-mixed")}
 #: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
 #: given as a number so that it is the recipe's 4096 whatever the default becomes
 EMBEDPIPE_TOKENS_PER_BATCH = CPU_TOKENS_PER_BATCH
@@ -120,9 +123,10 @@ def system_command(system: str, model: Path, fasta: Path, target: Path, threads:
     if system in ESM_CPP_SYSTEMS:
         return [sys.executable, str(ROOT / "benchmarks" / "esm_cpp_peer.py"), str(model), str(fasta), str(target),
                 "--threads", str(threads), *(["--int8"] if system == "esm-cpp-int8" else [])]
+    policy, extra = VARIANTS.get(system, (system, []))
     return [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
-            "--precision", system, "--long-sequences", "truncate", "--attention", attention,
-            "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet"]
+            "--precision", policy, "--long-sequences", "truncate", "--attention", attention,
+            "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet", *extra]
 
 
 def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
@@ -287,7 +291,8 @@ def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, li
             with h5py.File(target, "r") as f:
                 padding = float(f.attrs.get("padding_efficiency", float("nan")))
         peak_dtype = {"fp32": "float32", "fair-esm": "float32", "int8-mixed": "int8", **HF_SYSTEMS,
-                      **ESM_CPP_SYSTEMS}.get(system, "float16" if "fp16" in system else "bfloat16")
+                      **ESM_CPP_SYSTEMS}.get(VARIANTS.get(system, (system,))[0],
+                                             "float16" if "fp16" in system else "bfloat16")
         rows.append({"system": system, "seconds": wall, "all_seconds": walls[system], "residues_per_s": residues / wall,
                      "padding_efficiency": padding, "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype,
                      "peak_rss_mib": rss[system], "path": target})
