@@ -306,7 +306,7 @@ def embed_options():
     if sorted(config["pooling"]) != ["mean"]:  # likewise
         for pooling in config["pooling"]:
             args += ["--pooling", pooling]
-    for key in ("batch_layout", "attention_inputs"):  # likewise
+    for key in ("batch_layout", "attention_inputs", "compile"):  # likewise
         if config[key] != "auto":
             args += ["--" + key.replace("_", "-"), config[key]]
     if config["int8_smoothing"] != "none":  # likewise
