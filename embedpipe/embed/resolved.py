@@ -105,7 +105,7 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
                       threads=resolve_threads(options), packs=packs, attention_inputs=inputs,
                       qkv_dtype=dtype_name(attention_dtype(policy, inputs)), batch_layout=layout,
                       attention_path=path, layers=layers, pooling=pooling, model=model, identity="")
-    compiled, why = decide_compile(options.compile, policy.name, device.type, residues, num_layers)
+    compiled, why = decide_compile(options.compile, policy.name, device.type, residues)
     run = dataclasses.replace(run, compiled=compiled, compile_reason=why)
     return dataclasses.replace(run, identity=embed_identity(
         options, policy, model, run.computed_as, layers, pooling,
