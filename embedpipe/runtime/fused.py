@@ -75,16 +75,16 @@ def compiled_pieces(backend: str = "inductor") -> Fused:
 
 #: ``--compile auto``'s break-even on this CPU, in residues (benchmarks/cpu_compile.py,
 #: docs/benchmarks.md "torch.compile on the CPU"): bf16-mixed's with a cold inductor cache, the
-#: later of the 35M (285k) and 150M shapes' (the saving per residue did not grow with the
-#: model: the matmuls grow faster than the elementwise work). The warm break-even is not
-#: used: whether a cache is warm changes between a run and its rerun, and the decision is part
-#: of the stores' identity, so it must not (a rerun would embed its kept stores again)
-COLD_BREAK_EVEN = 500_000
+#: later of the 35M (285k) and 150M (68k: the saving per residue grows with the model) shapes'.
+#: The warm break-even (18-69k) is not used: whether a cache is warm changes between a run and
+#: its rerun, and the decision is part of the stores' identity, so it must not (a rerun would
+#: embed its kept stores again)
+COLD_BREAK_EVEN = 285_000
 #: auto compiles only where the job's residues are this many break-evens: the measurement's
 #: noise and other CPUs' compile speed are not known
 MARGIN = 2.0
 #: policies whose steady state the compiled pieces made faster at every measured shape (fp32:
-#: 1.07x at 35M, none at 150M; int8-mixed: none), so auto compiles no other
+#: 1.07x at 35M, 1.00x at 150M; int8-mixed: 0.97x at 35M), so auto compiles no other
 AUTO_POLICIES = ("bf16-mixed",)
 
 
