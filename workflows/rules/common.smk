@@ -50,6 +50,9 @@ except workflow_config.ConfigError as exc:
     fail(exc)
 
 OUTDIR = os.path.normpath(config["outdir"])
+#: the inductor cache every embed job shares (`--compile-cache`; docs/precision.md, "Compiled
+#: elementwise work"), quoted for the shell line
+COMPILE_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "inductor"))
 MODEL = config["model"]
 
 # What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):

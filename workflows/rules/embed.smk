@@ -54,7 +54,7 @@ rule embed:
         "python -m embedpipe.workflow.jobs start {log:q} {resources.refused}"
         " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        " --threads {threads} --compile-cache " + shlex.quote(f"{OUTDIR}/.cache/inductor") +
+        f" --threads {{threads}} --compile-cache {COMPILE_CACHE}"
         " > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 
