@@ -1,8 +1,8 @@
 """Does ``torch.compile`` of the layer's elementwise work pay on this CPU, and from how many residues?
 
 Compiles the pieces between the prepacked matmuls (embedpipe/runtime/fused.py: norms + casts,
-residual adds, the rotary rotation, int8's quantize and rescale; the oneDNN linears and the
-attention stay eager, dynamo cannot trace them) and runs each policy side by side on the
+residual adds, the rotary rotation; int8's quantize and rescale stay eager, compiled they were
+slower; the oneDNN linears and the attention stay eager, dynamo cannot trace them) and runs each policy side by side on the
 worker's own batches of the input, each system in a fresh process:
 
   eager         the forward as `embed` runs it today
