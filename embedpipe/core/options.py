@@ -55,6 +55,10 @@ BATCH_LAYOUTS = ("auto", "packed", "padded")
 #: after the rotation (tensor-core kernels, which accumulate scores and softmax in fp32);
 #: auto = compute on CUDA, fp32 elsewhere (docs/precision.md, "Attention inputs")
 ATTENTION_INPUTS = ("auto", "fp32", "compute")
+#: ``torch.compile`` of the layer's elementwise work (CPU: embedpipe/runtime/fused.py): auto =
+#: on the CPU where the job's planned residues outweigh the measured compile time, never on
+#: CUDA; on; off (docs/precision.md, "Compiled elementwise work")
+COMPILE_MODES = ("auto", "on", "off")
 #: where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
 #: fp32 model does not fit there beside the low-precision one; same = the main device or fail;
 #: cpu = always the CPU. Memory each needs: docs/precision.md.
@@ -152,6 +156,8 @@ class EmbedOptions:
     attention_inputs: str = "auto"
     int8_smoothing: str = "none"
     int8_calibration: str | None = None  # a FASTA; None = the shipped calibration set
+    compile: str = "auto"  # auto, on, off (COMPILE_MODES)
+    compile_cache: str | None = None  # inductor's cache directory; None = inductor's default
 
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""
@@ -167,6 +173,7 @@ class EmbedOptions:
         check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)
         check_choice("--batch-layout", self.batch_layout, BATCH_LAYOUTS)
         check_choice("--attention-inputs", self.attention_inputs, ATTENTION_INPUTS)
+        check_choice("--compile", self.compile, COMPILE_MODES)
         self._validate_int8_smoothing()
         if self.batch_layout == "packed" and self.attention != "sdpa":
             raise EmbedpipeError(
@@ -285,6 +292,7 @@ __all__ = [
     "ATTENTION_INPUTS",
     "AUTO",
     "BATCH_LAYOUTS",
+    "COMPILE_MODES",
     "CPU_TOKENS_PER_BATCH",
     "CROSSCHECK_BOOTSTRAP",
     "CROSSCHECK_FOLDS",

@@ -158,6 +158,12 @@ class Embedder:
         """dtype name of q/k/v at the main policy's attention kernel."""
         return self.run.qkv_dtype
 
+    def compile_attrs(self) -> dict[str, object]:
+        """Root attributes of ``--compile`` (docs/store-format.md): compiled, why, the seconds it took."""
+        prepared = self.prepared
+        return {"compiled": prepared.compiled, "compile_reason": prepared.compile_reason,
+                "compile_s": round(prepared.compile_s, 3)}
+
     @property
     def runner_provenance(self) -> dict[str, str]:
         """What the main policy's prepared runner decided, as root attributes (int8-mixed: the

@@ -22,12 +22,12 @@ from embedpipe.runtime.precision import Policy
 IDENTITY_VERSION = 2
 
 #: options that change how a job runs, not its numbers: a retry's smaller batches, threads,
-#: where fallback records run (docs/cluster.md, "Resuming, rerunning")
-HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device")
+#: where fallback records run, where inductor keeps its cache (docs/cluster.md, "Resuming, rerunning")
+HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device", "compile_cache")
 
 #: options replaced by what they resolve to (``layers``, ``pooling``, the device's type in
-#: ``computed_as``) or by the file's bytes (``int8_calibration``)
-_RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration")
+#: ``computed_as``, ``compile`` as ``computed_as.compiled``) or by the file's bytes (``int8_calibration``)
+_RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration", "compile")
 
 #: the fields in the order a difference is named (what a user chose first, what the run
 #: resolved it to last), each in user words; fields not listed follow, by name
@@ -51,6 +51,8 @@ FIELDS: dict[str, str] = {
     "computed_as.batch_layout": "the batch layout (resolved from --batch-layout on the device)",
     "computed_as.attention_inputs": ("the dtype of q/k/v at attention (resolved from --attention-inputs, "
                                      "the precision policy and the device)"),
+    "computed_as.compiled": ("compiled elementwise work (resolved from --compile; compiled kernels round "
+                             "differently from eager ones)"),
 }
 
 #: what an identity written before :data:`IDENTITY_VERSION` 2 did not cover

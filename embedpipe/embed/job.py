@@ -73,11 +73,12 @@ class Job:
     ``stack`` only when a record must be computed (:meth:`embedder`)."""
 
     def __init__(self, model: str, options: EmbedOptions, policy: Policy, reuse: Reuse | None, quiet: bool,
-                 stack: contextlib.ExitStack) -> None:
+                 stack: contextlib.ExitStack, residues: int = 0) -> None:
         self.model, self.options, self.policy, self.reuse, self.quiet = model, options, policy, reuse, quiet
         self._stack = stack
         self._embedder: Embedder | None = None
-        predicted = predict_run(reuse, model, options, policy)
+        self.residues = residues  # the whole input's, for --compile auto (resolve_run)
+        predicted = predict_run(reuse, model, options, policy, residues)
         #: the identity of every store the job writes: predicted without the model when reuse allows
         self.identity = predicted.identity if predicted is not None else None
 
@@ -92,7 +93,8 @@ class Job:
             loaded, device = self._stack.enter_context(_model_on(self.model, self.options))
             packs = capabilities.packs(loaded)
             run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=packs,
-                              model=_loaded_identity(self.model, loaded), policy=self.policy)
+                              model=_loaded_identity(self.model, loaded), policy=self.policy,
+                              residues=self.residues)
             embedder = Embedder(loaded, run)
             for note in filter(None, (oversubscribed(resolve_threads(self.options)), *embedder.notes)):
                 say(f"warning: {note}", quiet=self.quiet)
@@ -114,14 +116,17 @@ class Job:
 
 
 @contextlib.contextmanager
-def open_job(model: str, options: EmbedOptions, policy: Policy, reuse: Sequence[Path], quiet: bool) -> Iterator[Job]:
-    """The job's reuse stores and its model, claimed and loaded only when a record must be computed."""
+def open_job(model: str, options: EmbedOptions, policy: Policy, reuse: Sequence[Path], quiet: bool,
+             residues: int = 0) -> Iterator[Job]:
+    """The job's reuse stores and its model, claimed and loaded only when a record must be
+    computed; ``residues``: the job's whole input (``--compile auto``)."""
     with contextlib.ExitStack() as stack:
         sources = stack.enter_context(Reuse(reuse, quiet)) if reuse else None
-        yield Job(model, options, policy, sources, quiet, stack)
+        yield Job(model, options, policy, sources, quiet, stack, residues)
 
 
-def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy) -> ResolvedRun | None:
+def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy,
+                residues: int = 0) -> ResolvedRun | None:
     """The job's run without loading the model (its identity checked against every reuse
     store), or None when it cannot be known so (no reuse store, a family without ``file_identity``)."""
     if reuse is None or not reuse.sources or reuse.sources[0].num_layers is None:
@@ -133,7 +138,7 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
     for source in reuse.sources:
         source.check_model(facts.sha256)
     run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,
-                      policy=policy)
+                      policy=policy, residues=residues)
     reuse.check(run.identity)
     return run
 

@@ -8,6 +8,8 @@ otherwise the run fails with what to do (docs/precision.md, "Where the fallback 
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -16,7 +18,12 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.embed.calibration import prepare_calibrated
 from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.model.base import EmbeddingModel, Runner
-from embedpipe.runtime.precision import Policy
+from embedpipe.runtime.fused import use_cache
+from embedpipe.runtime.precision import Policy, forward_context
+
+#: the warm-up batch that compiles the main runner before the first real one (two records of
+#: different lengths: sizes 1 would specialise the graphs, docs/precision.md "Compiled elementwise work")
+WARM_UP = ("MKTAYIAKQRQISFVKSHFSRQ", "MKTAYIAKQRQ")
 
 
 class Preparation:
@@ -33,6 +40,8 @@ class Preparation:
         self.on_moved = on_moved
         self.runners: dict[str, Runner] = {}
         self.devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
+        #: whether the main runner runs compiled, why, and the seconds compiling took (provenance)
+        self.compiled, self.compile_reason, self.compile_s = False, run.compile_reason, 0.0
 
     def runner(self, policy: Policy) -> Runner:
         """The forward for ``policy``, prepared once, on the device it runs on (``devices``).
@@ -78,7 +87,30 @@ class Preparation:
         self.runners[policy.name] = prepare_calibrated(self.loaded, policy, device, lambda: self.loaded.prepare(
             policy, device, self.options.attention, attention_inputs=self.run.attention_inputs))
         self.devices[policy.name] = device
+        if self.run.compiled and not self.is_fallback(policy):
+            self._compile(self.runners[policy.name], policy, device)
         return self.runners[policy.name]
+
+    def _compile(self, runner: Runner, policy: Policy, device: torch.device) -> None:
+        """Compile the main runner (``--compile``: the CPU's elementwise pieces, CUDA's whole
+        layers) and run :data:`WARM_UP` through it, so the compile time is paid and timed here;
+        a family without a compiled path (ESM C, T5) stays eager, and says why."""
+        use_cache(self.options.compile_cache)
+        start = time.perf_counter()
+        if device.type == "cpu" and hasattr(runner, "compile_elementwise"):
+            self.compiled = bool(runner.compile_elementwise())
+        elif device.type != "cpu" and hasattr(runner, "compile_layers"):
+            runner.compile_layers()
+            self.compiled = True
+        if not self.compiled:
+            self.compile_reason += f"; {self.loaded.name} under {policy.name} on {device.type} has no compiled path: eager"
+            return
+        tokens = self.loaded.tokenize(list(WARM_UP)).to(device)
+        with forward_context(policy, device):
+            runner(tokens, list(self.run.layers))
+        self.compile_s = time.perf_counter() - start
+        print(f"compiled {self.loaded.name}'s elementwise work in {self.compile_s:.1f} s ({self.compile_reason})",
+              file=sys.stderr)
 
     def _oom_message(self, policy: Policy, device: torch.device) -> str:
         if self.is_fallback(policy):

@@ -26,6 +26,7 @@ from embedpipe.embed.identity import embed_identity
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
+from embedpipe.runtime.fused import decide_compile
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.int8_smoothing import Calibration
 from embedpipe.runtime.precision import Policy, attention_dtype, dtype_name, resolve_attention_inputs
@@ -50,12 +51,16 @@ class ResolvedRun:
     pooling: tuple[str, ...]  # the poolings as stored: the mean always, then the rest
     model: ModelIdentity  # the model's part of the identity
     identity: str  # the store's ``embed_identity`` (embedpipe.embed.identity)
+    compiled: bool = False  # --compile resolved: the main runner's elementwise work compiled
+    compile_reason: str = ""  # why (auto's decision, embedpipe.runtime.fused.decide_compile)
 
     @property
     def computed_as(self) -> dict[str, str]:
         """What the ``auto`` options resolved to on the device, as the identity records it."""
-        return {"device_type": self.device.type, "batch_layout": self.batch_layout,
-                "attention_inputs": self.qkv_dtype}
+        resolved = {"device_type": self.device.type, "batch_layout": self.batch_layout,
+                    "attention_inputs": self.qkv_dtype}
+        # only when compiled: an eager store's identity is what it was before --compile existed
+        return resolved | ({"compiled": "true"} if self.compiled else {})
 
     def layout_for(self, policy: Policy, device: torch.device) -> str:
         """The batch layout of ``policy`` on ``device``: the run's own for its main policy on its
@@ -83,9 +88,11 @@ def resolve_policy(options: EmbedOptions) -> Policy:
 
 
 def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int, packs: bool,
-                model: ModelIdentity, policy: Policy | None = None) -> ResolvedRun:
+                model: ModelIdentity, policy: Policy | None = None, residues: int = 0) -> ResolvedRun:
     """``options`` resolved for ``device`` and a model of ``num_layers`` layers whose family
-    packs batches or not (``policy``: :func:`resolve_policy`'s, resolved now when None)."""
+    packs batches or not (``policy``: :func:`resolve_policy`'s, resolved now when None).
+    ``residues``: the whole job's input (every shard, kept ones too, so a rerun resolves
+    ``--compile auto`` as the first run did and keeps its stores)."""
     policy = resolve_policy(options) if policy is None else policy
     inputs = resolve_attention_inputs(options.attention_inputs, device)
     layout = "padded" if not packs else attention_choice.batch_layout(options, policy, device)
@@ -98,6 +105,8 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
                       threads=resolve_threads(options), packs=packs, attention_inputs=inputs,
                       qkv_dtype=dtype_name(attention_dtype(policy, inputs)), batch_layout=layout,
                       attention_path=path, layers=layers, pooling=pooling, model=model, identity="")
+    compiled, why = decide_compile(options.compile, policy.name, device.type, residues)
+    run = dataclasses.replace(run, compiled=compiled, compile_reason=why)
     return dataclasses.replace(run, identity=embed_identity(
         options, policy, model, run.computed_as, layers, pooling,
         calibration=calibration.sha256 if calibration is not None else None))

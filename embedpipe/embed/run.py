@@ -119,6 +119,14 @@ def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits 
             raise EmbedpipeError(f"{fasta}: no records to embed")
 
 
+def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLimits) -> int:
+    """Every shard's residues (kept stores' too: a rerun decides ``--compile auto`` as the first
+    run did, docs/precision.md); read only when auto needs them."""
+    if options.compile != "auto":
+        return 0
+    return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
+
+
 def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
     records = list(read_sequences(Path(fasta), limits))
     if not records:
@@ -139,7 +147,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
         records = _read_records(fasta, limits)
         check_output_path(Path(out))
-        with open_job(model, options, policy, reuse, quiet) as job:
+        with open_job(model, options, policy, reuse, quiet, sum(len(s) for _, s in records)) as job:
             return _embed_records(job, records, Path(fasta), Path(out), started,
                                   {"input_sha256": file_sha256(Path(fasta)), **chosen}, quiet)
 
@@ -201,7 +209,7 @@ def _fallback_counts(embedder: Embedder | None, copied: int) -> dict[str, int]:
 def _run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
     """Root attributes of how the computed records ran."""
     return {"padding_efficiency": plan.padding_efficiency, "fallback_device": embedder.fallback_device or "none",
-            **batching_attrs(embedder)}
+            **batching_attrs(embedder), **embedder.compile_attrs()}
 
 
 # ------------------------------------------------------------------------------ groups of shards
@@ -284,7 +292,8 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
-    with _writing(outputs, fastas, model, reuse), open_job(model, options, policy, reuse, quiet) as job:
+    residues = _job_residues(fastas, options, limits)
+    with _writing(outputs, fastas, model, reuse), open_job(model, options, policy, reuse, quiet, residues) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for fasta, store, digest in zip(fastas, stores, digests):

@@ -17,6 +17,7 @@ import torch
 from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.model.base import ForwardOutput, PackedRunner, masked_max_abs
 from embedpipe.runtime.attention import packed_kernel
+from embedpipe.runtime.fused import Fused, compiled_pieces
 from embedpipe.runtime.packed import PackedTokens, packed_attention, padded_attention, token_max_abs
 from embedpipe.runtime.precision import Packed, Policy
 
@@ -165,6 +166,7 @@ class EsmForward:
         self.num_layers = model.num_layers
         self._packed: dict[int, Packed] = {}  # id(module) -> packed weights (qkv: id(attn))
         self._interleaved: set[int] = set()  # id(attn) whose packed q/k rows are in pair order
+        self._fused: Fused | None = None  # compiled elementwise pieces (:meth:`compile_elementwise`)
         if attention != "fair-esm":
             for layer in model.layers:
                 fuse_qkv(layer.self_attn)
@@ -205,6 +207,21 @@ class EsmForward:
         separate passes over memory. Optional: compiling costs time on the first batches
         (benchmarks/gpu_acceptance.py measures both)."""
         self._layer = torch.compile(self._layer, backend=backend, dynamic=True)  # type: ignore[method-assign]
+
+    def compile_elementwise(self, backend: str = "inductor") -> bool:
+        """On the CPU, run the elementwise work between the prepacked matmuls compiled
+        (:mod:`embedpipe.runtime.fused`; the matmuls and attention stay as they are). Only where
+        the stream is fp32 and the projections are packed with q/k in pair order; False (nothing
+        changed) elsewhere."""
+        if self.device.type != "cpu" or self.policy.stream_dtype != torch.float32 or not self._interleaved:
+            return False
+        self._fused = compiled_pieces(backend)
+        return True
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`compile_elementwise` took effect."""
+        return self._fused is not None
 
     @property
     def prepacked(self) -> bool:
@@ -295,6 +312,8 @@ class EsmForward:
         return self.policy.linear(x, weight, bias, self._packed.get(id(linear)), gelu=gelu)
 
     def _layer(self, layer: FairEsmModule, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused_layer(self._fused, layer, x, batch)
         residual = x
         h = self._layer_norm(layer.self_attn_layer_norm, x)
         h = self._attention(layer.self_attn, h, batch)
@@ -305,6 +324,18 @@ class EsmForward:
         h = self._linear(layer.fc1, h, gelu=True)
         h = self._linear(layer.fc2, h)
         return residual + h
+
+    def _fused_layer(self, fused: Fused, layer: FairEsmModule, x: torch.Tensor,
+                     batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
+        """:meth:`_layer` with its norms, casts and residual adds compiled (:mod:`embedpipe.runtime.fused`)."""
+        # as (rows, D): a batch of one record would otherwise specialise (and recompile) on B = 1
+        attn, first, second = layer.self_attn, layer.self_attn_layer_norm, layer.final_layer_norm
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        h = fused.norm_cast(x, first.weight, first.bias, first.eps, attn._embedpipe_qkv[0].dtype)
+        h = self._attention(attn, h.view(*shape[:-1], -1), batch)
+        x, h = fused.add_norm_cast(x, h.reshape(x.shape), second.weight, second.bias, second.eps, layer.fc1.weight.dtype)
+        h = self._linear(layer.fc1, h, gelu=True)
+        return fused.residual_add(x, self._linear(layer.fc2, h)).view(shape)
 
     def _table_dtype(self, attn: FairEsmModule) -> torch.dtype:
         """Mixed policies: rotary tables built in fp32 (scores and softmax in fp32 too). A
@@ -327,6 +358,11 @@ class EsmForward:
         # costs more than SDPA's CPU kernel gains from it.
         rotated = qkv[..., :2, :, :]
         interleaved = id(attn) in self._interleaved
+        if self._fused is not None and interleaved:  # compiled: one pass from qkv to q, k and v
+            tables = self.rotary.get(attn.rot_emb.inv_freq, batch.max_len, torch.float32, attn.scaling)
+            cos, sin = (batch.rows(t).expand(*lead, *t.shape[1:]).reshape(-1, *t.shape[1:]) for t in tables)
+            qk, v = self._fused.rotate_qkv(qkv.view(-1, 3, heads, head_dim), cos, sin, self.attention_dtype)
+            return self._attend(attn, qk.view(*lead, 2, heads, head_dim), v.view(*lead, heads, head_dim), batch, lead)
         if rotated.dtype != work_dtype and (interleaved or x.device.type == "cpu"):
             # in place needs the wide dtype; on the CPU one cast and then one-dtype kernels beat
             # mixed-dtype ones 2x (130-170 ms against 265 ms at 8192 x 20 heads, 2 cores).
@@ -340,10 +376,15 @@ class EsmForward:
             cos, sin = self.rotary.get(attn.rot_emb.inv_freq, batch.max_len, table_dtype, attn.scaling)
             qk = torch.empty((*lead, 2, heads, head_dim), dtype=work_dtype, device=x.device)
             rotate_into(rotated, batch.rows(cos), batch.rows(sin), out=qk)
-        q, k = qk[..., 0, :, :], qk[..., 1, :, :]
         # v goes straight to the dtype it is attended in (one cast at most, none under the
         # plain policies or with compute-dtype inputs): it is never rotated
-        v = qkv[..., 2, :, :].to(self.attention_dtype)
+        return self._attend(attn, qk, qkv[..., 2, :, :].to(self.attention_dtype), batch, lead)
+
+    def _attend(self, attn: FairEsmModule, qk: torch.Tensor, v: torch.Tensor, batch: _PaddedBatch | PackedTokens,
+                lead: torch.Size) -> torch.Tensor:
+        """Attention of rotated ``qk`` (..., 2, H, d) and ``v``, then the output projection."""
+        heads, head_dim = attn.num_heads, attn.head_dim
+        q, k = qk[..., 0, :, :], qk[..., 1, :, :]
         q, k = self.policy.attention_qk(q, k, self.attention_inputs)  # mixed, compute inputs: cast
         if isinstance(batch, PackedTokens):
             out = self._attend_packed(q, k, v, batch)

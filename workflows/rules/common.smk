@@ -50,6 +50,9 @@ except workflow_config.ConfigError as exc:
     fail(exc)
 
 OUTDIR = os.path.normpath(config["outdir"])
+#: the inductor cache every embed job shares (`--compile-cache`; docs/precision.md, "Compiled
+#: elementwise work"), quoted for the shell line
+COMPILE_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "inductor"))
 MODEL = config["model"]
 
 # What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):
@@ -306,7 +309,7 @@ def embed_options():
     if sorted(config["pooling"]) != ["mean"]:  # likewise
         for pooling in config["pooling"]:
             args += ["--pooling", pooling]
-    for key in ("batch_layout", "attention_inputs"):  # likewise
+    for key in ("batch_layout", "attention_inputs", "compile"):  # likewise
         if config[key] != "auto":
             args += ["--" + key.replace("_", "-"), config[key]]
     if config["int8_smoothing"] != "none":  # likewise

@@ -39,6 +39,8 @@ rule embed:
         stores=lambda wildcards, output: os.path.dirname(output[0]),
         reuse=reuse_options(),
     threads: 4
+    # --compile-cache on the shell line, not a param (it changes how a job runs, not its
+    # numbers): every embed job of the run shares the inductor cache (docs/precision.md)
     # A retry of a job that refused its inputs (the CLI's user error) gets the first attempt's
     # resources and repeats the refusal at once (embedpipe.workflow.jobs; docs/cluster.md).
     retries: EMBED_RETRIES
@@ -52,7 +54,8 @@ rule embed:
         "python -m embedpipe.workflow.jobs start {log:q} {resources.refused}"
         " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        " --threads {threads} > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
+        f" --threads {{threads}} --compile-cache {COMPILE_CACHE}"
+        " > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 
 # `reuse`: one sorted sha256 index per earlier store, built once (memory bounded by an external

@@ -1,0 +1,114 @@
+"""The elementwise work between a layer's matmuls, as functions ``torch.compile`` can fuse (CPU).
+
+Why not compile the whole layer: dynamo cannot trace the oneDNN-prepacked linears (their
+weights are opaque mkldnn tensors) nor the per-record attention loop, so the layer is cut at
+them and only the pieces between run compiled: layer norm + cast for the next matmul, the
+residual add fused with the next norm, the rotary rotation with q's and v's casts. int8-mixed's
+per-token quantize and rescale stay eager: compiled they made the run slower than its
+L2-chunked eager passes (docs/benchmarks.md). Each piece is a pure tensor function; eager mode
+runs each as several passes over memory, inductor as one or two loops. Compiled kernels round
+at the ulp level differently from eager ones, so a compiled run is recorded as such
+(docs/store-format.md, ``compiled``) and never reused as an eager store. Measured in
+benchmarks/cpu_compile.py (docs/benchmarks.md, "torch.compile on the CPU").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """Layer norm of the fp32 stream in fp32, cast to the next matmul's input dtype."""
+    return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype)
+
+
+def add_norm_cast(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x = residual + h`` (the stream, fp32) and its norm cast for the next matmul, one pass."""
+    x = residual + h
+    return x, norm_cast(x, weight, bias, eps, out_dtype)
+
+
+def residual_add(residual: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The layer's last residual add (a 16-bit ``h`` promoted inside it)."""
+    return residual + h
+
+
+def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               v_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q and k rotated in fp32, (..., 2, H, d); v in ``v_dtype``) from the fused projection
+    ``qkv`` (..., 3, H, d) with q/k rows in interleaved pair order (see
+    :func:`embedpipe.model.esm2_forward.interleave_rotary_rows`): fair-esm's
+    ``(x1 c - x2 s, x2 c + x1 s)`` per pair; ``cos``/``sin`` (..., 2, 1, d / 2), q's scaled."""
+    pairs = qkv[..., :2, :, :].float().unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    qk = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return qk, qkv[..., 2, :, :].to(v_dtype)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The pieces, compiled (or eager, to test the cut itself): what a forward calls instead of
+    its eager passes once :func:`compiled_pieces` made them."""
+
+    norm_cast: Callable[..., torch.Tensor]
+    add_norm_cast: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    residual_add: Callable[..., torch.Tensor]
+    rotate_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def compiled_pieces(backend: str = "inductor") -> Fused:
+    """Every piece through ``torch.compile(dynamic=True)``: batch size and width vary per
+    batch, so shapes are symbolic from the first call (no recompile per batch). ``backend``
+    ``eager`` traces without generating code (tests of the cut)."""
+    def comp(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(fn, backend=backend, dynamic=True)
+    return Fused(comp(norm_cast), comp(add_norm_cast), comp(residual_add), comp(rotate_qkv))
+
+
+#: ``--compile auto``'s break-even on this CPU, in residues (benchmarks/cpu_compile.py,
+#: docs/benchmarks.md "torch.compile on the CPU"): bf16-mixed's with a cold inductor cache, the
+#: later of the 35M (285k) and 150M (68k: the saving per residue grows with the model) shapes'.
+#: The warm break-even (18-69k) is not used: whether a cache is warm changes between a run and
+#: its rerun, and the decision is part of the stores' identity, so it must not (a rerun would
+#: embed its kept stores again)
+COLD_BREAK_EVEN = 285_000
+#: auto compiles only where the job's residues are this many break-evens: the measurement's
+#: noise and other CPUs' compile speed are not known
+MARGIN = 2.0
+#: policies whose steady state the compiled pieces made faster at every measured shape (fp32:
+#: 1.07x at 35M, 1.00x at 150M; int8-mixed: 0.97x at 35M), so auto compiles no other
+AUTO_POLICIES = ("bf16-mixed",)
+
+
+def decide_compile(mode: str, policy: str, device_type: str, residues: int) -> tuple[bool, str]:
+    """(compile or not, why) for ``--compile`` ``mode``: ``auto`` compiles on the CPU, for the
+    policies that gain, when the job's residues reach :data:`MARGIN` cold break-evens; never on
+    CUDA, where it is not measured."""
+    if mode == "off":
+        return False, "--compile off"
+    if mode == "on":
+        return True, "--compile on"
+    if device_type != "cpu":
+        return False, f"auto: not on {device_type} (not measured there; --compile on to compile)"
+    if policy not in AUTO_POLICIES:
+        return False, f"auto: {policy} gains nothing measurable compiled on the CPU"
+    needed = int(MARGIN * COLD_BREAK_EVEN)
+    if residues < needed:
+        return False, f"auto: {residues} residues, below {needed}"
+    return True, f"auto: {residues} residues, at least {needed}"
+
+
+def use_cache(cache: str | None) -> None:
+    """Point inductor at ``cache`` (``--compile-cache``) before anything compiles: shard jobs that
+    share it compile once (docs/cluster.md). None: inductor's own default."""
+    if cache is not None:
+        os.makedirs(cache, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache)
