@@ -16,7 +16,7 @@ fp32's own slowdown; issue 35's targets: the advised policy slows down no more t
 fp32's slowdown and stays faster than fp32 there, and pinned / quiet-P <= 1.3.
 
 ``--wait-policies`` repeats everything per OpenMP wait policy (``embedpipe`` sets
-``OMP_WAIT_POLICY=PASSIVE`` unless one is set: docs/cluster.md): ``embedpipe`` (its own
+a short spin, ``GOMP_SPINCOUNT=1000``, unless one is set: docs/cluster.md): ``embedpipe`` (its own
 choice), ``PASSIVE``, ``ACTIVE`` and ``default`` (the OpenMP runtime's own: ``KMP_BLOCKTIME=200``,
 which libgomp ignores, so embedpipe sets nothing), and ``spin-1k`` .. ``spin-100k``: libgomp's
 ``GOMP_SPINCOUNT`` (how long a waiting thread spins before it sleeps; its default is 300000,
@@ -127,7 +127,7 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
     """One table per wait policy: seconds per condition, slowdowns, their ratio to fp32's."""
     median = {key: statistics.median(times) for key, times in walls.items()}
     for wait in args.wait_policies:
-        print(f"\nwait policy: {wait} {WAIT_POLICIES[wait] or '(embedpipe sets OMP_WAIT_POLICY unless set)'}\n")
+        print(f"\nwait policy: {wait} {WAIT_POLICIES[wait] or '(embedpipe sets GOMP_SPINCOUNT=1000 unless a wait policy is set)'}\n")
         print(f"| policy | quiet s | beside {args.neighbours} neighbour(s) s | slowdown | x fp32's slowdown "
               f"| x fp32 beside neighbour | pinned to {args.pinned_cpus} s | quiet, --threads {args.pinned_cpus} s "
               "| pinned / quiet |\n|---|---|---|---|---|---|---|---|---|")

@@ -16,12 +16,17 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-#: the OpenMP wait policy ``embed`` sets when the user has not (docs/cluster.md, "CPU threads"):
-#: how idle pool threads wait between parallel regions. ``PASSIVE`` sleeps at once instead of
-#: spinning, which leaves a shared core to its neighbour. Provisional until
-#: ``benchmarks/cpu_contention.py --wait-policies`` has compared it with ACTIVE and the
-#: runtime's default on a quiet machine (docs/benchmarks.md, "CPU contention")
-WAIT_POLICY = "PASSIVE"
+#: how idle OpenMP pool threads wait between parallel regions, set by ``embed`` when the user
+#: has not chosen (docs/cluster.md, "CPU threads"): spin about 10 microseconds (libgomp's
+#: ``GOMP_SPINCOUNT``; its default 300000 spins is about 3 ms), then sleep. Regions that follow
+#: each other within the spin keep their threads awake, as on a node of one's own; a thread
+#: that waits longer, for the one sharing a core with a neighbour, sleeps and gives the core up.
+#: Measured (``benchmarks/cpu_contention.py --wait-policies``, docs/benchmarks.md "CPU
+#: contention"): as fast as the spin default quiet and as robust as ``OMP_WAIT_POLICY=PASSIVE``
+#: beside a neighbour, where 10000 spins already collapsed like the default. Intel's and LLVM's
+#: runtimes read ``KMP_BLOCKTIME`` instead (libgomp ignores it): 0, sleep at once, PASSIVE's
+#: behaviour, the robust choice there (not measured: torch's pip wheels ship libgomp).
+WAIT_SETTINGS = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
 #: the variables that choose it (libgomp and Intel's OpenMP read the first; Intel's the
 #: second; libgomp's spin count before a waiting thread sleeps the third)
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
@@ -171,8 +176,9 @@ def provenance(requested: int | None) -> dict[str, int | str]:
 
 
 def set_wait_policy(env: MutableMapping[str, str] = os.environ) -> None:
-    """Set :data:`WAIT_POLICY` unless the user chose one (any of :data:`WAIT_VARIABLES`:
-    ``KMP_BLOCKTIME`` alone keeps libgomp's own default, which the benchmark compares). Must
-    run before torch is imported: the OpenMP runtime reads it when it loads."""
-    if WAIT_POLICY and not any(env.get(name) for name in WAIT_VARIABLES):  # "": the runtime's own default
-        env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    """Set :data:`WAIT_SETTINGS` unless the user chose a wait policy (any of
+    :data:`WAIT_VARIABLES` set: ``KMP_BLOCKTIME`` alone keeps libgomp's own default, which the
+    benchmark compares). Must run before torch is imported: the OpenMP runtime reads them when
+    it loads."""
+    if not any(env.get(name) for name in WAIT_VARIABLES):  # "": the runtime's own default
+        env.update(WAIT_SETTINGS)

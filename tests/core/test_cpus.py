@@ -96,12 +96,12 @@ def test_threads_above_the_allocation_are_named_with_where_the_allocation_came_f
 def test_the_wait_policy_is_set_only_when_the_user_chose_none(monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
     cpus.set_wait_policy(env)
-    assert env == {"OMP_WAIT_POLICY": cpus.WAIT_POLICY}
+    assert env == cpus.WAIT_SETTINGS == {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
     for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"KMP_BLOCKTIME": "200"}, {"GOMP_SPINCOUNT": "10000"}):
         env = dict(chosen)
         cpus.set_wait_policy(env)
         assert env == chosen
-    monkeypatch.setattr(cpus, "WAIT_POLICY", "")  # the runtime's own default: nothing set
+    monkeypatch.setattr(cpus, "WAIT_SETTINGS", {})  # the runtime's own default: nothing set
     env = {}
     cpus.set_wait_policy(env)
     assert env == {}
@@ -110,11 +110,11 @@ def test_the_wait_policy_is_set_only_when_the_user_chose_none(monkeypatch: pytes
 def test_the_console_script_sets_the_wait_policy_before_torch_loads(tmp_path: Path) -> None:
     child = ("import os, sys\nfrom embedpipe.cli.commands import run\nsys.argv = ['embedpipe', '--help']\n"
              "try:\n    run()\nexcept SystemExit:\n    pass\n"
-             "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, file=sys.stderr)\n")
+             "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules, file=sys.stderr)\n")
     env = {k: v for k, v in os.environ.items() if k not in cpus.WAIT_VARIABLES} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"{cpus.WAIT_POLICY} False"
+    assert proc.stderr.strip().splitlines()[-1] == f"{cpus.WAIT_SETTINGS['GOMP_SPINCOUNT']} False"
 
 
 @pytest.mark.parametrize(("args", "env", "want"), [
