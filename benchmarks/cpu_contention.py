@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,8 @@ FIXED_CHUNKS = (
     "m.row_chunks = lambda n, k: range(0, n, max(16, m.CHUNK_BYTES // (4 * max(k, 1))))\n"
     "sys.argv = ['embedpipe'] + sys.argv[1:]\n"
     "from embedpipe.cli import run; run()\n")
-SPIN = "while True:\n    pass\n"
+#: a neighbour that keeps one core busy, and stops when the benchmark that started it is gone
+SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
 
 
 def embed_command(system: str, model: Path, fasta: Path, target: Path, threads: int | None) -> list[str]:
@@ -127,7 +129,8 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
     """One table per wait policy: seconds per condition, slowdowns, their ratio to fp32's."""
     median = {key: statistics.median(times) for key, times in walls.items()}
     for wait in args.wait_policies:
-        print(f"\nwait policy: {wait} {WAIT_POLICIES[wait] or '(embedpipe sets GOMP_SPINCOUNT=1000 unless a wait policy is set)'}\n")
+        chosen = WAIT_POLICIES[wait] or "(embedpipe sets GOMP_SPINCOUNT=1000 unless a wait policy is set)"
+        print(f"\nwait policy: {wait} {chosen}\n")
         print(f"| policy | quiet s | beside {args.neighbours} neighbour(s) s | slowdown | x fp32's slowdown "
               f"| x fp32 beside neighbour | pinned to {args.pinned_cpus} s | quiet, --threads {args.pinned_cpus} s "
               "| pinned / quiet |\n|---|---|---|---|---|---|---|---|---|")
@@ -188,6 +191,7 @@ def main() -> None:
     parser.add_argument("--count-ops", action="store_true",
                         help="only count the eager ops of one int8 linear per layer shape (no timing)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the finally blocks stop the neighbours
     if args.count_ops:
         import torch
 
