@@ -134,13 +134,15 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
         print(f"| policy | quiet s | beside {args.neighbours} neighbour(s) s | slowdown | x fp32's slowdown "
               f"| x fp32 beside neighbour | pinned to {args.pinned_cpus} s | quiet, --threads {args.pinned_cpus} s "
               "| pinned / quiet |\n|---|---|---|---|---|---|---|---|---|")
-        fp32_slow = median[(wait, "fp32", "neighbour")] / median[(wait, "fp32", "quiet")]
+        nan = float("nan")  # a condition not run (--conditions)
+        fp32_slow = median.get((wait, "fp32", "neighbour"), nan) / median[(wait, "fp32", "quiet")]
         for system in args.systems:
-            m = {c: median.get((wait, system, c), float("nan")) for c in CONDITIONS}
+            m = {c: median.get((wait, system, c), nan) for c in CONDITIONS}
             slow = m["neighbour"] / m["quiet"]
-            rounds = "/".join(f"{t:.1f}" for t in walls[(wait, system, "neighbour")])
+            rounds = "/".join(f"{t:.1f}" for t in walls.get((wait, system, "neighbour"), []))
+            fp32_beside = median.get((wait, "fp32", "neighbour"), nan)
             print(f"| {system} | {m['quiet']:.1f} | {m['neighbour']:.1f} ({rounds}) | {slow:.2f} | {slow / fp32_slow:.2f} "
-                  f"| {median[(wait, 'fp32', 'neighbour')] / m['neighbour']:.2f} | {m['pinned']:.1f} | {m['quiet-P']:.1f} "
+                  f"| {fp32_beside / m['neighbour']:.2f} | {m['pinned']:.1f} | {m['quiet-P']:.1f} "
                   f"| {m['pinned'] / m['quiet-P']:.2f} |")
     print("\ntargets (issue 35): the advised policy's slowdown <= 1.3x fp32's and x fp32 beside the neighbour > 1; "
           "pinned / quiet <= 1.3")
