@@ -129,7 +129,7 @@ def test_int8_mixed_is_refused_off_the_cpu_in_one_line() -> None:
     ({"avx", "avx2", "fma"}, torch.bfloat16, "int8-mixed"),  # EPYC Rome/Milan (emulated AVX2)
     ({"avx", "avx2", "fma"}, torch.float16, "int8-mixed"),
     ({"avx2", "avx512f", "avx512_vnni"}, torch.bfloat16, "int8-mixed"),  # Cascade/Ice Lake (emulated)
-    ({"avx2", "avx512f", "avx512_bf16"}, torch.float16, "bf16-mixed"),  # Cooper Lake, Zen 4
+    ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}, torch.float16, "bf16-mixed"),  # Cooper Lake, Zen 4/5
     ({"avx2", "avx512_bf16", "amx_bf16", "amx_int8"}, torch.bfloat16, None),  # Sapphire Rapids: native
     ({"asimd", "fphp", "asimdhp", "bf16"}, torch.float16, None),  # Graviton 3: native
     ({"asimd", "asimddp"}, torch.float16, "fp32"),  # ARM without fp16 arithmetic
