@@ -37,6 +37,7 @@ from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import inspect
 from embedpipe.model.downloads import companion_path
+from embedpipe.runtime import fused
 from embedpipe.runtime.auto_precision import resolve as resolve_precision
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
@@ -121,8 +122,9 @@ def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits 
 
 def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLimits) -> int:
     """Every shard's residues (kept stores' too: a rerun decides ``--compile auto`` as the first
-    run did, docs/precision.md); read only when auto needs them."""
-    if options.compile != "auto":
+    run did, docs/precision.md); read only when auto needs them: for a policy auto may compile
+    (none on the CPU today), not for one it never compiles."""
+    if options.compile != "auto" or options.precision not in fused.AUTO_POLICIES:
         return 0
     return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
 

@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedpipe.core.options import FASTA_LIMITS
+from embedpipe.embed import run
+from embedpipe.embed.engine import EmbedOptions
 from embedpipe.embed.identity import describe_difference
 from embedpipe.runtime import fused
 from helpers.embed_helpers import (
@@ -19,6 +22,7 @@ from helpers.embed_helpers import (
     fair_esm_forward,
     random_sequences,
     stored_values,
+    write_fasta,
 )
 
 #: compiled fp32 against fair-esm's fp32 forward: the eager forward's own tolerance there
@@ -93,3 +97,12 @@ def test_auto_compiles_only_a_job_big_enough(setup, monkeypatch):
     assert fused.decide_compile("auto", "bf16-mixed", "cuda", 10**9)[0] is False
     assert fused.decide_compile("auto", "int8-mixed", "cpu", 10**9)[0] is False
     assert fused.decide_compile("on", "int8-mixed", "cuda", 1)[0] is True
+
+
+def test_auto_reads_the_group_s_residues_only_for_a_policy_it_may_compile(tmp_path, monkeypatch):
+    shards = [write_fasta(tmp_path / f"s{i}.fasta", RECORDS[i::2]) for i in range(2)]
+    options = EmbedOptions(precision="bf16-mixed", compile="auto")
+    assert run._job_residues(shards, options, FASTA_LIMITS) == 0  # no policy listed: no shard read
+    monkeypatch.setattr(fused, "AUTO_POLICIES", ("bf16-mixed",))
+    assert run._job_residues(shards, options, FASTA_LIMITS) == sum(len(s) for _, s in RECORDS)
+    assert run._job_residues(shards, EmbedOptions(precision="bf16-mixed", compile="on"), FASTA_LIMITS) == 0
