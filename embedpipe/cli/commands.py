@@ -63,7 +63,7 @@ BATCH_LAYOUT_HELP = "How a batch's tokens are laid out: " + _one_of(options.BATC
     "padded": "with a mask"}) + ". See docs/precision.md."
 ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(
     options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
-COMPILE_HELP = "torch.compile the layers' elementwise work: " + _one_of(options.COMPILE_MODES, {"auto": "CPU jobs big enough"})
+COMPILE_HELP = "torch.compile the layers' elementwise work: " + _one_of(options.COMPILE_MODES, {"auto": "if measured to pay"})
 CACHE_HELP = "inductor's cache, shared by jobs."
 INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
     "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."

@@ -56,8 +56,8 @@ BATCH_LAYOUTS = ("auto", "packed", "padded")
 #: auto = compute on CUDA, fp32 elsewhere (docs/precision.md, "Attention inputs")
 ATTENTION_INPUTS = ("auto", "fp32", "compute")
 #: ``torch.compile`` of the layer's elementwise work (CPU: embedpipe/runtime/fused.py): auto =
-#: on the CPU where the job's planned residues outweigh the measured compile time, never on
-#: CUDA; on; off (docs/precision.md, "Compiled elementwise work")
+#: on the CPU for a policy measured faster compiled (none yet) where the job's residues outweigh
+#: the compile time, never on CUDA; on; off (docs/precision.md, "Compiled elementwise work")
 COMPILE_MODES = ("auto", "on", "off")
 #: where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
 #: fp32 model does not fit there beside the low-precision one; same = the main device or fail;

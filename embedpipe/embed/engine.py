@@ -98,7 +98,8 @@ class Embedder:
         self.run = run
         self.options = run.options
         self.policy = run.policy  # int8-mixed smoothing: a policy of its own
-        self.prepared = Preparation(loaded, run, on_moved=self._fallback_moved)
+        self.prepared = Preparation(loaded, run, on_moved=self._fallback_moved,
+                                    tell=lambda line: say(line, quiet=self.quiet))
         self.layers = list(run.layers)
         self.pooling = list(run.pooling)
         capabilities.check_options(loaded, run.options.pooling, run.options.batch_layout)

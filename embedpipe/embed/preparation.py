@@ -8,7 +8,6 @@ otherwise the run fails with what to do (docs/precision.md, "Where the fallback 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
@@ -31,13 +30,14 @@ class Preparation:
 
     ``device`` is the job's device, where the main policy runs (and the fallback, unless
     ``--fallback-device`` or an out-of-memory move says otherwise). ``on_moved`` is told, in a
-    sentence, when the fallback moved to the CPU.
+    sentence, when the fallback moved to the CPU; ``tell`` gets the compile-time line.
     """
 
-    def __init__(self, loaded: EmbeddingModel, run: ResolvedRun, on_moved: Callable[[str], None]) -> None:
+    def __init__(self, loaded: EmbeddingModel, run: ResolvedRun, on_moved: Callable[[str], None],
+                 tell: Callable[[str], None] = lambda line: None) -> None:
         self.loaded, self.run, self.options = loaded, run, run.options
         self.main, self.device = run.policy, run.device
-        self.on_moved = on_moved
+        self.on_moved, self.tell = on_moved, tell
         self.runners: dict[str, Runner] = {}
         self.devices: dict[str, torch.device] = {}  # policy name -> where its runner lives
         #: whether the main runner runs compiled, why, and the seconds compiling took (provenance)
@@ -109,8 +109,7 @@ class Preparation:
         with forward_context(policy, device):
             runner(tokens, list(self.run.layers))
         self.compile_s = time.perf_counter() - start
-        print(f"compiled {self.loaded.name}'s elementwise work in {self.compile_s:.1f} s ({self.compile_reason})",
-              file=sys.stderr)
+        self.tell(f"compiled {self.loaded.name} in {self.compile_s:.1f} s ({self.compile_reason})")
 
     def _oom_message(self, policy: Policy, device: torch.device) -> str:
         if self.is_fallback(policy):

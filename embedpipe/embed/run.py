@@ -124,7 +124,7 @@ def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLi
     """Every shard's residues (kept stores' too: a rerun decides ``--compile auto`` as the first
     run did, docs/precision.md); read only when auto needs them: for a policy auto may compile
     (none on the CPU today), not for one it never compiles."""
-    if options.compile != "auto" or options.precision not in fused.AUTO_POLICIES:
+    if not fused.needs_residues(options.compile, options.precision):
         return 0
     return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
 

@@ -90,6 +90,12 @@ MARGIN = 2.0
 AUTO_POLICIES: tuple[str, ...] = ()
 
 
+def needs_residues(mode: str, policy: str) -> bool:
+    """Whether :func:`decide_compile` reads the job's residues for ``mode`` and ``policy``: only
+    auto, for a policy it may compile (the input is counted for nothing otherwise)."""
+    return mode == "auto" and policy in AUTO_POLICIES
+
+
 def decide_compile(mode: str, policy: str, device_type: str, residues: int) -> tuple[bool, str]:
     """(compile or not, why) for ``--compile`` ``mode``: ``auto`` compiles on the CPU, for the
     policies that gain, when the job's residues reach :data:`MARGIN` cold break-evens; never on
@@ -100,7 +106,7 @@ def decide_compile(mode: str, policy: str, device_type: str, residues: int) -> t
         return True, "--compile on"
     if device_type != "cpu":
         return False, f"auto: not on {device_type} (not measured there; --compile on to compile)"
-    if policy not in AUTO_POLICIES:
+    if not needs_residues(mode, policy):
         return False, f"auto: {policy} was not measured faster compiled on the CPU (--compile on to compile)"
     needed = int(MARGIN * COLD_BREAK_EVEN)
     if residues < needed:
