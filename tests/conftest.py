@@ -57,6 +57,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
         report.longrepr = f"{markers[0]} test skipped under CI=true (it must run in CI): {reason}"
 
 
+# --------------------------------------------------------------------------- isolation
+
+
+@pytest.fixture(autouse=True)
+def _own_auto_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--precision auto``'s per-node measurements go to a directory of each test's own
+    (``XDG_CACHE_HOME``, children included), never the user's cache: one test's measurement
+    must not decide another's policy."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
 # --------------------------------------------------------------------------- test models
 
 

@@ -65,6 +65,7 @@ ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mix
     options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
 COMPILE_HELP = "torch.compile the layers' elementwise work: " + _one_of(options.COMPILE_MODES, {"auto": "if measured to pay"})
 CACHE_HELP = "inductor's cache, shared by jobs."
+AUTO_CACHE_HELP = "Where --precision auto keeps its measurements per node (default: ~/.cache/embedpipe)."
 INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
     "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."
 INT8_CALIBRATION_HELP = ("With --int8-smoothing smoothquant: the FASTA calibrated on (default: the 16 Swiss-Prot "
@@ -189,6 +190,7 @@ def embed(
                                                    help=INT8_CALIBRATION_HELP),
     compile: str = typer.Option(EMBED.compile, "--compile", help=COMPILE_HELP),
     compile_cache: Optional[str] = typer.Option(EMBED.compile_cache, "--compile-cache", metavar="DIR", help=CACHE_HELP),
+    auto_cache: Optional[str] = typer.Option(EMBED.auto_cache, "--auto-cache", metavar="DIR", help=AUTO_CACHE_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
@@ -201,7 +203,8 @@ def embed(
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
         long_sequences=long_sequences, attention=attention, overflow_margin=overflow_margin, threads=threads,
         fallback_device=fallback_device, batch_layout=batch_layout, attention_inputs=attention_inputs,
-        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration, compile=compile, compile_cache=compile_cache)
+        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration, compile=compile, compile_cache=compile_cache,
+        auto_cache=auto_cache)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length))
     if not quiet:

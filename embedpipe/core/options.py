@@ -158,6 +158,7 @@ class EmbedOptions:
     int8_calibration: str | None = None  # a FASTA; None = the shipped calibration set
     compile: str = "auto"  # auto, on, off (COMPILE_MODES)
     compile_cache: str | None = None  # inductor's cache directory; None = inductor's default
+    auto_cache: str | None = None  # where --precision auto's measurements are kept; None = the user's cache
 
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""

@@ -78,7 +78,7 @@ def resolved_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.de
         raise TypeError("Embedder(loaded, options, device): the device is needed to resolve plain options")
     packs = capabilities.packs(loaded)
     return resolve_run(options, device, num_layers=loaded.num_layers, packs=packs,
-                       model=ModelIdentity(loaded.sha256, packs, {}, loaded.family))
+                       model=ModelIdentity(loaded.sha256, packs, {}, loaded.family), width=loaded.embed_dim)
 
 
 class Embedder:

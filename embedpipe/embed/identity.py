@@ -22,8 +22,8 @@ from embedpipe.runtime.precision import Policy
 IDENTITY_VERSION = 2
 
 #: options that change how a job runs, not its numbers: a retry's smaller batches, threads,
-#: where fallback records run, where inductor keeps its cache (docs/cluster.md, "Resuming, rerunning")
-HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device", "compile_cache")
+#: where fallback records run, where inductor and ``auto`` keep their caches (docs/cluster.md, "Resuming, rerunning")
+HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device", "compile_cache", "auto_cache")
 
 #: options replaced by what they resolve to (``layers``, ``pooling``, the device's type in
 #: ``computed_as``, ``compile`` as ``computed_as.compiled``) or by the file's bytes (``int8_calibration``)

@@ -21,8 +21,9 @@ from embedpipe.core.cpus import oversubscribed, use_threads
 from embedpipe.core.devices import claim_device, resolve_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
-from embedpipe.core.options import EmbedOptions
+from embedpipe.core.options import AUTO, EmbedOptions
 from embedpipe.core.progress import say
+from embedpipe.embed import auto_probe
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.identity import first_difference
 from embedpipe.embed.resolved import ResolvedRun, resolve_run, resolve_threads
@@ -30,6 +31,7 @@ from embedpipe.embed.reuse import Reuse
 from embedpipe.model import capabilities, load_model, registry
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
+from embedpipe.runtime import auto_precision
 from embedpipe.runtime.precision import Policy
 from embedpipe.store import EmbeddedRecord
 
@@ -72,15 +74,17 @@ class Job:
     """What one embed job embeds with: the reuse stores, and the model, claimed and loaded on
     ``stack`` only when a record must be computed (:meth:`embedder`)."""
 
-    def __init__(self, model: str, options: EmbedOptions, policy: Policy, reuse: Reuse | None, quiet: bool,
-                 stack: contextlib.ExitStack, residues: int = 0) -> None:
+    def __init__(self, model: str, options: EmbedOptions, policy: Policy | None, reuse: Reuse | None, quiet: bool,
+                 stack: contextlib.ExitStack, residues: int = 0, probe: Sequence[tuple[str, str]] = ()) -> None:
         self.model, self.options, self.policy, self.reuse, self.quiet = model, options, policy, reuse, quiet
         self._stack = stack
         self._embedder: Embedder | None = None
-        self.residues = residues  # the whole input's, for --compile auto (resolve_run)
-        predicted = predict_run(reuse, model, options, policy, residues)
-        #: the identity of every store the job writes: predicted without the model when reuse allows
-        self.identity = predicted.identity if predicted is not None else None
+        self.residues = residues  # the whole input's, for --compile auto and what auto's probe may cost
+        self.probe = probe  # records of the job's own input, for --precision auto's probe
+        #: the job's resolved run: predicted without the model when reuse allows, else the loaded one's
+        self.run = predict_run(reuse, model, options, policy, residues)
+        #: the identity of every store the job writes
+        self.identity = self.run.identity if self.run is not None else None
 
     def split(self, records: Sequence[tuple[str, str]]) -> Work:
         found = self.reuse.find(records) if self.reuse is not None else {}
@@ -92,11 +96,18 @@ class Job:
         if self._embedder is None:
             loaded, device = self._stack.enter_context(_model_on(self.model, self.options))
             packs = capabilities.packs(loaded)
-            run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=packs,
-                              model=_loaded_identity(self.model, loaded), policy=self.policy,
-                              residues=self.residues)
+            model = _loaded_identity(self.model, loaded)
+            auto = None
+            if self.options.precision == AUTO:  # measured on this node (embed/auto_probe.py), then resolved once
+                auto = auto_probe.decide(loaded, self.options, device, model, self.probe, self.residues,
+                                         auto_cache(self.options), self.quiet)
+                say(f"precision {auto.reason}", quiet=self.quiet)
+            run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=packs, model=model,
+                              policy=self.policy, residues=self.residues, width=loaded.embed_dim, auto=auto)
             embedder = Embedder(loaded, run)
-            for note in filter(None, (oversubscribed(resolve_threads(self.options)), *embedder.notes)):
+            policy_notes = auto_probe.notes(run.policy.name, self.options, device, model, auto_cache(self.options),
+                                            embedder.notes)
+            for note in filter(None, (oversubscribed(resolve_threads(self.options)), *policy_notes)):
                 say(f"warning: {note}", quiet=self.quiet)
             if self.reuse is not None:
                 self.reuse.check(run.identity)
@@ -104,7 +115,7 @@ class Job:
                 key = (first_difference(self.identity, run.identity) or ("?",))[0]
                 raise EmbedpipeError(f"--reuse: the loaded model resolves {key} differently than predicted "
                                      "from its files; run without --reuse")
-            self.identity, self._embedder = run.identity, embedder
+            self.identity, self.run, self._embedder = run.identity, run, embedder
         return self._embedder
 
     def layout(self) -> tuple[list[int], int, list[str]]:
@@ -116,29 +127,44 @@ class Job:
 
 
 @contextlib.contextmanager
-def open_job(model: str, options: EmbedOptions, policy: Policy, reuse: Sequence[Path], quiet: bool,
-             residues: int = 0) -> Iterator[Job]:
+def open_job(model: str, options: EmbedOptions, policy: Policy | None, reuse: Sequence[Path], quiet: bool,
+             residues: int = 0, probe: Sequence[tuple[str, str]] = ()) -> Iterator[Job]:
     """The job's reuse stores and its model, claimed and loaded only when a record must be
-    computed; ``residues``: the job's whole input (``--compile auto``)."""
+    computed; ``residues``: the job's whole input (``--compile auto``, auto's probe budget);
+    ``probe``: records of its input for ``--precision auto`` to measure on."""
+    use_threads(resolve_threads(options))  # before anything is timed: auto and int8's kernels measure at it
     with contextlib.ExitStack() as stack:
         sources = stack.enter_context(Reuse(reuse, quiet)) if reuse else None
-        yield Job(model, options, policy, sources, quiet, stack, residues)
+        yield Job(model, options, policy, sources, quiet, stack, residues, probe)
 
 
-def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy,
+def auto_cache(options: EmbedOptions) -> Path:
+    """Where ``--precision auto``'s measurements are kept (``--auto-cache``, else the user's cache)."""
+    return Path(options.auto_cache) if options.auto_cache else auto_precision.default_cache_dir()
+
+
+def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy | None,
                 residues: int = 0) -> ResolvedRun | None:
     """The job's run without loading the model (its identity checked against every reuse
-    store), or None when it cannot be known so (no reuse store, a family without ``file_identity``)."""
+    store), or None when it cannot be known so: no reuse store, a family without
+    ``file_identity``, ``--precision auto`` with no measurement cached on this node, int8-mixed
+    from an index that does not record the model's width (its weight range is measured for it)."""
     if reuse is None or not reuse.sources or reuse.sources[0].num_layers is None:
         return None
     facts = registry.model_identity(model)
     if facts is None:
         return None
     device = resolve_device(options.device)
+    auto = auto_probe.cached(options, device, facts, auto_cache(options)) if options.precision == AUTO else None
+    if options.precision == AUTO and auto is None:
+        return None
+    width = reuse.sources[0].width
+    if width is None and (auto.policy if auto is not None else options.precision) == "int8-mixed":
+        return None
     for source in reuse.sources:
         source.check_model(facts.sha256)
     run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,
-                      policy=policy, residues=residues)
+                      policy=None if auto is not None else policy, residues=residues, width=width, auto=auto)
     reuse.check(run.identity)
     return run
 

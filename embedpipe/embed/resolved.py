@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from embedpipe.core.options import EmbedOptions
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import AUTO, EmbedOptions
 from embedpipe.embed.calibration import configured_policy
 from embedpipe.embed.identity import embed_identity
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
+from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.fused import decide_compile
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.int8_smoothing import Calibration
@@ -53,6 +55,15 @@ class ResolvedRun:
     identity: str  # the store's ``embed_identity`` (embedpipe.embed.identity)
     compiled: bool = False  # --compile resolved: the main runner's elementwise work compiled
     compile_reason: str = ""  # why (auto's decision, embedpipe.runtime.fused.decide_compile)
+    precision_requested: str = ""  # ``auto`` when the policy was chosen here ('' when named)
+    precision_reason: str = ""  # what auto measured or read (embedpipe.embed.auto_probe)
+
+    @property
+    def precision_attrs(self) -> dict[str, str]:
+        """Root attributes of a policy ``auto`` chose (docs/store-format.md); none for a named one."""
+        if not self.precision_requested:
+            return {}
+        return {"precision_requested": self.precision_requested, "precision_reason": self.precision_reason}
 
     @property
     def computed_as(self) -> dict[str, str]:
@@ -88,12 +99,29 @@ def resolve_policy(options: EmbedOptions) -> Policy:
 
 
 def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int, packs: bool,
-                model: ModelIdentity, policy: Policy | None = None, residues: int = 0) -> ResolvedRun:
-    """``options`` resolved for ``device`` and a model of ``num_layers`` layers whose family
-    packs batches or not (``policy``: :func:`resolve_policy`'s, resolved now when None).
-    ``residues``: the whole job's input (every shard, kept ones too, so a rerun resolves
-    ``--compile auto`` as the first run did and keeps its stores)."""
+                model: ModelIdentity, policy: Policy | None = None, residues: int = 0,
+                width: int | None = None, auto: AutoChoice | None = None) -> ResolvedRun:
+    """``options`` resolved for ``device`` and a model of ``num_layers`` layers and ``width``
+    (int8-mixed measures its weight range for it) whose family packs batches or not
+    (``policy``: :func:`resolve_policy`'s, resolved now when None). ``auto``: the policy
+    ``--precision auto`` chose on this job (embedpipe.embed.auto_probe), with why; without it
+    the table's prior. ``residues``: the whole job's input (every shard, kept ones too, so a
+    rerun resolves ``--compile auto`` as the first run did and keeps its stores)."""
+    requested = ""
+    if options.precision == AUTO:  # decided once, here: measured by the job, else the table's prior
+        requested = AUTO
+        auto = auto if auto is not None else AutoChoice.from_table(device)
+        options, policy = dataclasses.replace(options, precision=auto.policy), None
+        try:
+            options.validate()
+        except EmbedpipeError as exc:
+            raise EmbedpipeError(f"--precision auto chose {auto.policy} on this machine, but {exc}; "
+                                 "name a policy with --precision") from None
     policy = resolve_policy(options) if policy is None else policy
+    if isinstance(policy, Int8MixedPolicy) and policy.kernels is None:
+        if width is None:
+            raise TypeError("resolve_run: int8-mixed needs the model's width to measure its weight range")
+        policy = policy.for_width(width)
     inputs = resolve_attention_inputs(options.attention_inputs, device)
     layout = "padded" if not packs else attention_choice.batch_layout(options, policy, device)
     path = (f"padded-{options.attention}" if layout == "padded"
@@ -106,7 +134,8 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
                       qkv_dtype=dtype_name(attention_dtype(policy, inputs)), batch_layout=layout,
                       attention_path=path, layers=layers, pooling=pooling, model=model, identity="")
     compiled, why = decide_compile(options.compile, policy.name, device.type, residues)
-    run = dataclasses.replace(run, compiled=compiled, compile_reason=why)
+    run = dataclasses.replace(run, compiled=compiled, compile_reason=why, precision_requested=requested,
+                              precision_reason=auto.reason if requested and auto is not None else "")
     return dataclasses.replace(run, identity=embed_identity(
         options, policy, model, run.computed_as, layers, pooling,
         calibration=calibration.sha256 if calibration is not None else None))

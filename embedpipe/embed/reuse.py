@@ -58,6 +58,7 @@ class Source:
     uuid: str
     identity: str
     num_layers: int | None
+    width: int | None = None  # the model's width (the store's ``dim``): int8-mixed's weight range is measured for it
     _store: Store | None = None
     _checks: RowChecks | None = None  # the rows verified so far (embedpipe.store.row_checks)
 
@@ -114,8 +115,9 @@ def _open_source(path: Path, work: Path, quiet: bool) -> Source:
         index.close()
         raise EmbedpipeError(f"--reuse {store}: the store records no embed_identity (its shards were embedded "
                              "with different options, or by an older embedpipe); reuse its shard stores")
-    layers = index.attrs.get("model_num_layers")
-    return Source(store, index, index.store_uuid, identity, int(layers) if layers is not None else None)
+    layers, width = index.attrs.get("model_num_layers"), index.attrs.get("dim")
+    return Source(store, index, index.store_uuid, identity, int(layers) if layers is not None else None,
+                  int(width) if width is not None else None)
 
 
 class Reuse:

@@ -38,7 +38,7 @@ from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import inspect
 from embedpipe.model.downloads import companion_path
 from embedpipe.runtime import fused
-from embedpipe.runtime.auto_precision import resolve as resolve_precision
+from embedpipe.runtime.precision import Policy
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.reuse_index import is_index
@@ -121,10 +121,10 @@ def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits 
 
 
 def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLimits) -> int:
-    """Every shard's residues (kept stores' too: a rerun decides ``--compile auto`` as the first
-    run did, docs/precision.md); read only when auto needs them: for a policy auto may compile
-    (none on the CPU today), not for one it never compiles."""
-    if not fused.needs_residues(options.compile, options.precision):
+    """Every shard's residues (kept stores' too: a rerun decides as the first run did,
+    docs/precision.md); read only when a decision needs them: ``--precision auto`` (whether the
+    job can pay for its probe) or ``--compile auto`` for a policy it may compile."""
+    if options.precision != AUTO and not fused.needs_residues(options.compile, options.precision):
         return 0
     return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
 
@@ -141,17 +141,24 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
     check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
-    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
+    policy = _start(options)
     limits.check(EmbedpipeError)
     started = time.perf_counter()
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
         records = _read_records(fasta, limits)
         check_output_path(Path(out))
-        with open_job(model, options, policy, reuse, quiet, sum(len(s) for _, s in records)) as job:
+        with open_job(model, options, policy, reuse, quiet, sum(len(s) for _, s in records), records) as job:
             return _embed_records(job, records, Path(fasta), Path(out), started,
-                                  {"input_sha256": file_sha256(Path(fasta)), **chosen}, quiet)
+                                  {"input_sha256": file_sha256(Path(fasta))}, quiet)
+
+
+def _start(options: EmbedOptions) -> Policy | None:
+    """The options checked and the named policy configured: ``--int8-calibration`` read now, so
+    a bad file fails before the model loads. None for ``--precision auto``: the job decides it
+    once its model is loaded (embed/auto_probe.py), and resolves the run then."""
+    options.validate()
+    return None if options.precision == AUTO else resolve_policy(options)
 
 
 def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
@@ -159,7 +166,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
     """``records`` (read from ``fasta``) into the store ``out``: copies of what the reuse stores
     hold, the rest computed with the job's embedder (the model loaded when first needed)."""
     work = job.split(records)
-    embedder = job.embedder() if work.todo else None
+    embedder = job.embedder() if work.todo or job.identity is None else None
     plan = None
     if embedder is not None:
         embedder.new_input()
@@ -177,7 +184,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
         layers=layers,
         dim=dim,
         storage_dtype=options.storage_dtype,
-        attrs=attrs | extra | work.counts() | {"embed_identity": job.identity},
+        attrs=attrs | extra | (job.run.precision_attrs if job.run else {}) | work.counts() | {"embed_identity": job.identity},
         pooling=pooling,
     ) as writer:
         # HDF5 writes on a thread of their own; it is joined before the writer finalizes or
@@ -194,7 +201,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
                          finished_utc=utc_now(), **(_run_attrs(embedder, plan) if embedder is not None else {}))
     return EmbedSummary(
         out=out, records=len(records), residues=sum(len(s) for _, s in records),
-        seconds=time.perf_counter() - started, precision=options.precision,
+        seconds=time.perf_counter() - started, precision=job.run.policy.name if job.run else options.precision,
         device=str(embedder.device) if embedder is not None else "no device (all reused)", fallback=fallback,
         padding_efficiency=plan.padding_efficiency if plan else 1.0,
         tokens_per_batch=embedder.tokens_per_batch if embedder is not None else 0,
@@ -282,9 +289,8 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
     check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
-    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
+    policy = _start(options)
     limits.check(EmbedpipeError)
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -295,7 +301,9 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     summary = GroupSummary(out_dir=out_dir)
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
     residues = _job_residues(fastas, options, limits)
-    with _writing(outputs, fastas, model, reuse), open_job(model, options, policy, reuse, quiet, residues) as job:
+    probe = _read_records(Path(fastas[0]), limits) if options.precision == AUTO else []
+    with _writing(outputs, fastas, model, reuse), open_job(model, options, policy, reuse, quiet, residues,
+                                                           probe) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for fasta, store, digest in zip(fastas, stores, digests):
@@ -304,7 +312,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
                 continue
             summary.embedded.append(_embed_records(
                 job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
-                {"input_sha256": digest, **chosen}, quiet))
+                {"input_sha256": digest}, quiet))
         if done is not None:
             _check_still_current(stores, digests, str(job.identity))
             write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)

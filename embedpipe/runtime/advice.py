@@ -1,12 +1,16 @@
-"""Which precision policy to use on which hardware: the one advice table (docs/precision.md,
-"Which policy on which CPU"), from the measurements in docs/benchmarks.md.
+"""Which precision policy to expect on which hardware: the one advice table (docs/precision.md,
+"Which policy on which CPU"), from the measurements in docs/benchmarks.md. A prior, not the
+decision: ``--precision auto`` measures the policies on the node itself
+(:mod:`embedpipe.runtime.auto_precision`) and takes this table only for a job too small to pay
+for measuring.
 
-Why one table: the CPU warnings ``embed`` prints, ``--precision auto`` and the table in
+Why one table: the CPU warnings ``embed`` prints, auto's prior and the table in
 docs/precision.md all read it (``tests/runtime/test_advice.py`` keeps the doc equal to
-:func:`markdown_table`), so the advice cannot say one thing in the docs and another at run
-time. Where int8-mixed is not faster than bf16-mixed at the users' model (the 650M shape where
-measured), bf16-mixed is advised; fp16 counts as
-fast only where it was measured faster than fp32, whatever the flags say.
+:func:`markdown_table`). Each row says the real CPU it was measured on (``basis``); a row
+measured only by emulating a class on another CPU, or not at all, says so, is never auto's
+prior (fp32 is) and its warnings recommend no policy: emulation reproduces an instruction set,
+not the kernels PyTorch dispatches on the real part (on a real AVX2 EPYC the emulated advice
+ran >10x slower than fp32).
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ WHERE = 'docs/precision.md, "Which policy on which CPU"'
 FP16_POLICIES = ("fp16", "amp-fp16", "fp16-mixed")
 
 
+#: how a row was measured: on a real CPU of the class (named in ``measured``), by emulation, or not
+REAL, EMULATED, NOT_MEASURED = "measured on a real CPU of this class", "emulated only", "not measured"
+
+
 @dataclass(frozen=True)
 class ClassAdvice:
     """One CPU class: the policy advised there, its measured speed against fp32 (fp32's wall
-    time over its own, None where not measured), how that was measured, and the policies
+    time over its own, None where not measured), how and on which CPU that was measured
+    (``basis``: :data:`REAL`, :data:`EMULATED` or :data:`NOT_MEASURED`), and the policies
     measured not worth it there with why (what the warnings say)."""
 
     cpu_class: str
@@ -34,7 +43,13 @@ class ClassAdvice:
     advised: str
     factor: float | None
     measured: str
+    basis: str = REAL
     not_advised: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the row was measured on a real CPU of its class (else it advises nothing)."""
+        return self.basis == REAL
 
 
 _AMX_FP16 = ("no faster than fp32 on this class despite avx512_fp16 (fp16 1.05x fp32's speed; its GEMM peak "
@@ -43,33 +58,34 @@ _AMX_FP16 = ("no faster than fp32 on this class despite avx512_fp16 (fp16 1.05x 
 #: the advice per CPU class (:attr:`CpuFeatures.cpu_class`), from docs/benchmarks.md
 ADVICE: dict[str, ClassAdvice] = {a.cpu_class: a for a in (
     ClassAdvice(
-        "amx", "`amx_bf16`, `amx_int8`, `avx512_fp16`", "this project's 2-vCPU Xeon (Sapphire/Emerald Rapids class)",
+        "amx", "`amx_bf16`, `amx_int8`, `avx512_fp16`", "Sapphire/Emerald Rapids Xeon",
         "bf16-mixed", 1.84,
-        "35M, 200 proteins, 2 interleaved rounds; docs/benchmarks.md, \"int8 on VNNI CPUs\"",
+        "a real 2-vCPU Sapphire/Emerald Rapids Xeon, 35M, 200 proteins, 2 interleaved rounds; "
+        "docs/benchmarks.md, \"int8 on VNNI CPUs\"", REAL,
         {"int8-mixed": ("not faster than bf16-mixed on this class (1.36-1.65x fp32 quiet against bf16-mixed's 1.84x) "
                         "and 0.52x fp32 on a loaded node (docs/benchmarks.md, \"CPU contention\")"),
          **dict.fromkeys(FP16_POLICIES, _AMX_FP16)}),
     ClassAdvice(
         "avx512_bf16", "`avx512_bf16`, no AMX", "Zen 4 / Zen 5 EPYC, Cooper Lake", "bf16-mixed", 1.70,
-        "650M shape, 16 proteins, Zen 5; 1.27x at 35M (1.37x on Zen 4); docs/benchmarks.md, \"The users' model\"",
-        {"int8-mixed": ("not faster than bf16-mixed at the 650M shape on this class (Zen 5: 21.5 against 21.1 s; "
-                        "faster at 35M, 1.60x fp32 against 1.27x, and 150M) and further from fp32 (pooled cosine "
-                        "0.99990 against 0.99998; docs/benchmarks.md, \"The users' model\")")}),
+        "a real Zen 5 EPYC, 650M shape, 16 proteins (1.27x at 35M); docs/benchmarks.md, \"The users' model\"", REAL,
+        {"int8-mixed": ("not faster than bf16-mixed at the 650M shape on a Zen 5 EPYC (21.5 against 21.1 s; "
+                        "faster at 35M and 150M) and further from fp32 (pooled cosine 0.99990 against 0.99998; "
+                        "docs/benchmarks.md, \"The users' model\")")}),
     ClassAdvice(
-        "int8-dot", "x86 `avx512_vnni`/`avx_vnni`, no bf16",
-        "Cascade/Ice Lake; measured as the AMX Xeon with `ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI "
-        "MKL_ENABLE_INSTRUCTIONS=AVX512_E1 FBGEMM_ENABLE_INSTRUCTIONS=AVX512_E1` (emulated)",
+        "int8-dot", "x86 `avx512_vnni`/`avx_vnni`, no bf16", "Cascade/Ice Lake Xeon",
         "int8-mixed", 1.36,
-        "emulated, 35M, 200 proteins, 2 rounds; bf16-mixed 0.37x, fp16 0.16x on 60 records"),
+        "emulated on an AMX Xeon (ISA caps), 35M, 200 proteins; never on a real CPU of this class", EMULATED),
     ClassAdvice(
-        "arm-int8-dot", "ARM `asimddp`/`i8mm`, no bf16", "Graviton 2, Ampere Altra", "fp32", None, "not measured here"),
+        "arm-int8-dot", "ARM `asimddp`/`i8mm`, no bf16", "Graviton 2, Ampere Altra", "fp32", None,
+        "not measured", NOT_MEASURED),
     ClassAdvice(
-        "avx2", "`avx2` only",
-        "EPYC Rome/Milan; measured as the AMX Xeon with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
-        "MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2` (emulated)",
-        "int8-mixed", 1.27,
-        "emulated, rounds 1.36, 1.19; 1.09 in an earlier run; 7-bit weights; bf16-mixed 0.25x on the real AVX2 EPYC"),
-    ClassAdvice("other", "none of the above", "-", "fp32", None, "not measured"),
+        "avx2", "`avx2` only", "EPYC Rome/Milan (Zen 2/3), Haswell-Skylake client", "int8-mixed", 1.57,
+        "a real AVX2-only AMD EPYC (Zen 3), 12 x 480 ESM-2, 105 proteins, oneDNN's 7-bit int8 kernels "
+        "(int8-mixed 19.4 s against fp32's 30.4 s; bf16-mixed 0.25x fp32 there: bf16 is emulated); "
+        "docs/benchmarks.md, \"AVX2-only EPYC\"", REAL,
+        {name: ("emulated through fp32 on this class (bf16-mixed ran 0.25x fp32's speed on a real AVX2 EPYC; "
+                "docs/benchmarks.md, \"AVX2-only EPYC\")") for name in ("bf16-mixed", "fp16-mixed")}),
+    ClassAdvice("other", "none of the above", "-", "fp32", None, "not measured", NOT_MEASURED),
 )}
 
 
@@ -79,14 +95,21 @@ def advice_for(cpu: CpuFeatures) -> ClassAdvice:
 
 
 def fastest_policy(cpu: CpuFeatures) -> tuple[str, float | None]:
-    """The policy advised on CPUs of ``cpu``'s class, and its measured factor against fp32."""
+    """The policy advised on CPUs of ``cpu``'s class, and its measured factor against fp32;
+    fp32 (no factor) where the row was not measured on a real CPU of the class."""
     advice = advice_for(cpu)
-    return advice.advised, advice.factor
+    return (advice.advised, advice.factor) if advice.trusted else ("fp32", None)
+
+
+#: what a warning says instead of a policy where the table has no real measurement, or always
+MEASURE = "--precision auto measures the policies on the node itself"
 
 
 def _advised(advice: ClassAdvice) -> str:
-    measured = f", {advice.factor:.2f}x fp32's speed as measured" if advice.factor else ""
-    return f"{advice.advised}{measured}"
+    if not advice.trusted:
+        return f"not known from a real measurement ({advice.basis}): {MEASURE}"
+    measured = f", {advice.factor:.2f}x fp32's speed on {advice.measured.split(',')[0]}" if advice.factor else ""
+    return f"{advice.advised}{measured}; {MEASURE}"
 
 
 def cpu_note(policy: str, dtype: torch.dtype, cpu: CpuFeatures) -> str:
@@ -97,21 +120,25 @@ def cpu_note(policy: str, dtype: torch.dtype, cpu: CpuFeatures) -> str:
     if dtype in SIXTEEN_BIT and not cpu.native(dtype):
         low = "fp16" if dtype == torch.float16 else "bf16"
         return (f"precision {policy!r} on a CPU without native {low} arithmetic (no {' or '.join(NATIVE[dtype][:2])}) "
-                f"is emulated and slower than fp32; the fastest policy on this CPU ({cpu.cpu_class}) is "
+                f"is emulated and slower than fp32; the policy advised on this CPU class ({cpu.cpu_class}) is "
                 f"{_advised(advice)} ({WHERE})")
     why = advice.not_advised.get(policy)
-    if why is None or policy == advice.advised:
+    if why is None or policy == advice.advised or not advice.trusted:
         return ""
-    return (f"precision {policy!r} on this CPU ({cpu.cpu_class}) is {why}; the fastest policy on this CPU "
+    return (f"precision {policy!r} on this CPU ({cpu.cpu_class}) is {why}; the policy advised on this CPU class "
             f"({cpu.cpu_class}) is {_advised(advice)} ({WHERE})")
 
 
 def cpu_choice(cpu: CpuFeatures) -> tuple[str, str]:
-    """``--precision auto`` on the CPU: the advised policy and why, in words."""
+    """The table's prior on the CPU: the advised policy and why, in words; fp32 where the
+    class's row was emulated or not measured."""
     advice = advice_for(cpu)
-    measured = f"measured {advice.factor:.2f}x fp32's speed" if advice.factor else "none measured faster"
-    return advice.advised, (f"CPU class {cpu.cpu_class} (flags: {cpu.named()}): {advice.advised} advised, "
-                            f"{measured} ({advice.measured})")
+    if not advice.trusted:
+        return "fp32", (f"CPU class {cpu.cpu_class} (flags: {cpu.named()}): its row is {advice.basis} "
+                        f"({advice.measured}), so fp32")
+    measured = f"{advice.factor:.2f}x fp32's speed" if advice.factor else "none measured faster"
+    return advice.advised, (f"CPU class {cpu.cpu_class} (flags: {cpu.named()}): {advice.advised}, "
+                            f"{measured} on {advice.measured}")
 
 
 #: ``--precision auto`` on CUDA, by compute capability (the thresholds of runtime/precision.py's
@@ -131,13 +158,18 @@ def cuda_choice(name: str, capability: tuple[int, int]) -> tuple[str, str]:
 
 def markdown_table() -> str:
     """The table docs/precision.md shows ("Which policy on which CPU"), made from :data:`ADVICE`."""
-    lines = ["| CPU class (flags that decide) | example | advised policy | x fp32 wall time | not advised there |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| CPU class (flags that decide) | example | measured how | advised policy | x fp32 wall time | "
+             "not advised there |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for advice in ADVICE.values():
         factor = f"{advice.factor:.2f} ({advice.measured})" if advice.factor else advice.measured
         grouped: dict[str, list[str]] = {}
         for name, why in advice.not_advised.items():
             grouped.setdefault(why, []).append(f"`{name}`")
         others = "; ".join(f"{', '.join(names)}: {why}" for why, names in grouped.items()) or "-"
-        lines.append(f"| `{advice.cpu_class}` ({advice.flags}) | {advice.example} | `{advice.advised}` | {factor} | {others} |")
+        advised = f"`{advice.advised}`" if advice.trusted else f"none (auto's prior: `fp32`; `{advice.advised}` emulated)"
+        if advice.basis == NOT_MEASURED:
+            advised = "none (auto's prior: `fp32`)"
+        lines.append(f"| `{advice.cpu_class}` ({advice.flags}) | {advice.example} | {advice.basis} | {advised} | "
+                     f"{factor} | {others} |")
     return "\n".join(lines)

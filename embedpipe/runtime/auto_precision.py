@@ -1,28 +1,68 @@
-"""``--precision auto``: the policy measured fastest and trustworthy on the hardware the job
-runs on, chosen when the job starts (docs/precision.md, "precision: auto").
+"""``--precision auto``: the candidates a device supports, the table's prior, the choice from a
+measurement on the node, and the per-node cache of that measurement (docs/precision.md,
+"precision: auto").
 
-Why at job start: the workflow parses its config on a login node, whose CPU need not be the
-compute node's; each embed job resolves ``auto`` on its own node (the CPU's flags through
-:mod:`embedpipe.runtime.advice`, a GPU's compute capability), and the store records both the
-request and the choice (``precision_requested``, ``precision_reason``; ``precision_policy`` is
-the policy that ran, so readers need not know about ``auto``).
+Why measured: which policy is fastest depends on the kernels PyTorch dispatches on the real
+CPU, the model's shape and the node's load, which no table follows (an AVX2-only EPYC ran the
+table's int8-mixed more than 10x slower than fp32 until its int8 engines were measured too).
+The embed job times each candidate on its own loaded model and records
+(:mod:`embedpipe.embed.auto_probe`), checks each one's pooled cosine to fp32 against the
+cross-check's pass threshold, and runs the fastest that passes. The result is cached per node,
+CPU model and flags, torch version, model, threads and device, in a directory the workflow's
+jobs share, so a node measures once. A job too small to pay for the measurement takes the
+table's prior (:mod:`embedpipe.runtime.advice`), and says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from embedpipe.core.devices import resolve_device
+from embedpipe.core.atomic import write_text_atomic
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import AUTO, EmbedOptions
-from embedpipe.core.progress import say
+from embedpipe.core.options import Thresholds
 from embedpipe.runtime import advice, cpu_features
+from embedpipe.runtime.precision import CUDA_CAPABILITY
+
+#: the policies auto times on the CPU: the reference and the two fast CPU policies
+CPU_CANDIDATES = ("fp32", "bf16-mixed", "int8-mixed")
+#: the pooled cosine to fp32 a candidate must reach on the probe records: the cross-check's pass bar
+PASS_COSINE = Thresholds().pass_cosine
+#: the probe's records: up to this many residues, drawn across the job's first input
+PROBE_RESIDUES = 2048
+#: timed passes per candidate, after one warm-up pass (which also prepares its weights)
+TIMED_PASSES = 2
+#: the probe may cost at most this share of the job's residues; a smaller job takes the table's prior
+PROBE_SHARE = 0.10
+#: the cache's format; a change of what is measured or how bumps it (older entries are measured again)
+CACHE_VERSION = 1
+#: how long a job waits for another job on the same node that is measuring the same key
+WAIT_FOR_PROBE_S = 1800.0
 
 
-def choose(device: torch.device, cpu: cpu_features.CpuFeatures | None = None) -> tuple[str, str]:
-    """(policy, why) for ``device``: a GPU by its compute capability, the CPU by its class."""
+def candidates(device: torch.device) -> tuple[str, ...]:
+    """The policies auto may choose on ``device``: on the CPU :data:`CPU_CANDIDATES`; on CUDA
+    fp32 and the mixed policies of the dtypes the GPU computes natively."""
+    if device.type != "cuda":
+        return CPU_CANDIDATES if device.type == "cpu" else ("fp32",)
+    capability = torch.cuda.get_device_capability(device)
+    mixed = [f"{name}-mixed" for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+             if capability >= CUDA_CAPABILITY[dtype]]
+    return ("fp32", *mixed)
+
+
+def prior(device: torch.device, cpu: cpu_features.CpuFeatures | None = None) -> tuple[str, str]:
+    """(policy, why) from the table alone: a GPU by its compute capability, the CPU by its class."""
     if device.type == "cuda":
         return advice.cuda_choice(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
     if device.type == "cpu":
@@ -30,21 +70,151 @@ def choose(device: torch.device, cpu: cpu_features.CpuFeatures | None = None) ->
     return "fp32", f"{device.type}: no measured advice for this device"
 
 
-def resolve(options: EmbedOptions, quiet: bool = False,
-            cpu: cpu_features.CpuFeatures | None = None) -> tuple[EmbedOptions, dict[str, str]]:
-    """``options`` checked, with ``precision: auto`` replaced by the policy chosen here, and the
-    root attributes that record it (none when a policy was named). A choice the other options
-    exclude (``--attention fair-esm`` with a mixed policy) is refused in one line naming both."""
-    options.validate()
-    if options.precision != AUTO:
-        return options, {}
-    policy, why = choose(resolve_device(options.device), cpu)
-    chosen = dataclasses.replace(options, precision=policy)
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``auto`` resolved to on a job, and why (the store's ``precision_reason``)."""
+
+    policy: str
+    reason: str
+
+    @classmethod
+    def from_table(cls, device: torch.device, why_not: str = "no measurement on this job") -> AutoChoice:
+        """The table's prior, for a job that does not measure (``why_not``)."""
+        policy, why = prior(device)
+        return cls(policy, f"auto -> {policy}: not measured ({why_not}); the table's prior: {why}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One candidate on the probe: milliseconds per 1,000 residues and its lowest pooled cosine to fp32."""
+
+    ms_per_1k_residues: float
+    min_cosine: float
+
+    def passes(self) -> bool:
+        return self.min_cosine >= PASS_COSINE
+
+
+def pick(timings: Mapping[str, Timing]) -> str:
+    """The fastest candidate whose pooled cosine passes (fp32 always does: it is the reference)."""
+    passing = {name: t for name, t in timings.items() if name == "fp32" or t.passes()}
+    return min(passing, key=lambda name: (passing[name].ms_per_1k_residues, name != "fp32"))
+
+
+def describe(timings: Mapping[str, Timing]) -> str:
+    """Each candidate's time and cosine, in words (``precision_reason``)."""
+    parts = []
+    for name, t in timings.items():
+        verdict = "" if name == "fp32" or t.passes() else f", below the pass cosine {PASS_COSINE}: refused"
+        parts.append(f"{name} {t.ms_per_1k_residues:.1f} ms per 1,000 residues (min pooled cosine to fp32 "
+                     f"{t.min_cosine:.6f}{verdict})")
+    return "; ".join(parts)
+
+
+def measured_note(policy: str, timings: Mapping[str, Timing], when: str) -> str:
+    """The warning for a named ``policy`` where this node's own measurement found another one
+    faster that passes ('' when ``policy`` was the fastest or was not measured): it replaces the
+    table's warning, which must never recommend what the node measured slower."""
+    if policy not in timings:
+        return ""
+    fastest = pick(timings)
+    if fastest == policy:
+        return ""
+    ours, theirs = timings[policy].ms_per_1k_residues, timings[fastest].ms_per_1k_residues
+    return (f"precision {policy!r} ran {ours:.1f} ms per 1,000 residues when measured on this node at {when}; "
+            f"{fastest} ran {theirs:.1f} ({ours / theirs:.2f}x faster) and passed the cross-check's cosine: "
+            "--precision auto would choose it")
+
+
+# ------------------------------------------------------------------------------ the node's cache
+
+
+def default_cache_dir() -> Path:
+    """Where ``embed`` keeps the measurements without ``--auto-cache``: the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "embedpipe" / "auto-precision"
+
+
+def _cpu_model() -> str:
     try:
-        chosen.validate()
-    except EmbedpipeError as exc:
-        raise EmbedpipeError(f"--precision auto chose {policy} on this machine ({why}), but {exc}; "
-                             "name a policy with --precision") from None
-    reason = f"auto -> {policy}: {why}"
-    say(f"precision {reason}", quiet=quiet)
-    return chosen, {"precision_requested": AUTO, "precision_reason": reason}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip().lower() in ("model name", "cpu model", "hardware"):
+                return value.strip()
+    except OSError:
+        pass
+    return cpu_features.detect().machine
+
+
+def cache_key(device: torch.device, model: str, threads: int, options: Mapping[str, object]) -> dict[str, object]:
+    """What decides a measurement: the node, its CPU model and flags, torch, the model's identity
+    (``model``: its identity fields as JSON), the threads, the device, the candidates and the
+    options that change a candidate's work (layers, pooling, per-residue, storage)."""
+    cpu = cpu_features.detect()
+    key: dict[str, object] = {
+        "version": CACHE_VERSION, "node": socket.gethostname(), "cpu_model": _cpu_model(),
+        "cpu_flags": hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:16],
+        "torch": torch.__version__, "model": hashlib.sha256(model.encode()).hexdigest(),
+        "threads": int(threads), "device": device.type, "candidates": list(candidates(device)),
+        "options": dict(sorted(options.items())),
+    }
+    if device.type == "cuda":
+        key["gpu"] = f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}"
+    return key
+
+
+def _entry(directory: Path, key: Mapping[str, object]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return directory / f"{digest}.json"
+
+
+def read_cached(directory: Path, key: Mapping[str, object]) -> tuple[dict[str, Timing], str] | None:
+    """(timings, when measured) cached for exactly ``key``, or None (missing, another key, unreadable)."""
+    path = _entry(directory, key)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.loads(f.read(1 << 20))
+        if data.get("key") != json.loads(json.dumps(key)):
+            return None
+        timings = {str(k): Timing(float(v["ms_per_1k_residues"]), float(v["min_cosine"]))
+                   for k, v in data["timings"].items()}
+        return (timings, str(data["measured_utc"])) if timings and "fp32" in timings else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
+def write_cached(directory: Path, key: Mapping[str, object], timings: Mapping[str, Timing]) -> Path:
+    """Record a measurement (atomically: a reader sees the old entry or the whole new one)."""
+    path = _entry(directory, key)
+    body = {"key": key, "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timings": {k: {"ms_per_1k_residues": t.ms_per_1k_residues, "min_cosine": t.min_cosine}
+                        for k, t in timings.items()}}
+    write_text_atomic(path, json.dumps(body, indent=1, sort_keys=True))
+    return path
+
+
+@contextlib.contextmanager
+def measuring(directory: Path, key: Mapping[str, object]) -> Iterator[None]:
+    """Held while one job measures ``key``: a second job on the node waits for its result
+    instead of measuring beside it (two probes at once would time each other's load). The lock
+    file is opened without following links and never chmod'ed."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(_entry(directory, key).with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise EmbedpipeError(f"--auto-cache {directory}: cannot use it ({exc.strerror or exc}); "
+                             "give a writable directory") from None
+    try:
+        deadline = time.monotonic() + WAIT_FOR_PROBE_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EmbedpipeError(f"--auto-cache {directory}: another job has measured for "
+                                         f"{WAIT_FOR_PROBE_S:.0f} s without a result; name a policy") from None
+                time.sleep(0.5)
+        yield
+    finally:
+        os.close(fd)

@@ -6,16 +6,11 @@ Why these scales: a token's activations and a channel's weights each get the ful
 int32 sums are exact; the only rounding is the quantization of x and W and the fp32 rescale
 ``y = acc * s_x[token] * s_w[channel] + b``.
 
-The engine is oneDNN's int8 matmul (``torch.ops.onednn.qlinear_pointwise``: VNNI/AMX-INT8
-where the CPU has them, AVX2's int8 dot products otherwise), with the per-channel weight
-scales applied in its epilogue; the per-token scale and the bias follow in one fp32 pass.
-It is fed the same integers as u8 with zero point 128, the type VNNI multiplies (u8 x s8):
-with s8 activations oneDNN has no fast kernel on AVX512-VNNI CPUs without AMX (Cascade and
-Ice Lake) and ran its scalar reference one (docs/benchmarks.md, "int8 on VNNI CPUs").
-``torch._int_mm`` is the fallback where that op is missing. Both are private or
-not-quite-public PyTorch API, so each layer is probed against the exact (float64)
-computation when it is made; the engines measured against each other are in
-docs/benchmarks.md ("int8 engines").
+The int32 matmul runs on the engine :mod:`embedpipe.runtime.int8_kernels` measured fastest
+among those exact on this CPU, for the layer's shape, at the run's weight range; the per-token
+scale and the bias follow in one fp32 pass. The engines are private or not-quite-public
+PyTorch API, so each layer also probes its engine on its own weights against the exact
+(float64) sums when it is made, and takes the next fastest where that fails.
 """
 
 from __future__ import annotations
@@ -25,8 +20,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-#: symmetric int8 range used for weights and activations (-128 is never used)
-QMAX = 127.0
+from embedpipe.runtime import int8_kernels
+from embedpipe.runtime.int8_kernels import QMAX, Int8Matmul, KernelChoice
+
 #: the smallest normal float32: a weight channel whose scale (absmax / qmax) falls below it
 #: cannot be divided into int8 exactly, so its layer stays fp32 (:func:`weights_lost`)
 NORMAL_MIN = float(torch.finfo(torch.float32).tiny)
@@ -36,11 +32,6 @@ NORMAL_MIN = float(torch.finfo(torch.float32).tiny)
 #: fixed floor (1e-30) quantized every smaller token to zeros (docs/precision.md, "int8-mixed")
 ACT_FLOOR = 2.0 ** -100
 ACT_LIFT = 2.0 ** 100
-
-
-#: 7-bit weights: where the CPU has no int8 dot product (AVX2 without VNNI), oneDNN multiplies
-#: u8 x s8 pairs into saturating int16 sums; |w| <= 63 keeps 2 * 255 * 63 below 32767
-QMAX_7BIT = 63.0
 
 
 def quantize_weight(weight: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +84,7 @@ def quantize_per_token(x: torch.Tensor, zero_point: int = 0,
                        inverse_smoothing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 (N, K), fp32 (N, 1) scales) of a 2-D fp32 ``x``: each row by its own absmax / 127.
 
-    ``zero_point`` 128: the same integers plus 128, as u8 (:data:`U8_ZERO_POINT`).
+    ``zero_point`` 128: the same integers plus 128, as u8 (:data:`embedpipe.runtime.int8_kernels.U8_ZERO_POINT`).
 
     A NaN or inf row gets a NaN/inf scale, so the layer's output row is NaN/inf too: a
     broken record stays visible to the per-record checks and falls back to fp32. A row whose
@@ -153,13 +144,6 @@ def _rounder_works(zero_point: int = 0) -> bool:
     return bool(torch.equal(got, want))
 
 
-#: int8 matmul engines, fastest first (docs/benchmarks.md, "int8 engines")
-ENGINES = ("onednn", "int_mm")
-#: the activations' zero point per engine: oneDNN takes them as u8 (int8 + 128)
-U8_ZERO_POINT = 128
-ZERO_POINTS = {"onednn": U8_ZERO_POINT, "int_mm": 0}
-
-
 def _rescale_(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> None:
     """In place: ``out * scale + bias``, then the exact (erf) GELU when asked, as F.gelu's default.
 
@@ -174,12 +158,15 @@ def _rescale_(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
 class Int8Linear:
     """``y = x W^T + b`` (optionally GELU'd) for fp32 ``x`` of any leading shape, in int8.
 
+    ``kernels``: the run's weight range (:func:`embedpipe.runtime.int8_kernels.choose_weight_range`),
+    whose ``used`` counts this layer's engine; without it the layer decides for its own shape.
+    ``engine``: ``auto`` (the fastest exact engine), or one engine by name (tests, benchmarks).
     ``smoothing`` (K,), positive: SmoothQuant's per-input-channel factors ``s``; the weights are
     quantized from ``W * s`` and the activations from ``x / s``, so ``y`` is unchanged in exact
     arithmetic while an outlier channel's range moves from the activations to the weights."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: str = "auto",
-                 smoothing: torch.Tensor | None = None) -> None:
+                 smoothing: torch.Tensor | None = None, kernels: KernelChoice | None = None) -> None:
         self.bias = None if bias is None else bias.detach().float()
         self.out_features, self.in_features = weight.shape
         source = weight = weight.detach().float()
@@ -191,37 +178,25 @@ class Int8Linear:
         #: why this layer stays an fp32 island ('' when it runs in int8): see :func:`weights_lost`
         self.fp32_reason = ""
         self.fp32_weight: torch.Tensor | None = None
-        tried = ENGINES if engine == "auto" else (engine,)
-        # full 8-bit weights first; 7-bit where the engine's int16 pair sums saturate (AVX2)
-        for self.weight_qmax in (QMAX, QMAX_7BIT):
-            self.qweight, self.weight_scale = quantize_weight(weight, self.weight_qmax)
-            self.fp32_reason = weights_lost(weight, self.qweight, self.weight_scale)
-            if self.fp32_reason:  # the exact fp32 linear, never a zeroed channel
-                self.engine, self.zero_point, self.fp32_weight = "fp32", 0, source
+        shape = (self.out_features, self.in_features)
+        if kernels is None:  # a layer made alone: the range its engine(s) are exact and fastest at
+            kernels = int8_kernels.choose((shape,)) if engine == "auto" else int8_kernels.exact_range(engine, shape)
+        self.weight_qmax = kernels.qmax
+        self.qweight, self.weight_scale = quantize_weight(weight, self.weight_qmax)
+        self.fp32_reason = weights_lost(weight, self.qweight, self.weight_scale)
+        if self.fp32_reason:  # the exact fp32 linear, never a zeroed channel
+            self.engine, self.zero_point, self.fp32_weight = "fp32", 0, source
+            return
+        tried = int8_kernels.fastest_engine(self.weight_qmax, shape) if engine == "auto" else [engine]
+        for name in tried:  # fastest first; each probed on this layer's own weights
+            matmul = int8_kernels.prepared(name, self.qweight, self.weight_scale)
+            if matmul is not None:
+                self._matmul: Int8Matmul = matmul
+                self.engine, self.zero_point = name, matmul.zero_point
+                kernels.used[name] += 1
                 return
-            if any(self._use(name) for name in tried):
-                return
-        raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums here (tried {', '.join(tried)})")
-
-    def _use(self, engine: str) -> bool:
-        """Set up ``engine`` and probe it against the exact int32 matmul; False on any failure."""
-        self.engine, self.zero_point = engine, ZERO_POINTS[engine]
-        try:
-            if engine == "onednn":
-                self._packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
-                self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
-            else:
-                self._weight_t = self.qweight.t().contiguous()
-            g = torch.Generator().manual_seed(0)
-            probe = torch.randint(-127, 128, (17, self.in_features), generator=g, dtype=torch.int8)
-            probe[:2] = torch.tensor([[127], [-127]], dtype=torch.int8)  # the largest pair sums
-            want = (probe.double() @ self.qweight.double().t()) * self.weight_scale.double()
-            got = self.scaled_matmul((probe.short() + self.zero_point).to(self.input_dtype))
-        except (RuntimeError, AttributeError, TypeError):
-            return False
-        # compared per channel in units of its scale, so a layer of tiny weights is probed as hard
-        unit = self.weight_scale.double()
-        return got.shape == want.shape and bool(torch.allclose(got.double() / unit, want / unit, rtol=1e-5, atol=1e-6))
+        raise RuntimeError(f"no int8 matmul engine reproduces the exact int32 sums of this layer at "
+                           f"{int8_kernels.range_name(self.weight_qmax)} weights (tried {', '.join(tried) or 'none'})")
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -231,11 +206,7 @@ class Int8Linear:
     def scaled_matmul(self, xq: torch.Tensor) -> torch.Tensor:
         """fp32 (N, M) ``((xq - zero_point) @ qweight^T) * weight_scale`` of (N, K) ``xq``
         (:attr:`input_dtype`), summed in int32."""
-        if self.engine == "onednn":
-            return torch.ops.onednn.qlinear_pointwise(
-                xq, 1.0, self.zero_point, self._packed, self.weight_scale, self._zero_points, None, 1.0, 0,
-                torch.float32, "none", [], "")
-        return torch._int_mm(xq, self._weight_t).float().mul_(self.weight_scale)
+        return self._matmul(xq)
 
     def __call__(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -11,7 +11,7 @@ that model (docs/precision.md, "int8-mixed").
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,25 +19,18 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.runtime import cpu_features
+from embedpipe.runtime.int8_kernels import KernelChoice, choose_weight_range
 from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.int8_smoothing import CalibratingLinear, Calibration
 from embedpipe.runtime.precision import MixedPolicy, Packed, add_policies
 
 #: root attributes of an int8-mixed store (docs/store-format.md)
-SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127; absmax/63 where the CPU's "
-          "int8 kernels saturate, AVX2 without VNNI: see quantization_weight_range), activations per token "
+SCHEME = ("W8A8 symmetric int8: weights per output channel (absmax/127, or absmax/63 where only 7-bit "
+          "kernels are exact and fast on the CPU: see quantization_weight_range), activations per token "
           "(absmax/127, dynamic), int32 sums rescaled in fp32; q/k/v, out projection, fc1, fc2")
 SCALES_FROM = ("weights: the checkpoint's fp32 weights when the model is prepared; activations: each "
                "token's own values at run time")
 SCALES = f"{SCALES_FROM}; no smoothing"
-
-
-@functools.cache
-def weight_range() -> str:
-    """The weights' int8 range on this CPU, from a small layer's own probe (:class:`Int8Linear`):
-    all weights at the range's end, the layer most likely to saturate."""
-    qmax = Int8Linear(torch.ones(64, 96), None).weight_qmax
-    return "+-127 (8-bit)" if qmax == 127 else f"+-{qmax:.0f} (7-bit: the int8 kernels' int16 sums saturate here)"
 
 
 @dataclass(frozen=True)
@@ -46,9 +39,17 @@ class Int8MixedPolicy(MixedPolicy):
 
     ``calibration``: SmoothQuant smoothing calibrated on that set (``--int8-smoothing
     smoothquant``; a policy of its own, made per run by :func:`embedpipe.embed.calibration.configured_policy`,
-    so the shared ``POLICIES`` entry stays unsmoothed); None: no smoothing."""
+    so the shared ``POLICIES`` entry stays unsmoothed); None: no smoothing.
+    ``kernels``: the run's int8 weight range, measured on the CPU for the model's width
+    (:meth:`for_width`, from :func:`embedpipe.embed.resolved.resolve_run`); None: each layer
+    decides for its own shape (a policy used outside a run)."""
 
     calibration: Calibration | None = None
+    kernels: KernelChoice | None = None
+
+    def for_width(self, width: int) -> Int8MixedPolicy:
+        """This policy with the int8 weight range measured for a model of width ``width``."""
+        return dataclasses.replace(self, kernels=choose_weight_range(width))
 
     def check_device(self, device: torch.device, cpu: cpu_features.CpuFeatures | None = None) -> list[str]:
         if device.type != "cpu":
@@ -59,14 +60,16 @@ class Int8MixedPolicy(MixedPolicy):
 
     def provenance(self) -> dict[str, str]:
         scales = SCALES if self.calibration is None else f"{SCALES_FROM}; {self.calibration.describe()}"
-        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": scales,
-                                       "quantization_weight_range": weight_range()}
+        chosen = {} if self.kernels is None else {"quantization_weight_range": self.kernels.weight_range,
+                                                  "quantization_kernels": self.kernels.reason}
+        return super().provenance() | {"quantization_scheme": SCHEME, "quantization_scales": scales} | chosen
 
     def runner_provenance(self, fp32_layers: Mapping[str, str]) -> dict[str, str]:
         """``quantization_fp32_layers``: the linear layers int8 could not hold (weights below
         float32's normal range once scaled), kept fp32 like the other islands; ``none`` usually."""
         listed = "; ".join(f"{name}: {why}" for name, why in sorted(fp32_layers.items()))
-        return {"quantization_fp32_layers": listed or "none"}
+        engines = {} if self.kernels is None else {"quantization_engines": self.kernels.engines()}
+        return {"quantization_fp32_layers": listed or "none"} | engines
 
     @property
     def overflow_limit(self) -> float:
@@ -87,8 +90,8 @@ class Int8MixedPolicy(MixedPolicy):
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
         if self.calibration is not None:  # exact fp32 until calibrated (embed/calibration.py)
-            return CalibratingLinear(weight, bias, self.calibration.alpha)
-        return Int8Linear(weight, bias)
+            return CalibratingLinear(weight, bias, self.calibration.alpha, kernels=self.kernels)
+        return Int8Linear(weight, bias, kernels=self.kernels)
 
     def calibration_records(self) -> Sequence[tuple[str, str]]:
         return () if self.calibration is None else self.calibration.records

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.core.errors import EmbedpipeError, InputError
+from embedpipe.runtime.int8_kernels import KernelChoice
 from embedpipe.runtime.int8_linear import Int8Linear
 
 #: SmoothQuant's migration strength: half of the outlier range moves into the weights
@@ -66,14 +67,15 @@ class CalibratingLinear:
     :meth:`finish`, then runs as the smoothed :class:`Int8Linear`. Made inside
     :func:`collecting` (the calibration step must be able to find it)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, alpha: float = ALPHA) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, alpha: float = ALPHA,
+                 kernels: KernelChoice | None = None) -> None:
         layers = _COLLECTING.get()
         if layers is None:
             raise RuntimeError("a calibrating int8 layer made outside a calibration (embed/calibration.py)")
         layers.append(self)
         self.weight: torch.Tensor | None = weight.detach()  # a reference, dropped by finish()
         self.bias = None if bias is None else bias.detach().float()
-        self.alpha = alpha
+        self.alpha, self.kernels = alpha, kernels  # the run's int8 weight range (runtime/int8_kernels.py)
         self.x_absmax = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
         self.layer: Int8Linear | None = None
 
@@ -103,7 +105,7 @@ class CalibratingLinear:
         """Quantize with the calibrated factors and drop the fp32 weight reference."""
         if self.layer is None:
             assert self.weight is not None  # dropped only once the layer exists
-            self.layer = Int8Linear(self.weight, self.bias, smoothing=self.smoothing)
+            self.layer = Int8Linear(self.weight, self.bias, smoothing=self.smoothing, kernels=self.kernels)
             self.weight = None
 
 

@@ -38,7 +38,7 @@ INDEX_VERSION = 1
 BLOCK = 1024
 _ENTRY = np.dtype([("key", "S32"), ("row", "<i8")])
 #: root attributes of the indexed store copied into the index (the job checks them without the store)
-_STORE_ATTRS = ("embed_identity", "model_num_layers", "model_sha256")
+_STORE_ATTRS = ("embed_identity", "model_num_layers", "model_sha256", "dim")
 
 
 def sequence_digests(sequences: Iterable[str | bytes]) -> np.ndarray:

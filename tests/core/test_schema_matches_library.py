@@ -185,9 +185,10 @@ def test_tokens_per_batch_help_names_auto_its_cpu_budget_and_the_minimum() -> No
 
 def test_every_embed_option_is_a_workflow_key_or_set_by_the_rule() -> None:
     """A new EmbedOptions field must reach the workflow: a schema key, or one the embed rule sets."""
-    set_by_the_rule = {"threads", "compile_cache"}  # the rule's threads; the inductor cache its jobs share
+    set_by_the_rule = {"threads", "compile_cache", "auto_cache"}  # the rule's threads; caches its jobs share
     not_in_the_workflow = {"attention", "overflow_margin"}  # command-line only, for now
     fields = {field.name for field in dataclasses.fields(EmbedOptions)}
     assert fields - set(PROPERTIES) - set_by_the_rule == not_in_the_workflow
     rule = (Path(__file__).resolve().parents[2] / "workflows" / "rules" / "embed.smk").read_text()
     assert "--threads {{threads}}" in rule and "--compile-cache {COMPILE_CACHE}" in rule
+    assert "--auto-cache {AUTO_CACHE}" in rule

@@ -8,11 +8,7 @@ fields, and ``--pooling`` canonical (embedpipe/embed/identity.py)."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -149,41 +145,34 @@ def test_pooling_bos_and_mean_plus_bos_are_one_identity(tmp_path, tiny_model_pat
     assert again.embedded == [] and again.kept == [out / "shard-0.h5"]
 
 
-def _seven_bit_env() -> dict[str, str]:
-    """oneDNN and ATen held to AVX2 (tests/runtime/test_int8_fast.py): the int8 kernels'
-    int16 sums saturate, so the weights are 7-bit."""
-    return dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=str(ROOT))
-
-
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 ISA caps")
-def test_a_7_bit_int8_store_is_neither_reused_nor_kept_by_an_8_bit_run(tmp_path, tiny_model_path, capsys):
-    from embedpipe.runtime.int8_policy import weight_range
-
-    if weight_range() != "+-127 (8-bit)":
-        pytest.skip("this CPU's int8 kernels run 7-bit weights: no 8-bit run to compare with")
+def test_a_store_of_the_other_int8_weight_range_is_neither_reused_nor_kept(tmp_path, tiny_model_path, capsys):
+    """The weight range is measured on the CPU (runtime/int8_kernels.py) and decides the numbers:
+    a store recorded with the other range (as another node's run would be) is refused by
+    --reuse and embedded again by a resume, on any CPU class."""
     shard, out = write_fasta(tmp_path / "shard-0.fasta", RECORDS), tmp_path / "stores"
-    done = subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(shard), "--model", str(tiny_model_path),
-                           "--out-dir", str(out), "--device", "cpu", "--precision", "int8-mixed", "-q"],
-                          env=_seven_bit_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    store = out / "shard-0.h5"
-    with h5py.File(store, "r") as f:
-        seven = str(f.attrs["quantization_weight_range"])
-    assert seven.startswith("+-63 (7-bit")
     options = EmbedOptions(device="cpu", precision="int8-mixed")
+    embed_shards([shard], model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
+    store = out / "shard-0.h5"
+    with h5py.File(store, "r+") as f:
+        ours = str(f.attrs["quantization_weight_range"])
+        assert json.loads(f.attrs["embed_identity"])["int8_weight_range"] == ours  # recorded as used
+        other = "+-63 (7-bit)" if ours == "+-127 (8-bit)" else "+-127 (8-bit)"
+        identity = json.loads(f.attrs["embed_identity"]) | {"int8_weight_range": other}
+        f.attrs["embed_identity"] = json.dumps(identity, sort_keys=True)
+        f.attrs["quantization_weight_range"] = other
     with pytest.raises(EmbedpipeError) as refused:
         embed_fasta(write_fasta(tmp_path / "again.fasta", RECORDS), model=str(tiny_model_path),
                     out=tmp_path / "again.h5", options=options, quiet=True, reuse=[store])
     assert str(refused.value) == (f"--reuse {store}: embedded with the int8 weight range (resolved on the CPU by the "
-                                  f"int8 kernels) {seven!r}, this run '+-127 (8-bit)'; {REUSABLE}")
+                                  f"int8 kernels) {other!r}, this run {ours!r}; {REUSABLE}")
     capsys.readouterr()
     again = embed_shards([shard], model=str(tiny_model_path), out_dir=out, options=options)
     assert len(again.embedded) == 1 and again.kept == []
-    assert (f"{store}: embedded with the int8 weight range (resolved on the CPU by the int8 kernels) {seven!r}, this "
-            "run '+-127 (8-bit)'; embedding it again") in capsys.readouterr().err.splitlines()
+    assert (f"{store}: embedded with the int8 weight range (resolved on the CPU by the int8 kernels) {other!r}, this "
+            f"run {ours!r}; embedding it again") in capsys.readouterr().err.splitlines()
     with h5py.File(store, "r") as f:
-        assert f.attrs["quantization_weight_range"] == "+-127 (8-bit)"
-        assert json.loads(f.attrs["embed_identity"])["int8_weight_range"] == "+-127 (8-bit)"
+        assert f.attrs["quantization_weight_range"] == ours
+        assert json.loads(f.attrs["embed_identity"])["int8_weight_range"] == ours
 
 
 def test_reuse_refuses_a_store_of_an_older_identity_saying_so(tmp_path, tiny_model_path):

@@ -151,7 +151,8 @@ def test_smoothing_options_outside_int8_mixed_smoothquant_are_refused(options, m
 def test_the_identity_separates_smoothing_and_calibration_contents(tmp_path) -> None:
     def identity(**options) -> str:
         chosen = EmbedOptions(precision="int8-mixed", layers=(2,), **options)
-        return resolve_run(chosen, torch.device("cpu"), num_layers=2, packs=True, model=ModelIdentity("abc", True)).identity
+        return resolve_run(chosen, torch.device("cpu"), num_layers=2, packs=True, model=ModelIdentity("abc", True),
+                           width=32).identity
 
     plain = identity()
     assert "int8_smoothing" not in json.loads(plain)  # none: left out, as before the option

@@ -40,8 +40,10 @@ def test_the_run_predicted_from_the_files_equals_the_one_from_the_loaded_model(m
     facts = model_identity(str(models[family]))
     loaded = load_model(str(models[family]))
     assert facts is not None and facts.sha256 == loaded.sha256
-    predicted = resolve_run(options, CPU, num_layers=loaded.num_layers, packs=facts.packs, model=facts)
-    resolved = resolve_run(options, CPU, num_layers=loaded.num_layers, packs=capabilities.packs(loaded), model=facts)
+    predicted = resolve_run(options, CPU, num_layers=loaded.num_layers, packs=facts.packs, model=facts,
+                            width=loaded.embed_dim)
+    resolved = resolve_run(options, CPU, num_layers=loaded.num_layers, packs=capabilities.packs(loaded), model=facts,
+                           width=loaded.embed_dim)
     assert dataclasses.asdict(predicted) == dataclasses.asdict(resolved)
     assert resolved.batch_layout == "padded" and resolved.attention_inputs == "fp32"  # auto on the CPU
     assert resolved.layers[-1] == loaded.num_layers and resolved.pooling[0] == "mean"
@@ -59,8 +61,8 @@ def test_a_store_records_the_identity_resolve_run_gives_from_plain_values(tmp_pa
     assert facts is not None
     with h5py.File(out, "r") as f:
         stored = f.attrs["embed_identity"]
-        num_layers = int(f.attrs["model_num_layers"])
-    run = resolve_run(OPTIONS[name], CPU, num_layers=num_layers, packs=facts.packs, model=facts)
+        num_layers, width = int(f.attrs["model_num_layers"]), int(f.attrs["dim"])
+    run = resolve_run(OPTIONS[name], CPU, num_layers=num_layers, packs=facts.packs, model=facts, width=width)
     assert stored == run.identity
 
 

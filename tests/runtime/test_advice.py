@@ -51,50 +51,74 @@ def test_where_bf16_is_native_int8_mixed_is_not_advised_and_bf16_mixed_is() -> N
         assert "int8-mixed" in advice.advice_for(cpu).not_advised
         assert "bf16-mixed" in POLICIES["int8-mixed"].check_device(CPU, cpu)[0]
         assert POLICIES["bf16-mixed"].check_device(CPU, cpu) == []
-    assert advice.fastest_policy(CASCADE)[0] == "int8-mixed"  # bf16 emulated there
+    assert advice.fastest_policy(CASCADE)[0] == "fp32"  # its row was emulated only: no advice from it
+
+
+def test_every_row_says_how_it_was_measured_and_only_real_measurements_advise() -> None:
+    for row in advice.ADVICE.values():
+        assert row.basis in (advice.REAL, advice.EMULATED, advice.NOT_MEASURED)
+        if row.basis == advice.REAL:  # names the real CPU it ran on
+            assert row.factor is not None and "real" in row.measured
+        else:
+            assert "real" not in row.measured.replace("never on a real", "")
+            cpu = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_vnni"} if row.cpu_class == "int8-dot" else set()))
+            if cpu.cpu_class == row.cpu_class:
+                assert advice.cpu_choice(cpu)[0] == "fp32"
+    assert "emulated only" in advice.markdown_table() and "not measured" in advice.markdown_table()
 
 
 def test_the_warnings_name_the_advised_policy_on_an_amx_cpu() -> None:
     for name in ("fp16", "fp16-mixed", "int8-mixed"):
         notes = POLICIES[name].check_device(CPU, AMX)
         assert len(notes) == 1 and "bf16-mixed, 1.84x fp32's speed" in notes[0] and name in notes[0], name
+        assert advice.MEASURE in notes[0]
     assert "no faster than fp32" in POLICIES["fp16"].check_device(CPU, AMX)[0]
     assert POLICIES["bf16-mixed"].check_device(CPU, AMX) == POLICIES["fp32"].check_device(CPU, AMX) == []
 
 
-def test_auto_on_the_cpu_is_the_advised_policy_for_its_class() -> None:
+def test_the_prior_on_the_cpu_is_the_advised_policy_where_a_real_cpu_measured_it() -> None:
     for cpu in (AMX, ZEN5, CASCADE, CpuFeatures(frozenset({"avx2"})), CpuFeatures()):
-        chosen, attrs = auto_precision.resolve(EmbedOptions(precision="auto", device="cpu"), quiet=True, cpu=cpu)
-        want = advice.advice_for(cpu).advised
-        assert chosen.precision == want and chosen.device == "cpu"
-        assert attrs["precision_requested"] == "auto"
-        assert attrs["precision_reason"].startswith(f"auto -> {want}: CPU class {cpu.cpu_class} (flags: {cpu.named()})")
-    named = EmbedOptions(precision="fp16", device="cpu")
-    assert auto_precision.resolve(named, quiet=True, cpu=AMX) == (named, {})
+        policy, why = advice.cpu_choice(cpu)
+        row = advice.advice_for(cpu)
+        assert policy == (row.advised if row.trusted else "fp32")
+        assert why.startswith(f"CPU class {cpu.cpu_class} (flags: {cpu.named()})")
 
 
-@pytest.mark.parametrize(("capability", "want"), [((9, 0), "bf16-mixed"), ((8, 0), "bf16-mixed"),
-                                                  ((7, 5), "fp16-mixed"), ((5, 3), "fp16-mixed"), ((5, 2), "fp32")])
-def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, capability, want) -> None:
+@pytest.mark.parametrize(("capability", "want", "candidates"), [
+    ((9, 0), "bf16-mixed", ("fp32", "bf16-mixed", "fp16-mixed")), ((8, 0), "bf16-mixed", ("fp32", "bf16-mixed", "fp16-mixed")),
+    ((7, 5), "fp16-mixed", ("fp32", "fp16-mixed")), ((5, 3), "fp16-mixed", ("fp32", "fp16-mixed")), ((5, 2), "fp32", ("fp32",))])
+def test_auto_on_cuda_measures_what_the_gpu_computes_natively(monkeypatch, capability, want, candidates) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Some GPU")
-    policy, why = auto_precision.choose(torch.device("cuda"))
+    assert auto_precision.candidates(torch.device("cuda")) == candidates
+    policy, why = auto_precision.prior(torch.device("cuda"))
     assert policy == want and f"Some GPU, compute capability {capability[0]}.{capability[1]}" in why
-    # the thresholds are the ones the policies' own CUDA check refuses below
-    need = CUDA_CAPABILITY.get(POLICIES[policy].compute_dtype)
-    assert need is None or capability >= need
-    assert POLICIES[policy].check_device(torch.device("cuda")) == []
+    for name in candidates:  # the thresholds are the ones the policies' own CUDA check refuses below
+        need = CUDA_CAPABILITY.get(POLICIES[name].compute_dtype)
+        assert need is None or capability >= need
+        assert POLICIES[name].check_device(torch.device("cuda")) == []
 
 
-def test_auto_refuses_what_the_chosen_policy_excludes_in_one_line() -> None:
-    with pytest.raises(EmbedpipeError, match=r"^--precision auto chose bf16-mixed on this machine \(CPU class amx[^\n]*"
-                                             r"fair-esm[^\n]*name a policy with --precision$"):
-        auto_precision.resolve(EmbedOptions(precision="auto", device="cpu", attention="fair-esm"), quiet=True, cpu=AMX)
+def test_auto_never_chooses_what_the_other_options_exclude() -> None:
+    from embedpipe.embed.auto_probe import usable_candidates
+    from embedpipe.embed.resolved import resolve_run
+    from embedpipe.model.identity import ModelIdentity
+
+    fair = EmbedOptions(precision="auto", device="cpu", attention="fair-esm")
+    assert usable_candidates(fair, CPU) == ["fp32"]  # fair-esm's forward has no fp32 islands
+    assert usable_candidates(EmbedOptions(precision="auto", device="cpu"), CPU) == list(auto_precision.CPU_CANDIDATES)
+    # without a measurement the table's prior is resolved, and a prior the options exclude is refused in one line
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto_precision, "prior", lambda device, cpu=None: ("bf16-mixed", "a planted prior"))
+        with pytest.raises(EmbedpipeError, match=r"^--precision auto chose bf16-mixed on this machine, but [^\n]*"
+                                                 r"fair-esm[^\n]*name a policy with --precision$"):
+            resolve_run(fair, CPU, num_layers=2, packs=True, model=ModelIdentity("0" * 64, True), width=32)
     with pytest.raises(EmbedpipeError, match="applies to --precision int8-mixed only, not auto"):
-        auto_precision.resolve(EmbedOptions(precision="auto", int8_smoothing="smoothquant"), quiet=True, cpu=CASCADE)
+        EmbedOptions(precision="auto", int8_smoothing="smoothquant").validate()
 
 
-def test_an_auto_store_records_the_choice_and_holds_what_the_chosen_policy_computes(tiny_model_path, tmp_path) -> None:
+def test_a_small_auto_job_takes_the_prior_records_why_and_holds_what_that_policy_computes(tiny_model_path,
+                                                                                           tmp_path) -> None:
     records = random_sequences(4, (20, 60), seed=5)
     auto = embed_store(tmp_path, tiny_model_path, records, "auto", precision="auto", device="cpu")
     policy, why = advice.cpu_choice(cpu_features.detect())
@@ -102,7 +126,10 @@ def test_an_auto_store_records_the_choice_and_holds_what_the_chosen_policy_compu
     got, want = read_store(auto), read_store(named)
     with h5py.File(auto, "r") as f, h5py.File(named, "r") as g:
         assert (f.attrs["precision_policy"], f.attrs["precision_requested"]) == (policy, "auto")
-        assert f.attrs["precision_reason"] == f"auto -> {policy}: {why}"
+        reason = str(f.attrs["precision_reason"])
+        assert reason.startswith(f"auto -> {policy}: not measured (the job's {sum(len(s) for _, s in records)} "
+                                 "residues cannot pay for the probe")
+        assert reason.endswith(f"the table's prior: {why}")
         assert f.attrs["embed_identity"] == g.attrs["embed_identity"]  # resume and --reuse see the policy
         assert "precision_requested" not in g.attrs
     for layer, vectors in want["mean"].items():

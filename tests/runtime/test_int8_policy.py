@@ -17,9 +17,11 @@ from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.runtime import advice
 from embedpipe.runtime.advice import cpu_note, fastest_policy
 from embedpipe.runtime.cpu_features import CpuFeatures
-from embedpipe.runtime.int8_linear import ENGINES, Int8Linear, quantize_per_token
+from embedpipe.runtime.int8_kernels import ENGINES
+from embedpipe.runtime.int8_linear import Int8Linear, quantize_per_token
 from embedpipe.runtime.precision import get_policy
 from helpers.embed_helpers import embed_and_read, random_sequences
+from helpers.int8_engines import assert_engine, engine_here
 from helpers.stores import cosine
 
 INT8 = get_policy("int8-mixed")
@@ -27,11 +29,13 @@ INT8 = get_policy("int8-mixed")
 POOLED_COSINE = 0.99
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64: absmax/127 scales per token and per output channel, the rounded int values, y."""
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+               qmax: float = 127) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64: absmax/127 scales per token and absmax/``qmax`` per output channel (the layer's
+    weight range: 127, or 63 where only 7-bit kernels are exact here), the rounded int values, y."""
     x64, w64 = x.double(), w.double()
     sx = x64.abs().amax(1, keepdim=True) / 127
-    sw = w64.abs().amax(1) / 127
+    sw = w64.abs().amax(1) / qmax
     xq, wq = torch.round(x64 / sx.clamp_min(1e-300)), torch.round(w64 / sw[:, None])
     return xq, wq, (xq @ wq.t()) * sx * sw + b.double()
 
@@ -41,9 +45,11 @@ def test_int8_linear_equals_float64_with_the_same_scales(engine) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 96, generator=g) * torch.logspace(-2, 2, 37)[:, None]  # tokens of very different size
     w, b = torch.randn(64, 96, generator=g) * 0.05, torch.randn(64, generator=g)
-    layer = Int8Linear(w, b, engine=engine)
-    assert layer.engine == engine
-    xq_ref, wq_ref, y_ref = _reference(x, w, b)
+    engine = engine_here(engine)
+    layer = Int8Linear(w, b, engine=engine)  # at the widest range this engine is exact at on this CPU
+    assert_engine(layer, engine)
+    assert layer.weight_qmax in (127, 63)
+    xq_ref, wq_ref, y_ref = _reference(x, w, b, layer.weight_qmax)
     xq, sx = quantize_per_token(x)
     torch.testing.assert_close(sx.double(), x.double().abs().amax(1, keepdim=True) / 127, rtol=1e-6, atol=0)
     assert (xq.double() - xq_ref).abs().max() <= 1 and (xq.double() != xq_ref).float().mean() < 1e-3  # ties only
@@ -98,7 +104,7 @@ def test_a_planted_non_finite_falls_back_to_fp32_for_that_record_only(tmp_path, 
 
     def planted(self, batch, layers):
         out = original(self, batch, layers)
-        if self.policy is INT8:  # NaN in every stored layer of the batch rows holding a C
+        if self.policy.name == INT8.name:  # NaN in every stored layer of the batch rows holding a C
             hit = (batch.tokens == 23).any(-1)  # 'C' in ESM-2's alphabet
             for layer in out.hidden:
                 out.hidden[layer][hit] = float("nan")
@@ -126,9 +132,9 @@ def test_int8_mixed_is_refused_off_the_cpu_in_one_line() -> None:
 
 
 @pytest.mark.parametrize(("flags", "dtype", "best"), [
-    ({"avx", "avx2", "fma"}, torch.bfloat16, "int8-mixed"),  # EPYC Rome/Milan (emulated AVX2)
+    ({"avx", "avx2", "fma"}, torch.bfloat16, "int8-mixed"),  # EPYC Rome/Milan (measured on a real Zen 3)
     ({"avx", "avx2", "fma"}, torch.float16, "int8-mixed"),
-    ({"avx2", "avx512f", "avx512_vnni"}, torch.bfloat16, "int8-mixed"),  # Cascade/Ice Lake (emulated)
+    ({"avx2", "avx512f", "avx512_vnni"}, torch.bfloat16, "fp32"),  # Cascade/Ice Lake: emulated only, no advice
     ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}, torch.float16, "bf16-mixed"),  # Cooper Lake, Zen 4/5
     ({"avx2", "avx512_bf16", "amx_bf16", "amx_int8"}, torch.bfloat16, None),  # Sapphire Rapids: native
     ({"asimd", "fphp", "asimdhp", "bf16"}, torch.float16, None),  # Graviton 3: native
@@ -140,8 +146,11 @@ def test_the_advice_names_the_fastest_policy_for_the_cpu(flags, dtype, best) -> 
     if best is None:
         assert note == ""
         return
-    assert fastest_policy(cpu)[0] == best
-    assert f"the fastest policy on this CPU ({cpu.cpu_class}) is {best}" in note and "\n" not in note
-    factor = advice.ADVICE[cpu.cpu_class].factor
-    if factor:
-        assert f"{factor:.2f}x" in note
+    row = advice.ADVICE[cpu.cpu_class]
+    assert fastest_policy(cpu)[0] == best and "\n" not in note
+    assert advice.MEASURE in note  # every warning points at the measurement on the node
+    if row.trusted:  # a row measured on a real CPU of the class names its policy and factor
+        assert f"the policy advised on this CPU class ({cpu.cpu_class}) is {best}" in note
+        assert f"{row.factor:.2f}x" in note
+    else:  # emulated or never measured: no policy recommended
+        assert f"is not known from a real measurement ({row.basis})" in note

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.model import load_model
-from embedpipe.runtime.int8_linear import ENGINES, Int8Linear
+from embedpipe.runtime.int8_kernels import ENGINES
+from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.precision import get_policy
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences
+from helpers.int8_engines import assert_engine, engine_here
 
 INT8 = get_policy("int8-mixed")
 LAYERS = (0, 1, 2, 3)
@@ -41,11 +43,13 @@ def _cosines(y: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("factor", [1e-32, 1e-34])  # below the old 1e-30 floor, scales still normal
 def test_tiny_weights_keep_their_own_scales_and_stay_int8(engine, factor) -> None:
     x, w, _ = _layer_data()
+    engine = engine_here(engine)
     layer = Int8Linear(w * factor, None, engine=engine)
     want = x.double() @ (w.double() * factor).t()
     assert float(_cosines(layer(x), want).min()) > 0.9999  # today's main: all zeros (cosine 0)
     assert torch.equal(layer.qweight, Int8Linear(w, None, engine=engine).qweight)  # the same integers
-    assert (layer.engine, layer.fp32_reason) == (engine, "")
+    assert_engine(layer, engine)
+    assert layer.fp32_reason == ""
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -54,7 +58,7 @@ def test_tiny_activations_are_lifted_not_zeroed(engine, factor) -> None:
     x, w, b = _layer_data(8)
     x = x * factor
     x[3] = 0.0  # a zero row stays the bias
-    layer = Int8Linear(w * 1e30, b * 1e-10, engine=engine)  # scaled so the product is not dominated by b
+    layer = Int8Linear(w * 1e30, b * 1e-10, engine=engine_here(engine))  # scaled so the product is not dominated by b
     want = x.double() @ (w.double() * 1e30).t() + b.double() * 1e-10
     y = layer(x)
     rows = [r for r in range(24) if r != 3]

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.runtime.int8_linear import ENGINES, Int8Linear, quantize_per_token
+from embedpipe.runtime.int8_kernels import ENGINES
+from embedpipe.runtime.int8_linear import Int8Linear, quantize_per_token
 from embedpipe.runtime.int8_smoothing import SHIPPED, CalibratingLinear, collecting, load_calibration, smoothquant_factors
+from helpers.int8_engines import assert_engine, engine_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,13 +32,14 @@ def _outlier_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def test_smoothed_int8_linear_equals_float64_with_the_same_factors_and_scales(engine) -> None:
     x, w, b = _outlier_inputs(1)
     s = smoothquant_factors(x.abs().amax(0), w.abs().amax(0))
+    engine = engine_here(engine)
     layer = Int8Linear(w, b, engine=engine, smoothing=s)
-    assert layer.engine == engine
+    assert_engine(layer, engine)
     inv = layer.inverse_smoothing.double()
     torch.testing.assert_close(inv, 1 / s.double(), rtol=1e-6, atol=0)
     # float64: x / s per token by absmax / 127, W * s per output channel by absmax / 127
     xs, ws = x.double() * inv, w.double() * s.double()
-    sx, sw = xs.abs().amax(1, keepdim=True) / 127, ws.abs().amax(1) / 127
+    sx, sw = xs.abs().amax(1, keepdim=True) / 127, ws.abs().amax(1) / layer.weight_qmax  # 127, or 63 (7-bit kernels)
     xq_ref, wq_ref = torch.round(xs / sx), torch.round(ws / sw[:, None])
     xq, got_sx = quantize_per_token(x, inverse_smoothing=layer.inverse_smoothing)
     torch.testing.assert_close(got_sx.double(), sx, rtol=1e-6, atol=0)

@@ -53,6 +53,9 @@ OUTDIR = os.path.normpath(config["outdir"])
 #: the inductor cache every embed job shares (`--compile-cache`; docs/precision.md, "Compiled
 #: elementwise work"), quoted for the shell line
 COMPILE_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "inductor"))
+#: where `precision: auto` keeps each node's measurement (`--auto-cache`; docs/precision.md,
+#: "precision: auto"): the run's jobs on one node measure once
+AUTO_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "auto-precision"))
 MODEL = config["model"]
 
 # What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):

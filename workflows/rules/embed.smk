@@ -39,8 +39,8 @@ rule embed:
         stores=lambda wildcards, output: os.path.dirname(output[0]),
         reuse=reuse_options(),
     threads: 4
-    # --compile-cache on the shell line, not a param (it changes how a job runs, not its
-    # numbers): every embed job of the run shares the inductor cache (docs/precision.md)
+    # --compile-cache and --auto-cache on the shell line, not params (they change how a job
+    # runs, not its numbers): every embed job of the run shares them (docs/precision.md)
     # A retry of a job that refused its inputs (the CLI's user error) gets the first attempt's
     # resources and repeats the refusal at once (embedpipe.workflow.jobs; docs/cluster.md).
     retries: EMBED_RETRIES
@@ -54,7 +54,7 @@ rule embed:
         "python -m embedpipe.workflow.jobs start {log:q} {resources.refused}"
         " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        f" --threads {{threads}} --compile-cache {COMPILE_CACHE}"
+        f" --threads {{threads}} --compile-cache {COMPILE_CACHE} --auto-cache {AUTO_CACHE}"
         " > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 

@@ -1,0 +1,173 @@
+"""``--precision auto`` measured where the job runs: each candidate policy timed on the loaded
+model and records drawn from the job's own input, checked against fp32, the fastest that
+passes chosen (docs/precision.md, "precision: auto"); the rules and the node's cache are
+:mod:`embedpipe.runtime.auto_precision`.
+
+Why through the :class:`~embedpipe.embed.engine.Embedder`: the probe then times exactly what
+the job will run (the batch layout, the int8 kernels, the fallback of records that fail), not
+a stand-in. Each candidate runs one warm-up pass (which prepares its weights) and
+:data:`~embedpipe.runtime.auto_precision.TIMED_PASSES` timed passes; its runner is freed
+before the next candidate, so the probe never holds two low-precision copies at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import EmbedOptions
+from embedpipe.core.progress import say
+from embedpipe.embed.engine import Embedder
+from embedpipe.embed.resolved import ResolvedRun, resolve_run
+from embedpipe.model import capabilities
+from embedpipe.model.base import EmbeddingModel
+from embedpipe.model.identity import ModelIdentity
+from embedpipe.runtime import auto_precision
+from embedpipe.runtime.auto_precision import AutoChoice, Timing
+
+Records = Sequence[tuple[str, str]]
+
+
+def usable_candidates(options: EmbedOptions, device: torch.device) -> list[str]:
+    """The device's candidates that the other options allow (``--attention fair-esm`` runs no
+    mixed policy): auto chooses among those, never one the job would then refuse."""
+    usable = []
+    for name in auto_precision.candidates(device):
+        try:
+            dataclasses.replace(options, precision=name).validate()
+        except EmbedpipeError:
+            continue
+        usable.append(name)
+    return usable
+
+
+def probe_records(records: Records, budget: int = auto_precision.PROBE_RESIDUES) -> list[tuple[str, str]]:
+    """Records spread evenly over ``records`` (a length-sorted shard: short to long) whose
+    residues add up to at most ``budget``; the shortest record cut to ``budget`` when none fits."""
+    if not records:
+        return []
+    order = sorted(range(len(records)), key=lambda i: len(records[i][1]))
+    picked: list[tuple[str, str]] = []
+    used = 0
+    step = max(1, len(order) // 16)  # up to 16 lengths from across the input
+    for i in order[::step]:
+        n = len(records[i][1])
+        if used + n <= budget:
+            picked.append(records[i])
+            used += n
+    return picked or [(records[order[0]][0], records[order[0]][1][:budget])]
+
+
+def _cache_options(options: EmbedOptions) -> dict[str, object]:
+    """The options that change every candidate's work (so a cached measurement applies)."""
+    return {name: str(getattr(options, name)) for name in
+            ("layers", "pooling", "per_residue", "storage_dtype", "long_sequences", "attention", "batch_layout",
+             "attention_inputs")}
+
+
+def _key(options: EmbedOptions, device: torch.device, model: ModelIdentity) -> dict[str, object]:
+    return auto_precision.cache_key(device, json.dumps(model.fields(), sort_keys=True), torch.get_num_threads(),
+                                    _cache_options(options))
+
+
+def _from_cache(timings: dict[str, Timing], when: str, usable: Sequence[str], directory: Path) -> AutoChoice:
+    chosen = auto_precision.pick({k: v for k, v in timings.items() if k in usable})
+    return AutoChoice(chosen, f"auto -> {chosen}: measured on this node at {when} (cache {directory}): "
+                                f"{auto_precision.describe(timings)}")
+
+
+def cached(options: EmbedOptions, device: torch.device, model: ModelIdentity, directory: Path) -> AutoChoice | None:
+    """The decision a measurement already cached on this node gives, without the model loaded
+    (``--reuse`` predicts a job's identity so); None when nothing is cached for this key."""
+    found = auto_precision.read_cached(directory, _key(options, device, model))
+    return None if found is None else _from_cache(*found, usable_candidates(options, device), directory)
+
+
+def notes(policy: str, options: EmbedOptions, device: torch.device, model: ModelIdentity, directory: Path,
+          table_notes: Sequence[str]) -> list[str]:
+    """The warnings for running ``policy``: from this node's measurement when one is cached for
+    the model (it overrules the table), else the table's (``table_notes``)."""
+    found = auto_precision.read_cached(directory, _key(options, device, model))
+    if found is None:
+        return list(table_notes)
+    return [note for note in (auto_precision.measured_note(policy, *found),) if note]
+
+
+def decide(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, model: ModelIdentity,
+           records: Records, job_residues: int, directory: Path, quiet: bool = True) -> AutoChoice:
+    """``auto`` for this job: a cached measurement, a new one (timed here, then cached), or the
+    table's prior where the job is too small to pay for measuring."""
+    usable = usable_candidates(options, device)
+    if not usable:
+        raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
+    key = _key(options, device, model)
+    sample = probe_records(records)
+    cost = len(usable) * (1 + auto_precision.TIMED_PASSES) * sum(len(s) for _, s in sample)
+    with auto_precision.measuring(directory, key):
+        found = auto_precision.read_cached(directory, key)
+        if found is not None:
+            return _from_cache(*found, usable, directory)
+        if len(usable) == 1 or cost > auto_precision.PROBE_SHARE * job_residues:
+            return _prior(device, usable, cost, job_residues)
+        say(f"precision auto: measuring {', '.join(usable)} on {len(sample)} records of this job", quiet=quiet)
+        timings: dict[str, Timing] = {}
+        means: dict[str, list[dict[int, np.ndarray]]] = {}
+        for name in usable:
+            chosen = dataclasses.replace(options, precision=name)
+            run = resolve_run(chosen, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
+                              model=model, width=loaded.embed_dim)
+            seconds, means[name] = _time(loaded, run, sample)
+            residues = max(1, sum(len(s) for _, s in sample))
+            timings[name] = Timing(seconds * 1e6 / residues,  # ms per 1,000 residues
+                                   1.0 if name == "fp32" else _min_cosine(means[name], means["fp32"]))
+        path = auto_precision.write_cached(directory, key, timings)
+    policy = auto_precision.pick(timings)
+    return AutoChoice(policy, f"auto -> {policy}: measured on this node now (cache {path}): "
+                                f"{auto_precision.describe(timings)}")
+
+
+def _prior(device: torch.device, usable: Sequence[str], cost: int, job_residues: int) -> AutoChoice:
+    if len(usable) == 1:
+        return AutoChoice(usable[0], f"auto -> {usable[0]}: the only policy these options allow")
+    choice = AutoChoice.from_table(device, f"the job's {job_residues} residues cannot pay for the probe ({cost} "
+                                           f"residues, more than {auto_precision.PROBE_SHARE:.0%} of them)")
+    if choice.policy not in usable:
+        return AutoChoice("fp32", f"{choice.reason}; {choice.policy} is not allowed with these options: fp32")
+    return choice
+
+
+def _time(loaded: EmbeddingModel, run: ResolvedRun, sample: Records) -> tuple[float, list[dict[int, np.ndarray]]]:
+    """The best of the timed passes of ``sample`` under ``run`` (after a warm-up), and each
+    record's pooled means."""
+    embedder = Embedder(loaded, run)
+    plan = embedder.plan(sample)
+    results = dict(embedder.embed(sample, plan))  # warm-up: prepares the policy's weights
+    best = float("inf")
+    for _ in range(auto_precision.TIMED_PASSES):
+        start = time.perf_counter()
+        results = dict(embedder.embed(sample, plan))
+        best = min(best, time.perf_counter() - start)
+    means = [results[i].mean for i in range(len(sample))]
+    del embedder, results
+    gc.collect()
+    return best, means
+
+
+def _min_cosine(got: list[dict[int, np.ndarray]], want: list[dict[int, np.ndarray]]) -> float:
+    """The lowest pooled cosine over records and stored layers, in float64 (a NaN counts as -1)."""
+    lowest = 1.0
+    for a, b in zip(got, want):
+        for layer, vector in a.items():
+            x, y = vector.astype(np.float64), b[layer].astype(np.float64)
+            denominator = float(np.linalg.norm(x) * np.linalg.norm(y))
+            cos = float(x @ y) / denominator if denominator > 0 else float(np.array_equal(x, y))
+            lowest = min(lowest, cos if np.isfinite(cos) else -1.0)
+    return lowest
