@@ -62,8 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_input_arguments(parser)
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each measured part")
-    parser.add_argument("--policies", nargs="+", default=["bf16-mixed", "int8-mixed"],
-                        help="whole embed runs to set against the floor (the advised policy for this CPU is marked)")
+    parser.add_argument("--policies", nargs="+", default=["bf16-mixed", "int8-mixed", "auto"],
+                        help="whole embed runs to set against the floor (the policy this CPU's table row advises is "
+                             "marked; auto measures on this node)")
     args = parser.parse_args()
 
     import torch

@@ -126,7 +126,11 @@ def measure(args: argparse.Namespace, model: Path, fasta: Path) -> dict[tuple[st
 
 
 def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[float]]) -> None:
-    """One table per wait policy: seconds per condition, slowdowns, their ratio to fp32's."""
+    """One table per wait policy: seconds per condition, slowdowns, their ratio to fp32's; the
+    policy this CPU's table row advises marked, and ``auto`` (measured on this node) beside it."""
+    from embedpipe.runtime.advice import fastest_policy
+    from embedpipe.runtime.cpu_features import detect
+
     median = {key: statistics.median(times) for key, times in walls.items()}
     for wait in args.wait_policies:
         chosen = WAIT_POLICIES[wait] or "(embedpipe sets GOMP_SPINCOUNT=1000 unless a wait policy is set)"
@@ -136,12 +140,14 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
               "| pinned / quiet |\n|---|---|---|---|---|---|---|---|---|")
         nan = float("nan")  # a condition not run (--conditions)
         fp32_slow = median.get((wait, "fp32", "neighbour"), nan) / median[(wait, "fp32", "quiet")]
+        advised = fastest_policy(detect())[0]  # this CPU's table row (on AVX2: int8-mixed)
         for system in args.systems:
             m = {c: median.get((wait, system, c), nan) for c in CONDITIONS}
+            label = f"{system} (advised here)" if system == advised else system
             slow = m["neighbour"] / m["quiet"]
             rounds = "/".join(f"{t:.1f}" for t in walls.get((wait, system, "neighbour"), []))
             fp32_beside = median.get((wait, "fp32", "neighbour"), nan)
-            print(f"| {system} | {m['quiet']:.1f} | {m['neighbour']:.1f} ({rounds}) | {slow:.2f} | {slow / fp32_slow:.2f} "
+            print(f"| {label} | {m['quiet']:.1f} | {m['neighbour']:.1f} ({rounds}) | {slow:.2f} | {slow / fp32_slow:.2f} "
                   f"| {fp32_beside / m['neighbour']:.2f} | {m['pinned']:.1f} | {m['quiet-P']:.1f} "
                   f"| {m['pinned'] / m['quiet-P']:.2f} |")
     print("\ntargets (issue 35): the advised policy's slowdown <= 1.3x fp32's and x fp32 beside the neighbour > 1; "
@@ -180,8 +186,8 @@ def count_ops(dim: int, tokens: int = 4096) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_input_arguments(parser)  # its --threads is unused here: the runs take their allocation
-    parser.add_argument("--systems", nargs="+", default=list(POLICIES),
-                        choices=[*POLICIES, "int8-mixed-1mib", "fp16", "bf16", "amp-bf16", "fp16-mixed"])
+    parser.add_argument("--systems", nargs="+", default=[*POLICIES, "auto"],
+                        choices=[*POLICIES, "auto", "int8-mixed-1mib", "fp16", "bf16", "amp-bf16", "fp16-mixed"])
     parser.add_argument("--repeat-input", type=int, default=1, help="the input N times (2: 200 proteins)")
     parser.add_argument("--max-records", type=int, default=None, help="the first N records only (smoke runs)")
     parser.add_argument("--rounds", type=int, default=1)

@@ -51,6 +51,9 @@ POLICIES = list(POLICY_NAMES)
 #: embedpipe runs with options beyond the policy: system -> (policy, extra arguments)
 VARIANTS = {f"{policy}-bf16-attention": (policy, ["--attention-inputs", "compute"])
             for policy in ("bf16-mixed", "int8-mixed")}
+#: ``--precision auto`` with one measurement cache for the whole benchmark run: its first run
+#: measures on this node (the probe's cost included), later ones read the cache
+VARIANTS["auto"] = ("auto", ["--auto-cache", str(OUT / "auto-precision")])
 #: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
 #: given as a number so that it is the recipe's 4096 whatever the default becomes
 EMBEDPIPE_TOKENS_PER_BATCH = CPU_TOKENS_PER_BATCH
