@@ -24,7 +24,7 @@ from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import say
 from embedpipe.embed.engine import Embedder
-from embedpipe.embed.identity import first_difference
+from embedpipe.embed.identity import first_difference, ignored
 from embedpipe.embed.resolved import ResolvedRun, resolve_run, resolve_threads
 from embedpipe.embed.reuse import Reuse
 from embedpipe.model import capabilities, load_model, registry
@@ -98,12 +98,13 @@ class Job:
             embedder = Embedder(loaded, run)
             for note in filter(None, (oversubscribed(resolve_threads(self.options)), *embedder.notes)):
                 say(f"warning: {note}", quiet=self.quiet)
-            if self.reuse is not None:
-                self.reuse.check(run.identity)
             if self.identity is not None and self.identity != run.identity:
                 key = (first_difference(self.identity, run.identity) or ("?",))[0]
                 raise EmbedpipeError(f"--reuse: the loaded model resolves {key} differently than predicted "
                                      "from its files; run without --reuse")
+            run = _as_compiled(embedder, run)
+            if self.reuse is not None:
+                self.reuse.check(run.identity, ignored(self.options))
             self.identity, self._embedder = run.identity, embedder
         return self._embedder
 
@@ -139,8 +140,17 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
         source.check_model(facts.sha256)
     run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,
                       policy=policy, residues=residues)
-    reuse.check(run.identity)
+    reuse.check(run.identity, ignored(options))
     return run
+
+
+def _as_compiled(embedder: Embedder, run: ResolvedRun) -> ResolvedRun:
+    """The run as it computes: asked to compile, its main runner is prepared now, and where it
+    has no compiled path (ESM C, T5, a policy without an fp32 stream) the identity says eager."""
+    if not run.compiled:
+        return run
+    embedder.runner(run.policy)
+    return run if embedder.prepared.compiled else run.eager()
 
 
 @contextlib.contextmanager
