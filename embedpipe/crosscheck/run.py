@@ -52,6 +52,7 @@ from embedpipe.crosscheck.metrics import describe_length_bins, length_bins, stra
 from embedpipe.crosscheck.reference import fp32_reference
 from embedpipe.crosscheck.report.page import render_html
 from embedpipe.crosscheck.verdict import VERDICTS, judge, store_figures
+from embedpipe.model.registry import model_files
 from embedpipe.store import utc_now
 from embedpipe.store.attrjson import load_json_attr
 from embedpipe.store.merged_provenance import platform_lines, platforms
@@ -198,7 +199,7 @@ def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path,
         raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
     for name in OUTPUT_NAMES:
         check_output_path(out_dir / name)
-    inputs = [store_path, *([Path(model)] if model and Path(model).is_file() else []),
+    inputs = [store_path, *(model_files(model) if model else []),
               *([Path(labels.path)] if labels is not None else [])]
     guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES], inputs, pinned=pinned_by([store_path]))
 

@@ -36,7 +36,7 @@ from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import inspect
-from embedpipe.model.downloads import companion_path
+from embedpipe.model.registry import model_files
 from embedpipe.runtime import fused
 from embedpipe.runtime.auto_precision import resolve as resolve_precision
 from embedpipe.store import StoreWriter, utc_now
@@ -80,22 +80,13 @@ class EmbedSummary:
         return "\n".join(lines)
 
 
-def _model_file(model: str) -> list[Path]:
-    """The files of ``--model`` when it names them: inputs no output may replace (the checkpoint
-    and its contact-regression companion, which fair-esm's loader reads beside it)."""
-    path = Path(model).expanduser()
-    if path.is_dir():  # a Hugging Face directory: every file in it
-        return sorted(p for p in path.iterdir() if p.is_file())
-    return [path, companion_path(path)] if path.is_file() else []
-
-
 def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str,
              reuse: Sequence[Path]) -> contextlib.AbstractContextManager[None]:
     """The guard and the output locks of an embed run (embedpipe.core.output_guard): the
     FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
     indexes too), and the reuse stores' pinned sources are inputs too."""
     stores = [*map(Path, reuse), *filter(None, map(_indexed_store, reuse))]
-    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], pinned=pinned_by(stores))
+    return writing_outputs("embed", outputs, [*map(Path, fastas), *model_files(model), *stores], pinned=pinned_by(stores))
 
 
 def _indexed_store(path: Path) -> Path | None:
