@@ -98,7 +98,8 @@ def test_a_merged_store_of_two_platforms_says_which_records_came_from_where(tmp_
     with h5py.File(merged, "r") as f:
         assert json.loads(f.attrs["embed_identity"])["platform"] == "mixed: platform A; platform B"
     again = write_fasta(tmp_path / "again.fasta", RECORDS)
-    with pytest.raises(EmbedpipeError, match=f"embedded with .* 'mixed: platform A; platform B', this run 'platform B'; {REUSABLE}"):
+    mixed = f"embedded with .* 'mixed: platform A; platform B', this run 'platform B'; {REUSABLE}"
+    with pytest.raises(EmbedpipeError, match=mixed):
         embed_fasta(again, model=str(tiny_model_path), out=tmp_path / "again.h5", options=EmbedOptions(device="cpu"),
                     quiet=True, reuse=[merged])
     copied = embed_fasta(again, model=str(tiny_model_path), out=tmp_path / "again.h5", quiet=True, reuse=[merged],
