@@ -192,6 +192,10 @@ def embed(
     compile_cache: Optional[str] = typer.Option(EMBED.compile_cache, "--compile-cache", metavar="DIR", help=CACHE_HELP),
     auto_cache: Optional[str] = typer.Option(EMBED.auto_cache, "--auto-cache", metavar="DIR", help=AUTO_CACHE_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
+    accept_platform_mix: bool = typer.Option(
+        EMBED.accept_platform_mix, "--accept-platform-mix",
+        help="Keep (--out-dir) and --reuse stores computed on another platform (CPU instruction-set class, GPU "
+             "model, torch or oneDNN version; their numbers differ slightly). The platform is still recorded."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
@@ -204,7 +208,7 @@ def embed(
         long_sequences=long_sequences, attention=attention, overflow_margin=overflow_margin, threads=threads,
         fallback_device=fallback_device, batch_layout=batch_layout, attention_inputs=attention_inputs,
         int8_smoothing=int8_smoothing, int8_calibration=int8_calibration, compile=compile, compile_cache=compile_cache,
-        auto_cache=auto_cache)
+        auto_cache=auto_cache, accept_platform_mix=accept_platform_mix)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length))
     if not quiet:
@@ -343,8 +347,11 @@ def info(
 def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
     """Exit 0 only for a complete, consistent, checksummed, finite store."""
     from embedpipe.store import validate_store
+    from embedpipe.store.validate import platform_notes
 
     problems = validate_store(store)
+    for note in platform_notes(store):  # a merged store of several platforms: which records came from where
+        print(f"{store}: {note}")
     if problems:
         for problem in problems:
             print(f"{store}: {problem}", file=sys.stderr)

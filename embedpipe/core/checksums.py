@@ -2,7 +2,10 @@
 
 Every embed job records the sha256 of its checkpoint; for a 15B model that is tens of GB
 read once more per shard. The cache (``$XDG_CACHE_HOME/embedpipe/sha256``) is keyed by the
-file's real path and trusted only while its size, mtime and inode are unchanged.
+file's real path and trusted only while its size, mtime, inode, device and ctime are unchanged.
+The ctime matters: a checkpoint rewritten in place at the same size with its mtime set back
+(``rsync --inplace --times``, ``cp -p`` over it) keeps size, mtime and inode, but the kernel
+moves its ctime, which no user can set back.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def _cache_file(path: Path) -> Path:
 
 
 def _stamp(stat: os.stat_result) -> dict[str, int]:
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino,
+            "device": stat.st_dev, "ctime_ns": stat.st_ctime_ns}
 
 
 def file_sha256(path: Path, *, quiet: bool = True, cache: bool = False) -> str:

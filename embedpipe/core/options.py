@@ -137,7 +137,8 @@ class EmbedOptions:
     ``attention``, ``overflow_margin`` (which records fall back) and ``device`` (rounding
     differs with the hardware). How it runs, not what: ``tokens_per_batch`` and ``threads``
     (a record's numbers never depend on its batch: docs/precision.md, "Reproducibility")
-    and ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs).
+    and ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs); how stores
+    are compared, not what: ``accept_platform_mix``.
     """
 
     precision: str = "fp32"  # a policy, or auto (resolved when the job starts: runtime/auto_precision.py)
@@ -159,6 +160,9 @@ class EmbedOptions:
     compile: str = "auto"  # auto, on, off (COMPILE_MODES)
     compile_cache: str | None = None  # inductor's cache directory; None = inductor's default
     auto_cache: str | None = None  # where --precision auto's measurements are kept; None = the user's cache
+    #: keep and reuse stores computed on another platform (CPU class, GPU model, torch, oneDNN):
+    #: the platform is still recorded, only left out of the comparison (docs/cluster.md)
+    accept_platform_mix: bool = False
 
     def validate(self) -> None:
         """One-line ``EmbedpipeError`` for the first option outside its allowed values."""

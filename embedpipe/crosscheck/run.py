@@ -52,8 +52,10 @@ from embedpipe.crosscheck.metrics import describe_length_bins, length_bins, stra
 from embedpipe.crosscheck.reference import fp32_reference
 from embedpipe.crosscheck.report.page import render_html
 from embedpipe.crosscheck.verdict import VERDICTS, judge, store_figures
+from embedpipe.model.registry import model_files
 from embedpipe.store import utc_now
 from embedpipe.store.attrjson import load_json_attr
+from embedpipe.store.merged_provenance import platform_lines, platforms
 from embedpipe.store.reader import Store, open_store
 from embedpipe.store.sources import pinned_by
 
@@ -150,6 +152,8 @@ def run_crosscheck(
         reference = fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
                                    notes, quiet)
         records, problems = compare_records(st, drawn.records, reference.records, layers)
+        notes += [f"records computed on several platforms (their numbers differ slightly): {line}"
+                  for line in platform_lines(platforms(provenance))]
         k_eff = min(k, len(st) - 1)
         _add_overlap(st, drawn.records, reference.records, layers, records, k_eff, quiet)
     downstream = evaluate_downstream(labelled, labels, drawn.records, reference.records, layers, seed)
@@ -195,7 +199,7 @@ def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path,
         raise EmbedpipeError(f"--out {out_dir} exists and is not a directory")
     for name in OUTPUT_NAMES:
         check_output_path(out_dir / name)
-    inputs = [store_path, *([Path(model)] if model and Path(model).is_file() else []),
+    inputs = [store_path, *(model_files(model) if model else []),
               *([Path(labels.path)] if labels is not None else [])]
     guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES], inputs, pinned=pinned_by([store_path]))
 
@@ -309,6 +313,7 @@ def _store_part(store_path: Path, provenance: dict[str, Any], n_records: int, la
             "precision_policy": str(provenance.get("precision_policy", "unknown")),
             "per_residue": bool(any("residue_min_cosine" in r for r in records)),
             "merged": "merged_from" in provenance,
+            "platforms": platforms(provenance),  # which records came from which platform, when several
         },
         "store_sha256": store_sha,
         "provenance": provenance,

@@ -13,15 +13,14 @@ resolved to) is one more function there.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedpipe.core.errors import EmbedpipeError, InputError
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.inputs.fasta import read_sequences
+from embedpipe.inputs.fasta import read_calibration
 from embedpipe.model.capabilities import check_family, packs_by_family
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.layers import resolve_layers
@@ -88,18 +87,13 @@ def _reuse(run: Combination) -> None:
 
 
 def _calibration(run: Combination) -> None:
-    """``--int8-calibration``'s FASTA exists and holds a record (read in full when the job
-    calibrates: embedpipe.runtime.int8_smoothing)."""
+    """``--int8-calibration``'s FASTA read in full, with the reader the job calibrates with
+    (embedpipe.runtime.int8_smoothing): an invalid record anywhere in it stops here."""
     path = run.options.int8_calibration
     if path is None or run.options.int8_smoothing == "none":
         return
-    try:
-        with contextlib.closing(read_sequences(Path(path))) as records:
-            empty = next(records, None) is None
-    except InputError as error:
-        raise EmbedpipeError(f"--int8-calibration: {error}") from None
-    if empty:
-        raise EmbedpipeError(f"--int8-calibration {path}: no records to calibrate on")
+    read_calibration(Path(path))
+
 
 
 #: every check, in the order a refusal is reported

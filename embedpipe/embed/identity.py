@@ -18,16 +18,23 @@ from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime.precision import Policy
 
 #: the identity's version: 2 covers the model's config and tokenizer files, the family's forward
-#: version, the int8 weight range and canonical pooling; older stores carry none
-IDENTITY_VERSION = 2
+#: version, the int8 weight range and canonical pooling (older stores carry none); 3 the platform,
+#: and only what ``--batch-layout``, ``--attention-inputs`` and ``--compile`` resolved to
+IDENTITY_VERSION = 3
 
 #: options that change how a job runs, not its numbers: a retry's smaller batches, threads,
-#: where fallback records run, where inductor and ``auto`` keep their caches (docs/cluster.md, "Resuming, rerunning")
-HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device", "compile_cache", "auto_cache")
+#: where fallback records run, where inductor and ``auto`` keep their caches, whether another
+#: platform's stores are accepted (docs/cluster.md, "Resuming, rerunning")
+HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device", "compile_cache", "auto_cache", "accept_platform_mix")
 
-#: options replaced by what they resolve to (``layers``, ``pooling``, the device's type in
-#: ``computed_as``, ``compile`` as ``computed_as.compiled``) or by the file's bytes (``int8_calibration``)
-_RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration", "compile")
+#: options replaced by what they resolve to (``layers``, ``pooling``, the device's type, the
+#: batch layout, the q/k/v dtype and ``compile`` in ``computed_as``) or by the file's bytes
+#: (``int8_calibration``): two spellings that run alike keep each other's stores
+_RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration", "compile", "batch_layout",
+             "attention_inputs")
+
+#: the identity's field that ``--accept-platform-mix`` leaves out of the comparison (still recorded)
+PLATFORM = "platform"
 
 #: the fields in the order a difference is named (what a user chose first, what the run
 #: resolved it to last), each in user words; fields not listed follow, by name
@@ -45,24 +52,28 @@ FIELDS: dict[str, str] = {
     "long_sequences": "long_sequences",
     "attention": "attention",
     "overflow_margin": "overflow_margin",
-    "batch_layout": "batch_layout",
-    "attention_inputs": "attention_inputs",
     "computed_as.device_type": "the device type (resolved from --device)",
     "computed_as.batch_layout": "the batch layout (resolved from --batch-layout on the device)",
     "computed_as.attention_inputs": ("the dtype of q/k/v at attention (resolved from --attention-inputs, "
                                      "the precision policy and the device)"),
     "computed_as.compiled": ("compiled elementwise work (resolved from --compile; compiled kernels round "
                              "differently from eager ones)"),
+    PLATFORM: ("the platform (CPU instruction-set class or GPU model, torch and oneDNN versions decide the "
+               "numbers; --accept-platform-mix to accept it)"),
 }
 
 #: what an identity written before :data:`IDENTITY_VERSION` 2 did not cover
 _OLDER = ("written by an older embedpipe whose identity did not cover the model's config.json and tokenizer "
           "files, the model family's version or the int8 weight range")
+#: what an identity of version 2 did not cover
+_OLDER_2 = ("written by an older embedpipe whose identity did not cover the platform (CPU instruction set or GPU "
+            "model, torch and oneDNN versions) and held --batch-layout, --attention-inputs and --compile as "
+            "requested, not as resolved")
 _MISSING = "(not recorded)"
 
 
 def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, computed_as: Mapping[str, str],
-                   layers: Sequence[int], pooling: Sequence[str], *, calibration: str | None) -> str:
+                   layers: Sequence[int], pooling: Sequence[str], *, calibration: str | None, platform: str) -> str:
     """What makes a store's numbers, as JSON: the model (:meth:`ModelIdentity.fields`: weights,
     config and tokenizer sha256s, the family's version), every option except how the job ran
     (:data:`HOW_IT_RUNS`), the precision policy's resolved parameters, and what the ``auto``
@@ -72,7 +83,8 @@ def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, 
     ``--layers 2`` of a 2-layer model agree), ``pooling`` as stored (the mean always is:
     ``--pooling bos`` and ``--pooling mean --pooling bos`` agree), the device only as the type
     used (``--device auto`` and ``--device cpu`` agree on the CPU), the calibration set's bytes
-    (``calibration``: its sha256, None without smoothing). The values come resolved from
+    (``calibration``: its sha256, None without smoothing), the ``platform`` that ran it
+    (:func:`embedpipe.runtime.platform.describe`). The values come resolved from
     :func:`embedpipe.embed.resolved.resolve_run`; nothing is resolved here."""
     chosen: dict[str, Any] = {k: v for k, v in asdict(options).items() if k not in HOW_IT_RUNS + _RESOLVED}
     chosen["layers"] = sorted(int(n) for n in layers)
@@ -80,7 +92,8 @@ def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, 
     if calibration is not None:
         chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
     chosen |= _policy_facts(policy)
-    chosen |= model.fields() | {"identity_version": IDENTITY_VERSION, "computed_as": dict(computed_as)}
+    chosen |= model.fields() | {"identity_version": IDENTITY_VERSION, "computed_as": dict(computed_as),
+                                PLATFORM: platform}
     return json.dumps(chosen, sort_keys=True)
 
 
@@ -101,29 +114,37 @@ def _flat(identity: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def first_difference(theirs: str, ours: str) -> tuple[str, Any, Any] | None:
+def ignored(options: EmbedOptions) -> tuple[str, ...]:
+    """The fields a comparison for a run of ``options`` leaves out: the platform with
+    ``--accept-platform-mix`` (docs/cluster.md, "Resuming, rerunning")."""
+    return (PLATFORM,) if options.accept_platform_mix else ()
+
+
+def first_difference(theirs: str, ours: str, ignore: Sequence[str] = ()) -> tuple[str, Any, Any] | None:
     """(field, their value, ours) of the first field (:data:`FIELDS` order) the identities
-    differ in; None when they agree."""
+    differ in, ``ignore`` left out; None when they agree."""
     a, b = _flat(json.loads(theirs)), _flat(json.loads(ours))
     order = list(FIELDS)
-    for key in sorted(set(a) | set(b), key=lambda k: (order.index(k) if k in order else len(order), k)):
+    for key in sorted((set(a) | set(b)) - set(ignore),
+                      key=lambda k: (order.index(k) if k in order else len(order), k)):
         if a.get(key, _MISSING) != b.get(key, _MISSING):
             return key, a.get(key, _MISSING), b.get(key, _MISSING)
     return None
 
 
-def describe_difference(theirs: str, ours: str) -> str | None:
+def describe_difference(theirs: str, ours: str, ignore: Sequence[str] = ()) -> str | None:
     """The first difference of two identities in user words (``embedded with the precision
-    policy 'fp32', this run 'bf16'``), or that ``theirs`` predates this identity; None: equal."""
+    policy 'fp32', this run 'bf16'``), or that ``theirs`` predates this identity; None: equal
+    (``ignore``: fields left out, :func:`ignored`)."""
     try:
-        older = json.loads(theirs).get("identity_version") != IDENTITY_VERSION
+        version = json.loads(theirs).get("identity_version")
     except (ValueError, AttributeError):
         return "its embed_identity is not an identity embedpipe writes"
-    diff = first_difference(theirs, ours)
+    diff = first_difference(theirs, ours, ignore)
     if diff is None:
         return None
-    if older:
-        return _OLDER
+    if version != IDENTITY_VERSION:
+        return _OLDER_2 if version == 2 else _OLDER
     key, a, b = diff
     if key == "model_files":
         return _files_difference(a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {})

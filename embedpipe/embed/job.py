@@ -25,7 +25,7 @@ from embedpipe.core.options import AUTO, EmbedOptions
 from embedpipe.core.progress import say
 from embedpipe.embed import auto_probe
 from embedpipe.embed.engine import Embedder
-from embedpipe.embed.identity import first_difference
+from embedpipe.embed.identity import first_difference, ignored
 from embedpipe.embed.resolved import ResolvedRun, resolve_run, resolve_threads
 from embedpipe.embed.reuse import Reuse
 from embedpipe.model import capabilities, load_model, registry
@@ -109,12 +109,13 @@ class Job:
                                             embedder.notes)
             for note in filter(None, (oversubscribed(resolve_threads(self.options)), *policy_notes)):
                 say(f"warning: {note}", quiet=self.quiet)
-            if self.reuse is not None:
-                self.reuse.check(run.identity)
             if self.identity is not None and self.identity != run.identity:
                 key = (first_difference(self.identity, run.identity) or ("?",))[0]
                 raise EmbedpipeError(f"--reuse: the loaded model resolves {key} differently than predicted "
                                      "from its files; run without --reuse")
+            run = _as_compiled(embedder, run)
+            if self.reuse is not None:
+                self.reuse.check(run.identity, ignored(self.options))
             self.identity, self.run, self._embedder = run.identity, run, embedder
         return self._embedder
 
@@ -165,8 +166,17 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
         source.check_model(facts.sha256)
     run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,
                       policy=None if auto is not None else policy, residues=residues, width=width, auto=auto)
-    reuse.check(run.identity)
+    reuse.check(run.identity, ignored(options))
     return run
+
+
+def _as_compiled(embedder: Embedder, run: ResolvedRun) -> ResolvedRun:
+    """The run as it computes: asked to compile, its main runner is prepared now, and where it
+    has no compiled path (ESM C, T5, a policy without an fp32 stream) the identity says eager."""
+    if not run.compiled:
+        return run
+    embedder.runner(run.policy)
+    return run if embedder.prepared.compiled else run.eager()
 
 
 @contextlib.contextmanager

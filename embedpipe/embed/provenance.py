@@ -38,6 +38,7 @@ def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) ->
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,
+        "platform": run.platform,  # what decides the numbers besides the options (embed_identity holds it too)
         **cpus.provenance(run.threads),  # threads, threads_from
         **loaded.provenance,
         "embedpipe_version": __version__,

@@ -31,6 +31,7 @@ from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.fused import decide_compile
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.int8_smoothing import Calibration
+from embedpipe.runtime.platform import describe as describe_platform
 from embedpipe.runtime.precision import Policy, attention_dtype, dtype_name, resolve_attention_inputs
 from embedpipe.store.format import stored_poolings
 
@@ -55,6 +56,7 @@ class ResolvedRun:
     identity: str  # the store's ``embed_identity`` (embedpipe.embed.identity)
     compiled: bool = False  # --compile resolved: the main runner's elementwise work compiled
     compile_reason: str = ""  # why (auto's decision, embedpipe.runtime.fused.decide_compile)
+    platform: str = ""  # what decides the numbers besides the options (embedpipe.runtime.platform)
     precision_requested: str = ""  # ``auto`` when the policy was chosen here ('' when named)
     precision_reason: str = ""  # what auto measured or read (embedpipe.embed.auto_probe)
 
@@ -72,6 +74,11 @@ class ResolvedRun:
                     "attention_inputs": self.qkv_dtype}
         # only when compiled: an eager store's identity is what it was before --compile existed
         return resolved | ({"compiled": "true"} if self.compiled else {})
+
+    def eager(self) -> ResolvedRun:
+        """This run where ``--compile`` found no compiled path (the family, the policy or the
+        device has none): eager, and its identity says so (the numbers are eager ones)."""
+        return _identified(dataclasses.replace(self, compiled=False))
 
     def layout_for(self, policy: Policy, device: torch.device) -> str:
         """The batch layout of ``policy`` on ``device``: the run's own for its main policy on its
@@ -134,8 +141,14 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
                       qkv_dtype=dtype_name(attention_dtype(policy, inputs)), batch_layout=layout,
                       attention_path=path, layers=layers, pooling=pooling, model=model, identity="")
     compiled, why = decide_compile(options.compile, policy.name, device.type, residues)
-    run = dataclasses.replace(run, compiled=compiled, compile_reason=why, precision_requested=requested,
-                              precision_reason=auto.reason if requested and auto is not None else "")
+    return _identified(dataclasses.replace(run, compiled=compiled, compile_reason=why,
+                                           platform=describe_platform(device), precision_requested=requested,
+                                           precision_reason=auto.reason if requested and auto is not None else ""))
+
+
+def _identified(run: ResolvedRun) -> ResolvedRun:
+    """``run`` with its store identity (embedpipe.embed.identity) built from what it resolved."""
+    calibration = run.calibration.sha256 if run.calibration is not None else None
     return dataclasses.replace(run, identity=embed_identity(
-        options, policy, model, run.computed_as, layers, pooling,
-        calibration=calibration.sha256 if calibration is not None else None))
+        run.options, run.policy, run.model, run.computed_as, run.layers, run.pooling,
+        calibration=calibration, platform=run.platform))

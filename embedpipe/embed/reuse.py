@@ -36,8 +36,9 @@ from embedpipe.store.reuse_index import ReuseIndex, build_index, is_index, seque
 from embedpipe.store.row_checks import RowChecks
 
 #: root attributes of a source that describe that file or its run, not how the numbers were made:
-#: not carried into an all-reused store (which gets its own)
-_NOT_CARRIED = frozenset({
+#: not carried into an all-reused store (which gets its own; ``precision_requested`` and
+#: ``precision_reason`` are this run's request, set by it when it asked for auto)
+_NOT_CARRIED = frozenset({"precision_requested", "precision_reason",
     "created_utc", "finished_utc", "input", "input_sha256", "embed_identity", "fallback_count", "fallback_reasons",
     "padding_efficiency", "reused_count", "reused_sources", "merged_from", "merged_rows", "shard_provenance",
     "varying_attrs", "config_varying", "alias_count", "skipped_count", "merged_sources",
@@ -77,9 +78,10 @@ class Source:
                 self._checks = RowChecks(self.store, self.index.path)
             self._checks.check(rows)
 
-    def check(self, identity: str) -> None:
-        """One line naming, in user words, the first field of the identity this store differs in."""
-        why = describe_difference(self.identity, identity)
+    def check(self, identity: str, ignore: Sequence[str] = ()) -> None:
+        """One line naming, in user words, the first field of the identity this store differs
+        in (``ignore``: fields left out, embedpipe.embed.identity.ignored)."""
+        why = describe_difference(self.identity, identity, ignore)
         if why is not None:
             raise EmbedpipeError(f"--reuse {self.path}: {why}; "
                                  "only a store embedded with the same model and options can be reused")
@@ -146,9 +148,9 @@ class Reuse:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def check(self, identity: str) -> None:
+    def check(self, identity: str, ignore: Sequence[str] = ()) -> None:
         for source in self.sources:
-            source.check(identity)
+            source.check(identity, ignore)
 
     def find(self, records: Sequence[tuple[str, str]]) -> dict[int, tuple[int, int]]:
         """Record index -> (source number, row) for each record a source holds."""

@@ -29,14 +29,14 @@ from embedpipe.core.progress import say
 from embedpipe.embed.combinations import check_embed
 from embedpipe.embed.engine import Embedder, EmbedOptions
 from embedpipe.embed.group_marker import write_marker
-from embedpipe.embed.identity import describe_difference
+from embedpipe.embed.identity import describe_difference, ignored
 from embedpipe.embed.job import Job, open_job
 from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import inspect
-from embedpipe.model.downloads import companion_path
+from embedpipe.model.registry import model_files
 from embedpipe.runtime import fused
 from embedpipe.runtime.precision import Policy
 from embedpipe.store import StoreWriter, utc_now
@@ -80,22 +80,13 @@ class EmbedSummary:
         return "\n".join(lines)
 
 
-def _model_file(model: str) -> list[Path]:
-    """The files of ``--model`` when it names them: inputs no output may replace (the checkpoint
-    and its contact-regression companion, which fair-esm's loader reads beside it)."""
-    path = Path(model).expanduser()
-    if path.is_dir():  # a Hugging Face directory: every file in it
-        return sorted(p for p in path.iterdir() if p.is_file())
-    return [path, companion_path(path)] if path.is_file() else []
-
-
 def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str,
              reuse: Sequence[Path]) -> contextlib.AbstractContextManager[None]:
     """The guard and the output locks of an embed run (embedpipe.core.output_guard): the
     FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
     indexes too), and the reuse stores' pinned sources are inputs too."""
     stores = [*map(Path, reuse), *filter(None, map(_indexed_store, reuse))]
-    return writing_outputs("embed", outputs, [*map(Path, fastas), *_model_file(model), *stores], pinned=pinned_by(stores))
+    return writing_outputs("embed", outputs, [*map(Path, fastas), *model_files(model), *stores], pinned=pinned_by(stores))
 
 
 def _indexed_store(path: Path) -> Path | None:
@@ -224,10 +215,10 @@ def _run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ groups of shards
 
 
-def store_difference(store: Path, identity: str, input_sha256: str) -> str | None:
+def store_difference(store: Path, identity: str, input_sha256: str, ignore: Sequence[str] = ()) -> str | None:
     """None for a complete store of the same shard content and identity; else why it is not
     current, in user words (missing, unreadable, incomplete, another shard, or the identity's
-    first difference: :func:`embedpipe.embed.identity.describe_difference`)."""
+    first difference: :func:`embedpipe.embed.identity.describe_difference`, ``ignore`` left out)."""
     try:
         with h5py.File(store, "r") as f:
             if not is_complete(f):
@@ -242,13 +233,13 @@ def store_difference(store: Path, identity: str, input_sha256: str) -> str | Non
     theirs = attrs.get("embed_identity")
     if not isinstance(theirs, str):
         return "records no embed_identity (written by an older embedpipe)"
-    return describe_difference(theirs, identity)
+    return describe_difference(theirs, identity, ignore)
 
 
-def store_is_current(store: Path, identity: str, input_sha256: str) -> bool:
+def store_is_current(store: Path, identity: str, input_sha256: str, ignore: Sequence[str] = ()) -> bool:
     """True for a complete store of the same shard content, model and options; False for a
     missing, unreadable, incomplete or different one."""
-    return store_difference(store, identity, input_sha256) is None
+    return store_difference(store, identity, input_sha256, ignore) is None
 
 
 @dataclass
@@ -307,14 +298,14 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for fasta, store, digest in zip(fastas, stores, digests):
-            if _keep(store, str(job.identity), digest, quiet):
+            if _keep(store, str(job.identity), digest, quiet, ignored(options)):
                 summary.kept.append(store)
                 continue
             summary.embedded.append(_embed_records(
                 job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
                 {"input_sha256": digest}, quiet))
         if done is not None:
-            _check_still_current(stores, digests, str(job.identity))
+            _check_still_current(stores, digests, str(job.identity), ignored(options))
             write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)
     summary.seconds = time.perf_counter() - started
     return summary
@@ -325,11 +316,11 @@ def _lock_path(store: Path) -> Path:
     return lock_path_for(store)
 
 
-def _keep(store: Path, identity: str, digest: str, quiet: bool) -> bool:
+def _keep(store: Path, identity: str, digest: str, quiet: bool, ignore: Sequence[str] = ()) -> bool:
     """Keep a store that is current and passes ``validate`` (checksums of every chunk included:
     a store complete but corrupt is embedded again; cost in docs/benchmarks.md); say why a
     store that is there is not kept (the identity's first difference, docs/cluster.md)."""
-    why = store_difference(store, identity, digest)
+    why = store_difference(store, identity, digest, ignore)
     if why is not None:
         if why != "missing":
             say(f"{store}: {why}; embedding it again", quiet=quiet)
@@ -342,11 +333,12 @@ def _keep(store: Path, identity: str, digest: str, quiet: bool) -> bool:
     return True
 
 
-def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identity: str) -> None:
+def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identity: str,
+                         ignore: Sequence[str] = ()) -> None:
     """Before the marker: every store still has this job's identity (another writer that
     bypassed the locks would otherwise leave a marker that lies)."""
     for store, digest in zip(stores, digests):
-        if not store_is_current(store, identity, digest):
+        if not store_is_current(store, identity, digest, ignore):
             raise EmbedpipeError(f"{store}: replaced by another writer during this job (it no longer has this "
                                  f"job's shard, model and options); no marker written, rerun the job")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from embedpipe.core.errors import InputError
+from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.idtext import bad_id_char
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
 from embedpipe.core.paths import PathLike, display_path, path_text
@@ -383,3 +383,17 @@ __all__ = [
     "display_path",
     "path_text",
 ]
+
+
+def read_calibration(path: Path) -> tuple[tuple[str, str], ...]:
+    """Every record of the calibration FASTA ``path``; one line naming the file (and record)
+    when it is missing, unreadable, invalid FASTA or empty. Torch-free: the workflow's check
+    and the job's calibration (embedpipe.runtime.int8_smoothing) read it alike
+    (docs/cluster.md, "Before the first job")."""
+    try:
+        records = tuple(read_sequences(path))
+    except InputError as error:  # already names the file (and line)
+        raise EmbedpipeError(f"--int8-calibration: {error}") from None
+    if not records:
+        raise EmbedpipeError(f"--int8-calibration {path}: no records to calibrate on")
+    return records

@@ -53,6 +53,13 @@ def companion_path(path: Path) -> Path:
     return Path(str(path.with_suffix("")) + "-contact-regression.pt")
 
 
+def model_files(spec: str) -> list[Path]:
+    """The checkpoint a fair-esm name or path resolves to and its contact-regression companion,
+    which fair-esm's loader reads beside it (nothing downloaded): inputs no output may replace."""
+    path = hub_checkpoint_path(spec) if is_model_name(spec) else Path(spec).expanduser()
+    return [path, companion_path(path)] if path.is_file() else []
+
+
 def checkpoint_sha256(path: Path) -> str:
     """:func:`embedpipe.core.checksums.file_sha256`, cached per unchanged file (checkpoints are
     gigabytes), with an unreadable file as a ``ModelError``."""

@@ -7,6 +7,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from embedpipe.core.errors import ModelError
@@ -28,3 +29,22 @@ def fetch_model(name: str, dest: Path | None = None) -> Path:
         raise ModelError(f"fetch-model {name}: --dest is for fair-esm checkpoints; a Hugging Face model lives in "
                          f"the hub cache ({hf.hub_cache()}; set HF_HOME or HF_HUB_CACHE)")
     return hf.resolve_directory(name)
+
+
+def model_files(spec: str) -> list[Path]:
+    """Every file of the model directory ``spec`` names (given as a directory, or a hub name
+    in the local cache: the snapshot's files, symlinks to its blobs, which the output guard
+    resolves), and the shards a ``*.index.json`` names, there yet or not; [] for a name not cached."""
+    try:
+        directory = hf.resolve_directory(spec)
+    except ModelError:
+        return []
+    files = {p for p in directory.rglob("*") if p.is_file()}
+    for index in directory.glob("*.index.json"):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            continue  # the loader says what is wrong with it
+        if isinstance(weight_map, dict):
+            files |= {directory / str(name) for name in weight_map.values()}
+    return sorted(files)

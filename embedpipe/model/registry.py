@@ -16,10 +16,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import downloads, esm2_spec, hf_checkpoint, plugins
+from embedpipe.model import downloads, esm2_spec, hf_checkpoint, hf_sources, plugins
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity
 
@@ -43,6 +44,9 @@ class Family:
     #: version) and whether batches may be packed, from its files, weights unread: a store's
     #: identity (embedpipe.model.identity); None: only the loaded model's sha256 is known
     file_identity: Callable[[str], ModelIdentity] | None = None
+    #: every file the spec resolves to (a name's cached files too): inputs no output may
+    #: replace (:func:`model_files`); None: the spec's own file, or a directory's files
+    files: Callable[[str], list[Path]] | None = None
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -51,9 +55,10 @@ class Family:
 FAMILIES: list[Family] = [
     # Hugging Face directories and hub names (ESM-2, ProtT5, Ankh: config.json's model_type)
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
-           "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity),
+           "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity,
+           hf_sources.model_files),
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
-           "embedpipe.model.downloads", downloads.file_identity),
+           "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
 ]
 
 
@@ -95,6 +100,19 @@ def model_identity(spec: str) -> ModelIdentity | None:
     """The model's part of a store's identity from its files; None for a family that cannot say."""
     family = family_for(spec)
     return family.file_identity(str(spec)) if family.file_identity else None
+
+
+def model_files(spec: str) -> list[Path]:
+    """Every file ``spec`` resolves to, whether given as a path, a directory or a name (a hub
+    snapshot's files, which link to its blobs; the shards its index names): what a command's
+    output guard (embedpipe.core.output_guard) refuses to replace. Nothing is downloaded."""
+    family = family_for(spec)
+    if family.files is not None:
+        return family.files(str(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return [path] if path.is_file() else []
 
 
 def load_model(spec: str) -> EmbeddingModel:

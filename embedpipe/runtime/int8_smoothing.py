@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.runtime.int8_kernels import KernelChoice
 from embedpipe.runtime.int8_linear import Int8Linear
 
@@ -130,13 +129,8 @@ def load_calibration(path: str | Path | None) -> Calibration:
 
     Read once per embed job: the job resolves its policy once and hands it on
     (:func:`embedpipe.embed.resolved.resolve_policy`), so nothing here is cached."""
-    from embedpipe.inputs.fasta import read_sequences  # import-light callers (options) never need it
+    from embedpipe.inputs.fasta import read_calibration  # import-light callers (options) never need it
 
     where = SHIPPED if path is None else Path(path)
-    try:
-        records = tuple(read_sequences(where))
-    except InputError as error:  # already names the file (and line)
-        raise EmbedpipeError(f"--int8-calibration: {error}") from None
-    if not records:
-        raise EmbedpipeError(f"--int8-calibration {where}: no records to calibrate on")
+    records = read_calibration(where)  # as the workflow's start-up check reads it
     return Calibration(where.name, records, hashlib.sha256(where.read_bytes()).hexdigest())

@@ -16,6 +16,7 @@ from embedpipe.core.errors import StoreError
 from embedpipe.core.stats import aggregate
 from embedpipe.core.units import human_bytes
 from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
+from embedpipe.store.merged_provenance import platform_lines, platforms
 from embedpipe.store.sources import source_problems
 
 #: root attributes shown as the format line, not as provenance
@@ -114,6 +115,7 @@ def _info(f: h5py.File, path: Path, version: int) -> dict[str, Any]:
         info["merged_from"] = attrs["merged_from"]
         # a merged store reads per-residue rows from its sources: say when they are unusable
         info["source_problems"] = [p.message for p in source_problems(f, path, full=False)]
+        info["platforms"] = platforms(attrs)  # [] unless its shards ran on several
     return info
 
 
@@ -157,7 +159,8 @@ def _header_lines(info: Mapping[str, Any]) -> list[str]:
         f"matmuls {prov.get('compute_dtype', '?')}, islands {prov.get('island_dtype', '?')}, "
         f"fallback {prov.get('fallback_dtype', '?')}; attention {prov.get('attention', '?')}",
         *_batches_line(prov),
-        f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}",
+        f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}"
+        + (f"; platform {prov['platform']}" if "platform" in prov else ""),
         f"  software    embedpipe {prov.get('embedpipe_version', '?')}, torch {prov.get('torch_version', '?')}"
         + (f", fair-esm {prov['fair_esm_version']}" if "fair_esm_version" in prov else "")  # ESM-2 families only
         + f"; created {prov.get('created_utc', '?')}",
@@ -217,6 +220,7 @@ def render_info(info: Mapping[str, Any]) -> str:
             f"skipped {info.get('skipped', 0)}"
         )
         lines += [f"  ** SOURCE  {message}" for message in info.get("source_problems", [])]
+        lines += [f"  platform    {line}" for line in platform_lines(info.get("platforms", []))]
     ds = info.get("datasets", {})
     stored = sum(v["stored_bytes"] for v in ds.values())
     virtual = sum(1 for v in ds.values() if v["virtual"])

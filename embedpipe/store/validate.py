@@ -33,6 +33,7 @@ from embedpipe.store.format import (
 from embedpipe.store.idindex import LazyIds
 from embedpipe.store.idsort import index_problems_sorted
 from embedpipe.store.meancheck import MeanCheck, mean_checks
+from embedpipe.store.merged_provenance import platform_lines, platforms
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
 from embedpipe.store.sources import validate_sources
@@ -423,3 +424,15 @@ def validate_store(path: Path) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - validate must report, never crash
         problems.append(f"unreadable store structure: {type(exc).__name__}: {exc}")
     return problems
+
+
+def platform_notes(path: Path) -> list[str]:
+    """For a merged store whose shards ran on several platforms (``embed --accept-platform-mix``),
+    which records came from which (docs/store-format.md, ``platform``); [] otherwise, and for a
+    file :func:`validate_store` reports as unreadable."""
+    try:
+        with open_h5(Path(path)) as f:
+            attrs = read_root_attrs(f, only=("shard_provenance", "merged_rows"))
+    except Exception:  # noqa: BLE001 - validate_store says what is wrong with the file
+        return []
+    return [f"records computed on {line}" for line in platform_lines(platforms(attrs))]

@@ -23,6 +23,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.combinations import CombinationError, check_embed
 from embedpipe.model.facts import ModelFacts
+from embedpipe.model.registry import inspect
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _TRUE = {"true", "yes", "on"}
@@ -157,7 +158,7 @@ def check_reuse(reuse: list[str], outdir: str) -> None:
 #: ``--int8-smoothing``); embed_options in workflows/rules/common.smk passes them to every job
 EMBED_KEYS = ("precision", "layers", "per_residue", "pooling", "tokens_per_batch", "device", "storage_dtype",
               "long_sequences", "fallback_device", "batch_layout", "attention_inputs", "int8_smoothing",
-              "int8_calibration", "compile")
+              "int8_calibration", "compile", "accept_platform_mix")
 
 
 def embed_options(config: dict[str, Any]) -> EmbedOptions:
@@ -173,15 +174,30 @@ def check_embed_config(config: dict[str, Any], facts: ModelFacts) -> None:
     """The embed jobs' options checked as ``embedpipe embed`` checks them (the same function:
     embedpipe.embed.combinations), before any job: ``ConfigError`` naming the keys and their
     values, then the line the job would have failed with. ``test_model``'s depth counts as the
-    model's (its file is written by the first job)."""
+    model's (its file is written by the first job); a checkpoint given by path has its depth read
+    from its header (weights unread: :func:`_with_depth`)."""
     test_model = config.get("test_model")
     if isinstance(test_model, dict) and facts.num_layers is None:
         facts = replace(facts, num_layers=test_model["layers"])
+    facts = _with_depth(facts, config.get("layers") or [])
     try:
         check_embed(embed_options(config), facts, config.get("reuse") or [])
     except CombinationError as exc:
         named = ", ".join(f"{key}={_shown(config[key])}" if key in config else key for key in exc.keys)
         raise ConfigError(f"config {named}: {exc}") from None
+
+
+def _with_depth(facts: ModelFacts, layers: list[Any]) -> ModelFacts:
+    """``facts`` with the model's layer count read from the checkpoint's header (memory-mapped:
+    the weights stay unread; torch imported) when ``layers`` asks for one the count decides
+    (other than 0 and -1) and the file is there; as given otherwise, so the default config
+    parses torch-free. A file that cannot be read is left to the job's one-line error."""
+    if facts.num_layers is not None or facts.weights_bytes is None or all(k in (0, -1) for k in layers):
+        return facts
+    try:
+        return inspect(facts.spec)
+    except EmbedpipeError:
+        return facts
 
 
 def _shown(value: Any) -> str:

@@ -131,3 +131,41 @@ def test_merge_over_a_source_pinned_by_an_input_or_over_its_manifest_is_refused(
     with pytest.raises(EmbedpipeError, match=rf"^--out {manifest} is the input {manifest}"):
         merge_stores(sources, out=manifest, manifest=manifest)
     assert manifest.read_text() == "not yet read\n"
+
+
+def _hub_cache(root: Path, name: str, sharded: bool) -> Path:
+    """A hub cache as huggingface_hub lays it out: the snapshot's files are symlinks into
+    ``blobs/``; ``sharded``: the weights named by an index, one shard not there yet."""
+    from embedpipe.model.random_hf import make_hf_test_model
+
+    repo = root / ("models--" + name.replace("/", "--"))
+    made = make_hf_test_model(root / "made", family="prot-t5", layers=1, dim=16, heads=2)
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for k, file in enumerate(sorted(made.iterdir())):
+        blob = repo / "blobs" / f"blob{k}"
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    if sharded:
+        (snapshot / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    return snapshot
+
+
+@pytest.mark.parametrize("target", ["snapshot file", "blob", "index-named shard"])
+def test_embed_out_over_a_file_of_a_hub_named_model_is_refused(tmp_path, monkeypatch, target):
+    """``--model acme/esmc-tiny --out <its snapshot's model.safetensors>`` replaced the weights
+    in the hub cache: every file a hub name resolves to is an input."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = _hub_cache(tmp_path / "hub", "acme/t5-tiny", sharded=target == "index-named shard")
+    weights = (snapshot / "model.safetensors").resolve()
+    before = weights.read_bytes()
+    out = {"snapshot file": snapshot / "model.safetensors", "blob": weights,
+           "index-named shard": snapshot / "model-00002-of-00002.safetensors"}[target]
+    fasta = _fasta(tmp_path / "x.fasta")
+    with pytest.raises(EmbedpipeError, match=r"--out .* is the input .*; embed never writes over its inputs"):
+        embed_fasta(fasta, model="acme/t5-tiny", out=out, options=OPTIONS, quiet=True)
+    assert weights.read_bytes() == before and not (snapshot / "model-00002-of-00002.safetensors").exists()

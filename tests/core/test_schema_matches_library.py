@@ -49,6 +49,7 @@ DEFAULTS = {
     "max_id_length": options.FASTA_LIMITS.max_id_length,
     "device": EMBED.device,
     "int8_calibration": EMBED.int8_calibration,
+    "accept_platform_mix": EMBED.accept_platform_mix,
 }
 
 

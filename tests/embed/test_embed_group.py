@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import embedpipe.embed.job as job_module
@@ -20,6 +21,7 @@ from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.identity import embed_identity
 from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.runtime.platform import describe as describe_platform
 from embedpipe.runtime.precision import get_policy
 from embedpipe.shard.passes import plan_groups, shard_fasta
 from helpers.embed_helpers import random_sequences, write_fasta
@@ -89,7 +91,7 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert store_uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
     identity = embed_identity(OPTIONS, get_policy(OPTIONS.precision), _model(tiny_model_path), on_cpu, [0, 2],
-                              ["mean"], calibration=None)
+                              ["mean"], calibration=None, platform=describe_platform(torch.device("cpu")))
     assert all(embed_module.store_is_current(p, identity, _input(p))
                for p in stores)
 

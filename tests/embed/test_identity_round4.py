@@ -17,7 +17,7 @@ import pytest
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.identity import describe_difference
+from embedpipe.embed.identity import IDENTITY_VERSION, describe_difference
 from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.model import esm2_spec
 from embedpipe.model.random_hf import make_hf_test_model
@@ -116,7 +116,7 @@ def test_bf16_against_an_fp32_store_names_the_precision_policy(tmp_path, tiny_mo
 
 
 def test_a_resolved_field_is_named_only_alone_and_explained():
-    base = {"identity_version": 2, "precision": "fp32", "model_sha256": "a" * 64,
+    base = {"identity_version": IDENTITY_VERSION, "precision": "fp32", "model_sha256": "a" * 64,
             "computed_as": {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}}
     other = base | {"computed_as": base["computed_as"] | {"attention_inputs": "bfloat16"}}
     assert describe_difference(json.dumps(base), json.dumps(other)) == (

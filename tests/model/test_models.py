@@ -636,3 +636,25 @@ def test_download_problem_is_none_for_a_cached_model_and_names_the_fix_offline(e
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(b"cached")
     assert sources.download_problem("esm2_t6_8M_UR50D") is None
+
+
+def test_checkpoint_sha256_cache_misses_a_rewrite_in_place_with_mtime_set_back(tmp_path, monkeypatch):
+    """``rsync --inplace --times`` or ``cp -p`` over a checkpoint: same inode, size and mtime,
+    other bytes. The cache must not hand back the old weights' digest (ctime moved)."""
+    import os as _os
+    import time as _time
+
+    from embedpipe.core import checksums
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"old!" * 1000)
+    before = path.stat()
+    assert checksums.file_sha256(path, cache=True) == hashlib.sha256(b"old!" * 1000).hexdigest()
+    _time.sleep(0.05)  # more than one kernel timestamp tick (coarse clocks tick every 4-10 ms)
+    with open(path, "r+b") as fh:  # in place: same inode, same size
+        fh.write(b"new!" * 1000)
+    _os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime set back
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert checksums.file_sha256(path, cache=True) == hashlib.sha256(b"new!" * 1000).hexdigest()

@@ -135,3 +135,27 @@ def test_snakemake_dry_run_stops_before_any_job(tmp_path: Path, models: dict[str
     assert head.startswith("embedpipe: config ") and set(config.split()) <= set(head[18:].split(", ")), line
     assert all(f"--{word.split('=')[0].replace('_', '-')}" in "--" + reason for word in config.split()), line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["layers of a .pt by path", "calibration's second record"])
+def test_snakemake_dry_run_refuses_what_the_job_would_refuse(tmp_path: Path, models: dict[str, str], case: str) -> None:
+    """``snakemake -n`` passed, and the embed job then refused: ``layers: [5]`` with a 2-layer
+    checkpoint given by path (its depth read from its header now), and a calibration FASTA
+    whose second record is invalid (read in full now, with the job's reader)."""
+    bad = tmp_path / "calib.fasta"
+    bad.write_text(">a\nMKTAYIAK\n>b\nMKT@AYIAK\n")
+    config, options = {
+        "layers of a .pt by path": ({"model": models["TEST"], "layers": [5]}, ["--layers", "5"]),
+        "calibration's second record": (
+            {"model": models["TEST"], "precision": "int8-mixed", "int8_smoothing": "smoothquant",
+             "int8_calibration": str(bad)},
+            ["--precision", "int8-mixed", "--int8-smoothing", "smoothquant", "--int8-calibration", str(bad)]),
+    }[case]
+    cli = _cli_line(tmp_path, models["TEST"], options)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"input": str(EXAMPLE), "outdir": "out", "device": "cpu", **config}))
+    proc = snakemake(tmp_path, "-n", configfile=path, check=False)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Job stats" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert line.startswith("embedpipe: config ") and line.endswith(f": {cli}"), (line, cli)
+    assert not (tmp_path / "out").exists()

@@ -319,6 +319,8 @@ def embed_options():
         args += ["--int8-smoothing", config["int8_smoothing"]]
     if config["int8_calibration"] is not None:
         args += ["--int8-calibration", config["int8_calibration"]]
+    if config["accept_platform_mix"]:  # likewise
+        args.append("--accept-platform-mix")
     return _join([*args, *fasta_limit_options()])  # likewise
 
 
