@@ -100,11 +100,14 @@ def _calibration(run: Combination) -> None:
 CHECKS: tuple[Callable[[Combination], None], ...] = (_values, _device, _family, _layers, _reuse, _calibration)
 
 
-def check_embed(options: EmbedOptions, facts: ModelFacts, reuse: Sequence[str | Path] = ()) -> None:
+def check_embed(options: EmbedOptions, facts: ModelFacts, reuse: Sequence[str | Path] = (), *,
+                calibration: bool = True) -> None:
     """Raise :class:`CombinationError` (one line) for the first thing of ``options`` that the
-    model of ``facts`` or the ``reuse`` paths refuse."""
+    model of ``facts`` or the ``reuse`` paths refuse. ``calibration=False``: the calibration
+    FASTA is left to the caller, which reads it next with the same reader (the embed job:
+    once per job)."""
     run = Combination(options, facts, tuple(map(str, reuse)))
-    for check in CHECKS:
+    for check in CHECKS if calibration else tuple(c for c in CHECKS if c is not _calibration):
         try:
             check(run)
         except CombinationError:

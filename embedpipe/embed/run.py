@@ -132,7 +132,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
+    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
     policy = _start(options)
     limits.check(EmbedpipeError)
     started = time.perf_counter()
@@ -280,7 +280,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
+    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
     policy = _start(options)
     limits.check(EmbedpipeError)
     started = time.perf_counter()
