@@ -137,8 +137,9 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, 
 def _prior(device: torch.device, usable: Sequence[str], cost: int, job_residues: int) -> AutoChoice:
     if len(usable) == 1:
         return AutoChoice(usable[0], f"auto -> {usable[0]}: the only policy these options allow")
-    choice = AutoChoice.from_table(device, f"the job's {job_residues} residues cannot pay for the probe ({cost} "
-                                           f"residues, more than {auto_precision.PROBE_SHARE:.0%} of them)")
+    # the same words for every job too small (no counts of its own): a merged store keeps one reason
+    choice = AutoChoice.from_table(device, f"the job is too small to pay for the probe, which may cost at most "
+                                           f"{auto_precision.PROBE_SHARE:.0%} of its residues")
     if choice.policy not in usable:
         return AutoChoice("fp32", f"{choice.reason}; {choice.policy} is not allowed with these options: fp32")
     return choice

@@ -105,7 +105,7 @@ def test_a_job_too_small_for_the_probe_takes_the_table_prior(loaded, tmp_path, m
     assert calls == []  # nothing measured
     want, why = advice.cpu_choice(cpu_features.detect())
     assert choice.policy == want
-    assert choice.reason.startswith(f"auto -> {want}: not measured (the job's {small} residues cannot pay for the probe")
+    assert choice.reason.startswith(f"auto -> {want}: not measured (the job is too small to pay for the probe")
     assert choice.reason.endswith(why)
     assert not list((tmp_path / "cache").glob("*.json"))  # no measurement cached from a prior
 

@@ -127,8 +127,7 @@ def test_a_small_auto_job_takes_the_prior_records_why_and_holds_what_that_policy
     with h5py.File(auto, "r") as f, h5py.File(named, "r") as g:
         assert (f.attrs["precision_policy"], f.attrs["precision_requested"]) == (policy, "auto")
         reason = str(f.attrs["precision_reason"])
-        assert reason.startswith(f"auto -> {policy}: not measured (the job's {sum(len(s) for _, s in records)} "
-                                 "residues cannot pay for the probe")
+        assert reason.startswith(f"auto -> {policy}: not measured (the job is too small to pay for the probe")
         assert reason.endswith(f"the table's prior: {why}")
         assert f.attrs["embed_identity"] == g.attrs["embed_identity"]  # resume and --reuse see the policy
         assert "precision_requested" not in g.attrs
