@@ -135,3 +135,24 @@ def test_snakemake_dry_run_stops_before_any_job(tmp_path: Path, models: dict[str
     assert head.startswith("embedpipe: config ") and set(config.split()) <= set(head[18:].split(", ")), line
     assert all(f"--{word.split('=')[0].replace('_', '-')}" in "--" + reason for word in config.split()), line
     assert not (tmp_path / "out").exists()
+
+
+def test_snakemake_dry_run_stops_in_one_line_on_a_model_directory_embedpipe_refuses(
+        tmp_path: Path, models: dict[str, str]) -> None:
+    """A model directory whose config.json embedpipe refuses (here nested past the JSON bound)
+    stops ``snakemake -n`` with the refusal as one line, the line ``embedpipe model-info`` gives;
+    before, a multi-line ModelError traceback."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(models["T5"], model)
+    config_json = model / "config.json"
+    config_json.write_text(config_json.read_text().rstrip()[:-1] + ', "deep": ' + "[" * 1000 + "]" * 1000 + "}")
+    cli = CliRunner().invoke(app, ["model-info", str(model)])
+    assert cli.exit_code == 1
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"input": str(EXAMPLE), "outdir": "out", "model": str(model), "device": "cpu"}))
+    proc = snakemake(tmp_path, "-n", configfile=path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [cli.stderr.strip().replace("embedpipe: error: ", "embedpipe: ", 1)]
+    assert "Traceback" not in proc.stdout + proc.stderr and not (tmp_path / "out").exists()
