@@ -21,7 +21,7 @@ from pathlib import Path
 
 from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.inputs.fasta import read_sequences
+from embedpipe.inputs.fasta import check_regular_file, read_sequences
 from embedpipe.model.capabilities import check_family, packs_by_family
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.layers import resolve_layers
@@ -94,6 +94,7 @@ def _calibration(run: Combination) -> None:
     if path is None or run.options.int8_smoothing == "none":
         return
     try:
+        check_regular_file(Path(path), "embed", "it reads the set here, then to calibrate and for its sha256")
         with contextlib.closing(read_sequences(Path(path))) as records:
             empty = next(records, None) is None
     except InputError as error:

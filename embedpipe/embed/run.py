@@ -34,11 +34,12 @@ from embedpipe.embed.job import Job, open_job
 from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
-from embedpipe.inputs.fasta import read_sequences
+from embedpipe.inputs.fasta import check_regular_file, read_sequences
 from embedpipe.model import inspect
 from embedpipe.model.downloads import companion_path
 from embedpipe.runtime import fused
 from embedpipe.runtime.auto_precision import resolve as resolve_precision
+from embedpipe.runtime.precision import Policy
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
 from embedpipe.store.reuse_index import is_index
@@ -129,6 +130,22 @@ def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLi
     return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
 
 
+def _resolve(fastas: Sequence[Path], model: str, options: EmbedOptions, quiet: bool, reuse: Sequence[Path],
+             limits: FastaLimits) -> tuple[EmbedOptions, dict[str, str], Policy]:
+    """Every check of an embed run before a record is read or the model loads, and its options
+    resolved (``precision auto`` chosen, the policy configured); returns (options, the root
+    attributes of the choice, the policy)."""
+    for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
+        check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
+                           "its store records")
+    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
+    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
+    fused.check_cache(options.compile_cache)  # a bad --compile-cache: one line, not inductor's traceback
+    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
+    limits.check(EmbedpipeError)
+    return options, chosen, policy
+
+
 def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
     records = list(read_sequences(Path(fasta), limits))
     if not records:
@@ -141,10 +158,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
-    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
-    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
-    limits.check(EmbedpipeError)
+    options, chosen, policy = _resolve([fasta], model, options, quiet, reuse, limits)
     started = time.perf_counter()
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
         records = _read_records(fasta, limits)
@@ -282,10 +296,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    options, chosen = resolve_precision(options, quiet)  # validated; precision auto chosen here
-    check_embed(options, inspect(model), reuse)  # the workflow's check too (embed/combinations.py)
-    policy = resolve_policy(options)  # reads --int8-calibration now: a bad file fails before the model loads
-    limits.check(EmbedpipeError)
+    options, chosen, policy = _resolve(fastas, model, options, quiet, reuse, limits)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
