@@ -16,6 +16,9 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedpipe.core.errors import quote
+from embedpipe.core.progress import say
+
 #: how idle OpenMP pool threads wait between parallel regions, set by ``embed`` when the user
 #: has not chosen (docs/cluster.md, "CPU threads"): spin about 10 microseconds (libgomp's
 #: ``GOMP_SPINCOUNT``; its default 300000 spins is about 3 ms), then sleep. Regions that follow
@@ -38,10 +41,18 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 
 @dataclass(frozen=True)
 class CpuAllocation:
-    """A thread count and where it came from (the store's ``threads_from``)."""
+    """A thread count and where it came from (the store's ``threads_from``); ``note``: the
+    warning for a setting that was ignored ('' when none was)."""
 
     count: int
     source: str
+    note: str = ""
+
+
+def _count(text: str | None) -> int | None:
+    """``text`` as a whole number when it is ASCII digits only, else None: ``str.isdigit``
+    also takes ``'²'`` or ``'٣'``, which ``int`` then refuses (a ValueError traceback)."""
+    return int(text) if text and text.isascii() and text.isdigit() else None
 
 
 def _affinity() -> int:
@@ -62,17 +73,14 @@ def _quota_v2(directory: Path) -> tuple[int, int] | None:
     """(quota, period) of a cgroup v2 ``cpu.max`` (``max 100000``: none)."""
     text = _read(directory / "cpu.max")
     parts = text.split() if text else []
-    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) > 0:
-        return int(parts[0]), int(parts[1])
-    return None
+    quota, period = (_count(parts[0]), _count(parts[1])) if len(parts) == 2 else (None, None)
+    return (quota, period) if quota is not None and period else None
 
 
 def _quota_v1(directory: Path) -> tuple[int, int] | None:
     """(quota, period) of a cgroup v1 ``cpu.cfs_quota_us`` (-1: none)."""
-    quota, period = _read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us")
-    if quota and period and quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
-        return int(quota), int(period)
-    return None
+    quota, period = _count(_read(directory / "cpu.cfs_quota_us")), _count(_read(directory / "cpu.cfs_period_us"))
+    return (quota, period) if quota and period else None
 
 
 def _cgroup_dirs(root: Path) -> list[tuple[Path, bool]]:
@@ -117,17 +125,22 @@ def cgroup_quota(root: Path = CGROUP_ROOT) -> tuple[int, str] | None:
 
 def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> CpuAllocation:
     """The CPUs this process may run on: the smallest of its affinity mask, its cgroup's CPU
-    quota and ``SLURM_CPUS_PER_TASK`` (a value that is not a positive integer is not a limit)."""
+    quota and ``SLURM_CPUS_PER_TASK`` (a value that is not a positive whole number in ASCII digits
+    is not a limit: ignored, and the allocation's ``note`` says so)."""
     count = _affinity()
     limits = [(count, f"affinity ({count} CPUs)")]
     quota = cgroup_quota(root)
     if quota is not None:
         limits.append(quota)
     slurm = env.get("SLURM_CPUS_PER_TASK", "").strip()
-    if slurm.isdigit() and int(slurm) > 0:
+    note = ""
+    if _count(slurm):
         limits.append((int(slurm), f"SLURM_CPUS_PER_TASK={slurm}"))
+    elif slurm:
+        note = (f"SLURM_CPUS_PER_TASK={quote(slurm)} is not a positive whole number: ignored (threads follow the "
+                "affinity and cgroup quota; docs/cluster.md, \"CPU threads\")")
     cpus, source = min(limits, key=lambda item: item[0])
-    return CpuAllocation(cpus, source)
+    return CpuAllocation(cpus, source, note)
 
 
 def thread_count(requested: int | None, env: Mapping[str, str] = os.environ,
@@ -152,12 +165,14 @@ def oversubscribed(requested: int | None, env: Mapping[str, str] = os.environ, r
             "out (docs/cluster.md, \"CPU threads\")")
 
 
-def use_threads(requested: int | None) -> CpuAllocation:
+def use_threads(requested: int | None, *, quiet: bool = False) -> CpuAllocation:
     """Size torch's intra-op pool (shared by oneDNN and MKL) and, while it can still be set,
-    its inter-op pool to :func:`thread_count`; returns it."""
+    its inter-op pool to :func:`thread_count`; returns it. A setting it ignored is one warning line."""
     import torch
 
     allocation = thread_count(requested)
+    if allocation.note:
+        say(f"warning: {allocation.note}", quiet=quiet)
     torch.set_num_threads(allocation.count)
     try:
         torch.set_num_interop_threads(allocation.count)

@@ -140,7 +140,7 @@ def run_crosscheck(
     fp32 and write the report to ``out``; ``threads`` caps torch's CPU threads (a job's cores)."""
     thresholds, store_path, out_dir = thresholds or Thresholds(), Path(store), Path(out)
     _check_arguments(thresholds, sample, k, out_dir, labels, store_path, model)
-    use_threads(threads)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
+    use_threads(threads, quiet=quiet)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     started = time.perf_counter()
     notes: list[str] = []
     with open_store(store_path) as st:

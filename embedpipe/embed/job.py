@@ -94,7 +94,7 @@ class Job:
         """The job's embedder, the model loaded on first use; its run resolved once, its
         identity checked against the reuse stores and the one predicted before loading."""
         if self._embedder is None:
-            loaded, device = self._stack.enter_context(_model_on(self.model, self.options))
+            loaded, device = self._stack.enter_context(_model_on(self.model, self.options, self.quiet))
             packs = capabilities.packs(loaded)
             model = _loaded_identity(self.model, loaded)
             auto = None
@@ -180,9 +180,9 @@ def _as_compiled(embedder: Embedder, run: ResolvedRun) -> ResolvedRun:
 
 
 @contextlib.contextmanager
-def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
+def _model_on(model: str, options: EmbedOptions, quiet: bool) -> Iterator[tuple[EmbeddingModel, torch.device]]:
     """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
-    use_threads(resolve_threads(options))  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
+    use_threads(resolve_threads(options), quiet=quiet)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     with claim_device(options.device) as device:
         if device.type == "cpu":
             keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch

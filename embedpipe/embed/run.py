@@ -34,7 +34,7 @@ from embedpipe.embed.job import Job, open_job
 from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
-from embedpipe.inputs.fasta import read_sequences
+from embedpipe.inputs.fasta import check_regular_file, read_sequences
 from embedpipe.model import inspect
 from embedpipe.model.registry import model_files
 from embedpipe.runtime import fused
@@ -120,6 +120,20 @@ def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLi
     return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
 
 
+def _resolve(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
+             limits: FastaLimits) -> Policy | None:
+    """Every check of an embed run before a record is read or the model loads, and its named
+    policy configured (:func:`_start`; None for ``--precision auto``, which the job decides)."""
+    for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
+        check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
+                           "its store records")
+    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
+    fused.check_cache(options.compile_cache)  # a bad --compile-cache: one line, not inductor's traceback
+    policy = _start(options)
+    limits.check(EmbedpipeError)
+    return policy
+
+
 def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
     records = list(read_sequences(Path(fasta), limits))
     if not records:
@@ -132,9 +146,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
-    policy = _start(options)
-    limits.check(EmbedpipeError)
+    policy = _resolve([fasta], model, options, reuse, limits)
     started = time.perf_counter()
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
         records = _read_records(fasta, limits)
@@ -280,9 +292,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
-    policy = _start(options)
-    limits.check(EmbedpipeError)
+    policy = _resolve(fastas, model, options, reuse, limits)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 
@@ -24,6 +25,13 @@ class ExportFormat:
     file: str
     module: str
     what: str = ""
+    #: added to ``--out`` when it does not end with it (``npy``: ``OUT.npy``, as ``numpy.save``
+    #: names a file and docs/exports.md promises); none: ``--out`` as given
+    suffix: str = ""
+
+    def output(self, out: Path) -> Path:
+        """The file ``--out OUT`` writes: ``OUT``, or ``OUT`` + :attr:`suffix` when it lacks it."""
+        return out if not self.suffix or out.name.endswith(self.suffix) else out.with_name(out.name + self.suffix)
 
     @property
     def ext(self) -> str:
@@ -38,7 +46,7 @@ class ExportFormat:
 REGISTRY: tuple[ExportFormat, ...] = (
     ExportFormat("h5-per-id", "embeddings.h5", "embedpipe.export.h5_per_id", "one dataset per ID"),
     ExportFormat("parquet", "embeddings.parquet", "embedpipe.export.parquet"),
-    ExportFormat("npy", "embeddings.npy", "embedpipe.export.npy", "matrix + IDs"),
+    ExportFormat("npy", "embeddings.npy", "embedpipe.export.npy", "matrix + IDs", suffix=".npy"),
 )
 #: the ``--format`` names, in the order the help lists them
 NAMES: tuple[str, ...] = tuple(f.name for f in REGISTRY)

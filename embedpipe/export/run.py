@@ -63,8 +63,6 @@ def export_attrs(store: Store, fmt: str, layer: int, per_residue: bool, counts: 
 @contextlib.contextmanager
 def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str) -> Iterator[None]:
     """The export's checks; then its outputs guarded and locked while the block writes them."""
-    if fmt not in formats.BY_NAME:
-        raise EmbedpipeError(f"--format must be one of {', '.join(formats.NAMES)}, not {fmt!r}")
     if per_residue and pooling != "mean":
         raise EmbedpipeError("--pooling chooses a pooled vector; it does not apply with --per-residue")
     if not per_residue and pooling not in store.pooling:
@@ -95,7 +93,9 @@ def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_
     """Export every input ID of the store at ``store_path`` to ``out`` in format ``fmt`` (the
     ``pooling`` vectors, or per-residue rows), reading about ``block_bytes`` of vectors at a time."""
     started = time.perf_counter()
-    out = Path(out)
+    if fmt not in formats.BY_NAME:
+        raise EmbedpipeError(f"--format must be one of {', '.join(formats.NAMES)}, not {fmt!r}")
+    out = formats.BY_NAME[fmt].output(Path(out))  # npy: OUT.npy (docs/exports.md)
     with open_store(store_path) as store, _checked(store, fmt, out, per_residue, pooling):
         _check_ids(store)
         absolute = store.layer(layer)

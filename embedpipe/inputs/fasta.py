@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import stat
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,25 @@ class FastaRecord:
 
 # --------------------------------------------------------------------------------------------
 # Opening files
+
+
+def check_regular_file(path: Path, command: str, why: str) -> None:
+    """``path`` is a regular file, or one InputError naming it: ``command`` reads it more than
+    once (``why``), and a pipe (a FIFO, ``<(...)``) is drained by the first pass: the second
+    ``open`` waited forever, or read nothing (embed recorded the sha256 of an empty input)."""
+    shown = display_path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{shown}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{shown}: cannot open: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{shown}: is a directory, not a FASTA file")
+    if not stat.S_ISREG(mode):
+        kind = "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise InputError(f"{shown}: is {kind}; {command} needs a regular file ({why}), so write the stream to a "
+                         "file first")
 
 
 def _open_binary(path: Path, display: str) -> tuple[BinaryIO, BinaryIO]:
@@ -378,6 +398,7 @@ def read_sequences(path: PathLike, limits: FastaLimits = FASTA_LIMITS) -> Genera
 
 __all__ = [
     "FastaRecord",
+    "check_regular_file",
     "iter_fasta",
     "read_sequences",
     "display_path",
@@ -391,6 +412,7 @@ def read_calibration(path: Path) -> tuple[tuple[str, str], ...]:
     and the job's calibration (embedpipe.runtime.int8_smoothing) read it alike
     (docs/cluster.md, "Before the first job")."""
     try:
+        check_regular_file(path, "embed", "it reads the set here, then to calibrate and for its sha256")
         records = tuple(read_sequences(path))
     except InputError as error:  # already names the file (and line)
         raise EmbedpipeError(f"--int8-calibration: {error}") from None

@@ -11,7 +11,6 @@ ESM C's fixed vocabulary (:data:`embedpipe.model.esmc_spec.VOCABULARY`): ``<cls>
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from embedpipe.core.errors import ModelError
+from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.model import esmc_spec
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.base import EmbeddingModel
@@ -183,7 +183,7 @@ def check_vocabulary(directory: Path) -> None:
     if not path.is_file():
         return
     try:
-        data = json.loads(path.read_text())
+        data = load_bounded_json(path.read_text(), str(path), ModelError)
         vocab = {str(k): int(v) for k, v in data["model"]["vocab"].items()}
         vocab |= {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

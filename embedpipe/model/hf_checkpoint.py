@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import math
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from embedpipe.core.errors import ModelError
+from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.model import esm2_spec, esmc_spec, t5_spec
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.hf_families import HfFamily, is_trained
@@ -101,7 +101,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     """``config.json`` as a dict, with a supported ``model_type``; one-line errors otherwise."""
     where = directory / "config.json"
     try:
-        config = json.loads(where.read_text())
+        config = load_bounded_json(where.read_text(), str(where), ModelError)  # a crafted nesting: one line
     except OSError as exc:
         raise ModelError(f"cannot read {where}: {exc.strerror or exc}") from None
     except ValueError as exc:
@@ -125,7 +125,7 @@ def weight_files(directory: Path) -> list[Path]:
         index = directory / index_name
         if index.is_file():
             try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                names = sorted(set(load_bounded_json(index.read_text(), str(index), ModelError)["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise ModelError(f"{index}: not a weight index (no 'weight_map' object)") from None
             missing = [n for n in names if not (directory / n).is_file()]
@@ -224,7 +224,8 @@ def stored_parameters(files: list[Path]) -> int | None:
                 size = int.from_bytes(fh.read(8), "little")
                 if not 0 < size <= MAX_HEADER_BYTES:
                     raise ModelError(f"{path}: not a safetensors file (header length {size})")
-                header = json.loads(fh.read(size))
+                header = load_bounded_json(fh.read(size).decode("utf-8"), f"{path}: the safetensors header",
+                                           ModelError)
         except OSError as exc:
             raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from None
         except ValueError:

@@ -15,12 +15,12 @@ sentencepiece: the ``hf`` extra). tests/model/test_t5.py checks the ids against 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from embedpipe.core.errors import ModelError
+from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.model.optional import require
 
 #: Residues one T5 forward window takes (docs/models.md, "Limits"). T5 has no hard window
@@ -44,7 +44,7 @@ def read_vocabulary(directory: Path) -> dict[str, int]:
     path = directory / "tokenizer.json"
     if path.is_file():
         try:
-            data = json.loads(path.read_text())
+            data = load_bounded_json(path.read_text(), str(path), ModelError)
             model = data["model"]
             vocab = model["vocab"]
             pieces = ({p[0]: i for i, p in enumerate(vocab)} if isinstance(vocab, list)

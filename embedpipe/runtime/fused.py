@@ -15,12 +15,15 @@ benchmarks/cpu_compile.py (docs/benchmarks.md, "torch.compile on the CPU").
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from embedpipe.core.errors import EmbedpipeError
 
 
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -114,9 +117,29 @@ def decide_compile(mode: str, policy: str, device_type: str, residues: int) -> t
     return True, f"auto: {residues} residues, at least {needed}"
 
 
-def use_cache(cache: str | None) -> None:
-    """Point inductor at ``cache`` (``--compile-cache``) before anything compiles: shard jobs that
-    share it compile once (docs/cluster.md). None: inductor's own default."""
-    if cache is not None:
+def check_cache(cache: str | None) -> None:
+    """``--compile-cache`` up front, before the model loads: a directory that can be created and
+    written, else one line naming the option. Inductor's own failure in an unwritable cache was
+    a 499-line InductorError (which the workflow retried with more memory), and a file given as
+    the cache ``File exists: in.fa``, naming no option. None: inductor's default, nothing to check."""
+    if cache is None:
+        return
+    if os.path.lexists(cache) and not os.path.isdir(cache):
+        raise EmbedpipeError(f"--compile-cache {cache}: exists and is not a directory (inductor's cache is a "
+                             "directory)")
+    try:
         os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryFile(dir=cache):
+            pass
+    except OSError as exc:
+        raise EmbedpipeError(f"--compile-cache {cache}: cannot create or write this directory: "
+                             f"{exc.strerror or exc}") from None
+
+
+def use_cache(cache: str | None) -> None:
+    """Point inductor at ``cache`` (``--compile-cache``, checked by :func:`check_cache`) before
+    anything compiles: shard jobs that share it compile once (docs/cluster.md). None: inductor's
+    own default."""
+    if cache is not None:
+        check_cache(cache)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache)

@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import shutil
-import stat
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ from embedpipe.core.options import FASTA_LIMITS, MAX_JOBS, ON_INVALID, ON_INVALI
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.paths import display_path, path_text
 from embedpipe.core.progress import progress_bar
+from embedpipe.inputs.fasta import check_regular_file
 from embedpipe.inputs.residue_rules import INVALID_REASONS, NORMALISATION_KINDS
 from embedpipe.model.layout import ESM2_LAYOUT
 from embedpipe.shard.index import (
@@ -221,7 +221,7 @@ def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, o
         raise InputError(f"--out {display_path(out)}: exists and is not a directory")
     seen: dict[Path, Path] = {}
     for path in paths:
-        _check_input(path)
+        check_regular_file(path, "shard", "it measures its inputs and may read them twice")
         real = path.resolve()
         if real in seen:
             same = "" if seen[real] == path else f" (as {display_path(seen[real])} and {display_path(path)})"
@@ -230,25 +230,6 @@ def _check_arguments(inputs: Sequence[Path], out: Path, tokens_per_shard: int, o
     replaced = [MANIFEST, SHARDS_JSON, *sorted(p.name for p in out.glob("shard-*.fasta"))]
     guard_outputs("shard", [("--out", out / name) for name in replaced], paths, directories=[("--out", out)])
     return paths
-
-
-def _check_input(path: Path) -> None:
-    """A regular file: shard measures every input first and re-reads it to locate a duplicate ID."""
-    shown = display_path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise InputError(f"{shown}: no such file") from None
-    except OSError as exc:
-        raise InputError(f"{shown}: cannot open: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(mode):
-        raise InputError(f"{shown}: is a directory, not a FASTA file")
-    if not stat.S_ISREG(mode):
-        kind = "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise InputError(
-            f"{shown}: is {kind}; shard needs a regular file (it measures its inputs and may read "
-            f"them twice), so write the stream to a file first"
-        )
 
 
 def shard_fasta(

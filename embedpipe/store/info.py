@@ -1,11 +1,18 @@
 """``embedpipe info``: provenance, counts, precision/fallback statistics and sizes of a store,
-as JSON-friendly data (:func:`store_info`) and as text (:func:`render_info`)."""
+as JSON-friendly data (:func:`store_info`) and as text (:func:`render_info`).
+
+Per-record columns are read block by block, as ``validate`` reads them: string columns as
+their distinct values per block, numbers summed, maximised or summarised in passes
+(:func:`embedpipe.core.stats.streamed_summary`). Before, every string of ``precision_used``,
+``fallback_reason`` and ``long_handling`` was a Python string at once (~135 bytes a record: a
+UniRef50-sized store, 60M records, ~8 GB; a crafted 2.6 MB store 1.16 GB).
+"""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +20,18 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
-from embedpipe.core.stats import aggregate
+from embedpipe.core.stats import streamed_summary
 from embedpipe.core.units import human_bytes
-from embedpipe.store.format import check_format, open_h5, poolings_of, read_root_attrs, read_strings, stored_layers
+from embedpipe.store.format import (
+    check_format,
+    dataset_label,
+    open_h5,
+    poolings_of,
+    read_blocks,
+    read_root_attrs,
+    stored_layers,
+    string_counts,
+)
 from embedpipe.store.merged_provenance import platform_lines, platforms
 from embedpipe.store.sources import source_problems
 
@@ -23,21 +39,46 @@ from embedpipe.store.sources import source_problems
 _FORMAT_ATTRS = ("format", "format_version", "complete", "encoding-type", "encoding-version")
 
 
-def _distribution(values: np.ndarray) -> dict[str, Any]:
+#: rows of a string column read at a time (its distinct values decoded per block)
+STRING_ROWS = 1 << 18
+#: distinct values of a string column counted one by one; rows holding any further value are
+#: counted together under :data:`OTHER_VALUES` (a crafted store with a value per record held
+#: one counter entry per record)
+MAX_DISTINCT = 1000
+OTHER_VALUES = "(other values)"
+
+
+def _blocks(f: h5py.File, name: str) -> Callable[[], Iterator[np.ndarray]]:
+    """The blocks of column ``name`` (about READ_BLOCK_BYTES each), read anew on each call."""
+    return lambda: (block for _, block in read_blocks(f[name], name, f.filename))
+
+
+def _distribution(f: h5py.File, name: str) -> dict[str, Any]:
     """count (finite values), nonfinite, and min/median/max of the finite values."""
-    agg = aggregate(np.asarray(values, dtype=np.float64))
-    out: dict[str, Any] = {"count": agg["count"] - agg["nonfinite"], "nonfinite": agg["nonfinite"]}
-    if out["count"]:
-        out.update(min=agg["min"], median=agg["median"], max=agg["max"])
-    return out
+    agg = streamed_summary(_blocks(f, name))
+    return {**agg, "count": agg["count"] - agg["nonfinite"]}
+
+
+def _total(f: h5py.File, name: str) -> int:
+    return sum(int(np.sum(block, dtype=np.int64)) for block in _blocks(f, name)())
+
+
+def _value_counts(f: h5py.File, name: str) -> dict[str, int]:
+    """How many rows hold each value of string column ``name``; beyond :data:`MAX_DISTINCT`
+    values, the rest counted as :data:`OTHER_VALUES`."""
+    counts: Counter[str] = Counter()
+    for values, rows in string_counts(f[name], dataset_label(f[name]), STRING_ROWS):
+        for value, k in zip(values, rows.tolist()):
+            counts[value if value in counts or len(counts) < MAX_DISTINCT else OTHER_VALUES] += k
+    return dict(counts)
 
 
 def _counts(f: h5py.File, n: int) -> dict[str, Any]:
     counts: dict[str, Any] = {"records": n}
     if "length" in f:
-        counts["residues"] = int(np.sum(f["length"][:], dtype=np.int64))
+        counts["residues"] = _total(f, "length")
     if "embedded_length" in f:
-        counts["embedded_residues"] = int(np.sum(f["embedded_length"][:], dtype=np.int64))
+        counts["embedded_residues"] = _total(f, "embedded_length")
     if "per_residue/offsets" in f:
         counts["per_residue_rows"] = int(f["per_residue/offsets"][-1]) if n else 0
     return counts
@@ -47,17 +88,17 @@ def _record_stats(f: h5py.File, n: int) -> dict[str, Any]:
     """Precision used, fallbacks, max |activation|, long-sequence handling, windows."""
     info: dict[str, Any] = {}
     if "precision_used" in f:
-        info["precision_used"] = dict(Counter(read_strings(f["precision_used"])))
+        info["precision_used"] = _value_counts(f, "precision_used")
     if "fallback_reason" in f:
-        reasons = Counter(r for r in read_strings(f["fallback_reason"]) if r)
+        reasons = {r: k for r, k in _value_counts(f, "fallback_reason").items() if r}
         total = sum(reasons.values())
-        info["fallback"] = {"count": total, "rate": (total / n) if n else 0.0, "by_reason": dict(reasons)}
+        info["fallback"] = {"count": total, "rate": (total / n) if n else 0.0, "by_reason": reasons}
     if "max_abs_activation" in f:
-        info["max_abs_activation"] = _distribution(f["max_abs_activation"][:])
+        info["max_abs_activation"] = _distribution(f, "max_abs_activation")
     if "long_handling" in f:
-        info["long_handling"] = dict(Counter(read_strings(f["long_handling"])))
+        info["long_handling"] = _value_counts(f, "long_handling")
     if "windows" in f and n:
-        info["windows"] = {"max": int(np.max(f["windows"][:]))}
+        info["windows"] = {"max": max(int(np.max(block)) for block in _blocks(f, "windows")() if block.size)}
     return info
 
 
@@ -146,6 +187,14 @@ def _batches_line(prov: Mapping[str, Any]) -> list[str]:
             f"{prov.get('attention_path', '?')}, q/k/v {prov.get('attention_inputs', '?')}"]
 
 
+def _requested_line(prov: Mapping[str, Any]) -> list[str]:
+    """The policy asked for and why the one above was chosen (``--precision auto``; stores
+    embedded with a named policy record neither: docs/store-format.md)."""
+    if "precision_requested" not in prov and "precision_reason" not in prov:
+        return []
+    return [f"  requested   precision {prov.get('precision_requested', '?')}: {prov.get('precision_reason', '?')}"]
+
+
 def _header_lines(info: Mapping[str, Any]) -> list[str]:
     """Format, model, precision, storage, software, layers and counts."""
     prov = info.get("provenance", {})
@@ -158,6 +207,7 @@ def _header_lines(info: Mapping[str, Any]) -> list[str]:
         f"  precision   policy {prov.get('precision_policy', '?')}: weights {prov.get('weight_dtype', '?')}, "
         f"matmuls {prov.get('compute_dtype', '?')}, islands {prov.get('island_dtype', '?')}, "
         f"fallback {prov.get('fallback_dtype', '?')}; attention {prov.get('attention', '?')}",
+        *_requested_line(prov),
         *_batches_line(prov),
         f"  storage     {info.get('storage_dtype')}; device {prov.get('device', '?')}"
         + (f"; platform {prov['platform']}" if "platform" in prov else ""),

@@ -29,6 +29,7 @@ from embedpipe.store.format import (
     read_blocks,
     read_root_attrs,
     stored_layers,
+    string_counts,
 )
 from embedpipe.store.idindex import LazyIds
 from embedpipe.store.idsort import index_problems_sorted
@@ -279,16 +280,10 @@ class _Validation:
         of N), from the stored bytes block by block (decoding every value of a 64 MiB block to
         Python strings cost ~100 B per record); a value that is not UTF-8 is one problem
         naming its row."""
-        ds = self.f[name]
         out: set[str] = set()
         try:
-            for lo in range(0, ds.shape[0], COLUMN_ROWS):
-                block = ds[lo : lo + COLUMN_ROWS]
-                try:
-                    values = decode_strings(np.unique(block))
-                    out.update(values if keep else ())
-                except StoreError:
-                    decode_strings(block, f"dataset {name}", lo)  # raises, naming the row
+            for values, _ in string_counts(self.f[name], f"dataset {name}", COLUMN_ROWS):
+                out.update(values if keep else ())
         except OSError as exc:
             self.problems.append(f"dataset {name}: checksum mismatch or read error ({exc})")
             return None

@@ -94,3 +94,24 @@ def test_a_job_that_copied_records_does_not_report_them_as_embedded_per_second()
     partly = summary(4)
     assert partly[0].startswith("wrote 10 records (1000 residues) in 2.0s (copies included: no rate)")
     assert "residues/s" not in "\n".join(partly) and partly[-1].endswith("computed 6")
+
+
+def test_plain_info_shows_the_precision_requested_and_why_the_policy_was_chosen(tmp_path: Path,
+                                                                               tiny_model_path: Path) -> None:
+    """``--precision auto``: ``info`` showed ``precision_requested`` and ``precision_reason`` only
+    with ``--json``; the plain summary says them too, right under the policy chosen."""
+    import h5py
+
+    store = embed_store(tmp_path, tiny_model_path, [("a", "MKTAYIAKQRQISFVKSHFSRQ")], device="cpu", precision="auto")
+    with h5py.File(store, "r") as f:
+        policy, requested, reason = (str(f.attrs[k]) for k in ("precision_policy", "precision_requested",
+                                                              "precision_reason"))
+    assert requested == "auto" and reason.startswith(f"auto -> {policy}: ")
+    result = CliRunner().invoke(app, ["info", str(store)])
+    assert result.exit_code == 0, result.stderr
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"precision   policy {policy}:"))
+    assert lines[at + 1] == f"requested   precision {requested}: {reason}"
+    plain = CliRunner().invoke(app, ["info", str(embed_store(tmp_path, tiny_model_path, [("a", "MKT")], name="fp32",
+                                                               device="cpu"))])
+    assert "requested" not in plain.stdout  # a named policy: nothing was chosen for it

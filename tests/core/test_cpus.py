@@ -77,6 +77,39 @@ def test_slurm_cpus_per_task_binds_and_a_value_that_is_no_count_does_not(node) -
     assert cpus.allocated({"SLURM_CPUS_PER_TASK": "12"}, root).source == "affinity (8 CPUs)"
 
 
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "3\u00b9", "0", "-2", "two", "1.5"])
+def test_a_slurm_cpus_per_task_that_is_no_ascii_count_is_ignored_with_a_note(node, value: str) -> None:
+    """``'²'.isdigit()`` is true and ``int('²')`` fails: every value that is not ASCII digits of a
+    positive count is not a limit, and the allocation carries the one warning line for it."""
+    root = node(8, ["0::/"])
+    got = cpus.allocated({"SLURM_CPUS_PER_TASK": value}, root)
+    assert (got.count, got.source) == (8, "affinity (8 CPUs)")
+    assert got.note == (f"SLURM_CPUS_PER_TASK={value!r} is not a positive whole number: ignored (threads follow the "
+                        "affinity and cgroup quota; docs/cluster.md, \"CPU threads\")")
+    assert cpus.allocated({"SLURM_CPUS_PER_TASK": "3"}, root).note == cpus.allocated({}, root).note == ""
+
+
+def test_cgroup_files_with_non_ascii_digits_are_no_quota(node) -> None:
+    root = node(8, ["0::/job"], {"job/cpu.max": "\u00b2 100000"})
+    assert cpus.allocated({}, root) == cpus.CpuAllocation(8, "affinity (8 CPUs)")
+    root = node(8, ["3:cpu:/job"], {"cpu/job/cpu.cfs_quota_us": "\u0664", "cpu/job/cpu.cfs_period_us": "100000"})
+    assert cpus.allocated({}, root).count == 8
+
+
+def test_embed_under_a_non_ascii_slurm_cpus_per_task_runs_and_warns_once(tiny_model_path, tmp_path) -> None:
+    fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=3))
+    out = tmp_path / "out.h5"
+    proc = subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(tiny_model_path),
+                           "--out", str(out), "--device", "cpu"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "SLURM_CPUS_PER_TASK": "\u00b2"})
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "SLURM_CPUS_PER_TASK" in line] == [
+        "warning: SLURM_CPUS_PER_TASK='\u00b2' is not a positive whole number: ignored (threads follow the affinity "
+        "and cgroup quota; docs/cluster.md, \"CPU threads\")"]
+    with h5py.File(out, "r") as f:
+        assert str(f.attrs["threads_from"]).startswith(("affinity", "cgroup"))
+
+
 def test_explicit_threads_win_over_the_allocation(node) -> None:
     root = node(2, ["0::/"], {"cpu.max": "100000 100000"})
     assert cpus.thread_count(6, {"SLURM_CPUS_PER_TASK": "1"}, root) == cpus.CpuAllocation(6, "--threads")

@@ -13,8 +13,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 import embedpipe
+from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.embed.run import EmbedOptions, embed_fasta
 from embedpipe.export import export_store
@@ -178,6 +180,22 @@ def test_npy_per_residue_offsets(merged, tmp_path):
     rows, offsets = np.load(out, mmap_mode="r"), np.load(tmp_path / "pr.offsets.npy")
     ids = (tmp_path / "pr.ids.txt").read_text().splitlines()
     assert len(offsets) == len(ids) + 1 and offsets[-1] == len(rows)
+    for k, rid in enumerate(ids):
+        np.testing.assert_array_equal(rows[offsets[k] : offsets[k + 1]], want[rid])
+
+
+def test_npy_out_without_the_suffix_writes_out_npy_as_the_doc_says(merged, tmp_path):
+    """``--out pr`` writes ``pr.npy`` (docs/exports.md: ``OUT.npy``, as ``numpy.save`` names a
+    file) beside ``pr.ids.txt`` and ``pr.offsets.npy``; before, the matrix was ``pr`` itself."""
+    result = CliRunner().invoke(app, ["export", str(merged), "--format", "npy", "--out", str(tmp_path / "pr"),
+                                      "--per-residue"])
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pr.ids.txt", "pr.npy", "pr.offsets.npy",
+                                                         "pr.provenance.json"]
+    assert f"-> {tmp_path / 'pr.npy'}:" in result.stderr
+    want = expected(merged, per_residue=True)
+    rows, offsets = np.load(tmp_path / "pr.npy", mmap_mode="r"), np.load(tmp_path / "pr.offsets.npy")
+    ids = (tmp_path / "pr.ids.txt").read_text().splitlines()
     for k, rid in enumerate(ids):
         np.testing.assert_array_equal(rows[offsets[k] : offsets[k + 1]], want[rid])
 

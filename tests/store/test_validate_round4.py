@@ -97,7 +97,8 @@ def test_fallback_count_past_the_records_is_a_problem(store):
 
 
 def test_json_depth_ignores_brackets_inside_strings():
-    from embedpipe.store.attrjson import MAX_JSON_DEPTH, json_depth, load_json_attr
+    from embedpipe.core.jsonbounds import MAX_JSON_DEPTH, json_depth
+    from embedpipe.store.attrjson import load_json_attr
 
     assert json_depth('{"a": [1, {"b": "[[[[["}]}') == 3
     assert json_depth('["' + "[" * 1000 + '"]') == 1

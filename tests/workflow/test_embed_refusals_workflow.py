@@ -159,3 +159,24 @@ def test_snakemake_dry_run_refuses_what_the_job_would_refuse(tmp_path: Path, mod
     assert proc.returncode == 1 and "Job stats" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert line.startswith("embedpipe: config ") and line.endswith(f": {cli}"), (line, cli)
     assert not (tmp_path / "out").exists()
+
+
+def test_snakemake_dry_run_stops_in_one_line_on_a_model_directory_embedpipe_refuses(
+        tmp_path: Path, models: dict[str, str]) -> None:
+    """A model directory whose config.json embedpipe refuses (here nested past the JSON bound)
+    stops ``snakemake -n`` with the refusal as one line, the line ``embedpipe model-info`` gives;
+    before, a multi-line ModelError traceback."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(models["T5"], model)
+    config_json = model / "config.json"
+    config_json.write_text(config_json.read_text().rstrip()[:-1] + ', "deep": ' + "[" * 1000 + "]" * 1000 + "}")
+    cli = CliRunner().invoke(app, ["model-info", str(model)])
+    assert cli.exit_code == 1
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"input": str(EXAMPLE), "outdir": "out", "model": str(model), "device": "cpu"}))
+    proc = snakemake(tmp_path, "-n", configfile=path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [cli.stderr.strip().replace("embedpipe: error: ", "embedpipe: ", 1)]
+    assert "Traceback" not in proc.stdout + proc.stderr and not (tmp_path / "out").exists()

@@ -301,6 +301,17 @@ def test_one_embed_job_per_group_of_shards(tmp_path: Path) -> None:
     assert "embedpipe merge --stores-from out/stores/merge-stores.txt " in out
 
 
+def test_the_report_landing_page_points_to_where_the_crosscheck_is() -> None:
+    """The landing page said the cross-check was "below": Snakemake lists it under Results, in
+    the category the crosscheck rule gives its page (read from the rule, not assumed)."""
+    landing = (ROOT / "workflows" / "report" / "workflow.rst").read_text()
+    rule = (ROOT / "workflows" / "rules" / "crosscheck.smk").read_text()
+    category = re.search(r'category="([^"]+)"', rule)
+    assert category, rule
+    assert "below" not in landing
+    assert f"under Results, {category.group(1)}." in " ".join(landing.split())
+
+
 def test_report_includes_the_crosscheck_page(demo_run: Path) -> None:
     report = demo_run / "report.html"
     run_workflow(demo_run, demo_run / "config.yaml", "--report", str(report))

@@ -59,8 +59,12 @@ AUTO_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "auto-precision"))
 MODEL = config["model"]
 
 # What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):
-# whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size.
-MODEL_FACTS = embedpipe_model.describe(MODEL)
+# whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size. A model
+# directory embedpipe refuses (its config.json, tokenizer, weight index) stops here in one line.
+try:
+    MODEL_FACTS = embedpipe_model.describe(MODEL)
+except workflow_checks.EmbedpipeError as exc:
+    fail(exc)
 
 # Every option combination `embedpipe embed` refuses (with this model, these reuse paths) is
 # refused here, before any job, by the same function (embedpipe.embed.combinations).
