@@ -24,7 +24,7 @@ _EXPORTS = {
     "info": ("human_bytes", "render_info", "store_info"),
     "merge": ("MUST_AGREE", "MergeSummary", "merge_stores"),
     "reader": ("Store", "UnknownIdError", "open_store"),
-    "validate": ("validate_store",),
+    "validate": ("validate_report", "validate_store"),
     "writer": ("StoreWriter",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
