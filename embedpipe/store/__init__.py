@@ -8,6 +8,7 @@
 * ``validate``, ``info``: ``embedpipe validate`` and ``embedpipe info``
 * ``merge`` (+ ``aliases``): ``embedpipe merge``; ``sources``: how a merged store pins its shards
 * ``meancheck``: stored means against per-residue rows; ``h5write``: atomic HDF5 files, full disks
+* ``digests``: ``row_digest``, the digests of each record's stored vectors, and their check
 
 Names are exported lazily: ``embedpipe validate`` and the embedding worker need not import
 dask, which only the reader uses (about a second).
