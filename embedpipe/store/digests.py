@@ -55,6 +55,18 @@ def part_digest(values: np.ndarray) -> str:
     return hashlib.blake2b(_le_bytes(values).data, digest_size=DIGEST_SIZE).hexdigest()
 
 
+def _block_digests(values: np.ndarray, recorded: Sequence[str], offsets: np.ndarray | None = None) -> list[str]:
+    """:func:`part_digest` of each record of a block (pooled rows, or per-residue rows split
+    by ``offsets``), the block made little-endian once; "" where nothing is recorded."""
+    data = _le_bytes(values)
+    if offsets is None:
+        return [hashlib.blake2b(data[i].data, digest_size=DIGEST_SIZE).hexdigest() if want else ""
+                for i, want in enumerate(recorded)]
+    bounds = np.asarray(offsets, dtype=np.int64).tolist()
+    return [hashlib.blake2b(data[bounds[i] : bounds[i + 1]].data, digest_size=DIGEST_SIZE).hexdigest() if want else ""
+            for i, want in enumerate(recorded)]
+
+
 def record_digest(parts: Sequence[np.ndarray]) -> str:
     """A record's ``row_digest``: the digests of its values in each of :func:`digest_parts`, concatenated."""
     return "".join(part_digest(p) for p in parts)
@@ -66,15 +78,15 @@ def _compare(name: str, parts: Sequence[str], recorded: str, got: str, row: int,
     not recorded, nothing to compare)."""
     if not recorded:
         return None
+    p = parts.index(name)
+    want = recorded[p * HEX : (p + 1) * HEX]
+    if got == want and len(recorded) == HEX * len(parts):
+        return None
     record = id_of(row)
     if len(recorded) != HEX * len(parts) or any(c not in "0123456789abcdef" for c in recorded):
         shown = recorded if len(recorded) <= 2 * HEX else recorded[: 2 * HEX] + "..."
         return (f"record {record!r} (row {row}): row_digest {shown!r} is not {len(parts)} blake2b-128 hex digest(s), "
                 f"one per vector dataset ({', '.join(parts)})")
-    p = parts.index(name)
-    want = recorded[p * HEX : (p + 1) * HEX]
-    if got == want:
-        return None
     return (f"record {record!r} (row {row}): dataset {name}{where} holds other bytes than were written (blake2b-128 "
             f"{got}, row_digest records {want}): edited after the store was written")
 
@@ -88,12 +100,8 @@ def digest_problem(name: str, parts: Sequence[str], recorded: Sequence[str], val
     ``id_of(row)``: the ID of the record in ``row``, asked only for the one named."""
     if name not in parts:
         return None
-    for i, want in enumerate(recorded):
-        if offsets is None:
-            got, where = part_digest(values[i]) if want else "", ""
-        else:
-            a, b = int(offsets[i]), int(offsets[i + 1])
-            got, where = part_digest(values[a:b]) if want else "", f" (its {b - a} per-residue rows)"
+    for i, (want, got) in enumerate(zip(recorded, _block_digests(values, recorded, offsets))):
+        where = "" if offsets is None else f" (its {int(offsets[i + 1] - offsets[i])} per-residue rows)"
         if (problem := _compare(name, parts, str(want), got, lo + i, where, id_of)) is not None:
             return problem
     return None
@@ -150,8 +158,7 @@ class DigestCheck(ResidueStream):
         if not self.residues:
             wants = self.recorded(sl.start, sl.stop)
             self.unrecorded += wants.count("")
-            for i, want in enumerate(wants):
-                got = part_digest(block[i]) if want else ""
+            for i, (want, got) in enumerate(zip(wants, _block_digests(block, wants))):
                 self._note(_compare(self.name, self.parts, want, got, sl.start + i, "", self._id))
             return
         split = self.split(sl)
