@@ -17,6 +17,8 @@ from embedpipe.store.reader import Store
 
 __all__ = ["compare_records", "neighbour_overlap"]
 
+#: what the cross-check does with vectors whose bytes differ from those written (row digests)
+REFUSAL = "crosscheck refuses to judge them"
 #: database rows scored per block in the neighbour search (float64 working set ~ rows x dim x 8)
 _KNN_BLOCK_BYTES = 64 << 20
 
@@ -52,6 +54,8 @@ def compare_records(st: Store, sampled: list[dict], fp32: dict[int, Any],
             }
             if st.has_per_residue and ref.per_residue is not None:
                 stored_res = st.per_residue(s["id"], layer)
+                st.check_digests(f"per_residue/layer_{layer}", slice(s["row"], s["row"] + 1), stored_res,
+                                 np.array([0, len(stored_res)]), refusal=REFUSAL)
                 rec["stored_finite"] = rec["stored_finite"] and bool(np.all(np.isfinite(stored_res)))
                 ref_res = ref.per_residue[layer]
                 if stored_res.shape != ref_res.shape:
@@ -75,6 +79,7 @@ def _database_blocks(st: Store, layer: int, bar: Any) -> Iterator[tuple[int, np.
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         block = np.asarray(arr[start:stop].compute())
+        st.check_digests(f"mean/layer_{layer}", slice(start, stop), block, refusal=REFUSAL)
         bar.update(stop - start)
         yield start, block
 

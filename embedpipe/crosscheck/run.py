@@ -44,7 +44,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, Thresholds
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.version import __version__
-from embedpipe.crosscheck.compare import compare_records, neighbour_overlap
+from embedpipe.crosscheck.compare import REFUSAL, compare_records, neighbour_overlap
 from embedpipe.crosscheck.downstream import downstream_lines, evaluate_downstream
 from embedpipe.crosscheck.formatting import format_cosine, format_short, json_safe
 from embedpipe.crosscheck.labels import Labelled, LabelOptions, resolve_labels, sample_labelled
@@ -223,6 +223,9 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
     for row in rows.tolist():
         rid = str(st.records(rows=slice(row, row + 1))["id"][0])
         rec = st[rid]
+        for layer in st.layers:  # the bytes the writer stored (docs/store-format.md, "Row digests")
+            st.check_digests(f"mean/layer_{layer}", slice(row, row + 1), np.asarray(rec["mean"][layer])[None],
+                             refusal=REFUSAL)
         records.append({
             "row": int(row),
             "id": rid,

@@ -122,12 +122,16 @@ def iter_blocks(store: Store, *, layer: int, per_residue: bool, pooling: str = "
             source=source[order],
             table=columns,
         )
+        offsets: np.ndarray | None = None
         if per_residue:
-            block.residues = store.per_residue_rows(slice(lo, hi), layer)
-            require_finite(store, block.residues[0], lo, record_ids, f"per_residue/layer_{layer}", block.residues[1])
+            name = f"per_residue/layer_{layer}"
+            block.residues = values, offsets = store.per_residue_rows(slice(lo, hi), layer)
         else:
-            block.vectors = store.mean_rows(slice(lo, hi), layer, pooling=pooling)
-            require_finite(store, block.vectors, lo, record_ids, f"{pooling}/layer_{layer}")
+            name = f"{pooling}/layer_{layer}"
+            block.vectors = values = store.mean_rows(slice(lo, hi), layer, pooling=pooling)
+        require_finite(store, values, lo, record_ids, name, offsets)
+        # the bytes the writer stored (docs/store-format.md, "Row digests"): an edit in place is refused
+        store.check_digests(name, slice(lo, hi), values, offsets, refusal="export refuses them")
         yield block
 
 

@@ -8,6 +8,7 @@
 * ``validate``, ``info``: ``embedpipe validate`` and ``embedpipe info``
 * ``merge`` (+ ``aliases``): ``embedpipe merge``; ``sources``: how a merged store pins its shards
 * ``meancheck``: stored means against per-residue rows; ``h5write``: atomic HDF5 files, full disks
+* ``digests``: ``row_digest``, the digests of each record's stored vectors, and their check
 
 Names are exported lazily: ``embedpipe validate`` and the embedding worker need not import
 dask, which only the reader uses (about a second).
@@ -24,7 +25,7 @@ _EXPORTS = {
     "info": ("human_bytes", "render_info", "store_info"),
     "merge": ("MUST_AGREE", "MergeSummary", "merge_stores"),
     "reader": ("Store", "UnknownIdError", "open_store"),
-    "validate": ("validate_store",),
+    "validate": ("validate_report", "validate_store"),
     "writer": ("StoreWriter",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

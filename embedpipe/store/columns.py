@@ -54,6 +54,7 @@ class EmbeddedRecord:
     embedded_length: int = -1  # residues actually embedded (== length unless truncated)
     windows: int = 1  # forward windows used (chunked long sequences)
     reused_from: str = ""  # store_uuid of the store it was copied from (embed --reuse); "" = computed
+    row_digest: str = ""  # set by the writer from the bytes it stores (embedpipe.store.digests); a value given is replaced
 
     @property
     def length(self) -> int:
@@ -120,6 +121,7 @@ COLUMNS: dict[str, Column] = {
         Column("embedded_length", "int64", 0),
         Column("windows", "int64", 1),
         Column("reused_from", STR, "", required_since=None),  # embed --reuse (docs/store-format.md)
+        Column("row_digest", STR, "", required_since=None),  # the writer's digests of the stored vectors
     )
 }
 

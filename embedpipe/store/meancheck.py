@@ -36,24 +36,17 @@ def mean_tolerance(stored_mean: np.ndarray, abs_mean: np.ndarray, rows: np.ndarr
 OFFSET_ROWS = 1 << 16
 
 
-class MeanCheck:
-    """Streams one layer's per-residue rows, in order and in any blocks, and compares each
-    record's mean with its stored ``mean/layer_k`` row. Holds one partial record and the
-    offsets of the records the current block touches (read from ``offsets``, a dataset or an
-    array, as the blocks advance), never all N+1 of them."""
+class ResidueStream:
+    """A dataset of per-residue rows streamed in order and in any blocks, split into records by
+    ``offsets`` (a dataset or an array), of which only the rows the current block touches are
+    held, never all N+1. The base of the checks validate makes as its checksum pass streams
+    (the mean check here, the row digests in :mod:`embedpipe.store.digests`)."""
 
-    def __init__(self, mean: h5py.Dataset, offsets: h5py.Dataset | np.ndarray, ids: Sequence[str] | None,
-                 layer: int) -> None:
-        self.mean, self.offsets, self.ids, self.layer = mean, offsets, ids, layer
-        self.dtype = np.dtype(mean.dtype)
-        dim = int(mean.shape[1])
-        self._sum = np.zeros(dim, dtype=np.float64)  # the record left open by the last block
-        self._abs = np.zeros(dim, dtype=np.float64)
-        self._open: int | None = None
+    def __init__(self, offsets: h5py.Dataset | np.ndarray) -> None:
+        self.offsets = offsets
         self._lo, self._buf = 0, np.asarray(offsets[0:1], dtype=np.int64)  # offsets[_lo : _lo + len(_buf)]
+        self._open: int | None = None  # the record left open by the last block
         self.broken = False  # offsets decrease: the offsets check reports it, nothing to compare
-        self.failed = 0
-        self.first: str | None = None
 
     def _window(self, s: int, e: int) -> tuple[int, np.ndarray]:
         """(lo, offsets[lo:...]) from the record holding row ``s`` through the first offset at or
@@ -75,34 +68,64 @@ class MeanCheck:
         self._lo, self._buf = lo, parts[0] if len(parts) == 1 else np.concatenate(parts)
         return lo, self._buf
 
-    def feed(self, sl: slice, block: np.ndarray) -> None:
+    def split(self, sl: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The records holding rows of the block ``sl``: (record rows, start and end of each
+        one's piece within the block, whether the piece ends the record); None when there is
+        nothing to compare (no rows, or broken offsets)."""
         s, e = sl.start, sl.stop
         lo, off = self._window(s, e)
         if self.broken:
-            return
+            return None
         r0 = int(np.searchsorted(off[1:], s, side="right"))  # first record ending after s
         r1 = int(np.searchsorted(off[:-1], e, side="left"))  # records starting before e
         local = np.arange(r0, r1)
         starts = np.clip(off[r0:r1], s, e) - s
         ends = np.clip(off[r0 + 1 : r1 + 1], s, e) - s
         keep = ends > starts
-        local, starts = local[keep], starts[keep]
+        local, starts, ends = local[keep], starts[keep], ends[keep]
         if not local.size:
+            return None
+        return lo + local, starts, ends, off[local + 1] <= e
+
+    def record_rows(self, rec: int) -> str:
+        """``a:b``, the per-residue rows of record ``rec`` (one the current block touches)."""
+        i = rec - self._lo
+        return f"{int(self._buf[i])}:{int(self._buf[i + 1])}"
+
+
+class MeanCheck(ResidueStream):
+    """Streams one layer's per-residue rows (:class:`ResidueStream`) and compares each record's
+    mean with its stored ``mean/layer_k`` row. Holds one partial record."""
+
+    def __init__(self, mean: h5py.Dataset, offsets: h5py.Dataset | np.ndarray, ids: Sequence[str] | None,
+                 layer: int) -> None:
+        super().__init__(offsets)
+        self.mean, self.ids, self.layer = mean, ids, layer
+        self.dtype = np.dtype(mean.dtype)
+        dim = int(mean.shape[1])
+        self._sum = np.zeros(dim, dtype=np.float64)  # the record left open by the last block
+        self._abs = np.zeros(dim, dtype=np.float64)
+        self.failed = 0
+        self.first: str | None = None
+
+    def feed(self, sl: slice, block: np.ndarray) -> None:
+        split = self.split(sl)
+        if split is None:
             return
-        recs = lo + local
+        recs, starts, _, done = split
         b = block.astype(np.float64)
         sums = np.add.reduceat(b, starts, axis=0)
         abss = np.add.reduceat(np.abs(b), starts, axis=0)
         if self._open == int(recs[0]):
             sums[0] += self._sum
             abss[0] += self._abs
-        done = off[local + 1] <= e
         if not done[-1]:
             self._open, self._sum, self._abs = int(recs[-1]), sums[-1], abss[-1]
         else:
             self._open = None
         if done.any():
-            rows = (off[local + 1] - off[local])[done].astype(np.float64)
+            local = recs[done] - self._lo
+            rows = (self._buf[local + 1] - self._buf[local]).astype(np.float64)
             self._compare(recs[done], rows, sums[done], abss[done])
 
     def _compare(self, recs: np.ndarray, rows: np.ndarray, sums: np.ndarray, abss: np.ndarray) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 from embedpipe.core.errors import StoreError
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
+from embedpipe.store.digests import ROW_DIGEST, digest_parts, digest_problem
 from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (
     PER_SOURCE_ATTRS,
@@ -100,6 +101,9 @@ class Store:
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
             self._dim = int(first.shape[1])
             self._dtype = np.dtype(first.dtype)
+            # row_digest (embedpipe.store.digests): absent from stores written before it existed
+            self._parts = digest_parts(self._pooling, self._layers, self._offsets_ds is not None) \
+                if ROW_DIGEST in f else []
         except StoreError:
             f.close()
             raise
@@ -439,6 +443,25 @@ class Store:
         in the storage dtype."""
         lo, hi = row_range(rows, self._n)
         return self._read(self._pooled_name(pooling, layer), slice(lo, hi))
+
+    def digest_problem(self, name: str, rows: slice, values: np.ndarray, offsets: np.ndarray | None = None) -> str | None:
+        """Whether ``values``, read from dataset ``name`` for the records in ``rows`` (pooled
+        rows, or with ``offsets`` per-residue rows as :meth:`per_residue_rows` returns them),
+        are the bytes the writer stored: None, or one line naming the first record that
+        differs, its row and the dataset (docs/store-format.md, "Row digests"). A store without
+        digests has nothing to compare."""
+        if not self._parts:
+            return None
+        lo, hi = row_range(rows, self._n)
+        recorded = decode_strings(self._read(ROW_DIGEST, slice(lo, hi)), f"{self.path}: dataset {ROW_DIGEST}", lo)
+        return digest_problem(name, self._parts, recorded, values, self._ids.one, lo, offsets)
+
+    def check_digests(self, name: str, rows: slice, values: np.ndarray, offsets: np.ndarray | None = None, *,
+                      refusal: str = "refusing to use them") -> None:
+        """:meth:`digest_problem` as one StoreError naming the store (``refusal``: what the
+        command does about it)."""
+        if (problem := self.digest_problem(name, rows, values, offsets)) is not None:
+            raise StoreError(f"{self.path}: {problem}: {refusal}; run embedpipe validate {self.path}")
 
     def per_residue_rows(self, rows: slice, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
         """(vectors, offsets) of the records in ``rows``: record ``rows.start + i`` is

@@ -7,7 +7,7 @@ per job is no option (16,000 jobs over a 60M-record store), so before a row is c
 checks ``validate`` makes are run on that row alone (docs/store-format.md, "Checking a
 store": 2, the per-record fields; 3, its offsets; 6, checksums and finiteness: every chunk
 holding it is read, which verifies the chunk's fletcher32; 7, its means against its
-per-residue rows), plus once per store: every dataset a copy reads carries a checksum and
+per-residue rows; 8, its row digest), plus once per store: every dataset a copy reads carries a checksum and
 the vectors' dtype is ``storage_dtype``. Work and memory follow the rows copied (runs of at
 most :data:`RUN_ROWS` records, per-residue reads of at most :data:`READ_BYTES`), each row
 checked once. Every failure is one StoreError line naming the source and what failed.
@@ -118,15 +118,21 @@ class RowChecks:
                 raise self._fail(f"{where}: length {length[i]} != len(sequence) {chars[i]}")
             if table["long_handling"][i] not in LONG_HANDLING:
                 raise self._fail(f"{where}: long_handling {table['long_handling'][i]!r} is not known")
-        means: dict[int, np.ndarray] = {}
+        pooled: dict[str, np.ndarray] = {}
         for pooling in st.pooling:
             for k in st.layers:
-                block = st.mean_rows(slice(lo, hi), k, pooling=pooling)
-                self._finite(block, f"{pooling}/layer_{k}", lo, ids)
-                if pooling == "mean":
-                    means[k] = block
+                name = f"{pooling}/layer_{k}"
+                pooled[name] = st.mean_rows(slice(lo, hi), k, pooling=pooling)
+                self._finite(pooled[name], name, lo, ids)
         if st.has_per_residue:
-            self._residues(lo, hi, emb, ids, means)
+            self._residues(lo, hi, emb, ids, {k: pooled[f"mean/layer_{k}"] for k in st.layers})
+        for name, block in pooled.items():  # the bytes the writer stored (embedpipe.store.digests)
+            self._digests(name, slice(lo, hi), block)
+
+    def _digests(self, name: str, rows: slice, values: np.ndarray, offsets: np.ndarray | None = None) -> None:
+        """validate's row digest check (docs/store-format.md, "Row digests") on what was read."""
+        if (problem := self.store.digest_problem(name, rows, values, offsets)) is not None:
+            raise self._fail(problem)
 
     def _finite(self, block: np.ndarray, name: str, lo: int, ids: np.ndarray, offsets: np.ndarray | None = None) -> None:
         """Every value finite; ``offsets``: ``block`` holds per-residue rows, record i's from offsets[i]."""
@@ -152,6 +158,7 @@ class RowChecks:
                 self._finite(vectors, f"per_residue/layer_{k}", lo + a, ids[a:b], offsets)
                 if self._mean_check:
                     self._compare(vectors, offsets, means[k][a:b], k, lo + a, ids[a:b])
+                self._digests(f"per_residue/layer_{k}", slice(lo + a, lo + b), vectors, offsets)
             a = b
 
     def _compare(self, vectors: np.ndarray, offsets: np.ndarray, stored: np.ndarray, layer: int, lo: int,

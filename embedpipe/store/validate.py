@@ -3,7 +3,7 @@ failure one problem line, never an exception for a bad file."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.checks import count_problems, layout_problems, nonfinite_rows
 from embedpipe.store.columns import COLUMNS, STR, required_columns
+from embedpipe.store.digests import ROW_DIGEST, DigestCheck, RecordedDigests, digest_parts
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
     LONG_HANDLING,
@@ -46,9 +47,9 @@ ID_ROWS = 1 << 16
 
 
 def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: list[str], *, check_finite: bool,
-              check: MeanCheck | None = None) -> None:
+              checks: Sequence[MeanCheck | DigestCheck] = ()) -> None:
     """Read every block (verifying checksums at the source), optionally check finiteness and
-    hand each block to ``check`` (so the mean check costs no second read)."""
+    hand each block to ``checks`` (so the mean check and the row digests cost no second read)."""
     nonfinite = 0
     first_bad: int | None = None
     try:
@@ -57,13 +58,12 @@ def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: l
                 nonfinite += int(np.count_nonzero(bad))
                 if first_bad is None:
                     first_bad = sl.start + int(np.argmax(bad))
-            if check is not None:
+            for check in checks:
                 check.feed(sl, block)
     except StoreError as exc:
         problems.append(str(exc))
         return
-    if check is not None and (problem := check.problem()):
-        problems.append(problem)
+    problems.extend(problem for check in checks if (problem := check.problem()))
     if nonfinite:
         problems.append(f"dataset {name}: {nonfinite} row(s) with non-finite values (first at row {first_bad})")
 
@@ -122,8 +122,8 @@ def export_problems(path: Path) -> list[str]:
 class _Validation:
     """The checks of one open store, in order; each appends to ``problems``."""
 
-    def __init__(self, f: h5py.File, path: Path, version: int, problems: list[str]) -> None:
-        self.f, self.path, self.version, self.problems = f, path, version, problems
+    def __init__(self, f: h5py.File, path: Path, version: int, problems: list[str], notes: list[str]) -> None:
+        self.f, self.path, self.version, self.problems, self.notes = f, path, version, problems, notes
         try:
             self.attrs = read_root_attrs(f)
         except StoreError as exc:  # one attribute refused (nested JSON, not UTF-8): the rest still checked
@@ -385,6 +385,7 @@ class _Validation:
         if "merged_from" in self.f.attrs or any(ds.is_virtual for _, ds in datasets):
             sources_ok = validate_sources(self.f, self.path, self.ids, self.problems)
         checks = mean_checks(self.f, self.ids) if sources_ok else {}
+        digests = self.digest_checks()
         # a merged store's per-residue rows are read from each shard store in turn, not through
         # the virtual datasets (bounded open files and memory; embedpipe.store.residues)
         shards = ShardRows.of(self.f, self.path) if sources_ok else None
@@ -395,30 +396,64 @@ class _Validation:
                 continue
             vectors = ds.dtype.kind == "f" and name.split("/", 1)[0] in {*POOLINGS, "per_residue"}
             blocks = shards.blocks(name) if ds.is_virtual and shards is not None else read_blocks(ds, name)
-            _read_all(blocks, name, self.problems, check_finite=vectors, check=checks.get(name))
+            _read_all(blocks, name, self.problems, check_finite=vectors,
+                      checks=[c for c in (checks.get(name), digests.get(name)) if c is not None])
+        self.digest_notes(digests)
+
+    def digest_checks(self) -> dict[str, DigestCheck]:
+        """Vector dataset -> its row digest check (embedpipe.store.digests), when the store
+        records digests and the column and the offsets can be trusted (their problems are
+        reported elsewhere)."""
+        if ROW_DIGEST not in self.f or not self._usable(ROW_DIGEST) or ROW_DIGEST in self.untrusted or not self.ids:
+            return {}
+        per_residue = isinstance(self.f.get("per_residue"), h5py.Group)
+        parts = digest_parts(poolings_of(self.f), self.layers, per_residue)
+        offsets = self.f.get("per_residue/offsets")
+        offsets_ok = (isinstance(offsets, h5py.Dataset) and offsets.shape == (self.n + 1,)
+                      and not any(p.dataset == "per_residue/offsets" for p in self.structural))
+        return {name: DigestCheck(name, parts, RecordedDigests(self.f[ROW_DIGEST]), self.ids,
+                                  offsets if name.startswith("per_residue/") else None)
+                for name in parts if name in self.f and (offsets_ok or not name.startswith("per_residue/"))}
+
+    def digest_notes(self, digests: dict[str, DigestCheck]) -> None:
+        """What validate could not check, said but not a problem (docs/store-format.md, "Row digests")."""
+        if ROW_DIGEST not in self.f:
+            self.notes.append("row digests are not recorded (a store written before embedpipe recorded them): "
+                              "vectors edited in place cannot be detected; embed or merge it again to add them")
+        elif digests and (unrecorded := next(iter(digests.values())).unrecorded):
+            self.notes.append(f"{unrecorded} of {self.n} record(s) carry no row digest (copied from stores written "
+                              "before embedpipe recorded them): their vectors edited in place cannot be detected")
 
 
-def validate_store(path: Path) -> list[str]:
-    """Problems with the store at ``path``; empty only for a complete, consistent, checksummed,
-    finite store. Never raises for a bad file: every failure is a problem string."""
+def validate_report(path: Path) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the store at ``path``: problems empty only for a complete,
+    consistent, checksummed, finite store whose vectors are the bytes written; notes say what
+    could not be checked (row digests not recorded). Never raises for a bad file: every
+    failure is a problem string."""
     path = Path(path)
     problems: list[str] = []
+    notes: list[str] = []
     try:
         f = open_h5(path)
     except StoreError as exc:
-        return [str(exc).removeprefix(f"{path}: ")]
+        return [str(exc).removeprefix(f"{path}: ")], notes
     try:
         with f:
             try:
                 version = check_format(f, path)
             except StoreError as exc:
-                return [str(exc).removeprefix(f"{path}: ")]
-            _Validation(f, path, version, problems).run()
+                return [str(exc).removeprefix(f"{path}: ")], notes
+            _Validation(f, path, version, problems, notes).run()
     except StoreError as exc:  # a bounded read refused (a crafted JSON attribute, bytes not UTF-8)
         problems.append(str(exc).removeprefix(f"{path}: "))
     except Exception as exc:  # noqa: BLE001 - validate must report, never crash
         problems.append(f"unreadable store structure: {type(exc).__name__}: {exc}")
-    return problems
+    return problems, notes
+
+
+def validate_store(path: Path) -> list[str]:
+    """The problems of :func:`validate_report`."""
+    return validate_report(path)[0]
 
 
 def platform_notes(path: Path) -> list[str]:

@@ -20,6 +20,7 @@ from embedpipe.core.errors import StoreError
 from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.columns import COLUMNS, EmbeddedRecord, write_column
+from embedpipe.store.digests import digest_parts, record_digest
 from embedpipe.store.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -139,6 +140,7 @@ class StoreWriter:
         self.pooling = stored_poolings(pooling)  # mean always; docs/store-format.md, "Datasets"
         self.offsets = _offsets(self.path, self.ids, residue_rows)
         self.residue_rows = None if self.offsets is None else np.diff(self.offsets)
+        self._parts = digest_parts(self.pooling, self.layers, self.offsets is not None)  # row_digest's order
         attrs = dict(attrs)
         self._check_attr_names(attrs)
 
@@ -327,7 +329,11 @@ class StoreWriter:
         except BaseException as exc:
             self._fail(exc)
             raise
-        stored = dataclasses.replace(record, embedded_length=embedded)
+        # the digest of the bytes just written, dataset by dataset (embedpipe.store.digests)
+        values = {f"{p}/layer_{k}": v for p, vectors in pooled.items() for k, v in vectors.items()}
+        values |= {f"per_residue/layer_{k}": v for k, v in residues.items()}
+        digest = record_digest([values[name] for name in self._parts])
+        stored = dataclasses.replace(record, embedded_length=embedded, row_digest=digest)
         for name, buffer in self._columns.items():
             COLUMNS[name].fill(buffer, index, stored)
         self._written[index] = True

@@ -25,6 +25,7 @@ from embedpipe.crosscheck import metrics
 from embedpipe.crosscheck.report.page import render_html
 from embedpipe.crosscheck.run import Thresholds, run_crosscheck
 from helpers.embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
+from helpers.stores import rewrite_digests
 
 CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2"}
 
@@ -277,6 +278,7 @@ def _perturbed_copy(src: Path, dst: Path, changes: dict[tuple[int, int], float])
             new = _rotate(ds[row], cos_theta, seed=row * 10 + layer).astype(np.float32)
             ds[row] = new
             out[(row, layer)] = new
+        rewrite_digests(f, sorted({row for row, _ in changes}))  # a store written with these vectors
     return out
 
 
@@ -388,6 +390,7 @@ def test_non_finite_stored_values_fail(tmp_path, fp32_store):
         row = f["mean/layer_1"][5]
         row[2] = np.nan
         f["mean/layer_1"][5] = row
+        rewrite_digests(f, [5])  # as written (the writer refuses it: what if one were)
     report = run_crosscheck(bad, out=tmp_path / "cc", sample=100, seed=0, device="cpu", quiet=True)
     assert report.verdict == "fail"
     assert any("non-finite" in r for r in report.data["verdict_reasons"])

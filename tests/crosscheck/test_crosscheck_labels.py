@@ -30,6 +30,7 @@ from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.crosscheck.run import LabelOptions, Thresholds, run_crosscheck
 from helpers.embed_helpers import fair_esm_forward, random_sequences, read_store, write_fasta
+from helpers.stores import rewrite_digests
 from helpers.workflow_helpers import snakemake
 
 ALPHABETS = {"hydrophobic": "AILMFVW", "charged": "DEKR", "polar": "GSTNQ"}
@@ -148,6 +149,7 @@ def test_perturbed_store_scores_lower_fails_the_rule_and_equals_a_hand_run_fit(t
         clean = ds[()].astype(np.float64)
         noise = np.random.default_rng(7).normal(size=clean.shape) * 3.0 * clean.std(axis=0)
         ds[...] = (clean + noise).astype(np.float32)
+        rewrite_digests(f)  # a store written with these vectors (not one edited in place)
     with open_store(noisy) as st:  # still reads: the checksums are good, only the values moved
         np.testing.assert_allclose(st.mean_vector(st.ids[0], 2), (clean + noise)[0], rtol=1e-6)
     labels = _write_labels(tmp_path / "labels.tsv", _class_labels(records))

@@ -8,6 +8,7 @@ order), and the root attribute ``fallback_count`` is set as ``embed`` sets it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -69,6 +70,30 @@ def set_row(f: h5py.File, name: str, row: int, value: bytes) -> None:
     values = f[name][:].tolist()
     values[row] = value
     f[name][:] = np.array(values, dtype=f[name].dtype)
+
+
+def rewrite_digests(f: h5py.File, rows: Sequence[int] | None = None) -> None:
+    """``row_digest`` of ``rows`` (every record by default) recomputed with hashlib from the
+    vectors ``f`` now holds: the store as a writer of these values would have written it (for
+    tests that edit vectors to test what reads them, not the digests; docs/store-format.md,
+    "Row digests")."""
+    pooling = [v.decode() if isinstance(v, bytes) else str(v) for v in np.atleast_1d(f.attrs.get("pooling", ["mean"]))]
+    layers = sorted(int(k) for k in np.atleast_1d(f.attrs["layers"]))
+    names = [f"{p}/layer_{k}" for p in pooling for k in layers]
+    names += [f"per_residue/layer_{k}" for k in layers] if "per_residue" in f else []
+    digests = f["row_digest"].asstr()[()].tolist()
+    for row in range(len(digests)) if rows is None else rows:
+        parts = []
+        for name in names:
+            if name.startswith("per_residue/"):
+                a, b = f["per_residue/offsets"][row : row + 2]
+                values = f[name][a:b]
+            else:
+                values = f[name][row]
+            data = np.ascontiguousarray(values)
+            parts.append(hashlib.blake2b(data.astype(data.dtype.newbyteorder("<")).tobytes(), digest_size=16).hexdigest())
+        digests[row] = "".join(parts)
+    f["row_digest"][:] = np.array([d.encode() for d in digests], dtype=f["row_digest"].dtype)
 
 
 def store_uuid(path: Path) -> str:
