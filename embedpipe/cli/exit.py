@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import typer
 
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.interrupts import progress_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,6 +55,13 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def _interrupt_code(exc: BaseException) -> int:
     """130 for Ctrl-C, 143 for SIGTERM."""
     return getattr(exc, "exit_code", EXIT_INTERRUPTED)
+
+
+def _interrupted_line(exc: BaseException) -> str:
+    """``embedpipe: interrupted``, and how far the command got when it says (a group embed
+    job: the shards done and the one under way; embedpipe.core.interrupts.telling_progress)."""
+    progress = progress_of(exc)
+    return "embedpipe: interrupted" + (f" {progress}" if progress else "")
 
 
 def _os_error_message(exc: OSError, out: Any) -> str:
@@ -95,7 +103,7 @@ def user_errors(func: F) -> F:
             print(f"embedpipe: error: {_os_error_message(exc, kwargs.get('out'))}", file=sys.stderr)
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
-            print("embedpipe: interrupted", file=sys.stderr)
+            print(_interrupted_line(exc), file=sys.stderr)
             _Interrupts.reported = True
             raise typer.Exit(_interrupt_code(exc)) from None
 
@@ -192,7 +200,7 @@ def run_app(app: Any) -> None:
         print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
         finish(exc.exit_code)
     except KeyboardInterrupt as exc:
-        print("embedpipe: interrupted", file=sys.stderr)
+        print(_interrupted_line(exc), file=sys.stderr)
         finish(_interrupt_code(exc))
     if result == EXIT_INTERRUPTED and _Interrupts.raised is not None and not _Interrupts.reported:
         print("embedpipe: interrupted", file=sys.stderr)  # typer's silent 130 (see _raise_interrupt)
