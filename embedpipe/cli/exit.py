@@ -3,9 +3,11 @@
 One job: a library ``EmbedpipeError``, an unforeseen ``OSError``, a reader that went away
 (``embedpipe info --json | head``), Ctrl-C during the command or while the interpreter shuts
 down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (or
-``embedpipe: interrupted``) and 1, 2, 130 or 141. SIGTERM (``kill``, ``scancel``, a SLURM
-time limit) is handled as Ctrl-C is, the temporaries removed by the same ``finally`` and
-``except`` blocks, and ends with 143. Where h5py runs (merge), the library holds both back to
+``embedpipe: interrupted``) and 1, 2, 130 or 141. Running out of memory is no user error:
+``embedpipe: out of memory: ...`` and :data:`EXIT_OUT_OF_MEMORY`, so the workflow retries the
+job with more memory instead of taking it for a refusal of its inputs (embedpipe.workflow.jobs).
+SIGTERM (``kill``, ``scancel``, a SLURM time limit) is handled as Ctrl-C is, the temporaries
+removed by the same ``finally`` and ``except`` blocks, and ends with 143. Where h5py runs (merge), the library holds both back to
 the points between files and blocks (:mod:`embedpipe.core.interrupts`), which call the
 handlers set here. The commands themselves are in :mod:`embedpipe.cli.commands`.
 """
@@ -23,11 +25,12 @@ from typing import Any, TypeVar
 
 import typer
 
-from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError, out_of_memory
 from embedpipe.core.interrupts import progress_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+EXIT_OUT_OF_MEMORY = 3  # an allocation failed (host or GPU): not the user's input, retried with more
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for `kill`
@@ -77,6 +80,12 @@ def _os_error_message(exc: OSError, out: Any) -> str:
     return reason
 
 
+def _memory_reason(exc: BaseException) -> str:
+    """An allocation failure in one line (torch's run over several, with C++ frames)."""
+    text = " ".join(str(exc).split())[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _stdout_gone() -> None:
     """Stdout's reader has gone (``embedpipe info --json | head -c 10``): end quietly as `cat`
     does. Pointing stdout at /dev/null keeps the interpreter's final flush from failing again."""
@@ -99,7 +108,13 @@ def user_errors(func: F) -> F:
         except BrokenPipeError:
             _stdout_gone()
             raise typer.Exit(EXIT_BROKEN_PIPE) from None
-        except OSError as exc:  # a file-system failure the library did not foresee: still one line
+        except (MemoryError, RuntimeError, OSError) as exc:
+            if out_of_memory(exc):
+                print(f"embedpipe: out of memory: {_memory_reason(exc)}", file=sys.stderr)
+                raise typer.Exit(EXIT_OUT_OF_MEMORY) from None
+            if not isinstance(exc, OSError):
+                raise
+            # a file-system failure the library did not foresee: still one line
             print(f"embedpipe: error: {_os_error_message(exc, kwargs.get('out'))}", file=sys.stderr)
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
