@@ -99,8 +99,11 @@ def _open(path: Path, what: str) -> IO[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = open_lock_file(path, os.O_RDWR | os.O_CREAT, what=what)
-        except PermissionError:
-            fd = open_lock_file(path, os.O_RDONLY, what=what)
+        except PermissionError as denied:
+            try:
+                fd = open_lock_file(path, os.O_RDONLY, what=what)
+            except FileNotFoundError:  # not another user's lock file: a directory we cannot write
+                raise denied from None
     except OSError as exc:
         raise EmbedpipeError(f"{what}: cannot create its lock {path} ({exc.strerror or exc})") from None
     writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR

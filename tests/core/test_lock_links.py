@@ -7,9 +7,12 @@ link is refused in one line naming it, and the victim is left as it was."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -151,3 +154,55 @@ def test_a_symlinked_lock_directory_is_refused_and_its_target_not_opened_to_ever
     assert str(info.value) == (f"the GPU lock directory {link} is a symbolic link; refusing to use it (remove it if "
                                f"you did not make it, or set {devices.LOCK_DIR_ENV})")
     assert stat.S_IMODE(target.stat().st_mode) == 0o700 and list(target.iterdir()) == []
+
+
+def _as_nobody(action) -> str:
+    """``action()`` in a forked child acting as user 'nobody' (os/fcntl work only); its outcome."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            os.seteuid(65534)
+            outcome = action()
+        except BaseException as exc:  # noqa: BLE001 - reported through the pipe
+            outcome = f"{type(exc).__name__}: {exc}"
+        os.write(write, outcome.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as fh:
+        outcome = fh.read().decode()
+    os.waitpid(pid, 0)
+    return outcome
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """A directory every user can reach (pytest's tmp_path is private to root)."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base)
+
+
+def test_a_lock_file_another_user_made_is_locked_read_only_and_an_unwritable_directory_refused(public_tmp):
+    tmp_path = public_tmp
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    lock = shared / ".x.h5.lock"
+    lock.write_text("pid=1 host=root's\n")
+    lock.chmod(0o644)  # the other user may read it, not write it
+
+    def lock_it() -> str:
+        handle = locks.acquire(lock, "store x.h5")
+        handle.close()
+        return "locked"
+
+    assert _as_nobody(lock_it) == "locked"
+    assert lock.read_text() == "pid=1 host=root's\n"
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o755)
+    outcome = _as_nobody(lambda: str(locks.acquire(private / ".y.h5.lock", "store y.h5")))
+    assert outcome == f"EmbedpipeError: store y.h5: cannot create its lock {private}/.y.h5.lock (Permission denied)"
