@@ -7,9 +7,10 @@ down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (
 ``embedpipe: out of memory: ...`` and :data:`EXIT_OUT_OF_MEMORY`, so the workflow retries the
 job with more memory instead of taking it for a refusal of its inputs (embedpipe.workflow.jobs).
 SIGTERM (``kill``, ``scancel``, a SLURM time limit) is handled as Ctrl-C is, the temporaries
-removed by the same ``finally`` and ``except`` blocks, and ends with 143. Where h5py runs (merge), the library holds both back to
-the points between files and blocks (:mod:`embedpipe.core.interrupts`), which call the
-handlers set here. The commands themselves are in :mod:`embedpipe.cli.commands`.
+removed by the same ``finally`` and ``except`` blocks, and ends with 143. Where h5py runs
+(merge), the library holds both back to the points between files and blocks
+(:mod:`embedpipe.core.interrupts`), which call the handlers set here. The commands themselves
+are in :mod:`embedpipe.cli.commands`.
 """
 
 from __future__ import annotations
