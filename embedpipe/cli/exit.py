@@ -3,11 +3,14 @@
 One job: a library ``EmbedpipeError``, an unforeseen ``OSError``, a reader that went away
 (``embedpipe info --json | head``), Ctrl-C during the command or while the interpreter shuts
 down, and typer's usage errors all end the same way: ``embedpipe: error: ...`` (or
-``embedpipe: interrupted``) and 1, 2, 130 or 141. SIGTERM (``kill``, ``scancel``, a SLURM
-time limit) is handled as Ctrl-C is, the temporaries removed by the same ``finally`` and
-``except`` blocks, and ends with 143. Where h5py runs (merge), the library holds both back to
-the points between files and blocks (:mod:`embedpipe.core.interrupts`), which call the
-handlers set here. The commands themselves are in :mod:`embedpipe.cli.commands`.
+``embedpipe: interrupted``) and 1, 2, 130 or 141. Running out of memory is no user error:
+``embedpipe: out of memory: ...`` and :data:`EXIT_OUT_OF_MEMORY`, so the workflow retries the
+job with more memory instead of taking it for a refusal of its inputs (embedpipe.workflow.jobs).
+SIGTERM (``kill``, ``scancel``, a SLURM time limit) is handled as Ctrl-C is, the temporaries
+removed by the same ``finally`` and ``except`` blocks, and ends with 143. Where h5py runs
+(merge), the library holds both back to the points between files and blocks
+(:mod:`embedpipe.core.interrupts`), which call the handlers set here. The commands themselves
+are in :mod:`embedpipe.cli.commands`.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from typing import Any, TypeVar
 
 import typer
 
-from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError, out_of_memory
+from embedpipe.core.interrupts import progress_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+EXIT_OUT_OF_MEMORY = 3  # an allocation failed (host or GPU): not the user's input, retried with more
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cat` reports when its reader goes away
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for `kill`
@@ -56,6 +61,13 @@ def _interrupt_code(exc: BaseException) -> int:
     return getattr(exc, "exit_code", EXIT_INTERRUPTED)
 
 
+def _interrupted_line(exc: BaseException) -> str:
+    """``embedpipe: interrupted``, and how far the command got when it says (a group embed
+    job: the shards done and the one under way; embedpipe.core.interrupts.telling_progress)."""
+    progress = progress_of(exc)
+    return "embedpipe: interrupted" + (f" {progress}" if progress else "")
+
+
 def _os_error_message(exc: OSError, out: Any) -> str:
     """One line for an OSError the library did not foresee, naming a path: the file the error
     names, else (for a write failure such as a full disk) the command's ``--out``."""
@@ -67,6 +79,12 @@ def _os_error_message(exc: OSError, out: Any) -> str:
     if out is not None and exc.errno in WRITE_ERRNOS:
         return str(write_error(Path(out), exc, known=True))
     return reason
+
+
+def _memory_reason(exc: BaseException) -> str:
+    """An allocation failure in one line (torch's run over several, with C++ frames)."""
+    text = " ".join(str(exc).split())[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _stdout_gone() -> None:
@@ -91,11 +109,17 @@ def user_errors(func: F) -> F:
         except BrokenPipeError:
             _stdout_gone()
             raise typer.Exit(EXIT_BROKEN_PIPE) from None
-        except OSError as exc:  # a file-system failure the library did not foresee: still one line
+        except (MemoryError, RuntimeError, OSError) as exc:
+            if out_of_memory(exc):
+                print(f"embedpipe: out of memory: {_memory_reason(exc)}", file=sys.stderr)
+                raise typer.Exit(EXIT_OUT_OF_MEMORY) from None
+            if not isinstance(exc, OSError):
+                raise
+            # a file-system failure the library did not foresee: still one line
             print(f"embedpipe: error: {_os_error_message(exc, kwargs.get('out'))}", file=sys.stderr)
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
-            print("embedpipe: interrupted", file=sys.stderr)
+            print(_interrupted_line(exc), file=sys.stderr)
             _Interrupts.reported = True
             raise typer.Exit(_interrupt_code(exc)) from None
 
@@ -192,7 +216,7 @@ def run_app(app: Any) -> None:
         print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
         finish(exc.exit_code)
     except KeyboardInterrupt as exc:
-        print("embedpipe: interrupted", file=sys.stderr)
+        print(_interrupted_line(exc), file=sys.stderr)
         finish(_interrupt_code(exc))
     if result == EXIT_INTERRUPTED and _Interrupts.raised is not None and not _Interrupts.reported:
         print("embedpipe: interrupted", file=sys.stderr)  # typer's silent 130 (see _raise_interrupt)

@@ -10,6 +10,7 @@ files are keyed by the GPU's UUID, so jobs that SLURM already confined to differ
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -22,6 +23,8 @@ from typing import IO
 import torch
 
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.locks import SAFE_OPEN, open_lock_file
+from embedpipe.core.paths import display_path
 
 LOCK_DIR_ENV = "EMBEDPIPE_GPU_LOCK_DIR"
 WAIT_ENV = "EMBEDPIPE_GPU_WAIT"
@@ -72,9 +75,11 @@ def gpu_wait_seconds() -> float:
     return seconds
 
 
-def ensure_lock_dir(directory: Path) -> None:
+def ensure_lock_dir(directory: Path) -> int:
     """Create the lock directory usable by every user, like /tmp (mode 1777: world-writable,
-    sticky), whatever this user's umask; accept one another user made."""
+    sticky), whatever this user's umask; accept one another user made. Returns a descriptor of
+    the directory (the caller closes it): the lock files are opened in it, never through a
+    path that may have been swapped for a link since."""
     try:
         directory.mkdir(parents=True)
         created = True
@@ -83,33 +88,53 @@ def ensure_lock_dir(directory: Path) -> None:
     except OSError as exc:
         raise EmbedpipeError(f"cannot create the GPU lock directory {directory}: {exc.strerror}; "
                              f"set {LOCK_DIR_ENV} to a directory every job can write") from None
-    if not directory.is_dir():
-        raise EmbedpipeError(f"the GPU lock directory {directory} is not a directory; set {LOCK_DIR_ENV}")
-    info = directory.stat()
-    shared = created or directory == default_lock_dir()
-    if shared and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != SHARED_DIR_MODE:
-        os.chmod(directory, SHARED_DIR_MODE)  # mkdir's mode is cut by the umask; chmod is not
-    elif not os.access(directory, os.W_OK | os.X_OK):
-        raise EmbedpipeError(
-            f"cannot create GPU lock files in {directory} (owned by uid {info.st_uid}, mode "
-            f"{stat.S_IMODE(info.st_mode):o}); its owner can `chmod 1777` it, or set {LOCK_DIR_ENV}"
-        )
+    fd = _open_dir(directory)
+    try:
+        info = os.fstat(fd)
+        shared = created or directory == default_lock_dir()
+        if shared and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != SHARED_DIR_MODE:
+            os.fchmod(fd, SHARED_DIR_MODE)  # mkdir's mode is cut by the umask; chmod is not
+        elif not os.access(directory, os.W_OK | os.X_OK):
+            raise EmbedpipeError(
+                f"cannot create GPU lock files in {directory} (owned by uid {info.st_uid}, mode "
+                f"{stat.S_IMODE(info.st_mode):o}); its owner can `chmod 1777` it, or set {LOCK_DIR_ENV}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _open_lock(path: Path) -> IO[bytes]:
-    """Open (creating, mode 0666) a lock file. Read-only is enough for ``flock``, so a lock file
-    another user created opens too; no O_CREAT on an existing file, which a sticky directory
-    may refuse for another user's file (fs.protected_regular)."""
+def _open_dir(directory: Path) -> int:
+    """The lock directory itself, not a symbolic link to one (whose target a chmod would open
+    to every user), and a directory."""
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_DIRECTORY on a link: ENOTDIR
+            kind = "a symbolic link" if directory.is_symlink() else "not a directory"
+            raise EmbedpipeError(f"the GPU lock directory {display_path(directory)} is {kind}; refusing to use "
+                                 f"it (remove it if you did not make it, or set {LOCK_DIR_ENV})") from None
+        raise EmbedpipeError(f"cannot open the GPU lock directory {directory}: {exc.strerror}; "
+                             f"set {LOCK_DIR_ENV}") from None
+
+
+def _open_lock(path: Path, dir_fd: int) -> IO[bytes]:
+    """Open (creating, mode 0666) the lock file ``path`` in the lock directory opened as
+    ``dir_fd``. Read-only is enough for ``flock``, so a lock file another user created opens
+    too; no O_CREAT on an existing file, which a sticky directory may refuse for another
+    user's file (fs.protected_regular)."""
+    what = f"the GPU lock directory {display_path(path.parent)}"
     while True:
         try:
-            return _share(os.fdopen(os.open(path, os.O_RDONLY), "rb"))
+            return _share(os.fdopen(open_lock_file(path, os.O_RDONLY, what=what, dir_fd=dir_fd), "rb"))
         except FileNotFoundError:
             pass
         except PermissionError as exc:
             raise EmbedpipeError(f"cannot open the GPU lock file {path}: {exc.strerror}; its owner can "
                                  f"`chmod 666` it, or set {LOCK_DIR_ENV}") from None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = open_lock_file(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, what=what, dir_fd=dir_fd)
         except FileExistsError:
             continue  # another worker created it just now
         os.fchmod(fd, 0o666)  # the umask cut the mode given to open
@@ -117,7 +142,8 @@ def _open_lock(path: Path) -> IO[bytes]:
 
 
 def _share(handle: IO[bytes]) -> IO[bytes]:
-    """Make a lock file of ours readable by every user (one an older version made 0600/0644)."""
+    """Make a lock file of ours readable by every user (one an older version made 0600/0644),
+    through its descriptor: the file opened, never what a path points to."""
     info = os.fstat(handle.fileno())
     if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != 0o666:
         os.fchmod(handle.fileno(), 0o666)
@@ -131,12 +157,21 @@ def claim_slot(keys: Sequence[str], directory: Path, *, candidates: Sequence[int
     Returns the slot index and the open lock file, which must stay open while the slot is used.
     Waits (polling) while every slot is taken, at most ``timeout`` seconds (None: forever).
     """
-    ensure_lock_dir(directory)
+    dir_fd = ensure_lock_dir(directory)
+    try:
+        return _claim(keys, directory, dir_fd, candidates, poll_seconds, timeout)
+    finally:
+        os.close(dir_fd)
+
+
+def _claim(keys: Sequence[str], directory: Path, dir_fd: int, candidates: Sequence[int] | None,
+           poll_seconds: float, timeout: float | None) -> tuple[int, IO[bytes]]:
+    """:func:`claim_slot` in the lock directory opened as ``dir_fd``."""
     order = list(candidates) if candidates is not None else list(range(len(keys)))
     started = time.monotonic()
     while True:
         for index in order:
-            handle = _open_lock(directory / f"gpu-{keys[index]}.lock")
+            handle = _open_lock(directory / f"gpu-{keys[index]}.lock", dir_fd)
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -1,6 +1,9 @@
-"""User-facing errors: one exception type whose message is the one-line reason the CLI prints."""
+"""User-facing errors: one exception type whose message is the one-line reason the CLI prints,
+and what is never one: running out of memory (:func:`out_of_memory`)."""
 
 from __future__ import annotations
+
+import errno
 
 
 class EmbedpipeError(Exception):
@@ -35,3 +38,29 @@ def quote(value: object, limit: int = QUOTE_CHARS) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text)} chars)"
+
+
+#: what an allocation failure says, whoever raised it: torch's CPU allocator ("can't allocate
+#: memory", "not enough memory"), CUDA ("CUDA out of memory"), the C library (ENOMEM,
+#: "Cannot allocate memory"), C++ (``std::bad_alloc``); lower case
+OUT_OF_MEMORY_WORDS = ("can't allocate memory", "not enough memory", "out of memory", "cannot allocate memory",
+                       "bad_alloc")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is running out of memory (host or GPU) while loading or running: a
+    ``MemoryError``, an ``OSError`` ENOMEM, an allocator's ``RuntimeError`` (torch's
+    ``torch.cuda.OutOfMemoryError`` is one). Never an :class:`EmbedpipeError`: the same
+    command may succeed with more memory, so it is no refusal of its inputs, and a library
+    wrapper that turns failures into one-line errors lets it through."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    return isinstance(exc, RuntimeError) and says_out_of_memory(str(exc))
+
+
+def says_out_of_memory(text: str) -> bool:
+    """Whether ``text`` (an exception's message, a log line) reports an allocation failure."""
+    low = text.lower()
+    return any(word in low for word in OUT_OF_MEMORY_WORDS)

@@ -9,6 +9,12 @@ died of ``SystemError: FastRLock.__exit__ returned a result with an exception se
 blocks where no h5py call is under way, calls the handler that was in place (the CLI's, so
 SIGTERM still ends with 143), and leaving the block does the same. Outside :func:`deferred`
 (or off the main thread) :func:`checkpoint` is a no-op.
+
+An interrupt ends a command with one line, ``embedpipe: interrupted``; a command whose work
+has parts (a group embed job's shards) says how far it got on that line: inside
+:func:`telling_progress` the interrupt carries the block's account of its progress, which the
+CLI prints (:func:`progress_of`), so the job's log keeps which shards were done and which one
+was under way.
 """
 
 from __future__ import annotations
@@ -16,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["checkpoint", "deferred"]
+__all__ = ["checkpoint", "deferred", "progress_of", "telling_progress"]
 
 #: the signals held back: Ctrl-C, SIGTERM, and the CLI's SIGALRM that re-raises a swallowed one
 _SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGALRM", None)) if s is not None)
@@ -69,3 +75,25 @@ def deferred() -> Iterator[None]:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     checkpoint(handlers)
+
+
+_PROGRESS = "embedpipe_progress"  # the attribute an interrupt carries its progress in
+
+
+@contextlib.contextmanager
+def telling_progress(describe: Callable[[], str]) -> Iterator[None]:
+    """An interrupt (Ctrl-C, SIGTERM) that ends the block carries ``describe()``, what the
+    command had done when it came (e.g. ``during shard 2 of 3 (...); done: ...``), for the
+    CLI's one line (:func:`progress_of`); an inner block's account is kept, not replaced."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if progress_of(exc) is None:
+            setattr(exc, _PROGRESS, describe())
+        raise
+
+
+def progress_of(exc: BaseException) -> str | None:
+    """The progress an interrupt carries (:func:`telling_progress`), or None."""
+    value = getattr(exc, _PROGRESS, None)
+    return value if isinstance(value, str) else None

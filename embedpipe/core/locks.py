@@ -4,28 +4,79 @@ workflow run per ``outdir`` (docs/cluster.md, "One run per outdir").
 A lock is an ``flock`` on a small file that records its holder (pid, host). The kernel drops
 it when the holder dies, however it dies, so a lock left by a dead process is simply taken
 over; the recorded holder only names who is there when a second process is refused.
+
+Lock files live in directories other users may write (a shared results directory, the GPU
+lock directory), so one is never opened through a symbolic link (``O_NOFOLLOW``), and only a
+regular file with no other name is used (:func:`open_lock_file`): a planted
+``.x.h5.lock -> victim`` is refused in one line naming it, never truncated or chmod'ed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.paths import display_path
 
 
 class LockedError(EmbedpipeError):
     """Another live process holds the lock; the message names the lock file and the holder."""
 
 
-def _holder(path: Path) -> str:
+class UnsafeLockError(EmbedpipeError):
+    """A lock path that is a symbolic link, not a regular file, or a file with another name
+    (a hard link): whoever can write its directory may have planted it to make a writer
+    truncate or chmod another file, so it is refused, naming the path."""
+
+
+#: how a lock file is opened whatever else is asked: never through a symbolic link, never
+#: waiting on a planted FIFO, never inherited by a child process
+SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_lock_file(path: Path, flags: int, *, what: str, dir_fd: int | None = None) -> int:
+    """``os.open(path, flags)`` (``O_CREAT`` makes it mode 0666 less the umask) for a lock
+    file: the descriptor of a regular file with one link; an :class:`UnsafeLockError` naming
+    ``path`` (``what`` says whose lock it is) for a symbolic link, a FIFO, a device, a
+    directory or a hard link, which is closed unused. Other ``OSError`` propagate. With
+    ``dir_fd`` (the directory already opened), ``path``'s name is opened in that directory."""
     try:
-        text = path.read_text(encoding="utf-8").split()
+        fd = os.open(path if dir_fd is None else path.name, flags | SAFE_OPEN, 0o666, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeLockError(_unsafe(path, what, "is a symbolic link")) from None
+        if exc.errno == errno.EISDIR:
+            raise UnsafeLockError(_unsafe(path, what, "is a directory")) from None
+        raise
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_nlink > 1:
+        problem = f"has {info.st_nlink} links (a hard link to another file)"
+    if problem is not None:
+        os.close(fd)
+        raise UnsafeLockError(_unsafe(path, what, problem))
+    return fd
+
+
+def _unsafe(path: Path, what: str, problem: str) -> str:
+    return (f"{what}: its lock {display_path(path)} {problem}; refusing to use it (a lock is never opened "
+            f"through a link: remove it if you did not make it)")
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file (the one just opened, never the path again) records it."""
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", errors="replace").split()
     except OSError:
         return "unknown"
     fields = dict(part.split("=", 1) for part in text if "=" in part)
@@ -41,18 +92,36 @@ def lock_path_for(output: Path) -> Path:
 
 
 def _open(path: Path, what: str) -> IO[str]:
+    """The lock file, opened (created when missing) safely (:func:`open_lock_file`); the open
+    handle is the lock. Another user's lock file (in a shared directory) opens read-only:
+    enough for ``flock``, and it is not ours to write."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a+", encoding="utf-8")  # the open handle is the lock
+        try:
+            fd = open_lock_file(path, os.O_RDWR | os.O_CREAT, what=what)
+        except PermissionError as denied:
+            try:
+                fd = open_lock_file(path, os.O_RDONLY, what=what)
+            except FileNotFoundError:  # not another user's lock file: a directory we cannot write
+                raise denied from None
     except OSError as exc:
         raise EmbedpipeError(f"{what}: cannot create its lock {path} ({exc.strerror or exc})") from None
+    writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    return os.fdopen(fd, "r+" if writable else "r", encoding="utf-8")
+
+
+def _ours(handle: IO[str]) -> bool:
+    """Whether the lock file is this user's and open for writing: only then is its holder
+    line rewritten (another user's lock file is locked, never truncated)."""
+    return handle.writable() and os.fstat(handle.fileno()).st_uid == os.geteuid()
 
 
 def _is_current(path: Path, handle: IO[str]) -> bool:
-    """Whether ``handle`` is still the file at ``path``: a holder that let go may have removed
-    it (:func:`holding` with ``remove``), and a lock on a removed file guards nothing."""
+    """Whether ``handle`` is still the file at ``path`` (not a link planted since): a holder
+    that let go may have removed it (:func:`holding` with ``remove``), and a lock on a removed
+    file guards nothing."""
     try:
-        st, mine = os.stat(path), os.fstat(handle.fileno())
+        st, mine = os.lstat(path), os.fstat(handle.fileno())
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
@@ -68,8 +137,9 @@ def acquire(path: Path, what: str, *, instead: str = "another directory") -> IO[
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = _holder(handle.fileno())
             handle.close()
-            raise LockedError(f"{what} is locked by another process ({_holder(path)}; lock {path}); "
+            raise LockedError(f"{what} is locked by another process ({holder}; lock {path}); "
                               f"wait for it to finish, or use {instead}") from None
         except OSError as exc:
             handle.close()
@@ -79,6 +149,8 @@ def acquire(path: Path, what: str, *, instead: str = "another directory") -> IO[
         handle.close()
     else:
         raise EmbedpipeError(f"{path}: cannot lock (it is removed and made again as fast as it is opened)")
+    if not _ours(handle):
+        return handle  # another user's lock file: held, not rewritten
     try:  # who holds it, for the message of a refused process; the lock holds without it (a full disk)
         os.ftruncate(handle.fileno(), 0)  # unbuffered: nothing left to fail when the handle closes
         os.pwrite(handle.fileno(), f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)

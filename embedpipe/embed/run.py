@@ -22,6 +22,7 @@ import h5py
 from embedpipe.core.atomic import check_output_path
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.interrupts import telling_progress
 from embedpipe.core.locks import lock_path_for
 from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
@@ -262,6 +263,24 @@ class GroupSummary:
     embedded: list[EmbedSummary] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)
     seconds: float = 0.0
+    done: list[str] = field(default_factory=list)  # "STORE (kept)" or "(embedded)", in shard order
+    under_way: int | None = None  # the index of the shard being kept or embedded now
+
+    def finished(self, store: Path, how: str) -> None:
+        self.done.append(f"{store} ({how})")
+        self.under_way = None
+
+    def progress(self, fastas: Sequence[Path], stores: Sequence[Path]) -> str:
+        """How far the job got, for the line an interrupt ends it with (docs/cluster.md,
+        "Time limits, preemption and requeue"): the shard under way and the shards done."""
+        total, k = len(fastas), self.under_way
+        if k is not None:
+            where = f"during shard {k + 1} of {total} ({fastas[k]} -> {stores[k]}, not finished)"
+        elif not self.done:
+            where = f"before the first of {total} shard(s)"
+        else:
+            where = f"after {len(self.done)} of {total} shard(s), before the group's marker"
+        return f"{where}; done: {', '.join(self.done) or 'none'}"
 
     def render(self) -> str:
         lines = [s.render() for s in self.embedded]
@@ -303,17 +322,20 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
     residues = _job_residues(fastas, options, limits)
     probe = _read_records(Path(fastas[0]), limits) if options.precision == AUTO else []
-    with _writing(outputs, fastas, model, reuse), open_job(model, options, policy, reuse, quiet, residues,
-                                                           probe) as job:
+    with telling_progress(lambda: summary.progress(fastas, stores)), _writing(outputs, fastas, model, reuse), \
+            open_job(model, options, policy, reuse, quiet, residues, probe) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
-        for fasta, store, digest in zip(fastas, stores, digests):
+        for k, (fasta, store, digest) in enumerate(zip(fastas, stores, digests)):
+            summary.under_way = k
             if _keep(store, str(job.identity), digest, quiet, ignored(options)):
                 summary.kept.append(store)
+                summary.finished(store, "kept")
                 continue
             summary.embedded.append(_embed_records(
                 job, _read_records(Path(fasta), limits), Path(fasta), store, time.perf_counter(),
                 {"input_sha256": digest}, quiet))
+            summary.finished(store, "embedded")
         if done is not None:
             _check_still_current(stores, digests, str(job.identity), ignored(options))
             write_marker(Path(done), json.loads(str(job.identity)), fastas, stores, digests)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.serialization as ts
 
-from embedpipe.core.errors import ModelError
+from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.model.config_bounds import validate_shape  # re-exported: make-test-model, hf_esm
 from embedpipe.model.downloads import one_line
 from embedpipe.model.esm2_spec import valid_names
@@ -132,9 +132,9 @@ def load_checkpoint_safely(path: Path, role: FileRole = FAIR_ESM) -> dict:
             f"cannot read {role.noun} {path}: not a weights-only torch file "
             f"({_unpickler_detail(message)}); nothing in the file was executed"
         ) from None
-    except MemoryError:
-        raise
     except Exception as exc:  # corrupt zip, truncated file, not a torch file at all
+        if out_of_memory(exc):  # no refusal: more memory may load it (embedpipe.workflow.jobs)
+            raise
         reason = one_line(exc).split(". ")[0][:200] or type(exc).__name__
         raise ModelError(
             f"cannot read {role.noun} {path}: {reason} (corrupt, truncated, or not a torch file)"

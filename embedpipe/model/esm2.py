@@ -20,7 +20,7 @@ import torch
 from esm.model.esm2 import ESM2
 from torch.overrides import TorchFunctionMode
 
-from embedpipe.core.errors import ModelError
+from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.model import esm2_spec
 from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel, TokenLayout
 from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
@@ -183,6 +183,8 @@ def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: s
     try:
         model.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as exc:  # shape mismatches
+        if out_of_memory(exc):  # no refusal: more memory may load it
+            raise
         raise ModelError(f"{where}: weights do not fit the configured ESM-2: {one_line(exc)[:400]}") from None
     model.lm_head.weight = model.embed_tokens.weight  # re-tie
     if not (CONTACT_KEYS <= set(state_dict)):

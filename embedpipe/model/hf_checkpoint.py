@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from embedpipe.core.errors import ModelError
+from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.model import esm2_spec, esmc_spec, t5_spec
 from embedpipe.model.facts import ModelFacts
@@ -159,6 +159,8 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
             try:
                 state.update(torch_io.load_file(str(path), device="cpu"))
             except Exception as exc:  # corrupt header, truncated file
+                if out_of_memory(exc):  # no refusal: more memory may load it
+                    raise
                 raise ModelError(f"cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
         else:
             from embedpipe.model.checkpoint import HF_WEIGHTS, load_checkpoint_safely

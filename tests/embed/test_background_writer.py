@@ -7,6 +7,7 @@ tests only check what was written and that the thread is gone.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import h5py
@@ -82,12 +83,124 @@ def test_a_failure_in_the_caller_joins_the_thread_and_propagates(exc):
 
 def test_a_caller_failure_notes_an_earlier_writer_failure():
     failing = Failing(1, ValueError("bad record"))
+    tried = threading.Event()
+
+    def write(index: int, value: object) -> None:
+        try:
+            failing(index, value)
+        finally:
+            tried.set()
+
     with pytest.raises(RuntimeError, match="forward failed") as info:
-        with BackgroundWriter(failing) as background:
+        with BackgroundWriter(write) as background:
             background.put(0, 0)
-            background._queue.join()  # the writer has taken (and failed on) the item
+            tried.wait()  # the writer has taken (and failed on) the item
             raise RuntimeError("forward failed")
     assert info.value.__notes__ == ["the store writer had failed too: ValueError: bad record"]
+    assert not _writer_threads()
+
+
+# ------------------------------------------------------------------ Ctrl-C at any point of a put
+
+#: against a hang only: a block that deadlocked never ends (no duration is measured)
+HANG_SECONDS = 30
+
+
+class InterruptAfterCall:
+    """A profile function that raises KeyboardInterrupt once, as the ``at``-th C call made in
+    its thread returns: where CPython runs a signal handler, also between a lock's ``acquire``
+    and the ``with`` that would release it (inside ``queue.Queue.put``)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls, self.fired = at, 0, False
+
+    def __call__(self, frame: object, event: str, arg: object) -> None:
+        if event == "c_return" and not self.fired:
+            self.calls += 1
+            if self.calls == self.at:
+                self.fired = True
+                raise KeyboardInterrupt
+
+
+def _interrupted_producer(at: int, during: str) -> tuple[bool, str, list[int], bool]:
+    """A producer (in a thread of its own, so that a deadlock cannot hang the test) whose writer
+    has written item 0 and waits on an empty queue; Ctrl-C lands after its ``at``-th C call of
+    ``put(1, 1)`` (``during="put"``) or of leaving the block (``"close"``). Returns whether the
+    block ended, how, what was written, and whether the interrupt was raised at all."""
+    written: list[int] = []
+    idle = threading.Event()
+    hook = InterruptAfterCall(at)
+    ending: list[str] = []
+
+    def write(index: int, value: object) -> None:
+        written.append(index)
+        idle.set()
+
+    def producer() -> None:
+        try:
+            try:
+                with BackgroundWriter(write, maxsize=2) as background:
+                    background.put(0, 0)
+                    idle.wait()  # written: the writer is back waiting on an empty queue
+                    sys.setprofile(hook)
+                    if during == "put":
+                        background.put(1, 1)
+                        sys.setprofile(None)
+            finally:
+                sys.setprofile(None)
+            ending.append("ended")
+        except KeyboardInterrupt:
+            ending.append("KeyboardInterrupt")
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            ending.append(repr(exc))
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    thread.join(HANG_SECONDS)
+    return not thread.is_alive(), "".join(ending), written, hook.fired
+
+
+@pytest.mark.parametrize("during", ["put", "close"])
+def test_ctrl_c_at_any_point_of_a_put_or_the_close_never_hangs(during: str) -> None:
+    """Ctrl-C right after any C call of the producer's put (or of the block's end) while the
+    writer waits on an empty queue: the block always ends, with KeyboardInterrupt, the writer
+    thread joined, and what was written is a prefix. Before, Ctrl-C just after ``Queue.put``
+    took the queue's lock left it taken: the producer waited on it forever (2 in ~40 group
+    jobs)."""
+    at = 0
+    while True:
+        at += 1
+        ended, how, written, fired = _interrupted_producer(at, during)
+        assert ended, f"Ctrl-C after C call {at} of {during}: the block never ended"
+        if not fired:  # the put (or close) has fewer C calls: every point was tried
+            assert how == "ended" and written in ([0, 1], [0])
+            break
+        assert how == "KeyboardInterrupt", f"Ctrl-C after C call {at} of {during}: {how}"
+        assert written in ([0], [0, 1]), (at, written)
+    assert at > 1 and not _writer_threads()
+
+
+def test_a_write_that_does_not_end_is_left_behind_after_the_bound() -> None:
+    """The caller failed while the writer is stuck in a write (a hung file system): the block
+    ends after ``stop_seconds`` with a note, instead of waiting for ever."""
+    release, started = threading.Event(), threading.Event()
+
+    def stuck(index: int, value: object) -> None:
+        started.set()
+        release.wait()
+
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            with BackgroundWriter(stuck, stop_seconds=0.2) as background:
+                background.put(0, 0)
+                background.put(1, 1)
+                started.wait()
+                raise KeyboardInterrupt
+        assert info.value.__notes__ == ["the store writer was still in a write after 0.2s; left behind"]
+    finally:
+        release.set()
+    for thread in _writer_threads():
+        thread.join(HANG_SECONDS)
     assert not _writer_threads()
 
 

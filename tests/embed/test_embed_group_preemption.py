@@ -18,7 +18,12 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
+import embedpipe.embed.engine as engine
+from embedpipe.core.interrupts import progress_of
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.run import embed_shards
 from embedpipe.store import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import wait_until
@@ -83,7 +88,9 @@ def test_a_group_job_sigtermed_mid_group_exits_143_and_its_rerun_embeds_only_the
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
-    assert stderr.strip().splitlines()[-1] == "embedpipe: interrupted"
+    # the log's last line says which shards were done and which one was under way
+    assert stderr.strip().splitlines()[-1] == (f"embedpipe: interrupted during shard 2 of 3 ({shards[1]} -> "
+                                               f"{stores[1]}, not finished); done: {stores[0]} (embedded)")
     # the finished shard stays, complete and valid; the one being written leaves nothing
     assert validate_store(stores[0]) == []
     assert not stores[1].exists() and not stores[2].exists() and not done.exists()
@@ -108,3 +115,31 @@ def test_a_group_job_sigtermed_mid_group_exits_143_and_its_rerun_embeds_only_the
         np.testing.assert_array_equal(resumed.pop("ids"), whole.pop("ids"))
         for name in whole:
             np.testing.assert_allclose(resumed[name], whole[name], rtol=0, atol=1e-4, err_msg=f"{store.name} {name}")
+
+
+@pytest.mark.parametrize("stop", [0, 1])
+def test_an_interrupted_group_names_its_kept_and_embedded_shards_and_the_one_under_way(tmp_path, tiny_model_path,
+                                                                                      monkeypatch, stop):
+    """Shard 0 is kept from an earlier run, shard 1 is embedded, and Ctrl-C comes while shard 2
+    (``stop=1``) or shard 1 (``stop=0``) is embedded: the interrupt carries what the CLI prints."""
+    shards = [write_fasta(tmp_path / f"shard-{k:05d}.fasta", random_sequences(3, (8, 40), seed=60 + k))
+              for k in range(3)]
+    out, options = tmp_path / "stores", EmbedOptions(device="cpu", tokens_per_batch=200)
+    embed_shards(shards[:1], model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
+    real, calls = engine.Embedder.embed, []
+
+    def embed(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > stop:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Embedder, "embed", embed)
+    with pytest.raises(KeyboardInterrupt) as info:
+        embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
+    done = [f"{out / 'shard-00000.h5'} (kept)", f"{out / 'shard-00001.h5'} (embedded)"][:stop + 1]
+    k = stop + 1
+    assert progress_of(info.value) == (f"during shard {k + 1} of 3 ({shards[k]} -> {out / shards[k].stem}.h5, "
+                                       f"not finished); done: {', '.join(done)}")
+    assert sorted(p.name for p in out.glob("*.h5")) == [f"shard-{j:05d}.h5" for j in range(k)]
+

@@ -380,12 +380,14 @@ def embed_log(wildcards):
 
 def embed_attempt(wildcards, attempt):
     """The attempt an embed job's resources are sized for: 1 again when the previous attempt
-    refused its inputs (more memory would not help: embedpipe.workflow.jobs)."""
+    refused its inputs or was interrupted by the user (more memory would not help:
+    embedpipe.workflow.jobs)."""
     return workflow_jobs.attempt_for(embed_log(wildcards), attempt)
 
 
-def embed_refused(wildcards, attempt):
-    """1 when this attempt retries a refusal (the job repeats the refusal at once), else 0."""
+def embed_repeat(wildcards, attempt):
+    """1 when this attempt retries a final failure (a refusal, the user's interrupt: the job
+    repeats it at once), else 0."""
     return int(embed_attempt(wildcards, attempt) != attempt)
 
 

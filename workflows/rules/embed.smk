@@ -4,9 +4,9 @@
 # rerun job resumes at shard granularity. The job's output is the group marker, written last;
 # the shard stores are not outputs, so Snakemake never deletes finished ones before a rerun.
 # Retried with a smaller token budget per batch (tokens_per_batch // attempt; `auto` is sized
-# again from the device's free memory on each attempt), unless the job refused its inputs. With a CUDA
-# device the job requests one GPU; `embedpipe embed` locks a GPU of its own when several jobs
-# share a multi-GPU machine (`snakemake --resources gpu=N`).
+# again from the device's free memory on each attempt), unless the job refused its inputs or
+# was interrupted by the user. With a CUDA device the job requests one GPU; `embedpipe embed`
+# locks a GPU of its own when several jobs share a multi-GPU machine (`snakemake --resources gpu=N`).
 
 
 rule embed:
@@ -41,17 +41,19 @@ rule embed:
     threads: 4
     # --compile-cache and --auto-cache on the shell line, not params (they change how a job
     # runs, not its numbers): every embed job of the run shares them (docs/precision.md)
-    # A retry of a job that refused its inputs (the CLI's user error) gets the first attempt's
-    # resources and repeats the refusal at once (embedpipe.workflow.jobs; docs/cluster.md).
+    # A retry of a job that refused its inputs (the CLI's user error) or that the user
+    # interrupted (SIGINT; SIGTERM outside SLURM) gets the first attempt's resources and
+    # repeats that failure at once; running out of memory is retried with more
+    # (embedpipe.workflow.jobs; docs/cluster.md).
     retries: EMBED_RETRIES
     resources:
         gpu=gpus,
         mem_mb=lambda wildcards, attempt: model_mem_mb(embed_attempt(wildcards, attempt)),
         runtime=lambda wildcards, attempt: 120 * embed_attempt(wildcards, attempt),
         tokens_per_batch=tokens_per_batch,
-        refused=embed_refused,
+        repeat=embed_repeat,
     shell:
-        "python -m embedpipe.workflow.jobs start {log:q} {resources.refused}"
+        "python -m embedpipe.workflow.jobs start {log:q} {resources.repeat}"
         " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
         f" --threads {{threads}} --compile-cache {COMPILE_CACHE} --auto-cache {AUTO_CACHE}"
