@@ -94,7 +94,7 @@ class Job:
         """The job's embedder, the model loaded on first use; its run resolved once, its
         identity checked against the reuse stores and the one predicted before loading."""
         if self._embedder is None:
-            loaded, device = self._stack.enter_context(_model_on(self.model, self.options, self.quiet))
+            loaded, device = self._stack.enter_context(_model_on(self.model, self.options))
             packs = capabilities.packs(loaded)
             model = _loaded_identity(self.model, loaded)
             auto = None
@@ -133,7 +133,9 @@ def open_job(model: str, options: EmbedOptions, policy: Policy | None, reuse: Se
     """The job's reuse stores and its model, claimed and loaded only when a record must be
     computed; ``residues``: the job's whole input (``--compile auto``, auto's probe budget);
     ``probe``: records of its input for ``--precision auto`` to measure on."""
-    use_threads(resolve_threads(options))  # before anything is timed: auto and int8's kernels measure at it
+    # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads"), once per job: before
+    # anything is timed (auto and int8's kernels measure at it) and before the model loads
+    use_threads(resolve_threads(options), quiet=quiet)
     with contextlib.ExitStack() as stack:
         sources = stack.enter_context(Reuse(reuse, quiet)) if reuse else None
         yield Job(model, options, policy, sources, quiet, stack, residues, probe)
@@ -180,9 +182,8 @@ def _as_compiled(embedder: Embedder, run: ResolvedRun) -> ResolvedRun:
 
 
 @contextlib.contextmanager
-def _model_on(model: str, options: EmbedOptions, quiet: bool) -> Iterator[tuple[EmbeddingModel, torch.device]]:
+def _model_on(model: str, options: EmbedOptions) -> Iterator[tuple[EmbeddingModel, torch.device]]:
     """Claim the device, then load the model (a job waiting for a GPU holds no model in memory)."""
-    use_threads(resolve_threads(options), quiet=quiet)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     with claim_device(options.device) as device:
         if device.type == "cpu":
             keep_freed_memory()  # activations live in host memory: reuse it, no fresh pages per batch

@@ -125,13 +125,13 @@ def _resolve(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: S
              limits: FastaLimits) -> Policy | None:
     """Every check of an embed run before a record is read or the model loads, and its named
     policy configured (:func:`_start`; None for ``--precision auto``, which the job decides)."""
-    for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
-        check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
-                           "its store records")
     check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
     fused.check_cache(options.compile_cache)  # a bad --compile-cache: one line, not inductor's traceback
     policy = _start(options)
     limits.check(EmbedpipeError)
+    for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
+        check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
+                           "its store records")
     return policy
 
 
