@@ -7,10 +7,10 @@ Torch-free.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from embedpipe.core.errors import ModelError
+from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.model import hf_checkpoint as hf
 
 
@@ -42,9 +42,9 @@ def model_files(spec: str) -> list[Path]:
     files = {p for p in directory.rglob("*") if p.is_file()}
     for index in directory.glob("*.index.json"):
         try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (OSError, ValueError, AttributeError):
-            continue  # the loader says what is wrong with it
+            weight_map = load_bounded_json(index.read_text(), str(index), ModelError).get("weight_map")
+        except (OSError, ValueError, AttributeError, ModelError):
+            continue  # the loader says what is wrong with it, in one line
         if isinstance(weight_map, dict):
             files |= {directory / str(name) for name in weight_map.values()}
     return sorted(files)

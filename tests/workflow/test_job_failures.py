@@ -99,15 +99,45 @@ def test_failure_lines_name_the_failed_jobs_of_this_run(tmp_path: Path) -> None:
     assert jobs.failure_lines(pairs, since) == [f"{failed}: {REFUSAL}"]
 
 
+#: ``embedpipe`` as the embed rule's shell finds it first on PATH: before an ``embed`` runs, the
+#: calibration FASTA the start-up check accepted gets an invalid second record (a file edited
+#: between the workflow's start and the job), so the real CLI refuses it in the job
+EDITOR = """#!{python}
+import sys
+from pathlib import Path
+if sys.argv[1:2] == ["embed"]:
+    Path({calibration!r}).write_text(">a\\nMKTAYIAKQR\\n>b\\nMK1!!\\n")
+sys.argv[0] = "embedpipe"
+from embedpipe.cli import run
+run()
+"""
+
+
+def _stand_in(tmp_path: Path, text: str) -> dict[str, str]:
+    """The environment with ``text`` as the first ``embedpipe`` on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    worker = bin_dir / "embedpipe"
+    worker.write_text(text)
+    worker.chmod(0o755)
+    env = _env()
+    env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
+    env.pop("SLURM_JOB_ID", None)
+    return env
+
+
 @pytest.mark.slow
 def test_a_refusing_embed_job_fails_once_with_its_line(tmp_path: Path) -> None:
-    """A calibration FASTA whose second record is invalid: the start-up check reads its first
-    record only, the job reads them all and refuses. Its retries keep the first attempt's
-    memory, do not run embed again, and the run ends with the job's line."""
-    (tmp_path / "calib.fasta").write_text(">a\nMKTAYIAKQR\n>b\nMK1!!\n")
+    """A calibration FASTA valid when the workflow starts and invalid when the job reads it
+    (the start-up check reads it in full, so only a later edit reaches the job): the job
+    refuses; its retries keep the first attempt's memory, do not run embed again, and the run
+    ends with the job's line."""
+    calibration = tmp_path / "calib.fasta"
+    calibration.write_text(">a\nMKTAYIAKQR\n>b\nMKTAYIAKQR\n")
+    env = _stand_in(tmp_path, EDITOR.format(python=sys.executable, calibration=str(calibration)))
     config = demo_config(tmp_path, precision="int8-mixed", int8_smoothing="smoothquant",
                          int8_calibration="calib.fasta", tokens_per_shard=10**6)
-    proc = run_workflow(tmp_path, config, check=False)
+    proc = run_workflow(tmp_path, config, check=False, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     blocks = re.findall(r"rule embed:\n(?:    .*\n)*?    resources: (.*)\n", out)
@@ -144,14 +174,7 @@ run()
 def test_a_worker_interrupted_by_the_user_is_not_retried_and_the_run_fails(tmp_path: Path) -> None:
     """Before, the interrupted job was retried with twice the memory and runtime, the retry
     embedded everything and the run ended 0: the user's Ctrl-C turned into a success."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    worker = bin_dir / "embedpipe"
-    worker.write_text(WORKER.format(python=sys.executable, flag=str(tmp_path / "interrupted")))
-    worker.chmod(0o755)
-    env = _env()
-    env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
-    env.pop("SLURM_JOB_ID", None)
+    env = _stand_in(tmp_path, WORKER.format(python=sys.executable, flag=str(tmp_path / "interrupted")))
     config = demo_config(tmp_path, tokens_per_shard=10**6)
     proc = run_workflow(tmp_path, config, check=False, env=env)
     out = proc.stdout + proc.stderr
