@@ -53,7 +53,7 @@ class ClassAdvice:
 
 
 _AMX_FP16 = ("no faster than fp32 on this class despite avx512_fp16 (fp16 1.05x fp32's speed; its GEMM peak "
-             "142 against fp32's 139 GFLOP/s: docs/benchmarks.md, \"int8-mixed, second pass\")")
+             "142 against fp32's 139 GFLOP/s: docs/benchmarks.md, \"The peers on the AMX Xeon\")")
 
 #: the advice per CPU class (:attr:`CpuFeatures.cpu_class`), from docs/benchmarks.md
 ADVICE: dict[str, ClassAdvice] = {a.cpu_class: a for a in (
@@ -63,7 +63,7 @@ ADVICE: dict[str, ClassAdvice] = {a.cpu_class: a for a in (
         "a real 2-vCPU Sapphire/Emerald Rapids Xeon, 35M, 200 proteins, 2 interleaved rounds; "
         "docs/benchmarks.md, \"int8 on VNNI CPUs\"", REAL,
         {"int8-mixed": ("not faster than bf16-mixed on this class (1.36-1.65x fp32 quiet against bf16-mixed's 1.84x) "
-                        "and 0.52x fp32 on a loaded node (docs/benchmarks.md, \"CPU contention\")"),
+                        "and 0.52x fp32 on a loaded node (docs/benchmarks.md, \"CPU contention on the AMX Xeon\")"),
          **dict.fromkeys(FP16_POLICIES, _AMX_FP16)}),
     ClassAdvice(
         "avx512_bf16", "`avx512_bf16`, no AMX", "Zen 4 / Zen 5 EPYC, Cooper Lake", "bf16-mixed", 1.70,
