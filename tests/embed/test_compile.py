@@ -91,8 +91,11 @@ def test_auto_compiles_only_a_job_big_enough(setup, monkeypatch):
     assert too_small["attrs"]["compile_reason"].startswith(f"auto: {residues} residues, below")
     monkeypatch.setattr(fused, "COLD_BREAK_EVEN", 10)  # forced low: this job now repays it
     forced = embed_and_read(tmp, path, RECORDS, name="auto-forced", precision="bf16-mixed", compile_cache=cache)
-    assert forced["attrs"]["compiled"] == True  # noqa: E712
-    assert forced["attrs"]["compile_reason"].startswith(f"auto: {residues} residues, at least")
+    why = forced["attrs"]["compile_reason"]
+    assert why.startswith(f"auto: {residues} residues, at least")
+    # compiled where the policy has a compiled path on this CPU (prepacked fp32-stream layers);
+    # where it has none (bf16 not native: nothing prepacked) the store says so and is eager
+    assert forced["attrs"]["compiled"] == ("has no compiled path" not in why)
     # never on CUDA unless asked, and not for the policy compiling did not speed up
     assert fused.decide_compile("auto", "bf16-mixed", "cuda", 10**9)[0] is False
     assert fused.decide_compile("auto", "int8-mixed", "cpu", 10**9)[0] is False

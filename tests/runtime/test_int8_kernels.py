@@ -46,11 +46,12 @@ def planted(monkeypatch):
 def test_a_slow_exact_engine_is_timed_and_not_chosen(planted) -> None:
     planted(slow=SlowExact)
     shape = (48, 64)
-    order = int8_kernels.fastest_engine(QMAX, shape)
+    qmax = int8_kernels.exact_range("int_mm", shape).qmax  # the widest range ATen's sums (and so "slow") are exact at
+    order = int8_kernels.fastest_engine(qmax, shape)
     assert "slow" in order and order[-1] == "slow"  # exact, so timed, and the slowest
-    assert int8_kernels.timing_ms("slow", QMAX, shape) > max(int8_kernels.timing_ms(e, QMAX, shape) or 0
+    assert int8_kernels.timing_ms("slow", qmax, shape) > max(int8_kernels.timing_ms(e, qmax, shape) or 0
                                                             for e in order if e != "slow")
-    layer = Int8Linear(torch.randn(*shape), None)
+    layer = Int8Linear(torch.randn(*shape), None, kernels=int8_kernels.KernelChoice(qmax, "planted"))
     assert layer.engine == order[0] != "slow"
 
 

@@ -39,6 +39,13 @@ def _cosines(y: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(unit(y), unit(want), dim=1)
 
 
+def _bar(layer: Int8Linear) -> float:
+    """The cosine to the exact fp32 product int8 reaches on these layers: 0.9999 with 8-bit
+    weights, 0.9995 with 7-bit ones (half the weight resolution, where only 7-bit kernels are
+    exact); a zeroed layer gives 0 either way."""
+    return 0.9999 if layer.weight_qmax == 127 else 0.9995
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("factor", [1e-32, 1e-34])  # below the old 1e-30 floor, scales still normal
 def test_tiny_weights_keep_their_own_scales_and_stay_int8(engine, factor) -> None:
@@ -46,7 +53,7 @@ def test_tiny_weights_keep_their_own_scales_and_stay_int8(engine, factor) -> Non
     engine = engine_here(engine)
     layer = Int8Linear(w * factor, None, engine=engine)
     want = x.double() @ (w.double() * factor).t()
-    assert float(_cosines(layer(x), want).min()) > 0.9999  # today's main: all zeros (cosine 0)
+    assert float(_cosines(layer(x), want).min()) > _bar(layer)  # before: all zeros (cosine 0)
     assert torch.equal(layer.qweight, Int8Linear(w, None, engine=engine).qweight)  # the same integers
     assert_engine(layer, engine)
     assert layer.fp32_reason == ""
@@ -62,7 +69,7 @@ def test_tiny_activations_are_lifted_not_zeroed(engine, factor) -> None:
     want = x.double() @ (w.double() * 1e30).t() + b.double() * 1e-10
     y = layer(x)
     rows = [r for r in range(24) if r != 3]
-    assert float(_cosines(y[rows], want[rows]).min()) > 0.9999  # today's main: rows of bias only
+    assert float(_cosines(y[rows], want[rows]).min()) > _bar(layer)  # before: rows of bias only
     assert torch.equal(y[3], (b * 1e-10).float())
     assert torch.isfinite(y).all()
 
