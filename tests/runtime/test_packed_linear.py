@@ -203,4 +203,5 @@ def test_int8_rows_need_no_tile_they_are_the_same_in_any_row_count():
         whole = policy.linear(x, weight, bias, packed)
         for lo, hi in ((0, 1), (5, 7), (10, 13), (0, 127), (300, 429), (999, 1000), (1, 1000)):
             assert torch.equal(policy.linear(x[lo:hi], weight, bias, packed), whole[lo:hi]), (lo, hi)
-    torch.testing.assert_close(whole, F.linear(x, weight, bias), rtol=0.05, atol=0.3 * 3)
+    coarse = 127 / packed.weight_qmax  # 7-bit weights (where only 7-bit kernels are exact) round twice as coarsely
+    torch.testing.assert_close(whole, F.linear(x, weight, bias), rtol=0.05 * coarse, atol=0.3 * 3 * coarse)
