@@ -54,17 +54,6 @@ def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
 TOKENS_PER_BATCH_HELP = (
     f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
     f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}.")
-ATTENTION_HELP = _one_of(options.ATTENTION_IMPLEMENTATIONS, {
-    "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward"}) + "."
-FALLBACK_DEVICE_HELP = "Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
-    "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."
-BATCH_LAYOUT_HELP = "How a batch's tokens are laid out: " + _one_of(options.BATCH_LAYOUTS, {
-    "auto": "packed where the varlen kernel runs, else padded", "packed": "no padding",
-    "padded": "with a mask"}) + ". See docs/precision.md."
-ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(
-    options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
-COMPILE_HELP = "torch.compile the layers' elementwise work: " + _one_of(options.COMPILE_MODES, {"auto": "if measured to pay"})
-CACHE_HELP = "inductor's cache, shared by jobs."
 AUTO_CACHE_HELP = "Where --precision auto keeps its measurements per node (default: ~/.cache/embedpipe)."
 INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
     "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."
@@ -177,19 +166,13 @@ def embed(
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
     long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP),
-    attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
     threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
-    fallback_device: str = typer.Option(EMBED.fallback_device, "--fallback-device", help=FALLBACK_DEVICE_HELP),
-    batch_layout: str = typer.Option(EMBED.batch_layout, "--batch-layout", help=BATCH_LAYOUT_HELP),
-    attention_inputs: str = typer.Option(EMBED.attention_inputs, "--attention-inputs", help=ATTENTION_INPUTS_HELP),
     int8_smoothing: str = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", help=INT8_SMOOTHING_HELP),
     int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
                                                    help=INT8_CALIBRATION_HELP),
-    compile: str = typer.Option(EMBED.compile, "--compile", help=COMPILE_HELP),
-    compile_cache: Optional[str] = typer.Option(EMBED.compile_cache, "--compile-cache", metavar="DIR", help=CACHE_HELP),
     auto_cache: Optional[str] = typer.Option(EMBED.auto_cache, "--auto-cache", metavar="DIR", help=AUTO_CACHE_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     accept_platform_mix: bool = typer.Option(
@@ -205,9 +188,8 @@ def embed(
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
-        long_sequences=long_sequences, attention=attention, overflow_margin=overflow_margin, threads=threads,
-        fallback_device=fallback_device, batch_layout=batch_layout, attention_inputs=attention_inputs,
-        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration, compile=compile, compile_cache=compile_cache,
+        long_sequences=long_sequences, overflow_margin=overflow_margin, threads=threads,
+        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
         auto_cache=auto_cache, accept_platform_mix=accept_platform_mix)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length))

@@ -40,13 +40,14 @@ def packs_by_family(family: str) -> bool | None:
 
 def check_family(family: str, bos: bool, packs_batches: bool | None, pooling: Sequence[str], batch_layout: str) -> None:
     """One-line refusals of what the family cannot do: ``bos`` pooling without a BOS token,
-    ``--batch-layout packed`` without a packed runner (``packs_batches`` None: not known yet)."""
+    the batch layout ``packed`` (an ``EMBEDPIPE_ENGINE`` override) without a packed runner
+    (``packs_batches`` None: not known yet)."""
     if "bos" in pooling and not bos:
         raise EmbedpipeError(f"--pooling bos: the {family} family has no BOS token (its token layout puts none "
                              "before the residues); store the mean or per-residue vectors")
     if batch_layout == "packed" and packs_batches is False:
-        raise EmbedpipeError(f"--batch-layout packed: the {family} family runs padded batches only; "
-                             "use --batch-layout padded or auto")
+        raise EmbedpipeError(f"EMBEDPIPE_ENGINE batch_layout=packed: the {family} family runs padded batches only; "
+                             "leave the batch layout to the run")
 
 
 def check_options(model: EmbeddingModel, pooling: Sequence[str], batch_layout: str) -> None:

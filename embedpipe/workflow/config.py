@@ -157,8 +157,7 @@ def check_reuse(reuse: list[str], outdir: str) -> None:
 #: config keys that are ``embedpipe embed`` options of the same name (``int8_smoothing`` is
 #: ``--int8-smoothing``); embed_options in workflows/rules/common.smk passes them to every job
 EMBED_KEYS = ("precision", "layers", "per_residue", "pooling", "tokens_per_batch", "device", "storage_dtype",
-              "long_sequences", "fallback_device", "batch_layout", "attention_inputs", "int8_smoothing",
-              "int8_calibration", "compile", "accept_platform_mix")
+              "long_sequences", "int8_smoothing", "int8_calibration", "accept_platform_mix")
 
 
 def embed_options(config: dict[str, Any]) -> EmbedOptions:

@@ -50,9 +50,6 @@ except workflow_config.ConfigError as exc:
     fail(exc)
 
 OUTDIR = os.path.normpath(config["outdir"])
-#: the inductor cache every embed job shares (`--compile-cache`; docs/precision.md, "Compiled
-#: elementwise work"), quoted for the shell line
-COMPILE_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "inductor"))
 #: where `precision: auto` keeps each node's measurement (`--auto-cache`; docs/precision.md,
 #: "precision: auto"): the run's jobs on one node measure once
 AUTO_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "auto-precision"))
@@ -311,14 +308,9 @@ def embed_options():
         "--long-sequences",
         config["long_sequences"],
     ]
-    if config["fallback_device"] != "auto":  # not passed by default: existing runs stay up to date
-        args += ["--fallback-device", config["fallback_device"]]
-    if sorted(config["pooling"]) != ["mean"]:  # likewise
+    if sorted(config["pooling"]) != ["mean"]:  # not passed by default: existing runs stay up to date
         for pooling in config["pooling"]:
             args += ["--pooling", pooling]
-    for key in ("batch_layout", "attention_inputs", "compile"):  # likewise
-        if config[key] != "auto":
-            args += ["--" + key.replace("_", "-"), config[key]]
     if config["int8_smoothing"] != "none":  # likewise
         args += ["--int8-smoothing", config["int8_smoothing"]]
     if config["int8_calibration"] is not None:
