@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed.engine import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import Family, ModelFacts, registry
 from embedpipe.model.base import TokenLayout

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_t5 import hf_inputs, overflowing
 
-from embedpipe.embed.engine import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
