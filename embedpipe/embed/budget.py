@@ -82,7 +82,7 @@ def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Seque
       them with per-residue output, held until the rows leave the device; one at a time
       otherwise).
     Checked against a traced forward at the 650M and 3B shapes (tests/runtime/test_cuda_memory.py).
-    ``attention_inputs``: resolved ``--attention-inputs`` (``compute`` is CUDA's default)."""
+    ``attention_inputs``: the attention inputs as resolved (``compute`` is CUDA's default)."""
     estimate = loaded.estimate_memory(policy, attention_inputs=attention_inputs)
     hidden = loaded.embed_dim * estimate.hidden_itemsize
     held = sum(1 for layer in stored_layers if layer < loaded.num_layers - 1)

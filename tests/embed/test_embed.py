@@ -187,7 +187,8 @@ def test_cli_embed_info_validate(tmp_path, tiny_model_path):
     result = runner.invoke(app, ["info", str(out)])
     assert "batches     4096 tokens (auto), padded;" in result.output
     given = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(tmp_path / "g.h5"),
-                                "--tokens-per-batch", "300", "--batch-layout", "padded", "--attention-inputs", "fp32"])
+                                "--tokens-per-batch", "300"],
+                          env={"EMBEDPIPE_ENGINE": "batch_layout=padded,attention_inputs=fp32"})
     assert given.exit_code == 0, given.output
     assert "tokens per batch 300\n" in given.output + "\n" and "(auto)" not in given.output
     bad = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out),

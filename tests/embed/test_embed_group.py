@@ -136,7 +136,8 @@ def test_a_store_computed_padded_is_not_kept_where_auto_means_packed(tmp_path, t
 
     shards = _shards(tmp_path, 1)
     out = tmp_path / "stores"
-    options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed", "attention_inputs": "compute"})
+    options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed"})
+    monkeypatch.setenv("EMBEDPIPE_ENGINE", "attention_inputs=compute")
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
     before = store_uuid(out / "shard-00000.h5")
     assert embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True).kept

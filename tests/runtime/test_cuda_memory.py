@@ -70,8 +70,8 @@ def traced_embed(make, records: list[tuple[str, str]], precision: str, *, tokens
     per computed token of the largest batch, ``bytes_per_token`` from the run the embedder resolved)."""
     with fake_cuda(track_memory=True) as trace:
         loaded = make()
-        chosen = EmbedOptions(precision=precision, device="cuda", tokens_per_batch=tokens, **options)
-        embedder = embedder_for(loaded, chosen, torch.device("cuda", 0))
+        embedder = embedder_for(loaded, dict(precision=precision, device="cuda", tokens_per_batch=tokens, **options),
+                                torch.device("cuda", 0))  # attention_inputs: the override
         plan = embedder.plan(records)
         embedder.runner(embedder.policy)
         trace.clear()
@@ -80,7 +80,7 @@ def traced_embed(make, records: list[tuple[str, str]], precision: str, *, tokens
         computed = max(sum(p.tokens for p in b) if plan.packed else len(b) * max(p.tokens for p in b)
                        for b in plan.batches)
         run = embedder.run
-        estimate = batch_budget.bytes_per_token(loaded, run.policy, embedder.layers, chosen.per_residue,
+        estimate = batch_budget.bytes_per_token(loaded, run.policy, embedder.layers, run.options.per_residue,
                                                 attention_inputs=run.attention_inputs)
         return (trace.peak_bytes - before) / computed, estimate
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedpipe.core.options import POLICY_NAMES, EmbedOptions
+from embedpipe.core.options import POLICY_NAMES
 from embedpipe.embed.engine import Embedder
 from embedpipe.model import load_model
 from embedpipe.model.random_hf import make_hf_test_model
@@ -63,7 +63,7 @@ def trace_embed(model_path, *, nan_row: int | None = None, pooling: tuple[str, .
     """Embed the records on the faked GPU: (embedder, results, trace of the launch path, facts
     read while the GPU was faked)."""
     loaded = load_model(str(model_path))
-    options = EmbedOptions(device="cuda", per_residue=True, pooling=pooling, layers=(1, -1), **options)
+    options = dict(device="cuda", per_residue=True, pooling=pooling, layers=(1, -1), **options)  # engine keys: the override
     with fake_cuda(answer=NanAnswer(nan_row)) as trace:
         embedder = embedder_for(loaded, options, CUDA)
         embedder.runner(embedder.policy)

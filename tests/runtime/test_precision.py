@@ -211,7 +211,8 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_pat
         monkeypatch.setattr(Embedder, "_launch", forward)
         monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (settings.append(p), real_set(p))[1])
         records = random_sequences(6, (20, 60), seed=1)
-        dict(embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu")).embed(records))
+        embedder = embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu"))
+        dict(embedder.embed(records))
         assert len(seen) > 1 and set(seen) == {"highest"}
         assert settings == ["highest", "medium"]
         assert torch.get_float32_matmul_precision() == "medium"
