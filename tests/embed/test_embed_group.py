@@ -91,7 +91,7 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert store_uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
     identity = embed_identity(OPTIONS, get_policy(OPTIONS.precision), _model(tiny_model_path), on_cpu, [0, 2],
-                              ["mean"], calibration=None, platform=describe_platform(torch.device("cpu")))
+                              ["mean"], calibration=None, platform=describe_platform(torch.device("cpu")), attention="sdpa")
     assert all(embed_module.store_is_current(p, identity, _input(p))
                for p in stores)
 
