@@ -88,12 +88,12 @@ def test_tokens_per_batch_is_auto_or_a_number_of_at_least_3(schema):
     check({"input": "x.fa"}, schema)  # the default, auto, passes
 
 
-def test_batch_layout_and_attention_inputs_are_checked(schema):
-    check(_base() | {"batch_layout": "packed", "attention_inputs": "compute"}, schema)
-    with pytest.raises(ConfigError, match=r"'batch_layout'.*'ragged'"):
-        check(_base() | {"batch_layout": "ragged"}, schema)
-    with pytest.raises(ConfigError, match=r"'attention_inputs'"):
-        check(_base() | {"attention_inputs": "fp16"}, schema)
+@pytest.mark.parametrize("key", ["batch_layout", "attention_inputs", "fallback_device", "compile", "attention"])
+def test_the_engine_choices_are_no_workflow_keys(schema, key):
+    """The run derives them (docs/precision.md, "Engine choices"): a config that sets one is refused
+    as an unknown key, like any other."""
+    with pytest.raises(ConfigError, match=rf"'{key}'"):
+        check(_base() | {key: "auto"}, schema)
 
 
 def test_precision_auto_is_accepted_and_left_for_the_job_to_resolve(schema):
