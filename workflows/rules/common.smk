@@ -22,7 +22,7 @@ from embedpipe.workflow import cluster as workflow_cluster
 from embedpipe.workflow import config as workflow_config
 from embedpipe.workflow import jobs as workflow_jobs
 from embedpipe.model import fetch as model_fetch
-from embedpipe.export import formats as export_formats
+from embedpipe.core import export_formats
 
 
 def fail(message):
@@ -429,7 +429,7 @@ def crosscheck_label_options():
 # ---------------------------------------------------------------- targets
 
 
-#: format -> the file the export rule writes, from the registry (embedpipe/export/formats.py)
+#: format -> the file the export rule writes, from the registry (embedpipe/core/export_formats.py)
 EXPORT_NAMES = export_formats.workflow_files()
 
 
