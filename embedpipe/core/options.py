@@ -14,9 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from embedpipe.core import export_formats
 from embedpipe.core import long_sequences as long_modes
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core import export_formats
 
 # ------------------------------------------------------------------------------ allowed values
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from embedpipe.core import export_formats as formats
 from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import progress_bar
-from embedpipe.core import export_formats as formats
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.store import Store, open_store
 from embedpipe.store.sources import pinned_by

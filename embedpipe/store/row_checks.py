@@ -30,13 +30,13 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.options import STORAGE_DTYPES
+from embedpipe.store.checks import nonfinite_rows
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import (
     LONG_HANDLING,
     attr_to_python,
     open_h5,
 )
-from embedpipe.store.checks import nonfinite_rows
 from embedpipe.store.meancheck import mean_check_applies, mean_mismatch
 from embedpipe.store.reader import Store
 from embedpipe.store.reuse_checks import check_row_range

@@ -169,8 +169,9 @@ def embed_keys(config: Collection[str]) -> list[str]:
 
 def embed_options(config: dict[str, Any]) -> EmbedOptions:
     """The options every embed job of ``config`` runs with (schema defaults filled in)."""
-    values = {key: config[key] for key in embed_keys(config)}
-    return EmbedOptions(**{key: tuple(v) if isinstance(v, list) else v for key, v in values.items()})
+    values: dict[str, Any] = {key: tuple(config[key]) if isinstance(config[key], list) else config[key]
+                              for key in embed_keys(config)}
+    return EmbedOptions(**values)
 
 
 def _flag(key: str) -> str:

@@ -9,11 +9,13 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.engine import Embedder, EmbedOptions, resolve_layers
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
 from embedpipe.embed.planning import plan_record
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.model.layers import resolve_layers
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, write_fasta
 
 ATOL = 1e-5

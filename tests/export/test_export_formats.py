@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from embedpipe.core import options
 from embedpipe.core import export_formats as formats
+from embedpipe.core import options
 from embedpipe.export.run import writer
 
 ROOT = Path(__file__).resolve().parents[2]

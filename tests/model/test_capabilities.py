@@ -18,7 +18,6 @@ from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.precision import POLICIES
 from helpers import fake_family_layout as fake
 
-
 #: a test model of every family embedpipe registers: make-test-model's formats (fair-esm and one
 #: directory per Hugging Face ``model_type`` it writes; ESM++ in tests/model/test_esmc.py)
 FAMILY_MODELS = ("esm2", "hf-esm", "prot-t5", "ankh", "esmc")
