@@ -16,10 +16,9 @@ from typing import Optional
 import typer
 
 from embedpipe.cli.exit import run_app, user_errors
-from embedpipe.core import options
+from embedpipe.core import export_formats, options  # export_formats: the registry, no format module
 from embedpipe.core.cpus import set_wait_policy
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.export import formats as export_formats  # import-light: the registry, no format module
 
 app = typer.Typer(
     add_completion=False,

@@ -14,9 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from embedpipe.core import export_formats
 from embedpipe.core import long_sequences as long_modes
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.export import formats as export_formats  # import-light: names, files, modules
 
 # ------------------------------------------------------------------------------ allowed values
 
@@ -51,7 +51,7 @@ INT8_SMOOTHINGS = ("none", "smoothquant")
 #: (docs/store-format.md, "Pooling")
 POOLINGS = ("mean", "bos")
 #: formats of ``embedpipe export`` and the workflow key ``exports`` (docs/exports.md)
-EXPORT_FORMATS = export_formats.NAMES  # defined with their files and modules in export/formats.py
+EXPORT_FORMATS = export_formats.NAMES  # defined with their files and modules in core/export_formats.py
 #: what ``shard`` does with an invalid FASTA record: stop, or list it as skipped in the manifest
 ON_INVALID = ("error", "skip")
 

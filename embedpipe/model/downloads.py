@@ -225,6 +225,6 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
 
 
 def file_identity(spec: str) -> ModelIdentity:
-    """The checkpoint's sha256 (its config is inside), packs: True, without reading the weights."""
+    """The checkpoint's sha256 (its config is inside), whether ESM-2 packs, without reading the weights."""
     family = versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION)  # read at call time: the one place it is set
-    return ModelIdentity(checkpoint_sha256(resolve_checkpoint(spec)), True, {}, family)
+    return ModelIdentity(checkpoint_sha256(resolve_checkpoint(spec)), esm2_spec.PACKS, {}, family)

@@ -22,7 +22,8 @@ from torch.overrides import TorchFunctionMode
 
 from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.model import esm2_spec
-from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel, TokenLayout
+from embedpipe.model.base import EmbeddingModel, TokenLayout
+from embedpipe.model.capabilities import batch_layouts
 from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
@@ -52,8 +53,8 @@ class Esm2Model:
     attention_heads: int
     trained_window: int = esm2_spec.TRAINED_RESIDUES
     family: str = esm2_spec.FAMILY  # the store's model_family (a Hugging Face ESM-2 directory too)
-    token_layout: TokenLayout = ESM2_LAYOUT
-    batch_layouts: tuple[str, ...] = ("packed", "padded")  # EsmForward takes both
+    token_layout: TokenLayout = esm2_spec.LAYOUT  # the capabilities its spec declares (esm2_spec.py)
+    batch_layouts: tuple[str, ...] = batch_layouts(esm2_spec.PACKS)  # EsmForward takes both
     provenance: Mapping[str, str] = field(
         default_factory=lambda: {"fair_esm_version": getattr(esm, "__version__", "unknown")})
     _lut: np.ndarray = field(init=False, repr=False)

@@ -34,6 +34,11 @@ ESM2_MODELS: dict[str, tuple[int, int, int]] = {
 #: ESM-2 was trained on 1024 tokens: 1022 residues plus BOS and EOS.
 TRAINED_RESIDUES = 1022
 
+#: ESM-2's capabilities, declared here once (its facts, its loaded model and its identity read
+#: them): its forward takes packed batches; its token layout is ``ESM2_LAYOUT`` (BOS, EOS, 1022)
+PACKS = True
+LAYOUT = ESM2_LAYOUT
+
 #: Tokens of ESM-2's alphabet (fair-esm's "ESM-1b" architecture alphabet).
 VOCABULARY_SIZE = 33
 
@@ -72,12 +77,12 @@ def describe(spec: str) -> ModelFacts:
         return ModelFacts(
             family=FAMILY, spec=spec, kind="name", name=spec, trained_window=TRAINED_RESIDUES,
             num_layers=layers, embed_dim=dim, attention_heads=heads, parameters=parameters,
-            weights_bytes=4 * parameters, trained=True,
+            weights_bytes=4 * parameters, trained=True, token_layout=LAYOUT, packs=PACKS,
         )
     path = Path(spec).expanduser()
     size = path.stat().st_size if path.is_file() else None
     return ModelFacts(family=FAMILY, spec=spec, kind="path", name=path.stem,
-                      trained_window=TRAINED_RESIDUES, weights_bytes=size)
+                      trained_window=TRAINED_RESIDUES, weights_bytes=size, token_layout=LAYOUT, packs=PACKS)
 
 
 #: forward working memory per token, in units of D bytes, per kind of policy: the live peak of
@@ -128,7 +133,7 @@ def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
 HF_ESM = HfFamily(
     model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
     family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
-    window=lambda config: TRAINED_RESIDUES, layout=lambda config: ESM2_LAYOUT,
-    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=True,
+    window=lambda config: TRAINED_RESIDUES, layout=lambda config: LAYOUT,
+    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
     hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
 )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from embedpipe.model.capabilities import batch_layouts
 from embedpipe.model.layout import TokenLayout
 
 #: config.json key of the untrained marker written by make-test-model.
@@ -56,3 +57,8 @@ class HfFamily:
     version: Callable[[], int]  # the forward's version, read at call time (the one place it is set)
     packs: bool  # whether its runner takes packed batches (a store's identity records it)
     hub_names: Mapping[str, str] = field(default_factory=dict)  # known hub name -> family name
+
+    @property
+    def batch_layouts(self) -> tuple[str, ...]:
+        """What its loaded models declare (:func:`~embedpipe.model.capabilities.batch_layouts`)."""
+        return batch_layouts(self.packs)

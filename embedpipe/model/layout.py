@@ -44,9 +44,6 @@ class TokenLayout:
 #: layout of a family that declares none, and of ``embedpipe shard`` without ``--model``.
 ESM2_LAYOUT = TokenLayout(bos=True, eos=True, window=1022)
 
-#: T5 encoders (ProtT5, Ankh): no BOS, one ``</s>`` after the residues, no hard window.
-T5_LAYOUT = TokenLayout(bos=False, eos=True, window=None)
-
 
 def layout_of(model: object) -> TokenLayout:
     """A loaded model's (or its facts') declared layout; ESM-2's when it declares none."""

@@ -20,16 +20,14 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
-from embedpipe.model import layout, t5_vocab
+from embedpipe.model import t5_vocab
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.model.config_bounds import t5_config
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.layout import TokenLayout
 from embedpipe.model.t5_forward import T5Forward, T5Shape
+from embedpipe.model.t5_spec import HF_T5
 from embedpipe.runtime.precision import Policy
-
-#: T5: no BOS, one ``</s>`` after the residues; no hard window (see t5_vocab.T5_MAX_RESIDUES).
-T5_LAYOUT = layout.T5_LAYOUT
 
 #: Tensors the fp32-island policies keep in fp32 (RMS norm scales, the relative-position bias).
 FP32_ISLAND_SUFFIXES = ("ln0", "ln1", "final_ln", "relative_bias")
@@ -49,9 +47,9 @@ class T5Model:
     sha256: str
     trained: bool
     family: str  # prot-t5 or ankh
-    trained_window: int = t5_vocab.T5_MAX_RESIDUES
-    token_layout: TokenLayout = T5_LAYOUT
-    batch_layouts: tuple[str, ...] = ("padded",)  # no packed runner (embedpipe.model.capabilities)
+    trained_window: int = HF_T5.window(None)  # the capabilities its spec declares (t5_spec.py)
+    token_layout: TokenLayout = HF_T5.layout(None)
+    batch_layouts: tuple[str, ...] = HF_T5.batch_layouts  # padded only: no packed runner
     provenance: Mapping[str, str] = field(default_factory=dict)
 
     @property

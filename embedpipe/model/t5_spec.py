@@ -13,7 +13,10 @@ from typing import Any
 from embedpipe.model import t5_vocab
 from embedpipe.model.config_bounds import t5_config
 from embedpipe.model.hf_families import HfFamily, marked_family
-from embedpipe.model.layout import T5_LAYOUT
+from embedpipe.model.layout import TokenLayout
+
+#: T5 encoders (ProtT5, Ankh): no BOS, one ``</s>`` after the residues, no hard window.
+T5_LAYOUT = TokenLayout(bos=False, eos=True, window=None)
 
 #: Hub names embedpipe knows, with their family (others load too once they are cached).
 HUB_NAMES = {

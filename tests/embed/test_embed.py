@@ -10,11 +10,12 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder, resolve_layers
+from embedpipe.embed.engine import Embedder
 from embedpipe.embed.planning import plan_record
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.model.layers import resolve_layers
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, write_fasta
 from helpers.engine import embedder_for
 

@@ -263,3 +263,6 @@ def test_an_esm_plusplus_directory_loads_and_equals_transformers_esmc(tmp_path: 
     for layer, expected in enumerate(want):
         assert rel(out.hidden[layer][keep], expected[keep]) <= 1e-5, layer
     assert describe("Synthyra/ESMplusplus_small").family == "esmc"
+    from test_capabilities import assert_declared_as_loaded
+
+    assert_declared_as_loaded(str(directory))  # ESM++'s spec declares what its loaded model answers
