@@ -45,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+from _harness import machine_header, run_process, write_fasta
 from embed_throughput import OUT, add_input_arguments, bench_model, repeat_input, system_command
 
 from embedpipe.core.cpus import WAIT_VARIABLES
@@ -89,9 +90,7 @@ def run_once(cmd: list[str], env: dict[str, str], neighbours: int) -> float:
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(neighbours)]
     try:
         time.sleep(0.2 if spinners else 0)  # the neighbours are running before the job starts
-        started = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        return time.perf_counter() - started
+        return run_process(cmd, env=env, capture=True).seconds
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -213,8 +212,7 @@ def main() -> None:
         from embedpipe.inputs.fasta import read_sequences
 
         records = list(read_sequences(fasta))[: args.max_records]
-        fasta = OUT / f"first{args.max_records}-{fasta.name}"
-        fasta.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
+        fasta = write_fasta(OUT / f"first{args.max_records}-{fasta.name}", records)
     from embedpipe.core.cpus import allocated
     from embedpipe.runtime.cpu_features import detect
 
@@ -222,6 +220,7 @@ def main() -> None:
     cpu, own = detect(), allocated()
     print(f"input: {fasta.name}; {args.layers} layers x {args.dim} dims; {own.count} CPUs ({own.source}); "
           f"CPU {cpu.cpu_class} ({cpu.named()}); {args.rounds} interleaved round(s), medians", file=sys.stderr)
+    print(machine_header())
     report(args, measure(args, model, fasta))
 
 

@@ -54,7 +54,7 @@ from _gpu_acceptance_setup import (
     shape_skip_reason,
 )
 from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_records, proxy_section, shape_speed
-from _helpers import random_records
+from _harness import random_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "embedpipe.gpu-acceptance/1"
