@@ -80,23 +80,30 @@ class Timing:
         return max(self.peak_rss_mib, default=float("nan"))
 
 
-class Stopwatch:
-    """Wall seconds of a ``with`` block (``seconds`` is set when the block ends)."""
+def now() -> float:
+    """The benchmarks' one clock (monotonic seconds): every duration below is a difference of two."""
+    return time.perf_counter()
 
-    def __init__(self) -> None:
+
+class Stopwatch:
+    """Wall seconds of a ``with`` block (``seconds`` is set when the block ends); ``sync`` (e.g. a
+    CUDA synchronise) runs at both ends, so queued device work counts in the block it belongs to."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.seconds = float("nan")
         self._start = 0.0
+        self._sync = sync
 
     def __enter__(self) -> Stopwatch:
-        self._start = time.perf_counter()
+        if self._sync is not None:
+            self._sync()
+        self._start = now()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self._start
-
-    def elapsed(self) -> float:
-        """Seconds since the block began (for budgets checked while it runs)."""
-        return time.perf_counter() - self._start
+        if self._sync is not None:
+            self._sync()
+        self.seconds = now() - self._start
 
 
 def time_call(fn: Callable[[], object], rounds: int = 1, warmup: int = 0) -> Timing:
@@ -122,25 +129,62 @@ class ProcessRun:
     stderr: str = ""
 
 
+#: a small Python process that forks and execs the timed command, waits for it and writes its
+#: wall seconds and ``wait4`` peak RSS to the fd in argv[1]. Why not time the command straight
+#: from here: a child's ``ru_maxrss`` starts at the peak of the process it was forked from and
+#: survives ``exec``, so a command forked from a benchmark that imported torch would report the
+#: benchmark's memory; forked from this launcher it starts near zero (as GNU time's ``%M``).
+LAUNCHER = """import os, sys, time
+fd = int(sys.argv[1])
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+os.write(fd, f"{time.perf_counter() - start} {usage.ru_maxrss}".encode())
+sys.exit(os.waitstatus_to_exitcode(status) % 256)
+"""
+
+
 def run_process(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                check: bool = True, capture: bool = False, stdin: int | None = None) -> ProcessRun:
-    """Run ``cmd`` as a whole process: wall seconds from spawn to exit, and the child's own peak RSS
-    (``wait4``'s rusage, not the cumulative one of all children). ``check``: a failure stops the
-    benchmark with the command named."""
+                check: bool = True, capture: bool = False, limit: float | None = None) -> ProcessRun:
+    """Run ``cmd`` as a whole process: wall seconds from its start to its exit and its own peak
+    RSS (through :data:`LAUNCHER`). ``capture``: keep stdout and stderr (else they pass through).
+    ``check``: a failure stops the benchmark with the command named. ``limit``: seconds after
+    which its whole process group is killed (then ``returncode`` is -9 and seconds and RSS are nan)."""
+    import signal
     import tempfile
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        with Stopwatch() as clock:
-            proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), cwd=cwd, stdin=stdin,
-                                    stdout=out if capture else None, stderr=err if capture else None, text=True)
-            _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = code = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        stdout, stderr = (out.read(), err.read()) if capture else ("", "")
-    if check and code != 0:
+    read, write = os.pipe()
+    try:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([sys.executable, "-S", "-c", LAUNCHER, str(write), *cmd],
+                                    env=None if env is None else dict(env), cwd=cwd, pass_fds=(write,),
+                                    stdout=out if capture else None, stderr=err if capture else None,
+                                    start_new_session=limit is not None)
+            os.close(write)
+            write = -1
+            try:
+                code = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return ProcessRun(float("nan"), float("nan"), -9)
+            report = os.read(read, 256).decode().split()
+            out.seek(0), err.seek(0)
+            stdout, stderr = (out.read(), err.read()) if capture else ("", "")
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
+    if check and (code != 0 or len(report) != 2):
         raise SystemExit(f"failed ({code}): {shlex.join(cmd)}\n{stderr[-2000:]}")
-    rss = usage.ru_maxrss / 1024
-    return ProcessRun(clock.seconds, rss, code, stdout, stderr)
+    seconds, rss_kib = (float(report[0]), float(report[1])) if len(report) == 2 else (float("nan"), float("nan"))
+    return ProcessRun(seconds, rss_kib / 1024, code, stdout, stderr)
 
 
 def time_process(cmd: Sequence[str], rounds: int = 1, env: Mapping[str, str] | None = None,

@@ -28,12 +28,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import h5py
 import numpy as np
+from _harness import Stopwatch, machine_header, time_call
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -120,9 +120,9 @@ def step_merge(args: argparse.Namespace) -> dict:
     from embedpipe.store import merge_stores
 
     paths = sorted((args.out / "stores").glob("shard-*.h5"))
-    t = time.perf_counter()
-    merge_stores(paths, out=args.out / "merged.h5")
-    return {"merge_s": time.perf_counter() - t}
+    with Stopwatch() as clock:
+        merge_stores(paths, out=args.out / "merged.h5")
+    return {"merge_s": clock.seconds}
 
 
 def step_open(args: argparse.Namespace) -> dict:
@@ -133,26 +133,24 @@ def step_open(args: argparse.Namespace) -> dict:
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
-    t = time.perf_counter()
-    store = embedpipe.open_store(args.out / "merged.h5")
-    open_s = time.perf_counter() - t
+    with Stopwatch() as clock:
+        store = embedpipe.open_store(args.out / "merged.h5")
+    open_s = clock.seconds
     added = proc.memory_info().rss - rss0
     rng = np.random.default_rng(1)
     n = len(store)
     rows = rng.integers(0, n, size=args.lookups)
     ids = [store.ids[int(r)] for r in rows]
-    t = time.perf_counter()
-    for rid in ids:
-        store.mean_vector(rid)
-    mean_us = (time.perf_counter() - t) / len(ids) * 1e6
-    t = time.perf_counter()
+    with Stopwatch() as clock:
+        for rid in ids:
+            store.mean_vector(rid)
+    mean_us = clock.seconds / len(ids) * 1e6
     bad = 0
-    for rid in ids:
-        bad += int(not np.isfinite(store.per_residue(rid)).all())
-    pr_us = (time.perf_counter() - t) / len(ids) * 1e6
-    t = time.perf_counter()
-    store.records(sequence=True, rows=slice(0, min(n, 10_000)))
-    rec_s = time.perf_counter() - t
+    with Stopwatch() as clock:
+        for rid in ids:
+            bad += int(not np.isfinite(store.per_residue(rid)).all())
+    pr_us = clock.seconds / len(ids) * 1e6
+    rec_s = time_call(lambda: store.records(sequence=True, rows=slice(0, min(n, 10_000)))).best
     return {"open_s": open_s, "open_added_mib": added / 2**20, "mean_vector_us": mean_us, "per_residue_us": pr_us,
             "records_seq_10k_s": rec_s, "nan_records": bad, "open_rss_mib": proc.memory_info().rss / 2**20}
 
@@ -160,9 +158,9 @@ def step_open(args: argparse.Namespace) -> dict:
 def step_validate(args: argparse.Namespace) -> dict:
     from embedpipe.store import validate_store
 
-    t = time.perf_counter()
-    problems = validate_store(args.out / "merged.h5")
-    return {"validate_s": time.perf_counter() - t, "validate_problems": len(problems),
+    with Stopwatch() as clock:
+        problems = validate_store(args.out / "merged.h5")
+    return {"validate_s": clock.seconds, "validate_problems": len(problems),
             "validate_first": problems[0][:200] if problems else ""}
 
 
@@ -220,10 +218,10 @@ def main() -> None:
         return
     args.out = args.out or HERE / "out" / "store_scale" / f"{args.records}x{args.shards}"
     args.out.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    build(args.out, args.records, args.shards)
-    print(f"# {args.records} records in {args.shards} shard stores (D={DIM}); built in {time.perf_counter() - t:.1f} s",
-          flush=True)
+    print(machine_header())
+    with Stopwatch() as clock:
+        build(args.out, args.records, args.shards)
+    print(f"# {args.records} records in {args.shards} shard stores (D={DIM}); built in {clock.seconds:.1f} s", flush=True)
     results: dict = {}
     for name in ("merge", "open", "validate") + (("nofile",) if args.nofile else ()):
         results.update(run_step(name, args))

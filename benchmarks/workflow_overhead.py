@@ -29,13 +29,13 @@ import csv
 import json
 import math
 import os
-import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _harness import machine_header, run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "swissprot100.fasta"
@@ -45,12 +45,10 @@ EMBEDDED = re.compile(r"embedded (\d+) records \(([\d,]+) residues\) in ([\d.]+)
 def run(cmd: list[str], cwd: Path) -> tuple[float, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return elapsed, proc.stdout + proc.stderr
+    done = run_process(cmd, env=env, cwd=cwd, check=False, capture=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return done.seconds, done.stdout + done.stderr
 
 
 STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
@@ -182,16 +180,13 @@ def stub_run(shards: int, max_jobs: int, cores: int, scheduler: str) -> dict[str
                    STUB_MAX_JOBS=str(max_jobs), STUB_PYTHON=sys.executable, STUB_SCRIPT=str(Path(__file__).resolve()))
         base = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work),
                 "--configfile", str(work / "config.yaml"), "--quiet", "all"]
-        start = time.perf_counter()
-        proc = subprocess.run(base + ["--cores", str(cores), "--scheduler", scheduler], cwd=work, env=env,
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            sys.exit(f"stub run of {shards} shards failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        fresh = run_process(base + ["--cores", str(cores), "--scheduler", scheduler], env=env, cwd=work, check=False,
+                            capture=True)
+        if fresh.returncode != 0:
+            sys.exit(f"stub run of {shards} shards failed:\n{fresh.stdout[-3000:]}\n{fresh.stderr[-5000:]}")
         jobs = len(list((work / "out" / "stores").glob("group-*.json")))
-        start = time.perf_counter()
-        subprocess.run(base + ["--cores", "1", "--dry-run"], cwd=work, env=env, capture_output=True, check=True)
-        return {"shards": shards, "embed_jobs": jobs, "wall_s": wall, "noop_s": time.perf_counter() - start}
+        noop = run_process(base + ["--cores", "1", "--dry-run"], env=env, cwd=work, capture=True)
+        return {"shards": shards, "embed_jobs": jobs, "wall_s": fresh.seconds, "noop_s": noop.seconds}
 
 
 def fit_exponent(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -217,8 +212,8 @@ def stub_main(args: argparse.Namespace) -> None:
     # Embedding time of UniRef50 at the stated throughput, spread over `gpus` concurrent jobs.
     gpu_s = args.residues / args.residues_per_gpu_s
     wall_embed = gpu_s / args.gpus
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; stub jobs, local "
-          f"executor, --cores {args.cores}, --scheduler {args.scheduler}\n")
+    print(machine_header())
+    print(f"stub jobs, local executor, --cores {args.cores}, --scheduler {args.scheduler}\n")
     print("| plan | shards | embed jobs | fresh run, wall s | no-op dry-run s |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for plan, r in rows:
@@ -281,8 +276,8 @@ def main() -> None:
         return
 
     where = args.profile or f"local, --cores {args.cores}"
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {where}; "
-          f"test model {args.layers} layers, dim {args.dim}; {args.precision} on {args.device}; "
+    print(machine_header())
+    print(f"{where}; test model {args.layers} layers, dim {args.dim}; {args.precision} on {args.device}; "
           f"median of {args.repeat} run(s)\n")
     print("| measure | seconds |")
     print("| --- | ---: |")
