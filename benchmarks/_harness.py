@@ -273,11 +273,11 @@ def machine_header(argv: Sequence[str] | None = None, cpuinfo: Path = Path("/pro
         torch_version = torch.__version__
     except ImportError:  # the store/shard benchmarks do not need torch
         torch_version = "not installed"
-    command = shlex.join([Path(sys.argv[0]).name if argv is None else "", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]] if argv is None else list(argv))
     return "\n".join([
         f"machine: {model}; {os.cpu_count()} CPUs; flags {' '.join(flags) or 'none of ' + '/'.join(DECIDING_FLAGS[:3])}",
         f"software: Python {platform.python_version()}, torch {torch_version}",
-        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: {command.strip()}",
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: {command}",
     ])
 
 
