@@ -187,17 +187,6 @@ def run_process(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: P
     return ProcessRun(seconds, rss_kib / 1024, code, stdout, stderr)
 
 
-def time_process(cmd: Sequence[str], rounds: int = 1, env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None) -> Timing:
-    """Wall seconds and peak RSS of ``rounds`` runs of one whole process."""
-    timing = Timing()
-    for _ in range(rounds):
-        run = run_process(cmd, env=env, cwd=cwd)
-        timing.seconds.append(run.seconds)
-        timing.peak_rss_mib.append(run.peak_rss_mib)
-    return timing
-
-
 def interleaved(commands: Mapping[str, Sequence[str]], rounds: int, env: Mapping[str, str] | None = None,
                 envs: Mapping[str, Mapping[str, str]] | None = None,
                 before: Callable[[str], None] | None = None) -> dict[str, Timing]:
