@@ -23,7 +23,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
-from _harness import time_call
+from _harness import machine_header, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pooled-only", action="store_true", help="only the store without per-residue rows")
     args = parser.parse_args(argv)
+    print(machine_header(), flush=True)
     with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as scratch:
         for per_residue in (False,) if args.pooled_only else (True, False):
             print(json.dumps(measure(Path(scratch), args, per_residue)), flush=True)
