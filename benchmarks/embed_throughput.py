@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _harness import cosine, engine_env, interleaved, machine_header, time_call, write_fasta
+from _harness import Ratio, cosine, engine_env, interleaved, machine_header, table, time_call, write_fasta
 
 from embedpipe.core.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
 
@@ -278,26 +278,27 @@ def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, li
 def print_table(rows: list[dict], ref: dict[str, np.ndarray], layer: int) -> None:
     """The Markdown table, with ratios to the recipe (and to HF bf16) and cosines to fp32;
     the ratios and cosines are added to the rows."""
-    recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
-    hf_bf16 = next((r for r in rows if r["system"] == "hf-transformers-bf16"), None)
-    hf_column = ("| x HF bf16 ", "|---") if hf_bf16 else ("", "")
-    print(f"\n| system | seconds | residues/s | x fair-esm recipe {hf_column[0]}| padding eff. | MFU | peak RSS MiB | "
-          "min cos to fp32 | median cos |")
-    print(f"|---|---|---|---{hf_column[1]}|---|---|---|---|---|")
+    systems = [row["system"] for row in rows]
+    ratios = [Ratio("residues/s", systems.index("fair-esm"), "x fair-esm recipe", lower_is_better=False)
+              ] if "fair-esm" in systems else []
+    if "hf-transformers-bf16" in systems:
+        ratios.append(Ratio("residues/s", systems.index("hf-transformers-bf16"), "x HF bf16", lower_is_better=False))
+    cells = []
     for row in rows:
         means = read_means(row["system"], row["path"], layer)
         cos = [cosine(means[k], v) for k, v in ref.items() if k in means]
-        ratio = row["residues_per_s"] / recipe["residues_per_s"] if recipe else float("nan")
-        row["ratio_hf_bf16"] = row["residues_per_s"] / hf_bf16["residues_per_s"] if hf_bf16 else None
-        hf_cell = f"| {row['ratio_hf_bf16']:.2f} " if hf_bf16 else ""
-        cos_min = f"{min(cos):.6f}" if cos else "-"
-        cos_med = f"{float(np.median(cos)):.6f}" if cos else "-"
-        print(f"| {row['system']} | {row['seconds']:.1f} | {row['residues_per_s']:,.0f} | {ratio:.2f} {hf_cell}| "
-              f"{row['padding_efficiency']:.3f} | {row['mfu']:.1%} ({row['peak_dtype']}) | {row['peak_rss_mib']:.0f} | "
-              f"{cos_min} | {cos_med} |")
-        row["ratio"] = ratio
+        for r in ratios:
+            base = rows[r.baseline]["residues_per_s"]
+            row["ratio" if r.label.startswith("x fair") else "ratio_hf_bf16"] = row["residues_per_s"] / base
         row["min_cosine"] = min(cos) if cos else None
         row["path"] = str(row["path"])
+        cells.append((row["system"], row["seconds"], row["residues_per_s"], row["padding_efficiency"],
+                      f"{row['mfu']:.1%} ({row['peak_dtype']})", row["peak_rss_mib"],
+                      f"{min(cos):.6f}" if cos else "-", f"{float(np.median(cos)):.6f}" if cos else "-"))
+    print("\n" + table(("system", "seconds", "residues/s", "padding eff.", "MFU", "peak RSS MiB", "min cos to fp32",
+                        "median cos"), cells, ratios,
+                       {"seconds": "{:.1f}", "residues/s": "{:,.0f}", "padding eff.": "{:.3f}", "peak RSS MiB": "{:.0f}"}))
+    recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
     if recipe and len(recipe["all_seconds"]) > 1:  # the spread behind each median, round by round
         print("\nper round, x fair-esm recipe (same round):")
         for row in rows:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _harness import Stopwatch, machine_header, run_process
+from _harness import Stopwatch, machine_header, run_process, table
 
 HERE = Path(__file__).resolve().parent
 # UniProt amino-acid composition (percent), 20 standard residues.
@@ -111,9 +111,7 @@ def main() -> None:
     print(machine_header())
     print(f"{seqkit_version or 'no seqkit'}; best of {args.repeat}")
     print()
-    print("| records | input (MB) | tool | wall time (s), best | all runs (s) | peak RSS (MiB) | RSS per record |")
-    print("| ---: | ---: | --- | ---: | --- | ---: | ---: |")
-    points = []
+    points, rows = [], []
     for records in args.records:
         fasta = args.out / f"synthetic-{records}.fasta"
         if not fasta.exists():
@@ -126,13 +124,15 @@ def main() -> None:
         for name, runs in results.items():
             wall, peak = min(w for w, _ in runs), max(r for _, r in runs)
             all_runs = ", ".join(f"{w:.1f}" for w, _ in runs)
-            print(f"| {records:,} | {size_mb:,.0f} | {name} | {wall:.1f} | {all_runs} | {peak:,.0f} | "
-                  f"{peak * 2**20 / records:,.0f} B |")
+            rows.append((records, f"{size_mb:,.0f}", name, f"{wall:.1f}", all_runs, f"{peak:,.0f}",
+                         f"{peak * 2**20 / records:,.0f} B"))
         points.append((records, max(r for _, r in results["embedpipe shard"]),
                        min(w for w, _ in results["embedpipe shard"])))
         if seqkit:
             ratio = points[-1][2] / min(w for w, _ in results["seqkit sort --two-pass"])
-            print(f"|  |  | wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0) |  |  |  |  |")
+            rows.append(("", "", f"wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0)", "", "", "", ""))
+    print(table(("records", "input (MB)", "tool", "wall time (s), best", "all runs (s)", "peak RSS (MiB)", "RSS per record"),
+                rows))
     _extrapolate(points)
 
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import machine_header, run_process
+from _harness import machine_header, run_process, table
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "swissprot100.fasta"
@@ -214,21 +214,21 @@ def stub_main(args: argparse.Namespace) -> None:
     wall_embed = gpu_s / args.gpus
     print(machine_header())
     print(f"stub jobs, local executor, --cores {args.cores}, --scheduler {args.scheduler}\n")
-    print("| plan | shards | embed jobs | fresh run, wall s | no-op dry-run s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for plan, r in rows:
-        print(f"| {plan} | {r['shards']:,} | {r['embed_jobs']:,} | {r['wall_s']:.1f} | {r['noop_s']:.1f} |")
+    print(table(("plan", "shards", "embed jobs", "fresh run, wall s", "no-op dry-run s"),
+                [(plan, r["shards"], r["embed_jobs"], r["wall_s"], r["noop_s"]) for plan, r in rows],
+                formats={"fresh run, wall s": "{:.1f}", "no-op dry-run s": "{:.1f}"}))
     print(f"\nUniRef50: {args.target_shards:,} shards, {args.residues:.3g} residues at {args.residues_per_gpu_s:,.0f} "
           f"residues/s per GPU = {gpu_s / 3600:,.0f} GPU-hours, {wall_embed / 3600:,.1f} h on {args.gpus} GPUs\n")
-    print("| plan | growth exponent (wall - baseline ~ shards^b) | overhead at UniRef50 | % of embedding wall time |")
-    print("| --- | ---: | ---: | ---: |")
+    fits = []
     for plan in dict.fromkeys(p for p, _ in rows[1:]):
         points = [(r["shards"], max(r["wall_s"] - base, 0.1)) for p, r in rows if p == plan]
         if len(points) < 2:
             continue
         a, b = fit_exponent(points)
         at = base + a * args.target_shards ** b
-        print(f"| {plan} | {b:.2f} | {at:,.0f} s | {100 * at / wall_embed:.2f}% |")
+        fits.append((plan, f"{b:.2f}", f"{at:,.0f} s", f"{100 * at / wall_embed:.2f}%"))
+    print(table(("plan", "growth exponent (wall - baseline ~ shards^b)", "overhead at UniRef50",
+                 "% of embedding wall time"), fits))
     if args.json:
         print(json.dumps([{"plan": p, **r} for p, r in rows], indent=1))
 
@@ -279,13 +279,12 @@ def main() -> None:
     print(machine_header())
     print(f"{where}; test model {args.layers} layers, dim {args.dim}; {args.precision} on {args.device}; "
           f"median of {args.repeat} run(s)\n")
-    print("| measure | seconds |")
-    print("| --- | ---: |")
-    print(f"| workflow wall time (fresh run, {r['shards']} shards) | {r['wall_s']:.1f} |")
-    print(f"| sum of embed jobs (benchmark files) | {r['embed_jobs_sum_s']:.1f} |")
+    measures = [(f"workflow wall time (fresh run, {r['shards']} shards)", r["wall_s"]),
+                ("sum of embed jobs (benchmark files)", r["embed_jobs_sum_s"])]
     if r["embedding_sum_s"] is not None:
-        print(f"| sum of embedding inside the jobs (embed logs) | {r['embedding_sum_s']:.1f} |")
-    print(f"| no-op rerun (`snakemake -n`, nothing to do) | {r['noop_rerun_s']:.1f} |")
+        measures.append(("sum of embedding inside the jobs (embed logs)", r["embedding_sum_s"]))
+    measures.append(("no-op rerun (`snakemake -n`, nothing to do)", r["noop_rerun_s"]))
+    print(table(("measure", "seconds"), measures, formats={"seconds": "{:.1f}"}))
     print(f"\nwall / embed jobs = {r['wall_over_jobs']:.2f}", end="")
     if r["wall_over_embedding"]:
         print(f"; wall / embedding = {r['wall_over_embedding']:.2f}")
@@ -293,12 +292,9 @@ def main() -> None:
         print()
     stages = ", ".join(f"{rule} {span:.0f}" for rule, span in r["stages_s"].items())
     print(f"stages, first start to last finish (s, 1 s resolution): {stages}")
-    print("\n| shard | job s | embedding s | records | residues | max RSS MB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for j in r["jobs"]:
-        embed_s = f"{j['embed_s']:.1f}" if j["embed_s"] is not None else "-"
-        print(f"| {j['shard']} | {j['job_s']:.1f} | {embed_s} | {j['records'] or '-'} | "
-              f"{j['residues'] or '-'} | {j['max_rss_mb']:.0f} |")
+    jobs = [(j["shard"], f"{j['job_s']:.1f}", "-" if j["embed_s"] is None else f"{j['embed_s']:.1f}",
+             j["records"] or "-", j["residues"] or "-", f"{j['max_rss_mb']:.0f}") for j in r["jobs"]]
+    print("\n" + table(("shard", "job s", "embedding s", "records", "residues", "max RSS MB"), jobs))
 
 
 if __name__ == "__main__":
