@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 from _gpu_acceptance_setup import checkpoint, release
-from _helpers import edit_weights, random_records, token_rows
+from _harness import cosine, pinned_engine, random_records
+from _helpers import edit_weights, token_rows
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POLICY_NAMES, EmbedOptions
@@ -65,8 +66,6 @@ def max_diff(a: dict[int, Any], b: dict[int, Any], pick) -> float:
     return max(float(np.max(np.abs(pick(a[i]) - pick(b[i])))) for i in a)
 
 
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def layouts_section(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],
@@ -77,8 +76,8 @@ def layouts_section(loaded: Any, fair: tuple[torch.nn.Module, Any], records: lis
     means = {i: r.mean(0) for i, r in reference.items()}
     outputs, section = {}, {}
     for layout in ("packed", "padded"):
-        embedder = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, batch_layout=layout,
-                                                 device=str(device)), device)
+        with pinned_engine(batch_layout=layout):
+            embedder = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, device=str(device)), device)
         outputs[layout] = dict(embedder.embed(records))
         got = outputs[layout]
         mean_diff = max(float(np.max(np.abs(got[i].mean[last] - means[i]))) for i in means)
@@ -99,8 +98,8 @@ def mixed_layouts_section(loaded: Any, records: list[tuple[str, str]], device: t
     (fp32 packed on CUDA runs the per-sequence stand-in, so the fp32 comparison never sees flash)."""
     last, outputs, paths = loaded.num_layers, {}, {}
     for layout in ("packed", "padded"):
-        embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", per_residue=True, batch_layout=layout,
-                                                 device=str(device)), device)
+        with pinned_engine(batch_layout=layout):
+            embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", per_residue=True, device=str(device)), device)
         outputs[layout] = dict(embedder.embed(records))
         paths[layout] = embedder.attention_path
         del embedder

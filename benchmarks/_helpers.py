@@ -1,4 +1,4 @@
-"""What several benchmark scripts share: random records and in-memory weight edits.
+"""In-memory weight edits several benchmark scripts share (records, clocks and tables: _harness.py).
 
 A module, not a script (tests/benchmarks/test_benchmark_scripts.py runs only the scripts, no
 leading _). Benchmarks import the package and modules like this one, never tests/ (issue 31):
@@ -9,20 +9,9 @@ second checkpoint on disk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
-
-AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
-
-
-def random_records(lengths: Sequence[int], seed: int | np.random.Generator,
-                   prefix: str = "r") -> list[tuple[str, str]]:
-    """Deterministic random proteins (the 20 standard residues) of the given lengths; ``seed``
-    may be a generator that drew the lengths (it goes on from there)."""
-    rng = np.random.default_rng(seed)
-    return [(f"{prefix}{i:05d}", "".join(rng.choice(AMINO, n))) for i, n in enumerate(lengths)]
 
 
 def edit_weights(loaded: object, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from embedpipe.runtime import cuda
 from embedpipe.runtime.engine_override import EngineChoice
-from embedpipe.runtime.packed_linear import batch_invariant, tile_rows
+from embedpipe.runtime.packed_linear import tile_rows
 from embedpipe.runtime.precision import Policy, attention_dtype, resolve_attention_inputs
 
 
@@ -50,5 +50,5 @@ def invariance_attrs(path: str, device: torch.device) -> dict[str, bool | int]:
     (docs/precision.md, "Reproducibility"). Yes for the packed paths (each sequence attended
     alone) and for padded SDPA on the CPU (each record at its own length); not for
     ``padded-math``, ``padded-fair-esm`` or padded CUDA batches (one masked kernel over the pad length)."""
-    invariant = batch_invariant() and (path.startswith("packed-") or (path == "padded-sdpa" and device.type == "cpu"))
+    invariant = path.startswith("packed-") or (path == "padded-sdpa" and device.type == "cpu")
     return {"batch_invariant": invariant, "batch_tile_rows": tile_rows(device)}
