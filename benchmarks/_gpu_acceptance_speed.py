@@ -31,9 +31,9 @@ from _gpu_acceptance_setup import (
     write_fasta,
 )
 from _harness import cosine, pinned_engine, random_records
+from _helpers import embedder_for
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
 from embedpipe.model.esm2 import reset_rotary_caches
 from embedpipe.runtime.cuda import BusyTimer, count_syncs
 
@@ -155,7 +155,7 @@ def run_embedpipe(loaded: Any, records: list[tuple[str, str]], device: torch.dev
     ``auto``: the program's choice); what it reports goes in the row. The warm-up prepares the
     model: ``warmup_seconds`` counts that time."""
     with pinned_engine(batch_layout=layout, attention_inputs=attention_inputs):
-        embedder = Embedder(loaded, EmbedOptions(precision=policy, device=str(device)), device)
+        embedder = embedder_for(loaded, EmbedOptions(precision=policy, device=str(device)), device)
     last = loaded.num_layers
     with Stopwatch(device) as warmup:
         list(embedder.embed(records[:WARMUP_RECORDS]))  # prepares the model, warms the kernels

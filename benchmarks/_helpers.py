@@ -13,6 +13,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
+from embedpipe.embed.resolved import resolve_loaded
+from embedpipe.model.base import EmbeddingModel
+
 
 def edit_weights(loaded: object, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
     """Change an ESM-2's weights in place (``load_model`` of a ``.pt``): ``edit`` gets its state
@@ -32,3 +37,10 @@ def token_rows(loaded: object, values: Mapping[str, float]) -> Callable[[dict[st
             state["embed_tokens.weight"][alphabet.get_idx(token)].fill_(float(value))
 
     return edit
+
+
+def embedder_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device) -> Embedder:
+    """An ``Embedder`` for ``options`` on ``device``, resolved as the cross-check resolves one
+    outside a job (``resolve_loaded``: the engine choices derived, ``EMBEDPIPE_ENGINE`` read
+    while it resolves, so a benchmark pins one with ``_harness.pinned_engine`` around this call)."""
+    return Embedder(loaded, resolve_loaded(loaded, options, device))

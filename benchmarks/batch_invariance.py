@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from _harness import Stopwatch, engine_env, lognormal_lengths, machine_header, random_records, table, write_fasta
+from _helpers import embedder_for
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
@@ -72,7 +72,7 @@ def previous_path() -> Iterator[None]:
 def timed_pass(loaded, recs: list[tuple[str, str]], options: EmbedOptions, invariant: bool) -> tuple[float, dict]:
     """(seconds, pooled last layer by record) of one embedding pass, invariant or the previous way."""
     with contextlib.nullcontext() if invariant else previous_path():
-        embedder = Embedder(loaded, options, torch.device("cpu"))
+        embedder = embedder_for(loaded, options, torch.device("cpu"))
         embedder.runner(embedder.policy)  # preparation (packing, int8 quantization) off the clock
         with Stopwatch() as clock:
             got = {i: r.mean[loaded.num_layers] for i, r in embedder.embed(recs)}

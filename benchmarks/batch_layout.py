@@ -37,11 +37,12 @@ HEADS, HEAD_DIM = 20, 24
 
 def run(loaded, recs: list[tuple[str, str]], policy: str, layout: str, device: torch.device) -> tuple[float, dict]:
     """(residues/s, pooled last layer by record) of one embedding pass in ``layout``."""
+    from _helpers import embedder_for
+
     from embedpipe.core.options import EmbedOptions
-    from embedpipe.embed.engine import Embedder
 
     os.environ.update(engine_env(batch_layout=layout))
-    embedder = Embedder(loaded, EmbedOptions(precision=policy), device)
+    embedder = embedder_for(loaded, EmbedOptions(precision=policy), device)
     with Stopwatch() as clock:
         got = {i: r.mean[loaded.num_layers] for i, r in embedder.embed(recs)}
     return sum(len(s) for _, s in recs) / clock.seconds, got

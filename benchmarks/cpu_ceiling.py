@@ -125,8 +125,9 @@ def parts(args: argparse.Namespace) -> None:
     """The floor from measured parts beside the recipe and the real runs."""
     import torch
     import torch.nn.functional as F
+    from _helpers import embedder_for
 
-    from embedpipe.embed.engine import Embedder, EmbedOptions
+    from embedpipe.core.options import EmbedOptions
     from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
     from embedpipe.runtime.advice import fastest_policy
@@ -153,7 +154,7 @@ def parts(args: argparse.Namespace) -> None:
 
     # -- the parts, on the worker's own batches ------------------------------------------------
     loaded = load_model(str(model_path))
-    embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", long_sequences="truncate"), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(precision="bf16-mixed", long_sequences="truncate"), torch.device("cpu"))
     plan = embedder.plan(records)
     shapes = [(len(batch), max(p.residues for p in batch) + 2) for batch in plan.batches]
     dim, heads, layers = args.dim, args.heads, args.layers

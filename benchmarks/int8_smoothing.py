@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 from _harness import Stopwatch, cosine, machine_header, table
-from _helpers import edit_weights
+from _helpers import edit_weights, embedder_for
 
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
@@ -84,7 +85,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads\n")
     timing, rows = [], []
     for name, loaded in _models(out).items():
-        embedders = {s: Embedder(loaded, EmbedOptions(precision=p, layers=tuple(layers), int8_smoothing=smooth),
+        embedders = {s: embedder_for(loaded, EmbedOptions(precision=p, layers=tuple(layers), int8_smoothing=smooth),
                                  torch.device("cpu"))
                      for s, p, smooth in (("fp32", "fp32", "none"), ("none", "int8-mixed", "none"),
                                           ("smoothquant", "int8-mixed", "smoothquant"))}

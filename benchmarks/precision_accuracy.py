@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from _harness import Stopwatch, cosine, machine_header, pinned_engine, random_records, table
+from _helpers import embedder_for
 
-from embedpipe.core.options import FP32_ISLAND_POLICIES
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.core.options import FP32_ISLAND_POLICIES, EmbedOptions
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.runtime.precision import POLICIES
@@ -53,7 +53,7 @@ def main() -> None:
 
     def run(policy: str, inputs: str = "auto") -> tuple[dict, float]:
         with pinned_engine(attention_inputs=inputs):
-            embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
+            embedder = embedder_for(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
         with Stopwatch() as clock:
             got = dict(embedder.embed(records))
         return got, residues / clock.seconds

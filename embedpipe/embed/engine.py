@@ -28,7 +28,6 @@ from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
 from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel, PackedRunner, Runner
-from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime import cuda
 from embedpipe.runtime.cuda import BusyTimer, HostCopy
 from embedpipe.runtime.packed import PackedTokens
