@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,17 +122,19 @@ def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLi
 
 
 def _resolve(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
-             limits: FastaLimits) -> Policy | None:
-    """Every check of an embed run before a record is read or the model loads, and its named
-    policy configured (:func:`_start`; None for ``--precision auto``, which the job decides)."""
-    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
+             limits: FastaLimits) -> tuple[Policy | None, FastaLimits]:
+    """Every check of an embed run before a record is read or the model loads, its named
+    policy configured (:func:`_start`; None for ``--precision auto``, which the job decides),
+    and ``limits`` as the model's family reads records (its case kept where case is input: ProstT5)."""
+    facts = inspect(model)
+    check_embed(options, facts, reuse, calibration=False)  # the workflow's check (embed/combinations.py)
     fused.check_cache(options.compile_cache)  # a bad --compile-cache: one line, not inductor's traceback
     policy = _start(options)
     limits.check(EmbedpipeError)
     for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
         check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
                            "its store records")
-    return policy
+    return policy, replace(limits, keep_case=facts.token_layout.keeps_case)
 
 
 def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
@@ -147,7 +149,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    policy = _resolve([fasta], model, options, reuse, limits)
+    policy, limits = _resolve([fasta], model, options, reuse, limits)
     started = time.perf_counter()
     with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
         records = _read_records(fasta, limits)
@@ -311,7 +313,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    policy = _resolve(fastas, model, options, reuse, limits)
+    policy, limits = _resolve(fastas, model, options, reuse, limits)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

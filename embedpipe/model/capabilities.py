@@ -25,7 +25,7 @@ def packs(model: EmbeddingModel) -> bool:
 #: families that run padded batches only, known by name from their facts (torch-free): the
 #: workflow refuses ``batch_layout: packed`` for them before any job (embedpipe.embed.combinations);
 #: their loaded models declare the same ``batch_layouts`` (tests/model/test_capabilities.py)
-PADDED_ONLY_FAMILIES = frozenset({"prot-t5", "ankh"})
+PADDED_ONLY_FAMILIES = frozenset({"prot-t5", "prostt5", "ankh"})
 #: families whose every model packs (ESM-2: fair-esm checkpoints and Hugging Face directories)
 PACKING_FAMILIES = frozenset({"esm2"})
 

@@ -56,3 +56,9 @@ class HfFamily:
     version: Callable[[], int]  # the forward's version, read at call time (the one place it is set)
     packs: bool  # whether its runner takes packed batches (a store's identity records it)
     hub_names: Mapping[str, str] = field(default_factory=dict)  # known hub name -> family name
+    #: family name -> its layout where it is not ``layout``'s (one type, several families: ProstT5)
+    family_layouts: Mapping[str, TokenLayout] = field(default_factory=dict)
+
+    def layout_of(self, family: str, config: Mapping[str, Any] | None) -> TokenLayout:
+        """The token layout of ``family`` (a family name of this type)."""
+        return self.family_layouts.get(family) or self.layout(config)

@@ -341,10 +341,11 @@ def fasta_limit_options():
 
 
 def shard_options():
-    """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's, and
-    the FASTA limits when not the defaults (otherwise not passed, so existing runs stay up to date)."""
+    """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's or whose
+    case is input (ProstT5), and the FASTA limits when not the defaults (otherwise not passed, so
+    existing runs stay up to date)."""
     args = fasta_limit_options()
-    if MODEL_LAYOUT.extra_tokens != embedpipe_model.ESM2_LAYOUT.extra_tokens:
+    if MODEL_LAYOUT.extra_tokens != embedpipe_model.ESM2_LAYOUT.extra_tokens or MODEL_LAYOUT.keeps_case:
         args += ["--model", MODEL]
     return f" {_join(args)}" if args else ""
 
