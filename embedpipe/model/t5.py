@@ -186,7 +186,7 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5M
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     weights = encoder_weights(hf.read_state_dict(files), shape, where)
-    top = max(int(lut.max()), *(prefixes or ()))
+    top = max([int(lut.max()), *(prefixes or ())])
     if top >= weights["embed"].shape[0]:
         raise ModelError(f"{where}: the tokenizer's ids reach {top}, the embedding has "
                          f"{weights['embed'].shape[0]} rows")

@@ -19,7 +19,7 @@ from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.precision import POLICIES
 
 
-@pytest.mark.parametrize("family", ["esm2", "hf-esm", "prot-t5", "ankh"])
+@pytest.mark.parametrize("family", ["esm2", "hf-esm", "prot-t5", "ankh", "prostt5"])
 def test_the_family_table_says_what_the_loaded_model_declares(tmp_path: Path, family: str) -> None:
     if family == "esm2":
         spec = tmp_path / "esm2_test.pt"

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_t5 import overflowing, run
+from test_t5_pipeline import close, embed
 from transformers import AutoTokenizer, T5EncoderModel
 from typer.testing import CliRunner
 
@@ -32,7 +33,6 @@ from embedpipe.inputs.residue_rules import MIXED_CASE, check_sequence
 from embedpipe.model import describe, load_model
 from embedpipe.model.layout import PROSTT5_LAYOUT
 from embedpipe.model.random_hf import make_hf_test_model
-from embedpipe.store import validate_store
 from helpers.embed_helpers import plain_sequences, read_store, write_fasta
 
 #: amino acids (upper case, rare residues included) and 3Di (lower case)
@@ -119,19 +119,6 @@ def test_a_mixed_case_record_is_refused_in_one_line_naming_it(prost: Path, tmp_p
     assert "record 'both'" in result.stderr and not (tmp_path / "o.h5").exists()
 
 
-def embed(directory: Path, tmp: Path, records, name: str, **options) -> dict:
-    fasta = write_fasta(tmp / f"{name}.fasta", records)
-    out = tmp / f"{name}.h5"
-    embed_fasta(fasta, model=str(directory), out=out,
-                options=EmbedOptions(device="cpu", tokens_per_batch=4096, **options), quiet=True)
-    assert validate_store(out) == []
-    return read_store(out) | {"path": out}
-
-
-def close(got: np.ndarray, want: np.ndarray, rel: float = 1e-5) -> None:
-    assert float(np.abs(got - want).max()) <= rel * float(np.abs(want).max())
-
-
 def test_stores_hold_the_residue_rows_only_and_the_case_kept(prost: Path, tmp_path: Path) -> None:
     """Per-residue rows and the mean equal transformers' rows 1..n (prefix and </s> dropped) at
     every layer; BOS pooling stores the prefix's row; the case is the stored sequence's."""
@@ -140,7 +127,7 @@ def test_stores_hold_the_residue_rows_only_and_the_case_kept(prost: Path, tmp_pa
     assert (store["attrs"]["model_family"], store["attrs"]["batch_layout"]) == ("prostt5", "padded")
     assert "<AA2fold>" in store["attrs"]["direction_prefixes"]
     theirs = reference(prost, [s for _, s in records])
-    with h5py.File(store["path"], "r") as f:
+    with h5py.File(tmp_path / "s.h5", "r") as f:
         bos = {layer: f["bos"][f"layer_{layer}"][()] for layer in range(4)}
         sequences = plain_sequences(f)
     assert sequences[-2:] == ["ACDW", "acdw"]
@@ -155,7 +142,8 @@ def test_stores_hold_the_residue_rows_only_and_the_case_kept(prost: Path, tmp_pa
 
 def test_a_sequence_in_the_other_case_is_another_sequence_to_reuse(prost: Path, tmp_path: Path) -> None:
     """The sequence's sha256 is the case-kept one: a 3Di record is not copied from its upper-case twin."""
-    earlier = embed(prost, tmp_path, [("upper", "ACDW")], "earlier")["path"]
+    earlier = tmp_path / "earlier.h5"
+    embed(prost, tmp_path, [("upper", "ACDW")], "earlier")
     summary = embed_fasta(write_fasta(tmp_path / "next.fasta", [("lower", "acdw"), ("again", "ACDW")]),
                           model=str(prost), out=tmp_path / "next.h5", reuse=[earlier], quiet=True,
                           options=EmbedOptions(device="cpu", tokens_per_batch=4096))
