@@ -209,3 +209,18 @@ def test_make_test_model_cli_writes_a_prostt5_directory(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "p"))
     assert {"<AA2fold>", "<fold2AA>", "▁a", "▁A"} <= set(tokenizer.get_vocab())
     assert (describe(str(tmp_path / "p")).family, describe(str(tmp_path / "p")).trained) == ("prostt5", False)
+
+
+def test_the_workflow_shards_with_the_model_so_that_case_is_kept(prost: Path, tmp_path: Path) -> None:
+    """ProstT5 counts 2 special tokens per record, as ESM-2, but its case is input: the shard
+    rule passes --model (a dry run prints the command)."""
+    import yaml
+
+    from helpers.workflow_helpers import snakemake
+
+    write_fasta(tmp_path / "in.fasta", [("aa", "ACDW"), ("tdi", "acdw")])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"input": "in.fasta", "outdir": "out", "model": str(prost), "device": "cpu"}))
+    printed = snakemake(tmp_path, "--dry-run", "--printshellcmds", configfile=config).stdout
+    shard = [line for line in printed.splitlines() if "embedpipe shard" in line]
+    assert len(shard) == 1 and f"--model {prost}" in shard[0], shard
