@@ -24,11 +24,9 @@ from embedpipe.core.version import __version__
 from embedpipe.model.checkpoint import validate_shape
 from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
-from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES
+from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES, THREE_DI
 
 HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "esmc")
-#: Foldseek's 20 3Di states, lower case as ProstT5 reads them
-THREE_DI = "acdefghiklmnpqrstvwy"
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:

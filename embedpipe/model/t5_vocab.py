@@ -42,6 +42,8 @@ PROT_T5_RARE = "UZOB"
 STYLES = ("prot-t5", "ankh", "prostt5")
 #: ProstT5's direction prefixes: (amino acids, upper case; 3Di, lower case)
 PROSTT5_PREFIXES = ("<AA2fold>", "<fold2AA>")
+#: Foldseek's 20 3Di states, lower case as ProstT5 reads them (each a piece ``"▁" + state``)
+THREE_DI = "acdefghiklmnpqrstvwy"
 
 
 def read_vocabulary(directory: Path) -> dict[str, int]:
@@ -100,8 +102,13 @@ def residue_table(vocab: dict[str, int], style: str, *, where: str) -> tuple[np.
 
 
 def prefix_ids(vocab: dict[str, int], *, where: str) -> tuple[int, int]:
-    """The ids of ProstT5's ``<AA2fold>`` and ``<fold2AA>``; one line when one is missing."""
+    """The ids of ProstT5's ``<AA2fold>`` and ``<fold2AA>``; one line when one, or a 3Di state's
+    piece, is missing."""
     missing = [p for p in PROSTT5_PREFIXES if p not in vocab]
+    states = [s for s in THREE_DI if "▁" + s not in vocab]
+    if states:  # each 3Di state one piece, or the rows would not be the residues': refused, not guessed
+        raise ModelError(f"{where}: a ProstT5 tokenizer has one piece per 3Di state; it lacks "
+                         f"{', '.join('▁' + s for s in states[:5])}")
     if missing:
         raise ModelError(f"{where}: a ProstT5 tokenizer needs {' and '.join(PROSTT5_PREFIXES)}; it lacks {', '.join(missing)}")
     return vocab[PROSTT5_PREFIXES[0]], vocab[PROSTT5_PREFIXES[1]]

@@ -200,6 +200,13 @@ def test_hostile_tokenizers_and_configs_are_refused_in_one_line(prost: Path, tmp
     (one / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ModelError, match=r"a ProstT5 tokenizer needs <AA2fold> and <fold2AA>; it lacks <fold2AA>"):
         load_model(str(one))
+    merged = tmp_path / "no-3di-piece"  # a 3Di state without its own piece: refused, not read as <unk>
+    shutil.copytree(prost, merged)
+    tokenizer = json.loads((merged / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] = [p for p in tokenizer["model"]["vocab"] if p[0] != "▁w"]
+    (merged / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ModelError, match=r"one piece per 3Di state; it lacks ▁w$"):
+        load_model(str(merged))
 
 
 def test_make_test_model_cli_writes_a_prostt5_directory(tmp_path: Path) -> None:
