@@ -231,3 +231,23 @@ def test_the_workflow_shards_with_the_model_so_that_case_is_kept(prost: Path, tm
     printed = snakemake(tmp_path, "--dry-run", "--printshellcmds", configfile=config).stdout
     shard = [line for line in printed.splitlines() if "embedpipe shard" in line]
     assert len(shard) == 1 and f"--model {prost}" in shard[0], shard
+
+
+def test_only_the_record_whose_own_tokens_overflow_falls_back(prost: Path, tmp_path: Path) -> None:
+    """The 3Di state 'c' embeds at 7e4 (inf in fp16): the lower-case records holding a 'c' fall
+    back alone, the amino-acid record with a 'C' (another token) and the other 3Di record do not."""
+    import shutil
+
+    planted = tmp_path / "planted"
+    shutil.copytree(prost, planted)
+    state = load_file(str(planted / "model.safetensors"))
+    vocab = json.loads((planted / "tokenizer.json").read_text())["model"]["vocab"]
+    state["shared.weight"][[p for p, _ in vocab].index("▁c")] = 7e4
+    save_file(state, str(planted / "model.safetensors"))
+    records = [("aa", "MKCAYIAKQ"), ("tdi_c", "dvvcvvpdd"), ("tdi", "dvvvvpddw"), ("tdi_cc", "cc")]
+    reference = embed(planted, tmp_path, records, "fp32")
+    store = embed(planted, tmp_path, records, "fp16", precision="fp16")
+    assert {rid: store["fields"]["fallback_reason"][rid] for rid, _ in records} == {
+        "aa": "", "tdi_c": "nonfinite", "tdi": "", "tdi_cc": "nonfinite"}
+    for rid in ("tdi_c", "tdi_cc"):
+        close(store["mean"][3][rid], reference["mean"][3][rid])
