@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import h5py
@@ -67,15 +68,13 @@ def test_the_family_is_recognised_and_declares_its_layout(prost: Path) -> None:
     assert (model.family, model.token_layout, model.batch_layouts) == ("prostt5", PROSTT5_LAYOUT, ("padded",))
     for name in ("Rostlab/ProstT5", "Rostlab/ProstT5_fp16"):  # known before they are cached
         assert (describe(name).family, describe(name).token_layout) == ("prostt5", PROSTT5_LAYOUT)
-    marker = json.loads((prost / "config.json").read_text())
-    del marker["embedpipe"]["family"]  # without make-test-model's family: the vocabulary's prefixes say it
+    config = json.loads((prost / "config.json").read_text())
+    del config["embedpipe"]["family"]  # without make-test-model's family: the vocabulary's prefixes say it
     unmarked = prost.parent / "unmarked"
-    if not unmarked.exists():
-        import shutil
-
-        shutil.copytree(prost, unmarked)
-        (unmarked / "config.json").write_text(json.dumps(marker))
+    shutil.copytree(prost, unmarked)
+    (unmarked / "config.json").write_text(json.dumps(config))
     assert describe(str(unmarked)).family == "prostt5"
+    shutil.rmtree(unmarked)
 
 
 def test_token_ids_equal_the_model_cards_tokenizer_call(prost: Path) -> None:
@@ -180,8 +179,6 @@ def test_an_overflowing_record_falls_back_to_fp32(prost: Path, tmp_path: Path) -
 
 
 def test_hostile_tokenizers_and_configs_are_refused_in_one_line(prost: Path, tmp_path: Path) -> None:
-    import shutil
-
     small = tmp_path / "small-embedding"  # the prefixes' ids beyond the embedding's rows
     shutil.copytree(prost, small)
     state = load_file(str(small / "model.safetensors"))
@@ -236,8 +233,6 @@ def test_the_workflow_shards_with_the_model_so_that_case_is_kept(prost: Path, tm
 def test_only_the_record_whose_own_tokens_overflow_falls_back(prost: Path, tmp_path: Path) -> None:
     """The 3Di state 'c' embeds at 7e4 (inf in fp16): the lower-case records holding a 'c' fall
     back alone, the amino-acid record with a 'C' (another token) and the other 3Di record do not."""
-    import shutil
-
     planted = tmp_path / "planted"
     shutil.copytree(prost, planted)
     state = load_file(str(planted / "model.safetensors"))
