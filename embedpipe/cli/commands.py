@@ -97,21 +97,23 @@ def shard(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     model: Optional[str] = typer.Option(
         None, "--model", help="The model the shards are for: its family's special tokens count per record "
-                              "(default: ESM-2's BOS and EOS). Described only, never loaded."),
+                              "(default: ESM-2's BOS and EOS), and a family whose case is input (ProstT5) keeps "
+                              "each record's case. Described only, never loaded."),
     max_record_length: int = MAX_RECORD_LENGTH,
     max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
     from embedpipe.shard.passes import TOKENS_PER_RECORD, shard_fasta
 
-    per_record = TOKENS_PER_RECORD
+    per_record, keep_case = TOKENS_PER_RECORD, False
     if model is not None:
         from embedpipe.model import describe
 
-        per_record = describe(model).token_layout.extra_tokens
+        layout = describe(model).token_layout
+        per_record, keep_case = layout.extra_tokens, layout.keeps_case
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
                           max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record,
-                          limits=options.FastaLimits(max_record_length, max_id_length))
+                          limits=options.FastaLimits(max_record_length, max_id_length, keep_case))
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -365,7 +367,7 @@ def make_test_model(
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
     family: str = typer.Option("esm2", "--family", help="esm2 (a fair-esm .pt), or a Hugging Face directory: "
-                               "prot-t5, ankh, hf-esm, esmc (needs the hf extra; docs/models.md)."),
+                               "prot-t5, prostt5, ankh, hf-esm, esmc (needs the hf extra; docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 checkpoint in fair-esm's format, or a
     Hugging Face model directory (--family)."""

@@ -77,10 +77,14 @@ class FastaLimits:
 
     ``max_length``: residues of one record; the longest known proteins are about 35,000
     (human titin) to 45,000 residues, so 100,000 is far above any real protein. ``max_id_length``:
-    characters of one ID (UniProt's are under 30; stores index IDs in memory)."""
+    characters of one ID (UniProt's are under 30; stores index IDs in memory). ``keep_case``:
+    keep each record's case instead of upper-casing it, for a family whose token layout says
+    case is input (ProstT5: amino acids upper case, 3Di lower case); set from the model, never
+    by a flag (:mod:`embedpipe.inputs.residue_rules`)."""
 
     max_length: int = 100_000
     max_id_length: int = 1_000
+    keep_case: bool = False
 
     def check(self, error: type[EmbedpipeError]) -> None:
         """Refuse a limit below 1 (a typo must not make every record an error)."""

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +112,21 @@ def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits 
 
 
 def _start(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
-           limits: FastaLimits) -> Policy | None:
+           limits: FastaLimits) -> tuple[Policy | None, FastaLimits]:
     """Every check of an embed run before a record is read or the model loads (the options
-    checked once, by the workflow's check: embed/combinations.py), and its named policy
-    configured: ``--int8-calibration`` read now, so a bad file fails before the model loads.
-    None for ``--precision auto``: :func:`~embedpipe.embed.resolved.resolve_run` decides it in
-    the job, once its model is loaded (embed/auto_probe.py)."""
-    check_embed(options, inspect(model), reuse, calibration=False)
+    checked once, by the workflow's check: embed/combinations.py), its named policy configured
+    (``--int8-calibration`` read now, so a bad file fails before the model loads; None for
+    ``--precision auto``: :func:`~embedpipe.embed.resolved.resolve_run` decides it in the job,
+    once its model is loaded, embed/auto_probe.py), and ``limits`` as the model's family reads
+    records (its case kept where case is input: ProstT5)."""
+    facts = inspect(model)
+    check_embed(options, facts, reuse, calibration=False)
     limits.check(EmbedpipeError)
     for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
         check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
                            "its store records")
-    return None if options.precision == AUTO else resolve_policy(options)
+    policy = None if options.precision == AUTO else resolve_policy(options)
+    return policy, replace(limits, keep_case=facts.token_layout.keeps_case)
 
 
 @contextlib.contextmanager
@@ -148,7 +151,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    policy = _start([fasta], model, options, reuse, limits)
+    policy, limits = _start([fasta], model, options, reuse, limits)
     started = time.perf_counter()
     with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out))], quiet) as job:
         records = _read_records(fasta, limits)
@@ -303,7 +306,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    policy = _start(fastas, model, options, reuse, limits)
+    policy, limits = _start(fastas, model, options, reuse, limits)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -74,4 +74,4 @@ class ModelFacts:
 
     def to_dict(self) -> dict[str, Any]:
         """The facts plus the memory the workflow asks for (``model-info --json``)."""
-        return asdict(self) | {"host_mem_mb": self.host_mem_mb()}
+        return asdict(self) | {"token_layout": self.token_layout.to_dict(), "host_mem_mb": self.host_mem_mb()}

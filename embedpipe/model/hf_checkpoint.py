@@ -183,10 +183,11 @@ def describe(spec: str) -> ModelFacts:
         model_type, family = HUB_NAMES.get(spec, ("esm", esm2_spec.FAMILY))
         kind = FAMILIES[model_type]
         return ModelFacts(family=family, spec=spec, kind="name", name=spec.split("/")[-1],
-                          trained_window=kind.window(None), trained=True, token_layout=kind.layout(None),
+                          trained_window=kind.window(None), trained=True, token_layout=kind.layout_of(family, None),
                           packs=kind.packs)
     config = read_config(directory)
     kind = FAMILIES[config["model_type"]]
+    family = kind.family_name(spec, directory, config)
     # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
     sizes = kind.sizes(config, str(directory / "config.json"))
     try:
@@ -194,10 +195,10 @@ def describe(spec: str) -> ModelFacts:
     except ModelError:
         size = None
     return ModelFacts(
-        family=kind.family_name(spec, directory, config), spec=spec, kind="path" if path.is_dir() else "name",
+        family=family, spec=spec, kind="path" if path.is_dir() else "name",
         name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=kind.window(config),
         num_layers=sizes["num_layers"], embed_dim=sizes["embed_dim"], attention_heads=sizes["attention_heads"],
-        weights_bytes=size, trained=is_trained(config), token_layout=kind.layout(config), packs=kind.packs,
+        weights_bytes=size, trained=is_trained(config), token_layout=kind.layout_of(family, config), packs=kind.packs,
     )
 
 

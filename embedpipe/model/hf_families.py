@@ -62,3 +62,9 @@ class HfFamily:
     def batch_layouts(self) -> tuple[str, ...]:
         """What its loaded models declare (:func:`~embedpipe.model.capabilities.batch_layouts`)."""
         return batch_layouts(self.packs)
+    #: family name -> its layout where it is not ``layout``'s (one type, several families: ProstT5)
+    family_layouts: Mapping[str, TokenLayout] = field(default_factory=dict)
+
+    def layout_of(self, family: str, config: Mapping[str, Any] | None) -> TokenLayout:
+        """The token layout of ``family`` (a family name of this type)."""
+        return self.family_layouts.get(family) or self.layout(config)
