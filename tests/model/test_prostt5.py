@@ -26,8 +26,7 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import InputError, ModelError
-from embedpipe.core.options import FastaLimits
-from embedpipe.embed.engine import EmbedOptions
+from embedpipe.core.options import EmbedOptions, FastaLimits
 from embedpipe.embed.run import embed_fasta
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.residue_rules import MIXED_CASE, check_sequence
