@@ -1,0 +1,128 @@
+"""``embedpipe.Embedder`` and ``embedpipe.embed``: sequences held in memory embedded in
+process, with the guarantees of ``embedpipe embed``.
+
+Why it goes through the job: the options are checked, the policy configured, the device
+claimed, the model loaded and the run resolved by the very functions ``embed`` uses
+(:mod:`embedpipe.embed.run`'s checks, :func:`embedpipe.embed.job.open_job`, and through it
+:func:`~embedpipe.embed.resolved.resolve_run`), so the same records and options give the same
+bits as the CLI's store. The model stays loaded between calls until :meth:`Embedder.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from embedpipe.api.result import Result
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
+from embedpipe.embed.engine import Embedder as Engine
+from embedpipe.embed.job import Job, open_job
+from embedpipe.embed.provenance import provenance
+from embedpipe.embed.run import _resolve, _run_attrs  # the checks and root attributes `embed` makes
+from embedpipe.inputs.memory import Sequences, check_records
+from embedpipe.model.registry import model_files
+from embedpipe.store import EmbeddedRecord
+
+__all__ = ["Embedder", "embed"]
+
+
+def _options(given: dict[str, Any]) -> EmbedOptions:
+    """``EmbedOptions`` from keyword arguments; an unknown one is one line naming it."""
+    known = set(EmbedOptions.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise EmbedpipeError(f"Embedder: unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+    for name in ("layers", "pooling"):  # a list is as good as a tuple; the store's config keeps tuples
+        if isinstance(given.get(name), list):
+            given[name] = tuple(given[name])
+    if isinstance(given.get("layers"), int):
+        given["layers"] = (given["layers"],)
+    return EmbedOptions(**given)
+
+
+class Embedder:
+    """A model loaded once, with one set of ``embed`` options, resolved once.
+
+    ``Embedder(model, precision="bf16-mixed", layers=(-1,))`` takes the model spec of
+    ``embed --model`` and the options of :class:`~embedpipe.core.options.EmbedOptions`; use it
+    as a context manager, or call :meth:`close`, to release the model. ``quiet=False`` shows
+    progress and the job's notes; ``limits``: the input limits of ``--max-record-length`` and
+    ``--max-id-length``."""
+
+    def __init__(self, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
+                 **options: Any) -> None:
+        self.model = str(model)
+        self.options = _options(options)
+        self.quiet, self.limits = quiet, limits
+        policy = _resolve([], self.model, self.options, (), limits)  # embed's checks, before the model loads
+        self._stack = contextlib.ExitStack()
+        try:
+            self._job: Job | None = self._stack.enter_context(open_job(self.model, self.options, policy, (), quiet))
+            self._engine: Engine | None = self._job.embedder()  # the device claimed, the model loaded, the run resolved
+        except BaseException:
+            self._stack.close()
+            raise
+        self.model_files = model_files(self.model)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise EmbedpipeError("this Embedder is closed: its model was released; make a new one")
+        return self._engine
+
+    @property
+    def run(self) -> Any:
+        """The resolved run (:class:`~embedpipe.embed.resolved.ResolvedRun`) every call uses."""
+        return self.engine.run
+
+    @property
+    def identity(self) -> str:
+        """The ``embed_identity`` a store of this Embedder's numbers records."""
+        return str(self.engine.run.identity)
+
+    def embed(self, sequences: Sequences) -> Result:
+        """Embed ``sequences`` (a list of sequences, of ``(id, sequence)`` pairs, or a dict of them);
+        the records come back in input order. A record ``embed`` would refuse in a FASTA is
+        refused in one line naming it, before anything is computed."""
+        engine = self.engine
+        records = check_records(sequences, self.limits)
+        engine.new_input()
+        plan = engine.plan(records)
+        done: list[EmbeddedRecord | None] = [None] * len(records)
+        with contextlib.closing(engine.embed(records, plan, quiet=self.quiet)) as results:
+            for j, record in results:
+                done[j] = record
+        attrs = provenance(engine.loaded, engine.run, None) | _run_attrs(engine, plan)
+        return Result([r for r in done if r is not None], engine.run, attrs, self.model_files)
+
+    def search(self, queries: Sequences, index: str | Path, *, k: int = 10) -> Any:
+        """The ``k`` nearest neighbours in ``index`` of every query (:mod:`embedpipe.neighbours`),
+        embedded by this Embedder, refused when its numbers are not the index's kind."""
+        from embedpipe.api.querying import search_with
+
+        return search_with(self, queries, Path(index), k=k)
+
+    def close(self) -> None:
+        """Release the model (and the device it holds)."""
+        self._engine, self._job = None, None
+        self._stack.close()
+
+    def __enter__(self) -> Embedder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def embed(sequences: Sequences, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
+          **options: Any) -> Result:
+    """One call: load ``model``, embed ``sequences`` with ``options``, release the model."""
+    with Embedder(model, quiet=quiet, limits=limits, **options) as embedder:
+        return embedder.embed(sequences)
+
+
