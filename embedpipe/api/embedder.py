@@ -11,20 +11,23 @@ bits as the CLI's store. The model stays loaded between calls until :meth:`Embed
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from embedpipe.api.compatible import check_compatible
 from embedpipe.api.result import Result
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.embed.engine import Embedder as Engine
 from embedpipe.embed.job import Job, open_job
 from embedpipe.embed.provenance import provenance
+from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.embed.run import _resolve, _run_attrs  # the checks and root attributes `embed` makes
 from embedpipe.inputs.memory import Sequences, check_records
 from embedpipe.model.registry import model_files
+from embedpipe.neighbours.hits import Hits, search_index
+from embedpipe.neighbours.index_file import read_meta
 from embedpipe.store import EmbeddedRecord
 
 __all__ = ["Embedder", "embed"]
@@ -75,7 +78,7 @@ class Embedder:
         return self._engine
 
     @property
-    def run(self) -> Any:
+    def run(self) -> ResolvedRun:
         """The resolved run (:class:`~embedpipe.embed.resolved.ResolvedRun`) every call uses."""
         return self.engine.run
 
@@ -99,12 +102,15 @@ class Embedder:
         attrs = provenance(engine.loaded, engine.run, None) | _run_attrs(engine, plan)
         return Result([r for r in done if r is not None], engine.run, attrs, self.model_files)
 
-    def search(self, queries: Sequences, index: str | Path, *, k: int = 10) -> Any:
+    def search(self, queries: Sequences, index: str | Path, *, k: int = 10) -> Hits:
         """The ``k`` nearest neighbours in ``index`` of every query (:mod:`embedpipe.neighbours`),
-        embedded by this Embedder, refused when its numbers are not the index's kind."""
-        from embedpipe.api.querying import search_with
-
-        return search_with(self, queries, Path(index), k=k)
+        embedded by this Embedder; refused, before anything is embedded, in one line naming what
+        differs when its run is not the index's store's (:mod:`embedpipe.api.compatible`)."""
+        path = Path(index)
+        meta = read_meta(path)
+        check_compatible(self.run, meta, path)
+        result = self.embed(queries)
+        return search_index(path, meta, result.ids, result.pooled(meta.layer, meta.pooling), k)
 
     def close(self) -> None:
         """Release the model (and the device it holds)."""

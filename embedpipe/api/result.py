@@ -119,7 +119,7 @@ class Result:
         the output guarded and locked, never one of the model's files)."""
         out = Path(path)
         fallback = self.fallback_counts()
-        residue_rows = ([len(r.per_residue[self.layers[0]]) for r in self.records]  # type: ignore[index]
+        residue_rows = ([len(r.per_residue[self.layers[0]]) for r in self.records]
                         if self.run.options.per_residue else None)
         with writing_outputs("save", [("path", out)], self.model_files), StoreWriter(
             out, ids=self.ids, sequences=[r.sequence for r in self.records], residue_rows=residue_rows,
