@@ -20,7 +20,7 @@ from embedpipe.api.result import Result
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.embed.engine import Embedder as Engine
-from embedpipe.embed.job import Job, open_job
+from embedpipe.embed.job import open_job
 from embedpipe.embed.provenance import provenance
 from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.embed.run import _resolve, _run_attrs  # the checks and root attributes `embed` makes
@@ -48,7 +48,7 @@ def _options(given: dict[str, Any]) -> EmbedOptions:
 
 
 class Embedder:
-    """A model loaded once, with one set of ``embed`` options, resolved once.
+    """A model loaded once (at the first call), with one set of ``embed`` options, resolved once.
 
     ``Embedder(model, precision="bf16-mixed", layers=(-1,))`` takes the model spec of
     ``embed --model`` and the options of :class:`~embedpipe.core.options.EmbedOptions`; use it
@@ -61,38 +61,39 @@ class Embedder:
         self.model = str(model)
         self.options = _options(options)
         self.quiet, self.limits = quiet, limits
-        policy = _resolve([], self.model, self.options, (), limits)  # embed's checks, before the model loads
-        self._stack = contextlib.ExitStack()
-        try:
-            self._job: Job | None = self._stack.enter_context(open_job(self.model, self.options, policy, (), quiet))
-            self._engine: Engine | None = self._job.embedder()  # the device claimed, the model loaded, the run resolved
-        except BaseException:
-            self._stack.close()
-            raise
+        self._policy = _resolve([], self.model, self.options, (), limits)  # embed's checks, before the model loads
         self.model_files = model_files(self.model)
+        self._stack = contextlib.ExitStack()
+        self._engine: Engine | None = None
+        self._closed = False
 
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
+    def _engine_for(self, records: list[tuple[str, str]]) -> Engine:
+        """The engine, its model loaded and its run resolved at the first call, as ``embed`` does
+        for a FASTA of these records (``--precision auto`` probes them, the job's residues are
+        theirs); later calls reuse it."""
+        if self._closed:
             raise EmbedpipeError("this Embedder is closed: its model was released; make a new one")
+        if self._engine is None:
+            residues = sum(len(s) for _, s in records)
+            job = self._stack.enter_context(open_job(self.model, self.options, self._policy, (), self.quiet,
+                                                     residues, records))
+            self._engine = job.embedder()  # the device claimed, the model loaded, the run resolved
         return self._engine
 
     @property
-    def run(self) -> ResolvedRun:
-        """The resolved run (:class:`~embedpipe.embed.resolved.ResolvedRun`) every call uses."""
-        return self.engine.run
-
-    @property
-    def identity(self) -> str:
-        """The ``embed_identity`` a store of this Embedder's numbers records."""
-        return str(self.engine.run.identity)
+    def run(self) -> ResolvedRun | None:
+        """The resolved run (:class:`~embedpipe.embed.resolved.ResolvedRun`) every call uses; None
+        until the first call loads the model."""
+        return None if self._engine is None else self._engine.run
 
     def embed(self, sequences: Sequences) -> Result:
         """Embed ``sequences`` (a list of sequences, of ``(id, sequence)`` pairs, or a dict of them);
         the records come back in input order. A record ``embed`` would refuse in a FASTA is
         refused in one line naming it, before anything is computed."""
-        engine = self.engine
-        records = check_records(sequences, self.limits)
+        return self._embed(check_records(sequences, self.limits))
+
+    def _embed(self, records: list[tuple[str, str]]) -> Result:
+        engine = self._engine_for(records)
         engine.new_input()
         plan = engine.plan(records)
         done: list[EmbeddedRecord | None] = [None] * len(records)
@@ -108,13 +109,14 @@ class Embedder:
         differs when its run is not the index's store's (:mod:`embedpipe.api.compatible`)."""
         path = Path(index)
         meta = read_meta(path)
-        check_compatible(self.run, meta, path)
-        result = self.embed(queries)
+        records = check_records(queries, self.limits)
+        check_compatible(self._engine_for(records).run, meta, path)
+        result = self._embed(records)
         return search_index(path, meta, result.ids, result.pooled(meta.layer, meta.pooling), k)
 
     def close(self) -> None:
         """Release the model (and the device it holds)."""
-        self._engine, self._job = None, None
+        self._engine, self._closed = None, True
         self._stack.close()
 
     def __enter__(self) -> Embedder:

@@ -76,6 +76,7 @@ CASES = [
     ("esm2", dict(precision="int8-mixed", per_residue=True)),
     ("prot-t5", dict(precision="bf16-mixed")),
     ("esmc", dict(precision="bf16-mixed", layers=(1, 2))),
+    ("esm2", dict(precision="auto")),  # the first call's records are the job's input, as a FASTA's are
 ]
 
 
@@ -97,8 +98,8 @@ def test_the_api_equals_the_cli_store_bit_for_bit(family, options, tiny_model_pa
     _assert_bitwise(expected, _store_values(saved, layers, poolings, per_residue))
     with open_store(saved) as a, open_store(store) as b:
         for key in ("model_sha256", "precision_policy", "platform", "attention_path", "batch_layout",
-                    "fallback_count"):
-            assert a.provenance[key] == b.provenance[key], key
+                    "fallback_count", "precision_requested"):
+            assert a.provenance.get(key) == b.provenance.get(key), key
 
 
 def test_fallback_and_provenance_per_record(overflow_model, overflow_records, tmp_path):
