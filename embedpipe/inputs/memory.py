@@ -9,6 +9,7 @@ record's position is shown as ``sequences:N`` (N counted from 1), where a file s
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Union
 
@@ -40,7 +41,7 @@ def _pairs(sequences: Sequences) -> list[tuple[object, object]]:
         elif isinstance(item, tuple) and len(item) == 2:
             pairs.append(item)
         else:
-            raise InputError(f"{DISPLAY}:{i + 1}: {quote(repr(item))} is neither a sequence nor an (id, sequence) pair")
+            raise InputError(f"{DISPLAY}:{i + 1}: {reprlib.repr(item)} is neither a sequence nor an (id, sequence) pair")
     return pairs
 
 

@@ -203,3 +203,11 @@ def test_import_embedpipe_stays_torch_free_and_the_api_is_exported():
             "import embedpipe.embed.run; assert callable(embedpipe.embed) and embedpipe.embed.run.embed_fasta")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert (ROOT / "embedpipe" / "py.typed").is_file()
+
+
+def test_a_missing_model_is_one_line_at_the_first_call(tmp_path):
+    embedder = embedpipe.Embedder(tmp_path / "esm2_missing.pt", device="cpu")  # the model loads at the first call
+    with pytest.raises(EmbedpipeError) as caught:
+        embedder.embed(["MKV"])
+    embedder.close()
+    assert "esm2_missing.pt" in str(caught.value) and "\n" not in str(caught.value)

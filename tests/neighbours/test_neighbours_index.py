@@ -157,3 +157,22 @@ def test_a_failed_index_leaves_no_file_and_a_good_one_all_three(tmp_path):
     assert ids_path(tmp_path / "idx").read_text().split() == [f"r{i:04d}" for i in range(20)]
     with pytest.raises(EmbedpipeError, match="not an embedpipe index"):
         read_meta(tmp_path / "s.h5")
+
+
+def test_without_faiss_index_says_how_to_install_it(tmp_path, monkeypatch):
+    store = synthetic_store(tmp_path / "s.h5", np.ones((3, 4), dtype=np.float32))
+    monkeypatch.setitem(sys.modules, "faiss", None)  # an import of faiss now fails, as when not installed
+    with pytest.raises(EmbedpipeError, match=r"pip install 'embedpipe\[search\]'"):
+        build_index(store, tmp_path / "idx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.h5"]
+
+
+def test_search_never_writes_over_its_inputs(indexed):
+    tmp, _, index = indexed
+    fasta = write_fasta(tmp / "q3.fasta", QUERIES)
+    before = fasta.read_bytes()
+    for out in (fasta, ids_path(index)):
+        proc = run_cli("search", str(fasta), "--index", str(index), "--out", str(out), "--device", "cpu", "-q")
+        assert proc.returncode != 0 and "\n" not in proc.stderr.strip(), proc.stderr
+    assert fasta.read_bytes() == before
+    assert len(ids_path(index).read_text().split()) == len(STORE_RECORDS)
