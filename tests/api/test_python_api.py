@@ -20,7 +20,7 @@ from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import open_store, validate_store
 from helpers.embed_helpers import embed_store, random_sequences, write_fasta
-from helpers.processes import ROOT
+from helpers.processes import ROOT, run_cli
 
 RECORDS = random_sequences(7, (5, 60), seed=3)
 
@@ -211,3 +211,16 @@ def test_a_missing_model_is_one_line_at_the_first_call(tmp_path):
         embedder.embed(["MKV"])
     embedder.close()
     assert "esm2_missing.pt" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_api_equals_the_store_the_embed_command_writes(tiny_model_path, tmp_path):
+    """The same through the command line itself (a process of its own): bf16-mixed, two layers, BOS."""
+    fasta = write_fasta(tmp_path / "in.fasta", RECORDS)
+    out = tmp_path / "cli.h5"
+    proc = run_cli("embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out), "--precision",
+                   "bf16-mixed", "--layers", "1,2", "--pooling", "bos", "--device", "cpu", "-q")
+    assert proc.returncode == 0, proc.stderr
+    result = embedpipe.embed(RECORDS, tiny_model_path, precision="bf16-mixed", layers=[1, 2], pooling=["bos"],
+                             device="cpu")
+    poolings = ("mean", "bos")
+    _assert_bitwise(_store_values(out, [1, 2], poolings, False), _result_values(result, poolings, False))
