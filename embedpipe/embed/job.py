@@ -135,12 +135,16 @@ class Job:
 class JobInput:
     """The job's FASTAs, read for ``--precision auto`` only when it measures: records of the
     first to probe on, and every shard's residues (kept ones too, so a rerun decides as the
-    first run did) to bound what the probe may cost."""
+    first run did) to bound what the probe may cost; or ``records`` held in memory (the Python
+    API's first call: embedpipe.api)."""
 
-    fastas: tuple[Path, ...]
+    fastas: tuple[Path, ...] = ()
     limits: FastaLimits = FASTA_LIMITS
+    records: tuple[tuple[str, str], ...] | None = None
 
     def probe(self) -> tuple[list[tuple[str, str]], int]:
+        if self.records is not None:
+            return list(self.records), sum(len(s) for _, s in self.records)
         records = list(read_sequences(self.fastas[0], self.limits))
         others = sum(len(s) for fasta in self.fastas[1:] for _, s in read_sequences(fasta, self.limits))
         return records, sum(len(s) for _, s in records) + others

@@ -111,8 +111,8 @@ def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits 
             raise EmbedpipeError(f"{fasta}: no records to embed")
 
 
-def _start(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
-           limits: FastaLimits) -> tuple[Policy | None, FastaLimits]:
+def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
+                 limits: FastaLimits) -> tuple[Policy | None, FastaLimits]:
     """Every check of an embed run before a record is read or the model loads (the options
     checked once, by the workflow's check: embed/combinations.py), its named policy configured
     (``--int8-calibration`` read now, so a bad file fails before the model loads; None for
@@ -151,7 +151,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    policy, limits = _start([fasta], model, options, reuse, limits)
+    policy, limits = start_checks([fasta], model, options, reuse, limits)
     started = time.perf_counter()
     with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out))], quiet) as job:
         records = _read_records(fasta, limits)
@@ -197,7 +197,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
                         background.put(work.todo[j], record)
         fallback = _fallback_counts(embedder, work.fallbacks())
         writer.set_attrs(fallback_count=sum(fallback.values()), fallback_reasons=json.dumps(fallback, sort_keys=True),
-                         finished_utc=utc_now(), **(_run_attrs(embedder, plan) if embedder is not None else {}))
+                         finished_utc=utc_now(), **(run_attrs(embedder, plan) if embedder is not None else {}))
     return EmbedSummary(
         out=out, records=len(records), residues=sum(len(s) for _, s in records),
         seconds=time.perf_counter() - started, precision=job.run.policy.name if job.run else options.precision,
@@ -214,7 +214,7 @@ def _fallback_counts(embedder: Embedder | None, copied: int) -> dict[str, int]:
     return fallback | ({"reused": copied} if copied else {})
 
 
-def _run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
+def run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
     """Root attributes of how the computed records ran."""
     return {"padding_efficiency": plan.padding_efficiency, "fallback_device": embedder.fallback_device or "none",
             **batching_attrs(embedder)}
@@ -306,7 +306,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    policy, limits = _start(fastas, model, options, reuse, limits)
+    policy, limits = start_checks(fastas, model, options, reuse, limits)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
