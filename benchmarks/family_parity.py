@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _helpers import random_records
+from _harness import cpu_model, random_records
 
 #: family -> make-test-model shape: the real model's ratios, scaled down (4 layers)
 SHAPES: dict[str, dict[str, int]] = {
@@ -165,16 +164,9 @@ def measure(family: str, policies: list[str], root: Path, seed: int = 0) -> list
 
 
 def cpu_line() -> str:
-    """The CPU (model name), threads, torch: what the numbers were measured on."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+    """The CPU (model name, the flags that decide the policies), threads, torch: what the numbers were measured on."""
+    model, flags = cpu_model()
+    return f"{model} ({' '.join(flags) or 'no policy flags'}); {torch.get_num_threads()} threads; torch {torch.__version__}"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

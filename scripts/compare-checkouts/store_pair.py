@@ -1,6 +1,10 @@
 """Compare two embedpipe stores dataset by dataset and attribute by attribute.
 
-Ignored: run-specific attributes (uuids, timestamps, paths). Usage: run_compare.py A.h5 B.h5"""
+Ignored: run-specific attributes (uuids, timestamps, paths). Listed, not failed: attributes
+(and ``config`` keys) that record options the newer checkout removed (``--removed``), and
+attributes whose value is a timing decision that leaves the numbers alone (``--timed``: which
+exact int8 engine ran a layer). Usage: store_pair.py A.h5 B.h5 [--removed K,...] [--timed K,...]"""
+import argparse
 import json
 import sys
 
@@ -10,6 +14,11 @@ import numpy as np
 IGNORE = {"store_uuid", "created_utc", "finished_utc", "input", "model_source", "reused_sources", "store_path"}
 PATHY = ("input", "model", "int8_calibration", "path")
 
+REMOVED: set[str] = set()  # attributes and config keys of options the newer checkout removed
+TIMED: set[str] = set()  # attributes a timing decides (the numbers do not depend on them)
+noted: list[str] = []
+
+
 def clean(key, value):
     if isinstance(value, bytes):
         value = value.decode()
@@ -17,6 +26,9 @@ def clean(key, value):
         d = json.loads(value)
         for k in PATHY:
             d.pop(k, None)
+        for k in sorted(REMOVED & set(d)):
+            noted.append(f"{key}[{k}] (removed option)")
+            d.pop(k)
         return json.dumps(d, sort_keys=True)
     if key == "reused_sources":
         return None
@@ -49,6 +61,12 @@ def compare(pa, pb):
             aa, ab = attrs(oa), attrs(ob)
             for k in sorted(set(aa) | set(ab)):
                 n_attr += 1
+                if k in REMOVED and k not in ab:
+                    noted.append(f"{name} attr {k} (removed option)")
+                    continue
+                if k in TIMED and k in aa and k in ab and not same(aa[k], ab[k]):
+                    noted.append(f"{name} attr {k} (timed): {aa[k]!r:.80} vs {ab[k]!r:.80}")
+                    continue
                 if k not in aa or k not in ab or not same(aa[k], ab[k]):
                     problems.append(f"{name} attr {k}: {aa.get(k)!r:.200} != {ab.get(k)!r:.200}")
             if isinstance(oa, h5py.Dataset):
@@ -62,9 +80,19 @@ def compare(pa, pb):
     return problems, n_ds, n_attr
 
 if __name__ == "__main__":
-    problems, n_ds, n_attr = compare(sys.argv[1], sys.argv[2])
-    print(f"{sys.argv[1]} vs {sys.argv[2]}: {n_ds} datasets, {n_attr} attributes compared, "
-          f"{len(problems)} differences")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--removed", default="")
+    ap.add_argument("--timed", default="")
+    args = ap.parse_args()
+    REMOVED.update(filter(None, args.removed.split(",")))
+    TIMED.update(filter(None, args.timed.split(",")))
+    problems, n_ds, n_attr = compare(args.a, args.b)
+    print(f"{args.a} vs {args.b}: {n_ds} datasets, {n_attr} attributes compared, "
+          f"{len(problems)} differences; {len(set(noted))} listed")
     for p in problems[:20]:
         print("  ", p)
+    for p in sorted(set(noted)):
+        print("   listed:", p)
     sys.exit(1 if problems else 0)
