@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from embedpipe.model import esm1b_spec
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
 from embedpipe.model.hf_families import HfFamily
@@ -87,7 +88,7 @@ ACTIVATION_D_BYTES = {"fp32": 44, "plain": 22, "fp32-islands": 30, "fp32-islands
 
 
 def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
-                    compute_itemsize: int, *, kind: str = "plain") -> MemoryEstimate:
+                    compute_itemsize: int, *, kind: str = "plain", parameters: int | None = None) -> MemoryEstimate:
     """Memory of an ESM-2 under a policy whose weights and matmuls use the given sizes.
 
     Activations per token (``kind``: ``fp32``, ``plain`` 16-bit, ``fp32-islands`` with q/k/v
@@ -104,7 +105,8 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
     The residual stream (and so a returned hidden state) is fp32 except under plain casts.
     The widest tensor is the FFN's hidden layer, 4 D values a token.
     """
-    parameters = parameter_count(layers, dim, heads)
+    if parameters is None:  # ESM-1b passes its own count (the same layers, plus a position table)
+        parameters = parameter_count(layers, dim, heads)
     if compute_itemsize == 4:
         kind = "fp32"
     return MemoryEstimate(
@@ -131,4 +133,5 @@ HF_ESM = HfFamily(
     window=lambda config: TRAINED_RESIDUES, layout=lambda config: ESM2_LAYOUT,
     identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=True,
     hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
+    variant=lambda config: esm1b_spec.HF_ESM1B if esm1b_spec.is_hf_esm1b(config) else None,
 )
