@@ -27,8 +27,7 @@ from esm.model.esm1 import ProteinBertModel
 from embedpipe.core.errors import ModelError
 from embedpipe.model import esm1b_spec
 from embedpipe.model.checkpoint import MARKER_KEY, check_cfg_against_weights, upgrade_state_dict
-from embedpipe.model.config_bounds import (MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, bounded_int,
-                                           check_heads)
+from embedpipe.model.config_bounds import MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, bounded_int, check_heads
 
 #: ``args.arch`` of ESM-1b and ESM-1v; ESM-1 (``protein_bert_base``) is another network
 ESM1B_ARCH = "roberta_large"
@@ -42,7 +41,7 @@ def _shape(state: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
 def _require_shape(state: Mapping[str, Any], key: str, expected: tuple[int, ...], field: str, where: str) -> None:
     found = _shape(state, key)
     if found != expected:
-        raise ModelError(f"{where}: weights do not fit the args: {field} says {key} is {expected}, "
+        raise ModelError(f"{where}: weights do not fit the config: {field} says {key} is {expected}, "
                          f"found {found if found is not None else 'none'}")
 
 
@@ -62,14 +61,16 @@ def sizes(layers: Any, dim: Any, heads: Any, ffn: Any, max_positions: Any, token
             "max_positions": max_positions, "token_dropout": token_dropout, "family": esm1b_spec.FAMILY}
 
 
-def check_weights(state: Mapping[str, Any], info: Mapping[str, Any], where: str) -> None:
-    """The weights' shapes against the sizes, before a table or layer is allocated from them."""
+def check_weights(state: Mapping[str, Any], info: Mapping[str, Any], where: str,
+                  fields: tuple[str, str] = ("args.max_positions", "args.encoder_ffn_embed_dim")) -> None:
+    """The weights' shapes against the sizes, before a table or layer is allocated from them
+    (``fields``: the position count's and FFN width's names in the file)."""
     layers, dim = info["num_layers"], info["embed_dim"]
     check_cfg_against_weights(state, layers, dim, where=where)
     rows = info["max_positions"] + esm1b_spec.PADDING_IDX + 1
-    _require_shape(state, "embed_positions.weight", (rows, dim), "max_positions", where)
+    _require_shape(state, "embed_positions.weight", (rows, dim), fields[0], where)
     for i in range(layers):
-        _require_shape(state, f"layers.{i}.fc1.weight", (info["ffn_embed_dim"], dim), "ffn_embed_dim", where)
+        _require_shape(state, f"layers.{i}.fc1.weight", (info["ffn_embed_dim"], dim), fields[1], where)
 
 
 def checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -86,9 +87,9 @@ def checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     if arch != ESM1B_ARCH:
         raise ModelError(f"{where}: args.arch is {arch!r}; embedpipe reads fair-esm's ESM-1b and ESM-1v "
                          f"({ESM1B_ARCH!r}) and ESM-2 checkpoints, not ESM-1 or the MSA Transformer")
-    info = sizes(*(getattr(args, f"encoder_{k}", None) for k in ("layers", "embed_dim", "attention_heads",
-                                                                   "ffn_embed_dim")),
-                 getattr(args, "max_positions", None), getattr(args, "token_dropout", False), where=where,
+    field = vars(args).get
+    info = sizes(field("encoder_layers"), field("encoder_embed_dim"), field("encoder_attention_heads"),
+                 field("encoder_ffn_embed_dim"), field("max_positions"), field("token_dropout", False), where=where,
                  fields=("args.encoder_layers", "args.encoder_embed_dim", "args.encoder_attention_heads",
                          "args.encoder_ffn_embed_dim", "args.max_positions", "args.token_dropout"))
     state = upgrade_state_dict(data["model"])

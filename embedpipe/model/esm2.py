@@ -26,8 +26,7 @@ from torch.overrides import TorchFunctionMode
 from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.model import esm1b, esm1b_spec, esm2_spec
 from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel, TokenLayout
-from embedpipe.model.checkpoint import (CONTACT_KEYS, checkpoint_info, is_esm1b_layout, load_checkpoint_safely,
-                                        upgrade_state_dict)
+from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, is_esm1b_layout, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
 from embedpipe.model.facts import MemoryEstimate, ModelFacts

@@ -133,7 +133,7 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
         raise ModelError(f"{where}: unexpected weights {', '.join(sorted(unexpected)[:4])} for an "
                          f"{'ESM-1b' if absolute else 'ESM-2'}")
     if absolute:
-        check_weights(out, info, where)
+        check_weights(out, info, where, ("max_position_embeddings", "intermediate_size"))
     else:
         check_cfg_against_weights(out, info["num_layers"], info["embed_dim"], where=where)
     decoder = state.get("lm_head.decoder.weight")

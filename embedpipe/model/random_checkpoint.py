@@ -20,9 +20,9 @@ from embedpipe.core.atomic import atomic_paths, check_output_path
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.version import __version__
+from embedpipe.model import esm1b, esm1b_spec
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, validate_shape
 from embedpipe.model.downloads import companion_path
-from embedpipe.model import esm1b, esm1b_spec
 from embedpipe.model.esm2 import esm2_alphabet
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
 

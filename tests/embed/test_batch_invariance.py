@@ -31,8 +31,8 @@ MATES = [(f"mate{i}", seq) for i, (_, seq) in enumerate(random_sequences(3, [400
 LAYERS = (0, 1, 2)
 #: what every batching computes: every layer, BOS (where the family has one) and per-residue rows
 WHAT = dict(layers=LAYERS, per_residue=True)
-POOLING = {"esm2-pt": ("mean", "bos"), "esm1b-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",),
-           "esmc": ("mean", "bos")}
+POOLING = {"esm2-pt": ("mean", "bos"), "esm1b-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",),
+           "ankh": ("mean",), "esmc": ("mean", "bos")}
 
 
 @pytest.fixture(scope="module")
