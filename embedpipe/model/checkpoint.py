@@ -29,9 +29,8 @@ from typing import Any
 import torch
 import torch.serialization as ts
 
-from embedpipe.core.errors import ModelError, out_of_memory
+from embedpipe.core.errors import ModelError, one_line, out_of_memory
 from embedpipe.model.config_bounds import validate_shape  # re-exported: make-test-model, hf_esm
-from embedpipe.model.downloads import one_line
 
 #: The only non-tensor type a checkpoint may contain (real checkpoints' ``cfg["model"]``).
 SAFE_GLOBALS: tuple[type, ...] = (argparse.Namespace,)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from embedpipe.core.atomic import atomic_path
 from embedpipe.core.checksums import file_sha256
-from embedpipe.core.errors import ModelError
+from embedpipe.core.errors import ModelError, one_line
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
 from embedpipe.model import esm1b_spec, esm2_spec
@@ -79,10 +79,6 @@ def checkpoint_sha256(path: Path) -> str:
 
 def _offline() -> bool:
     return os.environ.get(OFFLINE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def one_line(text: object) -> str:
-    return " ".join(str(text).split())
 
 
 DEMO_COMMAND = "snakemake --cores 2 --configfile configs/offline-demo.yaml"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from embedpipe.model.config_bounds import esm_config
+from embedpipe.model.esm2_spec import parameter_count as esm2_count
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.hf_families import HfFamily
 from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
@@ -70,8 +71,6 @@ def parameter_count(layers: int, dim: int, heads: int, max_positions: int = MAX_
     """Parameters of fair-esm's ESM-1b ``ProteinBertModel``: ESM-2's (the same layers, heads and
     outside parts; :func:`embedpipe.model.esm2_spec.parameter_count`) plus the learned position
     table and the layer norm before the first layer."""
-    from embedpipe.model.esm2_spec import parameter_count as esm2_count
-
     return esm2_count(layers, dim, heads) + (max_positions + PADDING_IDX + 1) * dim + 2 * dim
 
 
@@ -89,10 +88,10 @@ def describe(spec: str) -> ModelFacts:
 # --------------------------------------------------------------------------- Hugging Face ESM-1b
 
 
-def is_hf_esm1b(config: Mapping[str, Any] | None) -> bool:
-    """Whether a ``model_type: esm`` config is an ESM-1b / ESM-1v (absolute positions) rather than
-    an ESM-2 (rotary); a hub name not cached yet (None) is decided by its name instead."""
-    return config is not None and config.get("position_embedding_type", "absolute") == "absolute"
+def is_hf_esm1b(config: Mapping[str, Any]) -> bool:
+    """Whether a ``model_type: esm`` config is an ESM-1b / ESM-1v (absolute positions, transformers'
+    default) rather than an ESM-2 (rotary)."""
+    return config.get("position_embedding_type", "absolute") == "absolute"
 
 
 def hf_max_positions(config: Mapping[str, Any]) -> int:
@@ -120,5 +119,5 @@ HF_ESM1B = HfFamily(
     model_type="esm", label="ESM-1b/ESM-1v", module="embedpipe.model.hf_esm",
     family_name=lambda spec, directory, config: FAMILY, sizes=esm_config, window=_hf_window, layout=_hf_layout,
     identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
-    hub_names={f"facebook/{name}": FAMILY for name in ESM1B_MODELS},
+    hub_names={f"facebook/{name}": FAMILY for name in ESM1B_MODELS}, takes=is_hf_esm1b,
 )

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from embedpipe.model import esm1b_spec
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
 from embedpipe.model.hf_families import HfFamily
@@ -133,5 +132,4 @@ HF_ESM = HfFamily(
     window=lambda config: TRAINED_RESIDUES, layout=lambda config: ESM2_LAYOUT,
     identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=True,
     hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
-    variant=lambda config: esm1b_spec.HF_ESM1B if esm1b_spec.is_hf_esm1b(config) else None,
 )

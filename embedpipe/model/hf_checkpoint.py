@@ -38,7 +38,7 @@ from embedpipe.model.optional import require
 FAMILIES: dict[str, HfFamily] = {f.model_type: f for f in (esm2_spec.HF_ESM, t5_spec.HF_T5, esmc_spec.HF_ESMC,
                                                               esmc_spec.HF_ESM_PLUSPLUS)}
 #: families that share a ``model_type`` with one in :data:`FAMILIES`, told apart by the config
-#: (that family's ``variant``): ESM-1b/1v directories are ``model_type: esm`` with absolute positions
+#: (the variant's ``takes``): ESM-1b/1v directories are ``model_type: esm`` with absolute positions
 VARIANTS: tuple[HfFamily, ...] = (esm1b_spec.HF_ESM1B,)
 
 #: Hub names embedpipe knows -> their family; others load too once they are cached.
@@ -173,7 +173,9 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
 
 def family_for_config(config: Mapping[str, Any]) -> HfFamily:
     """The family of a config :func:`read_config` accepted: its ``model_type``'s, or that one's variant."""
-    return FAMILIES[config["model_type"]].for_config(config)
+    model_type = config["model_type"]
+    return next((v for v in VARIANTS if v.model_type == model_type and v.takes is not None and v.takes(config)),
+                FAMILIES[model_type])
 
 
 def family_of(spec: str, directory: Path, config: Mapping[str, Any]) -> str:

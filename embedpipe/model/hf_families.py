@@ -56,11 +56,7 @@ class HfFamily:
     version: Callable[[], int]  # the forward's version, read at call time (the one place it is set)
     packs: bool  # whether its runner takes packed batches (a store's identity records it)
     hub_names: Mapping[str, str] = field(default_factory=dict)  # known hub name -> family name
-    #: config -> the family of the same ``model_type`` this config belongs to, or None: this one
+    #: for a family that shares its ``model_type`` with another (listed in
+    #: :data:`embedpipe.model.hf_checkpoint.VARIANTS`): whether a config is this family's
     #: (Hugging Face's ``esm`` covers ESM-2, rotary, and ESM-1b/1v, absolute positions)
-    variant: Callable[[Mapping[str, Any]], HfFamily | None] | None = None
-
-    def for_config(self, config: Mapping[str, Any]) -> HfFamily:
-        """The family that describes, identifies and loads ``config``: this one or its variant."""
-        chosen = self.variant(config) if self.variant is not None else None
-        return chosen or self
+    takes: Callable[[Mapping[str, Any]], bool] | None = None
