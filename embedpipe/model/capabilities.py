@@ -26,8 +26,8 @@ def packs(model: EmbeddingModel) -> bool:
 #: workflow refuses ``batch_layout: packed`` for them before any job (embedpipe.embed.combinations);
 #: their loaded models declare the same ``batch_layouts`` (tests/model/test_capabilities.py)
 PADDED_ONLY_FAMILIES = frozenset({"prot-t5", "ankh"})
-#: families whose every model packs (ESM-2: fair-esm checkpoints and Hugging Face directories)
-PACKING_FAMILIES = frozenset({"esm2"})
+#: families whose every model packs (ESM-2 and ESM-1b: fair-esm checkpoints and Hugging Face directories)
+PACKING_FAMILIES = frozenset({"esm2", "esm1b"})
 
 
 def packs_by_family(family: str) -> bool | None:

@@ -10,7 +10,7 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.embed.combinations import CPU_ONLY_POLICIES
-from embedpipe.model import describe, load_model
+from embedpipe.model import describe, inspect, load_model
 from embedpipe.model.capabilities import packs_by_family
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.model.random_hf import make_hf_test_model
@@ -19,14 +19,15 @@ from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.precision import POLICIES
 
 
-@pytest.mark.parametrize("family", ["esm2", "hf-esm", "prot-t5", "ankh"])
+@pytest.mark.parametrize("family", ["esm2", "esm1b", "hf-esm", "hf-esm1b", "prot-t5", "ankh"])
 def test_the_family_table_says_what_the_loaded_model_declares(tmp_path: Path, family: str) -> None:
-    if family == "esm2":
-        spec = tmp_path / "esm2_test.pt"
-        make_test_model(spec, layers=1, dim=16, heads=2, seed=0)
+    if family in ("esm2", "esm1b"):
+        spec = tmp_path / f"{family}_test.pt"
+        make_test_model(spec, layers=1, dim=16, heads=2, seed=0, family=family)
     else:
         spec = make_hf_test_model(tmp_path / family, family=family, layers=1, dim=16, heads=2)
-    facts, loaded = describe(str(spec)), load_model(str(spec))
+    # a .pt path's layout (ESM-2's cfg or ESM-1b's args) is known once its header is read
+    facts, loaded = (inspect if family == "esm1b" else describe)(str(spec)), load_model(str(spec))
     assert facts.family == loaded.family
     assert packs_by_family(facts.family) == ("packed" in loaded.batch_layouts)
     assert facts.token_layout == loaded.token_layout
