@@ -149,7 +149,7 @@ LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of
 @user_errors
 def embed(
     fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
-    model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or checkpoint (.pt), a Hugging Face "
+    model: str = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), a Hugging Face "
                               "model directory, or a hub name in the local hub cache (docs/models.md)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
     out_dir: Optional[Path] = typer.Option(
@@ -364,7 +364,7 @@ def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
 @app.command("fetch-model")
 @user_errors
 def fetch_model(
-    name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D (downloaded); a Hugging "
+    name: str = typer.Argument(..., help="fair-esm name, e.g. esm2_t33_650M_UR50D or esm1b_t33_650M_UR50S (downloaded); a Hugging "
                                "Face hub name is only looked up in the local hub cache."),
     dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
 ) -> None:

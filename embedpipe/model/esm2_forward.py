@@ -6,6 +6,10 @@ averaged attention maps that fair-esm always computes, runs attention through
 the mixed policies' fp32 islands, and reports each record's largest activation. It uses the
 model's parameters as they are (no patching), so fair-esm's own forward stays the reference
 it is tested against (``attention="fair-esm"`` calls that forward directly).
+
+ESM-1b and ESM-1v (fair-esm's ``ProteinBertModel``) run through the same loop: the runner reads
+off the module what differs (learned absolute positions instead of rotary ones, a layer norm
+before the first layer, token dropout in ``args``) and runs those parts only where present.
 """
 
 from __future__ import annotations
