@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from embedpipe.core.errors import ModelError
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.esm2_spec import parameter_count as esm2_count
 from embedpipe.model.facts import ModelFacts
@@ -100,6 +101,16 @@ def hf_max_positions(config: Mapping[str, Any]) -> int:
     return int(config.get("max_position_embeddings", 1026)) - PADDING_IDX - 1
 
 
+def _hf_sizes(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """:func:`esm_config`'s bounds, and a position table with room for BOS, a residue and EOS."""
+    sizes = esm_config(config, where)
+    if hf_max_positions(config) < 3:
+        raise ModelError(f"{where}: max_position_embeddings must be at least {PADDING_IDX + 4} for an ESM-1b "
+                         f"(pad_token_id + 1 rows before the first position, then BOS, a residue and EOS), "
+                         f"got {config.get('max_position_embeddings')}")
+    return sizes
+
+
 def _hf_window(config: Mapping[str, Any] | None) -> int:
     return TRAINED_RESIDUES if config is None else window(hf_max_positions(config))
 
@@ -117,7 +128,7 @@ def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
 #: ``facebook/esm1v_*``), loaded into the ESM-1b runner by :mod:`embedpipe.model.hf_esm`
 HF_ESM1B = HfFamily(
     model_type="esm", label="ESM-1b/ESM-1v", module="embedpipe.model.hf_esm",
-    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config, window=_hf_window, layout=_hf_layout,
+    family_name=lambda spec, directory, config: FAMILY, sizes=_hf_sizes, window=_hf_window, layout=_hf_layout,
     identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
     hub_names={f"facebook/{name}": FAMILY for name in ESM1B_MODELS}, takes=is_hf_esm1b,
 )

@@ -22,7 +22,6 @@ from embedpipe.core.errors import ModelError
 from embedpipe.model import esm1b_spec
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
-from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.esm1b import check_weights, sizes
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet, from_info
 
@@ -70,10 +69,10 @@ def fair_to_hf_names(num_layers: int, absolute: bool = False) -> dict[str, str]:
 
 def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """fair-esm's ESM-2 cfg (or ESM-1b args: absolute positions) from an ``EsmConfig``
-    (``where``: its config.json); every size bounded first
-    (:func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
+    (``where``: its config.json); every size bounded first (the family's ``sizes``, built on
+    :func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
     ESM2 (ProteinBertModel) cannot be."""
-    bounded = esm_config(config, where)
+    bounded = hf.family_for_config(config).sizes(config, where)
     dim = bounded["embed_dim"]
     token_dropout = config.get("token_dropout", False)
     norm_before = config.get("emb_layer_norm_before", False)

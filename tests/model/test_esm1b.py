@@ -290,3 +290,18 @@ def test_hf_rotary_with_a_norm_before_is_still_refused(hf_esm1b, tmp_path) -> No
     (bad / "config.json").write_text(json.dumps(config | {"position_embedding_type": "rotary"}))
     with pytest.raises(ModelError, match="emb_layer_norm_before is set with rotary positions"):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize("field", ["max_position_embeddings", "num_hidden_layers"])
+def test_hostile_hf_config_is_one_line(hf_esm1b, tmp_path, field) -> None:
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_esm1b, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {field: 2 if field == "max_position_embeddings" else 12.5}))
+    for call in (describe, load_model):
+        with pytest.raises(ModelError) as info:
+            call(str(bad))
+        assert field in str(info.value) and "config.json" in str(info.value) and "\n" not in str(info.value)
