@@ -9,11 +9,9 @@ module, not a script.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from collections.abc import Callable
+
+from _harness import now, run_process
 
 #: seconds kept for what runs after the shapes: the overflow check and the 20,000-record proxy
 RESERVE_SECONDS = 150.0
@@ -26,7 +24,7 @@ PROXY_OVERHEAD = 1.5
 class Budget:
     """The run's clock and the rate its shapes ran at; ``minutes`` None: no budget."""
 
-    def __init__(self, minutes: float | None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, minutes: float | None, clock: Callable[[], float] = now) -> None:
         self.minutes = minutes
         self.clock = clock
         self.started = clock()
@@ -85,17 +83,7 @@ class Budget:
 def timed_with_limit(cmd: list[str], env: dict[str, str], limit: float | None) -> tuple[float | None, float, str | None]:
     """(wall seconds, peak RSS MiB, why it was stopped) of one child process, killed (its whole
     process group) once it runs ``limit`` seconds; a failure of the child raises."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if limit is not None and time.perf_counter() - started > limit:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, status, usage = os.wait4(proc.pid, 0)
-            return None, usage.ru_maxrss / 1024, f"time budget: the proxy was stopped after {limit:.0f} s"
-        time.sleep(0.1)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    return time.perf_counter() - started, usage.ru_maxrss / 1024, None
+    done = run_process(cmd, env=env, limit=limit)
+    if done.returncode == -9:
+        return None, done.peak_rss_mib, f"time budget: the proxy was stopped after {limit:.0f} s"
+    return done.seconds, done.peak_rss_mib, None

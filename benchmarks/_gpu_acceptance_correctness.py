@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 from _gpu_acceptance_setup import checkpoint, release
-from _helpers import edit_weights, random_records, token_rows
+from _harness import cosine, pinned_engine, random_records
+from _helpers import edit_weights, embedder_for, token_rows
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POLICY_NAMES, EmbedOptions
@@ -65,8 +66,6 @@ def max_diff(a: dict[int, Any], b: dict[int, Any], pick) -> float:
     return max(float(np.max(np.abs(pick(a[i]) - pick(b[i])))) for i in a)
 
 
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def layouts_section(loaded: Any, fair: tuple[torch.nn.Module, Any], records: list[tuple[str, str]],
@@ -77,8 +76,8 @@ def layouts_section(loaded: Any, fair: tuple[torch.nn.Module, Any], records: lis
     means = {i: r.mean(0) for i, r in reference.items()}
     outputs, section = {}, {}
     for layout in ("packed", "padded"):
-        embedder = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, batch_layout=layout,
-                                                 device=str(device)), device)
+        with pinned_engine(batch_layout=layout):
+            embedder = embedder_for(loaded, EmbedOptions(precision="fp32", per_residue=True, device=str(device)), device)
         outputs[layout] = dict(embedder.embed(records))
         got = outputs[layout]
         mean_diff = max(float(np.max(np.abs(got[i].mean[last] - means[i]))) for i in means)
@@ -99,8 +98,8 @@ def mixed_layouts_section(loaded: Any, records: list[tuple[str, str]], device: t
     (fp32 packed on CUDA runs the per-sequence stand-in, so the fp32 comparison never sees flash)."""
     last, outputs, paths = loaded.num_layers, {}, {}
     for layout in ("packed", "padded"):
-        embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", per_residue=True, batch_layout=layout,
-                                                 device=str(device)), device)
+        with pinned_engine(batch_layout=layout):
+            embedder = embedder_for(loaded, EmbedOptions(precision="bf16-mixed", per_residue=True, device=str(device)), device)
         outputs[layout] = dict(embedder.embed(records))
         paths[layout] = embedder.attention_path
         del embedder
@@ -139,7 +138,7 @@ def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.
     alone vs inside the full batch, same Embedder)."""
     last, section, reference = loaded.num_layers, {}, None
     for policy in runnable_policies(device):
-        embedder = Embedder(loaded, EmbedOptions(precision=policy, device=str(device)), device)
+        embedder = embedder_for(loaded, EmbedOptions(precision=policy, device=str(device)), device)
         full = dict(embedder.embed(records))
         if policy == "fp32":  # first in POLICY_NAMES: the reference of the others
             reference = full
@@ -169,7 +168,7 @@ def two_batchings(loaded: Any, records: list[tuple[str, str]], policy: str, devi
     (docs/precision.md, "Reproducibility"). Records that fell back are compared too."""
     last = loaded.num_layers
     budget = max(2 * (max(len(s) for _, s in records) + 2), 64)
-    embedder = Embedder(loaded, EmbedOptions(precision=policy, device=str(device), tokens_per_batch=budget), device)
+    embedder = embedder_for(loaded, EmbedOptions(precision=policy, device=str(device), tokens_per_batch=budget), device)
     small = dict(embedder.embed(records))
     batches = int(embedder.stats["batches"])
     del embedder
@@ -216,13 +215,13 @@ def overflow_section(device: torch.device, count: int, dims: tuple[int, int, int
     with_c = {i for i, (_, seq) in enumerate(records) if "C" in seq}
     with tempfile.TemporaryDirectory() as tmp:
         loaded = overflow_model(Path(tmp), dims)
-        fp32 = Embedder(loaded, EmbedOptions(precision="fp32", per_residue=True, device=str(device)), device)
+        fp32 = embedder_for(loaded, EmbedOptions(precision="fp32", per_residue=True, device=str(device)), device)
         alone = {i: next(iter(fp32.embed([records[i]])))[1] for i in sorted(with_c)}
         section = {"shape": dict(zip(("layers", "dim", "heads"), dims)), "records": len(records),
                    "records_with_c": len(with_c), "policies": {}}
         last = loaded.num_layers
         for policy in OVERFLOW_POLICIES:
-            embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True, device=str(device)), device)
+            embedder = embedder_for(loaded, EmbedOptions(precision=policy, per_residue=True, device=str(device)), device)
             out = dict(embedder.embed(records))
             fell = {i for i, r in out.items() if r.precision_used == "fp32"}
             diffs = [float(np.max(np.abs(out[i].per_residue[last] - alone[i].per_residue[last]))) for i in fell & with_c]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _harness as harness
 import numpy as np
 import torch
 
@@ -246,18 +246,8 @@ def forward_flops(lengths: list[int], layers: int, dim: int) -> float:
     return total
 
 
-class Stopwatch:
-    """Wall seconds of a block, synchronising the device at both ends."""
+class Stopwatch(harness.Stopwatch):
+    """The harness's stopwatch, synchronising ``device`` at both ends of the block."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds = 0.0
-
-    def __enter__(self) -> Stopwatch:
-        sync(self.device)
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sync(self.device)
-        self.seconds = time.perf_counter() - self._start
+        super().__init__(sync=lambda: sync(device))

@@ -30,10 +30,10 @@ from _gpu_acceptance_setup import (
     release,
     write_fasta,
 )
-from _helpers import random_records
+from _harness import cosine, pinned_engine, random_records
+from _helpers import embedder_for
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
 from embedpipe.model.esm2 import reset_rotary_caches
 from embedpipe.runtime.cuda import BusyTimer, count_syncs
 
@@ -50,8 +50,6 @@ SYSTEMS: dict[str, tuple[str, Any]] = {
     # fp32 q/k/v at the kernel (no flash, no tensor cores): the other side of the attention-inputs trade
     "embedpipe-bf16-mixed-fp32-attention": ("embedpipe", ("bf16-mixed", "padded", "fp32")),
     "embedpipe-fp16-mixed": ("embedpipe", ("fp16-mixed", "auto", "auto")),
-    # every layer through torch.compile; its compile time is in warmup_seconds (CUDA only)
-    "embedpipe-bf16-mixed-compiled": ("embedpipe", ("bf16-mixed", "packed", "auto", True)),
     "fair-esm-fp32": ("recipe", torch.float32),
     "fair-esm-fp16": ("recipe", torch.float16),  # after fp32: model.half() is in place
     "hf-sdpa-bf16": ("hf", torch.bfloat16),
@@ -152,16 +150,14 @@ def timed_loop(loop: Loop, records: list[tuple[str, str]], device: torch.device)
 
 
 def run_embedpipe(loaded: Any, records: list[tuple[str, str]], device: torch.device, policy: str,
-                  layout: str, attention_inputs: str, compiled: bool = False) -> dict[str, Any]:
-    """The Embedder under ``policy`` with ``layout`` and ``attention_inputs`` asked (its layers
-    compiled when ``compiled``); what it reports goes in the row. The warm-up prepares the
-    model and, compiled, compiles it: ``warmup_seconds`` counts that time."""
-    options = EmbedOptions(precision=policy, batch_layout=layout, attention_inputs=attention_inputs, device=str(device))
-    embedder = Embedder(loaded, options, device)
+                  layout: str, attention_inputs: str) -> dict[str, Any]:
+    """The Embedder under ``policy`` with ``layout`` and ``attention_inputs`` pinned (``EMBEDPIPE_ENGINE``;
+    ``auto``: the program's choice); what it reports goes in the row. The warm-up prepares the
+    model: ``warmup_seconds`` counts that time."""
+    with pinned_engine(batch_layout=layout, attention_inputs=attention_inputs):
+        embedder = embedder_for(loaded, EmbedOptions(precision=policy, device=str(device)), device)
     last = loaded.num_layers
     with Stopwatch(device) as warmup:
-        if compiled:
-            embedder.runner(embedder.policy).compile_layers()
         list(embedder.embed(records[:WARMUP_RECORDS]))  # prepares the model, warms the kernels
     busy, stats = embedder.busy_seconds, Counter(embedder.stats)
     with Stopwatch(device) as watch, count_syncs(device) as syncs:  # its own syncs outside the count
@@ -218,8 +214,6 @@ def run_hf(loaded: Any, records: list[tuple[str, str]], device: torch.device, dt
 def skip_reason(name: str, kind: str, device: torch.device) -> str | None:
     if kind == "hf" and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed"
-    if name.endswith("-compiled") and device.type != "cuda":
-        return "torch.compile is measured on CUDA only (compiling on a CPU smoke run takes minutes)"
     return None
 
 
@@ -243,8 +237,6 @@ def run_system(name: str, loaded: Any, fair: tuple[torch.nn.Module, Any], record
 
 # -- the section -------------------------------------------------------------------------------------------
 
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def row(result: dict[str, Any] | None, why: str | None, residues: int, flops: float,

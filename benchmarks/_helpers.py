@@ -1,4 +1,4 @@
-"""What several benchmark scripts share: random records and in-memory weight edits.
+"""In-memory weight edits several benchmark scripts share (records, clocks and tables: _harness.py).
 
 A module, not a script (tests/benchmarks/test_benchmark_scripts.py runs only the scripts, no
 leading _). Benchmarks import the package and modules like this one, never tests/ (issue 31):
@@ -9,20 +9,14 @@ second checkpoint on disk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
 
-AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
-
-
-def random_records(lengths: Sequence[int], seed: int | np.random.Generator,
-                   prefix: str = "r") -> list[tuple[str, str]]:
-    """Deterministic random proteins (the 20 standard residues) of the given lengths; ``seed``
-    may be a generator that drew the lengths (it goes on from there)."""
-    rng = np.random.default_rng(seed)
-    return [(f"{prefix}{i:05d}", "".join(rng.choice(AMINO, n))) for i, n in enumerate(lengths)]
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
+from embedpipe.embed.resolved import resolve_loaded
+from embedpipe.model.base import EmbeddingModel
 
 
 def edit_weights(loaded: object, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
@@ -43,3 +37,10 @@ def token_rows(loaded: object, values: Mapping[str, float]) -> Callable[[dict[st
             state["embed_tokens.weight"][alphabet.get_idx(token)].fill_(float(value))
 
     return edit
+
+
+def embedder_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device) -> Embedder:
+    """An ``Embedder`` for ``options`` on ``device``, resolved as the cross-check resolves one
+    outside a job (``resolve_loaded``: the engine choices derived, ``EMBEDPIPE_ENGINE`` read
+    while it resolves, so a benchmark pins one with ``_harness.pinned_engine`` around this call)."""
+    return Embedder(loaded, resolve_loaded(loaded, options, device))

@@ -1,4 +1,6 @@
-"""How fast can bf16-mixed or int8-mixed be on this CPU at all? A floor from measured parts, beside the real runs.
+"""How fast can bf16-mixed or int8-mixed be here at all? A floor from parts (``parts``), or int8's linears free (``int8-free``).
+
+``parts``:
 
 bf16-mixed runs every projection and FFN matmul in bf16 and keeps attention scores and
 softmax in fp32 (docs/precision.md). So no implementation of that policy can take
@@ -18,9 +20,21 @@ int8 kernel, quantization excluded) and the floor takes the faster: on AMX and V
 may be this machine's best arithmetic. It also times the attention in bf16, to show whether
 giving up the fp32 island would buy anything on this CPU.
 
-    python benchmarks/cpu_ceiling.py --repeats 3                                   # bundled example, 35M shape
-    python benchmarks/cpu_ceiling.py --layers 30 --dim 640 --heads 20 --repeats 3  # the 150M shape
-    python benchmarks/cpu_ceiling.py --layers 2 --dim 64 --heads 4 --repeats 1     # smoke run
+    python benchmarks/cpu_ceiling.py parts --repeats 3                                   # bundled example, 35M shape
+    python benchmarks/cpu_ceiling.py parts --layers 30 --dim 640 --heads 20 --repeats 3  # the 150M shape
+    python benchmarks/cpu_ceiling.py parts --layers 2 --dim 64 --heads 4 --repeats 1     # smoke run
+
+``int8-free``: int8-mixed runs q/k/v, the out projection, fc1 and fc2 in int8 and keeps
+everything else fp32 by design (docs/precision.md, "int8-mixed"), so no int8 kernel, however
+fast, can make a run take less than that rest. This measures the rest directly: ``int8-free``
+is ``embedpipe embed --precision int8-mixed`` in a process whose int8 linear layers return zeros
+of their output's shape (set up by this script in that child: no quantize, no matmul, no
+rescale; the zeros keep every later op's shapes and cost, and are finite, so no record falls
+back). fp32 time / int8-free time is the ceiling of int8-mixed's speed-up on this CPU; fp32 /
+int8-mixed is where it stands. Whole processes, interleaved rounds, medians.
+
+    python benchmarks/cpu_ceiling.py int8-free --repeat-input 2 --rounds 2      # the 200-protein input
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/cpu_ceiling.py int8-free ...
 """
 
 from __future__ import annotations
@@ -28,11 +42,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import Ratio, machine_header, run_process, table, time_call
+from embed_throughput import OUT, add_input_arguments, bench_model, repeat_input, run_rounds, system_command
 
-from embed_throughput import OUT, add_input_arguments, bench_model, best_of, system_command, timed  # noqa: E402
+#: the child of ``int8-free``: the int8 layers' forward replaced, then the CLI as usual
+FREE_LINEARS = (
+    "import sys; import embedpipe.runtime.int8_linear as m\n"
+    "m.Int8Linear.__call__ = lambda self, x, gelu=False: x.new_zeros(*x.shape[:-1], self.out_features)\n"
+    "sys.argv = ['embedpipe'] + sys.argv[1:]\n"
+    "from embedpipe.cli import run; run()\n")
 
 
 def int8_matmuls(matmul_inputs, dim: int, layers: int):
@@ -58,19 +77,57 @@ def int8_matmuls(matmul_inputs, dim: int, layers: int):
     return run
 
 
+def int8_free(args: argparse.Namespace) -> None:
+    """fp32, int8-mixed and int8-free as whole processes, interleaved rounds, medians."""
+    import statistics
+
+    from embedpipe.runtime.cpu_features import detect, isa_caps
+
+    fasta = repeat_input(args.fasta, args.repeat_input) if args.repeat_input > 1 else args.fasta
+    model = bench_model(args)
+    commands = {}
+    for system in ("fp32", "int8-mixed", "int8-free"):
+        target = OUT / f"ceiling-{system}.h5"
+        cmd = system_command("int8-mixed" if system == "int8-free" else system, model, fasta, target, args.threads)
+        if system == "int8-free":
+            cmd = [sys.executable, "-c", FREE_LINEARS, *cmd[3:]]  # [python, -m, embedpipe.cli, embed, ...]
+        commands[system] = (cmd, target)
+    walls, _ = run_rounds(commands, args.rounds, dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    median = {system: statistics.median(times) for system, times in walls.items()}
+    cpu = detect()
+    caps = f"; capped (emulated): {isa_caps()}" if isa_caps() else ""
+    print(f"\ninput: {fasta.name}; {args.layers} layers x {args.dim} dims; threads {args.threads}; median of "
+          f"{args.rounds} interleaved round(s); CPU {cpu.cpu_class} ({cpu.named()}; torch kernels "
+          f"{cpu.torch_capability}{caps})\n")
+    rows = [(system, median[system], ", ".join(f"{t:.1f}" for t in times)) for system, times in walls.items()]
+    print(table(("run", "median s", "rounds s"), rows, [Ratio("median s", 0, "fp32 / this")], {"median s": "{:.1f}"}))
+    print(f"\nint8-mixed's speed-up {median['fp32'] / median['int8-mixed']:.2f}x of a ceiling of "
+          f"{median['fp32'] / median['int8-free']:.2f}x (its linear layers free); the linears take "
+          f"{median['int8-mixed'] - median['int8-free']:.1f} s of its {median['int8-mixed']:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("measure", choices=["parts", "int8-free"])
     add_input_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=2, help="best of N for each measured part")
+    parser.add_argument("--repeats", type=int, default=2, help="parts: best of N for each measured part")
     parser.add_argument("--policies", nargs="+", default=["bf16-mixed", "int8-mixed", "auto"],
-                        help="whole embed runs to set against the floor (the policy this CPU's table row advises is "
-                             "marked; auto measures on this node)")
+                        help="parts: whole embed runs to set against the floor (the policy this CPU's table row "
+                             "advises is marked; auto measures on this node)")
+    parser.add_argument("--repeat-input", type=int, default=1, help="int8-free: the input N times (2: 200 proteins)")
+    parser.add_argument("--rounds", type=int, default=1, help="int8-free: interleaved rounds")
     args = parser.parse_args()
+    print(machine_header())
+    (parts if args.measure == "parts" else int8_free)(args)
 
+
+def parts(args: argparse.Namespace) -> None:
+    """The floor from measured parts beside the recipe and the real runs."""
     import torch
     import torch.nn.functional as F
+    from _helpers import embedder_for
 
-    from embedpipe.embed.engine import Embedder, EmbedOptions
+    from embedpipe.core.options import EmbedOptions
     from embedpipe.inputs.fasta import read_sequences
     from embedpipe.model import load_model
     from embedpipe.runtime.advice import fastest_policy
@@ -84,20 +141,20 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
 
     # -- whole processes: the recipe and the real bf16-mixed run ---------------------------------
-    recipe_s, _ = timed(system_command("fair-esm", model_path, args.fasta, OUT / "fair-esm", args.threads), env)
+    recipe_s = run_process(system_command("fair-esm", model_path, args.fasta, OUT / "fair-esm", args.threads), env).seconds
     embed_s = {}
     for policy in args.policies:
         store = OUT / f"ceiling-{policy}.h5"
         store.unlink(missing_ok=True)
-        embed_s[policy], _ = timed(system_command(policy, model_path, args.fasta, store, args.threads), env)
+        embed_s[policy] = run_process(system_command(policy, model_path, args.fasta, store, args.threads), env).seconds
     advised, _ = fastest_policy(detect())
-    startup_s = min(timed([sys.executable, "-c", "import torch, esm, h5py; from embedpipe.model import load_model; "
-                           f"torch.set_num_threads({args.threads}); load_model({str(model_path)!r})"], env)[0]
+    startup_s = min(run_process([sys.executable, "-c", "import torch, esm, h5py; from embedpipe.model import load_model; "
+                                 f"torch.set_num_threads({args.threads}); load_model({str(model_path)!r})"], env).seconds
                     for _ in range(args.repeats))
 
     # -- the parts, on the worker's own batches ------------------------------------------------
     loaded = load_model(str(model_path))
-    embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", long_sequences="truncate"), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(precision="bf16-mixed", long_sequences="truncate"), torch.device("cpu"))
     plan = embedder.plan(records)
     shapes = [(len(batch), max(p.residues for p in batch) + 2) for batch in plan.batches]
     dim, heads, layers = args.dim, args.heads, args.layers
@@ -137,11 +194,11 @@ def main() -> None:
         return run
 
     with torch.inference_mode():
-        bf16_matmul_s = best_of(args.repeats, matmuls)
-        int8_matmul_s = best_of(args.repeats, int8_matmuls(matmul_inputs, dim, layers))
+        bf16_matmul_s = time_call(matmuls, args.repeats).best
+        int8_matmul_s = time_call(int8_matmuls(matmul_inputs, dim, layers), args.repeats).best
         matmul_s = min(bf16_matmul_s, int8_matmul_s)  # the best speed this machine has for them
-        attention_s = best_of(args.repeats, attention(torch.float32))
-        attention_bf16_s = best_of(args.repeats, attention(torch.bfloat16))
+        attention_s = time_call(attention(torch.float32), args.repeats).best
+        attention_bf16_s = time_call(attention(torch.bfloat16), args.repeats).best
 
     floor_s = startup_s + matmul_s + attention_s
     rows = [
@@ -157,10 +214,7 @@ def main() -> None:
     ]
     print(f"\ninput: {args.fasta.name} ({len(records)} records, {residues} residues); model {layers} layers x "
           f"{dim} dims x {heads} heads; {len(shapes)} batches; threads {args.threads}")
-    print("\n| part | seconds | recipe / this |")
-    print("|---|---|---|")
-    for name, seconds in rows:
-        print(f"| {name} | {seconds:.1f} | {recipe_s / seconds:.2f} |")
+    print("\n" + table(("part", "seconds"), rows, [Ratio("seconds", 0, "recipe / this")], {"seconds": "{:.1f}"}))
     cpu = detect()
     print(f"\nCPU class {cpu.cpu_class} ({cpu.named()}); advised policy {advised}. No implementation can pass "
           f"{recipe_s / floor_s:.2f}x the recipe here (everything but the matmuls, at the faster of bf16 and int8, "

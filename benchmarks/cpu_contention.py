@@ -45,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+from _harness import machine_header, run_process, table, write_fasta
 from embed_throughput import OUT, add_input_arguments, bench_model, repeat_input, system_command
 
 from embedpipe.core.cpus import WAIT_VARIABLES
@@ -89,9 +90,7 @@ def run_once(cmd: list[str], env: dict[str, str], neighbours: int) -> float:
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(neighbours)]
     try:
         time.sleep(0.2 if spinners else 0)  # the neighbours are running before the job starts
-        started = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        return time.perf_counter() - started
+        return run_process(cmd, env=env, capture=True).seconds
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -135,9 +134,7 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
     for wait in args.wait_policies:
         chosen = WAIT_POLICIES[wait] or "(embedpipe sets GOMP_SPINCOUNT=1000 unless a wait policy is set)"
         print(f"\nwait policy: {wait} {chosen}\n")
-        print(f"| policy | quiet s | beside {args.neighbours} neighbour(s) s | slowdown | x fp32's slowdown "
-              f"| x fp32 beside neighbour | pinned to {args.pinned_cpus} s | quiet, --threads {args.pinned_cpus} s "
-              "| pinned / quiet |\n|---|---|---|---|---|---|---|---|---|")
+        rows = []
         nan = float("nan")  # a condition not run (--conditions)
         fp32_slow = median.get((wait, "fp32", "neighbour"), nan) / median[(wait, "fp32", "quiet")]
         advised = fastest_policy(detect())[0]  # this CPU's table row (on AVX2: int8-mixed)
@@ -147,9 +144,12 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
             slow = m["neighbour"] / m["quiet"]
             rounds = "/".join(f"{t:.1f}" for t in walls.get((wait, system, "neighbour"), []))
             fp32_beside = median.get((wait, "fp32", "neighbour"), nan)
-            print(f"| {label} | {m['quiet']:.1f} | {m['neighbour']:.1f} ({rounds}) | {slow:.2f} | {slow / fp32_slow:.2f} "
-                  f"| {fp32_beside / m['neighbour']:.2f} | {m['pinned']:.1f} | {m['quiet-P']:.1f} "
-                  f"| {m['pinned'] / m['quiet-P']:.2f} |")
+            rows.append((label, f"{m['quiet']:.1f}", f"{m['neighbour']:.1f} ({rounds})", f"{slow:.2f}",
+                         f"{slow / fp32_slow:.2f}", f"{fp32_beside / m['neighbour']:.2f}", f"{m['pinned']:.1f}",
+                         f"{m['quiet-P']:.1f}", f"{m['pinned'] / m['quiet-P']:.2f}"))
+        print(table(("policy", "quiet s", f"beside {args.neighbours} neighbour(s) s", "slowdown", "x fp32's slowdown",
+                     "x fp32 beside neighbour", f"pinned to {args.pinned_cpus} s", f"quiet, --threads {args.pinned_cpus} s",
+                     "pinned / quiet"), rows))
     print("\ntargets (issue 35): the advised policy's slowdown <= 1.3x fp32's and x fp32 beside the neighbour > 1; "
           "pinned / quiet <= 1.3")
 
@@ -171,8 +171,8 @@ def count_ops(dim: int, tokens: int = 4096) -> None:
         return sum(1 for e in prof.events() if e.cpu_parent is None)
 
     per_thread = m.row_chunks
-    print(f"\n{torch.get_num_threads()} threads, {tokens} tokens\n\n| layer | int8, 1 MiB chunks | int8, 1 MiB per thread "
-          "| fp32 prepacked |\n|---|---|---|---|")
+    print(f"\n{torch.get_num_threads()} threads, {tokens} tokens\n")
+    rows = []
     for name, (k, n) in {"q/k/v": (dim, 3 * dim), "fc1": (dim, 4 * dim), "fc2": (4 * dim, dim)}.items():
         weight, x = torch.randn(n, k), torch.randn(tokens, k)
         layer, packed = m.Int8Linear(weight, torch.zeros(n)), pack_linear(weight, torch.zeros(n))
@@ -180,7 +180,8 @@ def count_ops(dim: int, tokens: int = 4096) -> None:
         fixed = ops(layer, x)
         m.row_chunks = per_thread
         fp32 = ops(packed, x) if packed is not None else "-"
-        print(f"| {name} {k} -> {n} | {fixed} | {ops(layer, x)} | {fp32} |")
+        rows.append((f"{name} {k} -> {n}", fixed, ops(layer, x), fp32))
+    print(table(("layer", "int8, 1 MiB chunks", "int8, 1 MiB per thread", "fp32 prepacked"), rows))
 
 
 def main() -> None:
@@ -213,8 +214,7 @@ def main() -> None:
         from embedpipe.inputs.fasta import read_sequences
 
         records = list(read_sequences(fasta))[: args.max_records]
-        fasta = OUT / f"first{args.max_records}-{fasta.name}"
-        fasta.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
+        fasta = write_fasta(OUT / f"first{args.max_records}-{fasta.name}", records)
     from embedpipe.core.cpus import allocated
     from embedpipe.runtime.cpu_features import detect
 
@@ -222,6 +222,7 @@ def main() -> None:
     cpu, own = detect(), allocated()
     print(f"input: {fasta.name}; {args.layers} layers x {args.dim} dims; {own.count} CPUs ({own.source}); "
           f"CPU {cpu.cpu_class} ({cpu.named()}); {args.rounds} interleaved round(s), medians", file=sys.stderr)
+    print(machine_header())
     report(args, measure(args, model, fasta))
 
 

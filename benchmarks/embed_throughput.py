@@ -33,12 +33,11 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from _harness import Ratio, cosine, engine_env, interleaved, machine_header, table, time_call, write_fasta
 
 from embedpipe.core.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
 
@@ -49,8 +48,9 @@ ESM_CPP_SYSTEMS = {"esm-cpp": "float32", "esm-cpp-int8": "int8"}  # system -> it
 HF_SYSTEMS = {"hf-transformers": "float32", "hf-transformers-bf16": "bfloat16"}  # system -> the peer's --dtype
 POLICIES = list(POLICY_NAMES)
 #: embedpipe runs with options beyond the policy: system -> (policy, extra arguments)
-VARIANTS = {f"{policy}-bf16-attention": (policy, ["--attention-inputs", "compute"])
-            for policy in ("bf16-mixed", "int8-mixed")}
+VARIANTS: dict[str, tuple[str, list[str]]] = {f"{policy}-bf16-attention": (policy, []) for policy in ("bf16-mixed", "int8-mixed")}
+#: embedpipe runs with an engine choice pinned (the expert ``EMBEDPIPE_ENGINE``): system -> choices
+ENGINE_CHOICES = {f"{policy}-bf16-attention": {"attention_inputs": "compute"} for policy in ("bf16-mixed", "int8-mixed")}
 #: ``--precision auto`` with one measurement cache for the whole benchmark run: its first run
 #: measures on this node (the probe's cost included), later ones read the cache
 VARIANTS["auto"] = ("auto", ["--auto-cache", str(OUT / "auto-precision")])
@@ -94,29 +94,7 @@ def run_fair_esm_recipe(model_path: Path, fasta: Path, out_dir: Path, threads: i
 
 # -- measurement helpers -------------------------------------------------------------------------
 
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one child process."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1024
-
-
-def best_of(repeats: int, run) -> float:
-    """Fastest wall time of ``repeats`` calls of ``run`` (in-process parts of a benchmark)."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def system_command(system: str, model: Path, fasta: Path, target: Path, threads: int,
-                   attention: str = "sdpa") -> list[str]:
+def system_command(system: str, model: Path, fasta: Path, target: Path, threads: int) -> list[str]:
     """The whole-process command line of one compared system writing to ``target``."""
     if system == "fair-esm":
         return [sys.executable, __file__, "--threads", str(threads), "--run-recipe", str(model), str(fasta), str(target)]
@@ -128,7 +106,7 @@ def system_command(system: str, model: Path, fasta: Path, target: Path, threads:
                 "--threads", str(threads), *(["--int8"] if system == "esm-cpp-int8" else [])]
     policy, extra = VARIANTS.get(system, (system, []))
     return [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
-            "--precision", policy, "--long-sequences", "truncate", "--attention", attention,
+            "--precision", policy, "--long-sequences", "truncate",
             "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet", *extra]
 
 
@@ -147,15 +125,13 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) 
         layer = Int8Linear(torch.randn(n, n), None)
         xq = (torch.randint(-127, 128, (n, n)) + layer.zero_point).to(layer.input_dtype)
         layer.scaled_matmul(xq)
-        return 2 * n**3 / best_of(repeats, lambda: layer.scaled_matmul(xq))
+        return 2 * n**3 / time_call(lambda: layer.scaled_matmul(xq), rounds=repeats).best
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     packed = pack_linear(b, None)
     candidates = [lambda: F.linear(a, b)] + ([lambda: packed(a)] if packed is not None else [])
-    for run in candidates:
-        run()  # warm-up
-    return 2 * n**3 / min(best_of(repeats, run) for run in candidates)
+    return 2 * n**3 / min(time_call(run, rounds=repeats, warmup=1).best for run in candidates)
 
 
 def model_flops(lengths: list[int], layers: int, dim: int) -> float:
@@ -212,7 +188,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=["fair-esm", *HF_SYSTEMS, *ESM_CPP_SYSTEMS, *POLICIES])
     parser.add_argument("--repeat-input", type=int, default=1,
                         help="the input N times, copies after the first reversed with new IDs (2: 200 proteins)")
-    parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system N times, interleaved (system order per round), and report the "
                              "median: on a shared or noisy machine drifts then hit all systems alike")
@@ -230,7 +205,7 @@ def system_commands(args: argparse.Namespace, model: Path) -> dict[str, tuple[li
         if system in ESM_CPP_SYSTEMS and not esm_cpp_runs(system):
             continue
         target = OUT / system if system in DIRECTORY_SYSTEMS else OUT / f"{system}.h5"
-        commands[system] = (system_command(system, model, args.fasta, target, args.threads, args.attention), target)
+        commands[system] = (system_command(system, model, args.fasta, target, args.threads), target)
     return commands
 
 
@@ -264,20 +239,18 @@ def repeat_input(fasta: Path, times: int) -> Path:
 
 def run_rounds(commands: dict[str, tuple[list[str], Path]], rounds: int,
                env: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Every system ``rounds`` times, interleaved: (wall seconds per round, peak RSS MiB) per system."""
-    walls: dict[str, list[float]] = {system: [] for system in commands}
-    rss: dict[str, float] = dict.fromkeys(commands, 0.0)
-    for round_index in range(rounds):
-        for system, (cmd, target) in commands.items():
-            if system in DIRECTORY_SYSTEMS:
-                shutil.rmtree(target, ignore_errors=True)  # no stale files from a run with other settings
-            else:
-                target.unlink(missing_ok=True)
-            wall, peak = timed(cmd, env)
-            walls[system].append(wall)
-            rss[system] = max(rss[system], peak)
-            print(f"  round {round_index + 1}: {system:<15} {wall:7.1f}s", file=sys.stderr, flush=True)
-    return walls, rss
+    """Every system ``rounds`` times, interleaved, each from a clean output and with its engine
+    choices pinned where it has any: (wall seconds per round, peak RSS MiB) per system."""
+    def clean(system: str) -> None:
+        target = commands[system][1]
+        if system in DIRECTORY_SYSTEMS:
+            shutil.rmtree(target, ignore_errors=True)  # no stale files from a run with other settings
+        else:
+            target.unlink(missing_ok=True)
+
+    envs = {system: engine_env(env, **ENGINE_CHOICES[system]) for system in commands if system in ENGINE_CHOICES}
+    timings = interleaved({system: cmd for system, (cmd, _) in commands.items()}, rounds, env, envs, before=clean)
+    return {s: t.seconds for s, t in timings.items()}, {s: t.peak for s, t in timings.items()}
 
 
 def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, list[float]], rss: dict[str, float],
@@ -305,26 +278,27 @@ def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, li
 def print_table(rows: list[dict], ref: dict[str, np.ndarray], layer: int) -> None:
     """The Markdown table, with ratios to the recipe (and to HF bf16) and cosines to fp32;
     the ratios and cosines are added to the rows."""
-    recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
-    hf_bf16 = next((r for r in rows if r["system"] == "hf-transformers-bf16"), None)
-    hf_column = ("| x HF bf16 ", "|---") if hf_bf16 else ("", "")
-    print(f"\n| system | seconds | residues/s | x fair-esm recipe {hf_column[0]}| padding eff. | MFU | peak RSS MiB | "
-          "min cos to fp32 | median cos |")
-    print(f"|---|---|---|---{hf_column[1]}|---|---|---|---|---|")
+    systems = [row["system"] for row in rows]
+    ratios = [Ratio("residues/s", systems.index("fair-esm"), "x fair-esm recipe", lower_is_better=False)
+              ] if "fair-esm" in systems else []
+    if "hf-transformers-bf16" in systems:
+        ratios.append(Ratio("residues/s", systems.index("hf-transformers-bf16"), "x HF bf16", lower_is_better=False))
+    cells = []
     for row in rows:
         means = read_means(row["system"], row["path"], layer)
-        cos = [float(means[k] @ v / (np.linalg.norm(means[k]) * np.linalg.norm(v))) for k, v in ref.items() if k in means]
-        ratio = row["residues_per_s"] / recipe["residues_per_s"] if recipe else float("nan")
-        row["ratio_hf_bf16"] = row["residues_per_s"] / hf_bf16["residues_per_s"] if hf_bf16 else None
-        hf_cell = f"| {row['ratio_hf_bf16']:.2f} " if hf_bf16 else ""
-        cos_min = f"{min(cos):.6f}" if cos else "-"
-        cos_med = f"{float(np.median(cos)):.6f}" if cos else "-"
-        print(f"| {row['system']} | {row['seconds']:.1f} | {row['residues_per_s']:,.0f} | {ratio:.2f} {hf_cell}| "
-              f"{row['padding_efficiency']:.3f} | {row['mfu']:.1%} ({row['peak_dtype']}) | {row['peak_rss_mib']:.0f} | "
-              f"{cos_min} | {cos_med} |")
-        row["ratio"] = ratio
+        cos = [cosine(means[k], v) for k, v in ref.items() if k in means]
+        for r in ratios:
+            base = rows[r.baseline]["residues_per_s"]
+            row["ratio" if r.label.startswith("x fair") else "ratio_hf_bf16"] = row["residues_per_s"] / base
         row["min_cosine"] = min(cos) if cos else None
         row["path"] = str(row["path"])
+        cells.append((row["system"], row["seconds"], row["residues_per_s"], row["padding_efficiency"],
+                      f"{row['mfu']:.1%} ({row['peak_dtype']})", row["peak_rss_mib"],
+                      f"{min(cos):.6f}" if cos else "-", f"{float(np.median(cos)):.6f}" if cos else "-"))
+    print("\n" + table(("system", "seconds", "residues/s", "padding eff.", "MFU", "peak RSS MiB", "min cos to fp32",
+                        "median cos"), cells, ratios,
+                       {"seconds": "{:.1f}", "residues/s": "{:,.0f}", "padding eff.": "{:.3f}", "peak RSS MiB": "{:.0f}"}))
+    recipe = next((r for r in rows if r["system"] == "fair-esm"), None)
     if recipe and len(recipe["all_seconds"]) > 1:  # the spread behind each median, round by round
         print("\nper round, x fair-esm recipe (same round):")
         for row in rows:
@@ -347,7 +321,7 @@ def main() -> None:
     if args.max_records:
         subset = OUT / f"first{args.max_records}-{args.fasta.name}"
         records = list(read_sequences(args.fasta))[: args.max_records]
-        subset.write_text("".join(f">{rid}\n{seq}\n" for rid, seq in records))
+        write_fasta(subset, records)
         args.fasta = subset
     model = bench_model(args)
     lengths = [len(s) for _, s in read_sequences(args.fasta)]
@@ -357,7 +331,8 @@ def main() -> None:
     walls, rss = run_rounds(commands, args.rounds, dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     rows = result_rows(commands, walls, rss, residues, model_flops(lengths, args.layers, args.dim), peaks)
     ref = read_means("fp32", OUT / "fp32.h5", args.layers) if "fp32" in args.systems else {}
-    print(f"\ninput: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
+    print("\n" + machine_header())
+    print(f"input: {args.fasta.name} ({len(lengths)} records, {residues} residues embedded); model "
           f"{args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); threads {args.threads}; "
           f"median of {args.rounds} interleaved round(s)")
     print("matmul peak (GFLOP/s; int8: GOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()))

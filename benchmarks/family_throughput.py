@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 import _family_recipes as recipes
 import numpy as np
+from _harness import cosine, machine_header, table
 from embed_throughput import matmul_peak, read_means, run_rounds, system_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ def cosines(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[flo
     missing = sorted(set(want) - set(got))
     if missing:
         raise SystemExit(f"records missing from a system's output: {missing[:3]}")
-    return [float(got[k] @ v / (np.linalg.norm(got[k]) * np.linalg.norm(v))) for k, v in want.items()]
+    return [cosine(got[k], v) for k, v in want.items()]
 
 
 def family_rows(family: str, systems: dict, walls: dict, rss: dict, residues: int, layer: int) -> list[dict]:
@@ -195,33 +195,30 @@ def family_rows(family: str, systems: dict, walls: dict, rss: dict, residues: in
     return rows
 
 
-def print_family(rows: list[dict]) -> None:
-    """The family's Markdown rows, per-round ratios and its fastest embedpipe policy."""
-    for r in rows:
-        print(f"| {r['family']} | {r['system'].removeprefix(r['family'] + ' ')} | {r['seconds']:.1f} | "
-              f"{r['residues_per_s']:,.0f} | {r['ratio']:.2f} | {r['padding_efficiency']:.3f} | "
-              f"{r['peak_rss_mib']:.0f} | {r['min_cosine']:.6f} | {r['median_cosine']:.6f} |")
+COLUMNS = ("family", "system", "seconds", "residues/s", "x recipe", "padding eff.", "peak RSS MiB",
+           "min cos to recipe", "median cos")
+
+
+def family_table_rows(rows: list[dict]) -> list[tuple]:
+    """The family's table rows, and a last one naming its fastest embedpipe policy (marked ``best``)."""
+    out: list[tuple] = [(r["family"], r["system"].removeprefix(r["family"] + " "), f"{r['seconds']:.1f}",
+                         f"{r['residues_per_s']:,.0f}", f"{r['ratio']:.2f}", f"{r['padding_efficiency']:.3f}",
+                         f"{r['peak_rss_mib']:.0f}", f"{r['min_cosine']:.6f}", f"{r['median_cosine']:.6f}") for r in rows]
     ours = [r for r in rows if " embedpipe " in r["system"] and not r["system"].endswith("(.pt)")]
     if ours:
         best = max(ours, key=lambda r: r["residues_per_s"])
         best["best"] = True
-        print(f"|  | fastest embedpipe policy here: **{best['system'].split()[-1]}** ({best['ratio']:.2f}x the "
-              f"recipe) |  |  |  |  |  |  |  |")
+        out.append(("", f"fastest embedpipe policy here: **{best['system'].split()[-1]}** ({best['ratio']:.2f}x the "
+                        "recipe)", *[""] * 7))
+    return out
 
 
 def machine_line(threads: int, quick: bool) -> str:
-    """CPU model, the vector/matrix extensions bf16 and fp16 speed depends on, measured GEMM peaks."""
-    flags, model = set(), platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), model)
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), flags)
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    ext = " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)
+    """The machine header and the measured GEMM peaks bf16 and fp16 speed depend on."""
     size, repeats = (256, 1) if quick else (2048, 3)
     peaks = ", ".join(f"{d} {matmul_peak(d, threads, n=size, repeats=repeats) / 1e9:.0f}"
                       for d in ("float32", "bfloat16", "float16"))
-    return f"CPU: {model}, {os.cpu_count()} cores; {ext}; GEMM {size}^3 GFLOP/s: {peaks}"
+    return f"{machine_header()}\nGEMM {size}^3 GFLOP/s: {peaks}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,14 +244,12 @@ def main(argv: list[str] | None = None) -> None:
           f"transformers {transformers.__version__}")
     print(machine)
     print("shapes (random weights): " + "; ".join(f"{f} {shapes[f]}" for f in args.families))
-    print("\n| family | system | seconds | residues/s | x recipe | padding eff. | peak RSS MiB | "
-          "min cos to recipe | median cos |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    rows = []
+    rows, cells = [], []
     for family, systems in per_family.items():
         family_rows_ = family_rows(family, systems, walls, rss, sum(lengths), shapes[family]["layers"])
-        print_family(family_rows_)
+        cells += family_table_rows(family_rows_)
         rows += family_rows_
+    print("\n" + table(COLUMNS, cells))
     print("\nrecipes' attention (transformers' attn_implementation): "
           + ", ".join(f"{r['family']} {r['attention']}" for r in rows if r["system"].endswith(" recipe")))
     if args.rounds > 1:

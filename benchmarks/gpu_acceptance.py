@@ -30,7 +30,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ from _gpu_acceptance_setup import (
     shape_skip_reason,
 )
 from _gpu_acceptance_speed import PROXY_KEYS, ROW_KEYS, SYSTEMS, proxy_records, proxy_section, shape_speed
-from _helpers import random_records
+from _harness import now, random_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "embedpipe.gpu-acceptance/1"
@@ -190,7 +189,7 @@ def run_shape(key: str, args: argparse.Namespace, device: torch.device, results:
     from embedpipe.model import load_model
 
     meta = results["shapes"][key]
-    started = time.perf_counter()
+    started = now()
     path = checkpoint(args.work, shape_dims(SHAPES[key], device), fp16_file=SHAPES[key].fp16_file)
     meta["checkpoint"] = str(path)
     loaded = load_model(str(path))
@@ -204,7 +203,7 @@ def run_shape(key: str, args: argparse.Namespace, device: torch.device, results:
                                         results["device"]["bf16_peak_flops_why"], log)
     del loaded, fair
     release(device)
-    meta["seconds"] = time.perf_counter() - started
+    meta["seconds"] = now() - started
 
 
 def run_proxy(args: argparse.Namespace, device: torch.device, budget: Budget, results: dict[str, Any]) -> dict[str, Any]:
@@ -376,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_acceptance: no CUDA device here; --device cpu runs the smoke test")
-    started = time.perf_counter()
+    started = now()
     results: dict[str, Any] = {
         "schema": SCHEMA, "complete": False, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv]),
@@ -402,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["proxy"] = run_proxy(args, device, budget, results)
     results["targets"] = targets(results, device)
     results["markdown"] = markdown(results)
-    results["seconds_total"] = time.perf_counter() - started
+    results["seconds_total"] = now() - started
     results["missing_fields"] = []
     results["missing_fields"] = missing_fields(results)
     results["complete"] = True

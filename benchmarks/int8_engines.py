@@ -19,13 +19,12 @@ engine, time relative to embedpipe's fp32 (oneDNN-prepacked). Engines:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _harness import Ratio, Stopwatch, Timing, machine_header, table
 
 from embedpipe.runtime.int8_linear import Int8Linear
 from embedpipe.runtime.packed_linear import pack_linear
@@ -85,26 +84,25 @@ def main() -> None:
     w2, b2 = torch.randn(d, 4 * d, generator=g) / (4 * d) ** 0.5, torch.randn(d, generator=g) * 0.1
     runs = engines(x, w1, b1, w2, b2, args.with_s8)
     ref = runs["fp32"]().double()
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times = {name: Timing() for name in runs}
     for run in runs.values():
         run()  # warm-up
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # interleaved: a busy spell hits every engine
         for name, run in runs.items():
-            started = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - started)
+            with Stopwatch() as clock:
+                run()
+            times[name].seconds.append(clock.seconds)
     from embedpipe.runtime.cpu_features import detect, isa_caps
 
     cpu = detect()
     caps = f", capped (emulated): {isa_caps()}" if isa_caps() else ""
     print(f"CPU {cpu.cpu_class} ({cpu.named()}{caps}), {torch.get_num_threads()} threads, {args.tokens} tokens, "
           f"{d} -> {4 * d} -> {d}, median of {args.rounds} interleaved rounds\n")
-    print("| engine | ms | time / fp32 | min row cosine to fp32 |\n|---|---|---|---|")
-    base = statistics.median(times["fp32"])
-    for name, run in runs.items():
-        ms = statistics.median(times[name])
-        cos = F.cosine_similarity(run().double(), ref, dim=1).min().item()
-        print(f"| {name} | {ms * 1e3:.1f} | {ms / base:.2f} | {cos:.6f} |")
+    rows = [(name, times[name].median * 1e3, f"{F.cosine_similarity(run().double(), ref, dim=1).min().item():.6f}")
+            for name, run in runs.items()]
+    print(machine_header())
+    print(table(("engine", "ms", "min row cosine to fp32"), rows,
+                [Ratio("ms", 0, "time / fp32", lower_is_better=False)], {"ms": "{:.1f}"}))
 
 
 if __name__ == "__main__":

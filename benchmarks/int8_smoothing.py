@@ -17,15 +17,16 @@ each int8 run's embed time, the two interleaved in this process, best of ``--rep
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from _helpers import edit_weights
+from _harness import Stopwatch, cosine, machine_header, table
+from _helpers import edit_weights, embedder_for
 
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
@@ -54,19 +55,18 @@ def _models(out: Path) -> dict[str, Any]:
 
 
 def _embed(embedder: Embedder, records: list) -> tuple[dict, float]:
-    started = time.perf_counter()
-    got = dict(embedder.embed(records))
-    return got, time.perf_counter() - started
+    with Stopwatch() as clock:
+        got = dict(embedder.embed(records))
+    return got, clock.seconds
 
 
-def _row(name: str, smoothing: str, got: dict, ref: dict, layers: list[int]) -> str:
+def _row(name: str, smoothing: str, got: dict, ref: dict, layers: list[int]) -> tuple[str, ...]:
     cells = []
     for layer in layers:
-        cos = [float(got[i].mean[layer] @ ref[i].mean[layer]
-                     / (np.linalg.norm(got[i].mean[layer]) * np.linalg.norm(ref[i].mean[layer]))) for i in ref]
+        cos = [cosine(got[i].mean[layer], ref[i].mean[layer]) for i in ref]
         cells.append(f"{min(cos):.6f} / {np.median(cos):.6f}")
     diff = max(float(np.abs(got[i].mean[layer] - ref[i].mean[layer]).max()) for i in ref for layer in layers)
-    return f"| {name} | {smoothing} | " + " | ".join(cells) + f" | {diff:.2e} |"
+    return (name, smoothing, *cells, f"{diff:.2e}")
 
 
 def main() -> None:
@@ -80,13 +80,12 @@ def main() -> None:
     records = records[: args.max_records]
     layers = [1, 6, 12]
     residues = sum(len(s) for _, s in records)
+    print(machine_header())
     print(f"{len(records)} Swiss-Prot records ({residues} residues) not in the calibration set; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| model | smoothing | layer 1 cosine min / median | layer 6 | layer 12 | max abs diff |")
-    print("|---|---|---|---|---|---|")
-    timing = []
+          f"{torch.get_num_threads()} threads\n")
+    timing, rows = [], []
     for name, loaded in _models(out).items():
-        embedders = {s: Embedder(loaded, EmbedOptions(precision=p, layers=tuple(layers), int8_smoothing=smooth),
+        embedders = {s: embedder_for(loaded, EmbedOptions(precision=p, layers=tuple(layers), int8_smoothing=smooth),
                                  torch.device("cpu"))
                      for s, p, smooth in (("fp32", "fp32", "none"), ("none", "int8-mixed", "none"),
                                           ("smoothquant", "int8-mixed", "smoothquant"))}
@@ -98,13 +97,12 @@ def main() -> None:
             for smoothing, embedder in embedders.items():
                 got[smoothing], seconds = _embed(embedder, records)
                 best[smoothing] = min(best[smoothing], seconds)
-        for smoothing in embedders:
-            print(_row(name, smoothing, got[smoothing], ref, layers), flush=True)
-        timing.append((name, best))
-    print("\n| model | int8-mixed, none (s) | int8-mixed, smoothquant (s) | smoothquant / none |")
-    print("|---|---|---|---|")
-    for name, best in timing:
-        print(f"| {name} | {best['none']:.2f} | {best['smoothquant']:.2f} | {best['smoothquant'] / best['none']:.3f} |")
+        rows += [_row(name, smoothing, got[smoothing], ref, layers) for smoothing in embedders]
+        timing.append((name, best["none"], best["smoothquant"], best["smoothquant"] / best["none"]))
+    print(table(("model", "smoothing", "layer 1 cosine min / median", "layer 6", "layer 12", "max abs diff"), rows))
+    print("\n" + table(("model", "int8-mixed, none (s)", "int8-mixed, smoothquant (s)", "smoothquant / none"), timing,
+                       formats={"int8-mixed, none (s)": "{:.2f}", "int8-mixed, smoothquant (s)": "{:.2f}",
+                                "smoothquant / none": "{:.3f}"}))
 
 
 if __name__ == "__main__":

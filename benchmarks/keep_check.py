@@ -13,12 +13,11 @@ seconds per GB of store and per 10,000 records.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from _harness import machine_header, table, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,13 +45,12 @@ def write_store(path: Path, n: int, length: int, dim: int, dtype: str, per_resid
 def time_check(path: Path, repeat: int) -> float:
     from embedpipe.store.validate import validate_store
 
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
+    def check() -> None:
         problems = validate_store(path)
-        best = min(best, time.perf_counter() - start)
-        assert not problems, problems
-    return best
+        if problems:
+            raise SystemExit(f"{path}: the synthetic store does not validate: {problems[:3]}")
+
+    return time_call(check, rounds=repeat).best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,11 +69,11 @@ def main(argv: list[str] | None = None) -> None:
             write_store(path, args.records, args.length, args.dim, args.dtype, per_residue)
             seconds = time_check(path, args.repeat)
             gb = path.stat().st_size / 1e9
-            rows.append({"per_residue": per_residue, "records": args.records, "store_gb": round(gb, 3),
-                         "seconds": round(seconds, 2), "s_per_gb": round(seconds / gb, 2),
-                         "s_per_10k_records": round(seconds * 10_000 / args.records, 2)})
-    for row in rows:
-        print(json.dumps(row))
+            rows.append(("per-residue + mean" if per_residue else "mean only", args.records, gb, seconds,
+                         seconds / gb, seconds * 10_000 / args.records))
+    print(machine_header() + "\n")
+    print(table(("store", "records", "size (GB)", "seconds", "s per GB", "s per 10k records"), rows,
+                formats={"size (GB)": "{:.2f}", "seconds": "{:.1f}", "s per GB": "{:.1f}", "s per 10k records": "{:.2f}"}))
 
 
 if __name__ == "__main__":

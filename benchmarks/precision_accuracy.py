@@ -8,7 +8,7 @@ policy: mean per-residue relative L2 error of the last layer against embedpipe's
 output, and min pooled cosine. The mixed policies keep rotary tables, attention and layer
 norms in fp32 and should sit clearly below the plain casts of the same dtype
 (tests/runtime/test_precision.py asserts it on a smaller sample). The mixed policies run twice: with
-fp32 attention inputs (the CPU default) and with ``--attention-inputs compute`` (rotated in
+fp32 attention inputs (the CPU default) and with ``EMBEDPIPE_ENGINE=attention_inputs=compute`` (rotated in
 fp32, then q/k/v cast to the compute dtype: the CUDA default, for tensor-core kernels), with
 residues/s of each run on this machine (docs/precision.md, "Attention inputs").
 """
@@ -16,15 +16,14 @@ residues/s of each run on this machine (docs/precision.md, "Attention inputs").
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from _helpers import random_records
+from _harness import Stopwatch, cosine, machine_header, pinned_engine, random_records, table
+from _helpers import embedder_for
 
-from embedpipe.core.options import FP32_ISLAND_POLICIES
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.core.options import FP32_ISLAND_POLICIES, EmbedOptions
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.runtime.precision import POLICIES
@@ -53,29 +52,27 @@ def main() -> None:
     residues = sum(len(seq) for _, seq in records)
 
     def run(policy: str, inputs: str = "auto") -> tuple[dict, float]:
-        options = EmbedOptions(precision=policy, per_residue=True, attention_inputs=inputs)
-        embedder = Embedder(loaded, options, torch.device("cpu"))
-        started = time.perf_counter()
-        got = dict(embedder.embed(records))
-        return got, residues / (time.perf_counter() - started)
+        with pinned_engine(attention_inputs=inputs):
+            embedder = embedder_for(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
+        with Stopwatch() as clock:
+            got = dict(embedder.embed(records))
+        return got, residues / clock.seconds
 
     ref, _ = run("fp32")
+    print(machine_header() + "\n")
     print(f"model {args.layers} layers x {args.dim} dims x {args.heads} heads (random weights); "
           f"{args.records} random sequences of 700-1022 residues\n")
-    print("| policy | attention inputs | mean per-residue rel. L2 error | max per-residue rel. L2 error "
-          "| min pooled cosine | residues/s |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     runs = [(policy, "auto") for policy in POLICIES] + [(policy, "compute") for policy in FP32_ISLAND_POLICIES]
     for policy, inputs in runs:
         got, rate = run(policy, inputs)
         errors = [np.linalg.norm(got[i].per_residue[last] - ref[i].per_residue[last]) / np.linalg.norm(ref[i].per_residue[last])
                   for i in ref]
-        cosines = [float(got[i].mean[last] @ ref[i].mean[last]
-                         / np.linalg.norm(got[i].mean[last]) / np.linalg.norm(ref[i].mean[last]))
-                   for i in ref]
+        cosines = [cosine(got[i].mean[last], ref[i].mean[last]) for i in ref]
         shown = ("compute" if inputs == "compute" else "fp32") if policy in FP32_ISLAND_POLICIES else "policy dtype"
-        print(f"| {policy} | {shown} | {np.mean(errors):.2e} | {np.max(errors):.2e} | {min(cosines):.7f} "
-              f"| {rate:,.0f} |", flush=True)
+        rows.append((policy, shown, f"{np.mean(errors):.2e}", f"{np.max(errors):.2e}", f"{min(cosines):.7f}", rate))
+    print(table(("policy", "attention inputs", "mean per-residue rel. L2 error", "max per-residue rel. L2 error",
+                 "min pooled cosine", "residues/s"), rows, formats={"residues/s": "{:,.0f}"}))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from unittest import mock
 
 import numpy as np
+from _harness import machine_header, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,9 +71,7 @@ def without_check() -> AbstractContextManager[object]:
 
 def seconds(run: Callable[[], object], context: AbstractContextManager[object]) -> float:
     with context:
-        start = time.perf_counter()
-        run()
-        return time.perf_counter() - start
+        return time_call(run).best
 
 
 def measure(scratch: Path, args: argparse.Namespace, per_residue: bool) -> dict[str, object]:
@@ -114,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pooled-only", action="store_true", help="only the store without per-residue rows")
     args = parser.parse_args(argv)
+    print(machine_header(), flush=True)
     with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as scratch:
         for per_residue in (False,) if args.pooled_only else (True, False):
             print(json.dumps(measure(Path(scratch), args, per_residue)), flush=True)

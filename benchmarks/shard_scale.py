@@ -3,30 +3,29 @@
 Generates (once, cached) a FASTA of ~1,000,000 protein-like records (~350 MB: lognormal
 lengths with a median near 235 aa, mean near 275, 60-column lines, UniProt-style headers, ~2% exact
 duplicate sequences, some lowercase and trailing '*'), then runs both tools on it as
-subprocesses, one after the other, measuring wall time and peak RSS of each (GNU ``time``),
-and prints a table and the wall-time ratio.
+subprocesses, one after the other, measuring wall time and peak RSS of each (the harness's
+whole-process clock), and prints a table and the wall-time ratio.
 
     python benchmarks/shard_scale.py                 # 1,000,000 records under benchmarks/out/
     python benchmarks/shard_scale.py --records 100000 --repeat 1
     python benchmarks/shard_scale.py --records 1000000 3000000 10000000 --repeat 1 --no-seqkit
 
 Several ``--records`` sizes also fit peak RSS = a + b * records and extrapolate it to UniRef50
-(60M records). Needs GNU `time` and, unless ``--no-seqkit``, `seqkit` (Debian: `apt-get
-install seqkit time`). Data and outputs go under ``benchmarks/out/`` (git-ignored).
+(60M records). Needs, unless ``--no-seqkit``, `seqkit` (Debian: `apt-get install seqkit`).
+Data and outputs go under ``benchmarks/out/`` (git-ignored).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from _harness import Stopwatch, machine_header, run_process, table
 
 HERE = Path(__file__).resolve().parent
 # UniProt amino-acid composition (percent), 20 standard residues.
@@ -72,23 +71,9 @@ def generate(path: Path, records: int, seed: int = 0) -> None:
 
 
 def run(cmd: list[str]) -> tuple[float, float]:
-    """Run ``cmd``; return (wall seconds, peak RSS in MiB).
-
-    Measured by GNU time (``/usr/bin/time``, Debian package ``time``): its child is forked
-    from a small process, whereas a child forked straight from this (large) Python process
-    would report this process's RSS as its own peak (``ru_maxrss`` survives ``exec``).
-    """
-    gnu_time = shutil.which("time", path="/usr/bin:/bin")
-    if gnu_time is None:
-        sys.exit("GNU time not found (Debian/Ubuntu: apt-get install time)")
-    start = time.perf_counter()
-    proc = subprocess.run([gnu_time, "-f", "@@ %e %M", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
-    stats = [line for line in proc.stderr.splitlines() if line.startswith("@@ ")][-1].split()
-    return float(stats[1]) or wall, int(stats[2]) / 1024  # %M is KiB
+    """Run ``cmd`` as a whole process (its output discarded); return (wall seconds, peak RSS in MiB)."""
+    done = run_process(cmd, capture=True)
+    return done.seconds, done.peak_rss_mib
 
 
 def measure(fasta: Path, out: Path, budget: int, repeat: int, seqkit: str | None) -> dict[str, list[tuple[float, float]]]:
@@ -123,31 +108,31 @@ def main() -> None:
         sys.exit("seqkit not found on PATH (Debian/Ubuntu: apt-get install seqkit), or pass --no-seqkit")
     args.out.mkdir(parents=True, exist_ok=True)
     seqkit_version = subprocess.run([seqkit, "version"], capture_output=True, text=True).stdout.strip() if seqkit else ""
-    print(f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); Python {platform.python_version()}; "
-          f"{seqkit_version or 'no seqkit'}; best of {args.repeat}; peak RSS by GNU time")
+    print(machine_header())
+    print(f"{seqkit_version or 'no seqkit'}; best of {args.repeat}")
     print()
-    print("| records | input (MB) | tool | wall time (s), best | all runs (s) | peak RSS (MiB) | RSS per record |")
-    print("| ---: | ---: | --- | ---: | --- | ---: | ---: |")
-    points = []
+    points, rows = [], []
     for records in args.records:
         fasta = args.out / f"synthetic-{records}.fasta"
         if not fasta.exists():
-            t = time.perf_counter()
             print(f"generating {fasta} ...", file=sys.stderr)
-            generate(fasta, records)
-            print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            with Stopwatch() as clock:
+                generate(fasta, records)
+            print(f"  done in {clock.seconds:.0f} s", file=sys.stderr)
         size_mb = fasta.stat().st_size / 1e6
         results = measure(fasta, args.out, args.tokens_per_shard, args.repeat, seqkit)
         for name, runs in results.items():
             wall, peak = min(w for w, _ in runs), max(r for _, r in runs)
             all_runs = ", ".join(f"{w:.1f}" for w, _ in runs)
-            print(f"| {records:,} | {size_mb:,.0f} | {name} | {wall:.1f} | {all_runs} | {peak:,.0f} | "
-                  f"{peak * 2**20 / records:,.0f} B |")
+            rows.append((records, f"{size_mb:,.0f}", name, f"{wall:.1f}", all_runs, f"{peak:,.0f}",
+                         f"{peak * 2**20 / records:,.0f} B"))
         points.append((records, max(r for _, r in results["embedpipe shard"]),
                        min(w for w, _ in results["embedpipe shard"])))
         if seqkit:
             ratio = points[-1][2] / min(w for w, _ in results["seqkit sort --two-pass"])
-            print(f"|  |  | wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0) |  |  |  |  |")
+            rows.append(("", "", f"wall-time ratio embedpipe / seqkit: {ratio:.2f} (target <= 2.0)", "", "", "", ""))
+    print(table(("records", "input (MB)", "tool", "wall time (s), best", "all runs (s)", "peak RSS (MiB)", "RSS per record"),
+                rows))
     _extrapolate(points)
 
 

@@ -13,9 +13,17 @@ means that are the means of their rows, one 35,000-aa record), merges them with
 * ``--nofile N``: the reads and ``validate`` again with ``RLIMIT_NOFILE`` set to N (no NaN,
   validate clean, no error).
 
+``--manifest``: instead, ``embedpipe merge`` with and without ``--manifest`` as whole
+processes, wall time and peak RSS, per record and extrapolated to 60M records (UniRef50). It
+writes (once, cached under ``benchmarks/out/merge-N-K/``) K stores of N records in all (pooled
+only, D=8, 60-400 aa random sequences, through StoreWriter) and a ``manifest.tsv`` like
+``shard`` writes: one ``ok`` row per stored record, ``--duplicates`` (default 20%)
+``duplicate`` rows pointing at random stored records and 1% ``skipped`` rows.
+
     python benchmarks/store_scale.py --records 1000000 --shards 100      # 1M records
     python benchmarks/store_scale.py --records 20000 --shards 1000 --nofile 256
     python benchmarks/store_scale.py --records 100000 --shards 5000 --nofile 256
+    python benchmarks/store_scale.py --manifest --records 1000000 --shards 100
 
 Outputs go under ``benchmarks/out/store_scale/`` (git-ignored). docs/benchmarks.md, "Store at scale".
 """
@@ -23,17 +31,18 @@ Outputs go under ``benchmarks/out/store_scale/`` (git-ignored). docs/benchmarks.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import h5py
 import numpy as np
+from _harness import Stopwatch, machine_header, run_process, table, time_call
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -120,9 +129,9 @@ def step_merge(args: argparse.Namespace) -> dict:
     from embedpipe.store import merge_stores
 
     paths = sorted((args.out / "stores").glob("shard-*.h5"))
-    t = time.perf_counter()
-    merge_stores(paths, out=args.out / "merged.h5")
-    return {"merge_s": time.perf_counter() - t}
+    with Stopwatch() as clock:
+        merge_stores(paths, out=args.out / "merged.h5")
+    return {"merge_s": clock.seconds}
 
 
 def step_open(args: argparse.Namespace) -> dict:
@@ -133,26 +142,24 @@ def step_open(args: argparse.Namespace) -> dict:
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
-    t = time.perf_counter()
-    store = embedpipe.open_store(args.out / "merged.h5")
-    open_s = time.perf_counter() - t
+    with Stopwatch() as clock:
+        store = embedpipe.open_store(args.out / "merged.h5")
+    open_s = clock.seconds
     added = proc.memory_info().rss - rss0
     rng = np.random.default_rng(1)
     n = len(store)
     rows = rng.integers(0, n, size=args.lookups)
     ids = [store.ids[int(r)] for r in rows]
-    t = time.perf_counter()
-    for rid in ids:
-        store.mean_vector(rid)
-    mean_us = (time.perf_counter() - t) / len(ids) * 1e6
-    t = time.perf_counter()
+    with Stopwatch() as clock:
+        for rid in ids:
+            store.mean_vector(rid)
+    mean_us = clock.seconds / len(ids) * 1e6
     bad = 0
-    for rid in ids:
-        bad += int(not np.isfinite(store.per_residue(rid)).all())
-    pr_us = (time.perf_counter() - t) / len(ids) * 1e6
-    t = time.perf_counter()
-    store.records(sequence=True, rows=slice(0, min(n, 10_000)))
-    rec_s = time.perf_counter() - t
+    with Stopwatch() as clock:
+        for rid in ids:
+            bad += int(not np.isfinite(store.per_residue(rid)).all())
+    pr_us = clock.seconds / len(ids) * 1e6
+    rec_s = time_call(lambda: store.records(sequence=True, rows=slice(0, min(n, 10_000)))).best
     return {"open_s": open_s, "open_added_mib": added / 2**20, "mean_vector_us": mean_us, "per_residue_us": pr_us,
             "records_seq_10k_s": rec_s, "nan_records": bad, "open_rss_mib": proc.memory_info().rss / 2**20}
 
@@ -160,9 +167,9 @@ def step_open(args: argparse.Namespace) -> dict:
 def step_validate(args: argparse.Namespace) -> dict:
     from embedpipe.store import validate_store
 
-    t = time.perf_counter()
-    problems = validate_store(args.out / "merged.h5")
-    return {"validate_s": time.perf_counter() - t, "validate_problems": len(problems),
+    with Stopwatch() as clock:
+        problems = validate_store(args.out / "merged.h5")
+    return {"validate_s": clock.seconds, "validate_problems": len(problems),
             "validate_first": problems[0][:200] if problems else ""}
 
 
@@ -202,6 +209,71 @@ def run_step(name: str, args: argparse.Namespace) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+UNIREF50 = 60_000_000
+ATTRS = {"model_name": "esm2_t6_8M_UR50D", "model_sha256": "ab" * 32, "precision_policy": "fp32", "device": "cpu",
+         "model_trained": False}
+
+
+def write_stores(root: Path, records: int, stores: int, duplicates: float, seed: int = 0) -> tuple[list[Path], Path]:
+    """K stores of N records in all, and the manifest; skipped if already there."""
+    from embedpipe.store import EmbeddedRecord, StoreWriter
+
+    manifest = root / "manifest.tsv"
+    paths = [root / "stores" / f"shard-{k:05d}.h5" for k in range(stores)]
+    if manifest.exists():
+        return paths, manifest
+    rng = np.random.default_rng(seed)
+    alphabet = AA
+    rows, sha = [], []
+    per_store = np.array_split(np.arange(records), stores)
+    for k, rec in enumerate(per_store):
+        lengths = rng.integers(60, 400, size=len(rec))
+        residues = alphabet[rng.integers(0, 20, size=int(lengths.sum()))].tobytes().decode()
+        ends = np.cumsum(lengths).tolist()
+        seqs = [residues[e - n : e] for e, n in zip(ends, lengths.tolist())]
+        ids = [f"UniRef50_S{i:09d}" for i in rec.tolist()]
+        mean = {6: np.zeros(8, dtype=np.float32)}
+        with StoreWriter(paths[k], ids=ids, sequences=seqs, residue_rows=None, layers=[6], dim=8,
+                         storage_dtype="float16", attrs={**ATTRS, "config": {}}) as w:
+            for i, (rid, seq) in enumerate(zip(ids, seqs)):
+                w.write(i, EmbeddedRecord(id=rid, sequence=seq, precision_used="fp32", mean=mean,
+                                          embedded_length=len(seq)))
+        for rid, seq in zip(ids, seqs):
+            digest = hashlib.sha256(seq.encode()).hexdigest()
+            sha.append(digest)
+            rows.append(f"{rid}\tin.fa:1\t{len(seq)}\t{digest}\t{k}\tok\t\t\n")
+    shard_of = np.repeat(np.arange(stores), [len(r) for r in per_store])
+    for j, target in enumerate(rng.integers(0, records, size=int(records * duplicates)).tolist()):
+        rows.append(f"D{j:09d}\tin.fa:2\t0\t{sha[target]}\t{shard_of[target]}\tduplicate\t"
+                    f"UniRef50_S{target:09d}\t\n")
+    rows += [f"X{j:09d}\tin.fa:3\t0\t\t\tskipped:empty\t\t\n" for j in range(records // 100)]
+    tmp = manifest.with_suffix(".tmp")
+    with open(tmp, "w") as fh:
+        fh.write("id\tsource\tlength\tsequence_sha256\tshard\tstatus\tduplicate_of\tnormalised\n")
+        fh.writelines(rows)
+    os.replace(tmp, manifest)
+    return paths, manifest
+
+
+def manifest_main(args: argparse.Namespace) -> None:
+    """``merge`` with and without ``--manifest`` over the same stores, whole processes."""
+    root = HERE / "out" / f"merge-{args.records}-{args.shards}" if args.out is None else args.out
+    paths, manifest = write_stores(root, args.records, args.shards, args.duplicates)
+    base = [sys.executable, "-m", "embedpipe.cli", "merge", *map(str, paths)]
+    print(f"{args.records:,} records in {args.shards} stores, {int(args.records * args.duplicates):,} duplicate "
+          f"and {args.records // 100:,} skipped manifest rows; extrapolated linearly to {UNIREF50:,}\n")
+    rows = []
+    for name, extra in (("merge", []), ("merge --manifest", ["--manifest", str(manifest)])):
+        out = root / "embeddings.h5"
+        out.unlink(missing_ok=True)
+        done = run_process([*base, "--out", str(out), *extra], capture=True)
+        per = done.peak_rss_mib * 2**20 / args.records
+        rows.append((name, done.seconds, done.peak_rss_mib, f"{per:,.0f} B",
+                     f"{per * UNIREF50 / 2**30:,.1f} GiB, {done.seconds * UNIREF50 / args.records / 60:,.0f} min"))
+    print(table(("command", "wall (s)", "peak RSS (MiB)", "per record", "at 60M records"), rows,
+                formats={"wall (s)": "{:.1f}", "peak RSS (MiB)": "{:,.0f}"}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=1_000_000)
@@ -209,8 +281,14 @@ def main() -> None:
     ap.add_argument("--lookups", type=int, default=1000)
     ap.add_argument("--nofile", type=int, default=0, help="also read and validate with RLIMIT_NOFILE set to this")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--manifest", action="store_true", help="merge with and without --manifest instead (see above)")
+    ap.add_argument("--duplicates", type=float, default=0.2, help="--manifest: duplicate rows per stored record")
     ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.manifest:
+        print(machine_header())
+        manifest_main(args)
+        return
     if args.step:
         result = STEPS[args.step](args)
         # VmHWM: this process's own peak (ru_maxrss is kept across fork and exec: the parent's)
@@ -220,10 +298,10 @@ def main() -> None:
         return
     args.out = args.out or HERE / "out" / "store_scale" / f"{args.records}x{args.shards}"
     args.out.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    build(args.out, args.records, args.shards)
-    print(f"# {args.records} records in {args.shards} shard stores (D={DIM}); built in {time.perf_counter() - t:.1f} s",
-          flush=True)
+    print(machine_header())
+    with Stopwatch() as clock:
+        build(args.out, args.records, args.shards)
+    print(f"# {args.records} records in {args.shards} shard stores (D={DIM}); built in {clock.seconds:.1f} s", flush=True)
     results: dict = {}
     for name in ("merge", "open", "validate") + (("nofile",) if args.nofile else ()):
         results.update(run_step(name, args))

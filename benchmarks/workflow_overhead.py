@@ -29,13 +29,13 @@ import csv
 import json
 import math
 import os
-import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _harness import machine_header, run_process, table
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "swissprot100.fasta"
@@ -45,12 +45,10 @@ EMBEDDED = re.compile(r"embedded (\d+) records \(([\d,]+) residues\) in ([\d.]+)
 def run(cmd: list[str], cwd: Path) -> tuple[float, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return elapsed, proc.stdout + proc.stderr
+    done = run_process(cmd, env=env, cwd=cwd, check=False, capture=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return done.seconds, done.stdout + done.stderr
 
 
 STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
@@ -182,16 +180,13 @@ def stub_run(shards: int, max_jobs: int, cores: int, scheduler: str) -> dict[str
                    STUB_MAX_JOBS=str(max_jobs), STUB_PYTHON=sys.executable, STUB_SCRIPT=str(Path(__file__).resolve()))
         base = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work),
                 "--configfile", str(work / "config.yaml"), "--quiet", "all"]
-        start = time.perf_counter()
-        proc = subprocess.run(base + ["--cores", str(cores), "--scheduler", scheduler], cwd=work, env=env,
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            sys.exit(f"stub run of {shards} shards failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        fresh = run_process(base + ["--cores", str(cores), "--scheduler", scheduler], env=env, cwd=work, check=False,
+                            capture=True)
+        if fresh.returncode != 0:
+            sys.exit(f"stub run of {shards} shards failed:\n{fresh.stdout[-3000:]}\n{fresh.stderr[-5000:]}")
         jobs = len(list((work / "out" / "stores").glob("group-*.json")))
-        start = time.perf_counter()
-        subprocess.run(base + ["--cores", "1", "--dry-run"], cwd=work, env=env, capture_output=True, check=True)
-        return {"shards": shards, "embed_jobs": jobs, "wall_s": wall, "noop_s": time.perf_counter() - start}
+        noop = run_process(base + ["--cores", "1", "--dry-run"], env=env, cwd=work, capture=True)
+        return {"shards": shards, "embed_jobs": jobs, "wall_s": fresh.seconds, "noop_s": noop.seconds}
 
 
 def fit_exponent(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -217,23 +212,23 @@ def stub_main(args: argparse.Namespace) -> None:
     # Embedding time of UniRef50 at the stated throughput, spread over `gpus` concurrent jobs.
     gpu_s = args.residues / args.residues_per_gpu_s
     wall_embed = gpu_s / args.gpus
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; stub jobs, local "
-          f"executor, --cores {args.cores}, --scheduler {args.scheduler}\n")
-    print("| plan | shards | embed jobs | fresh run, wall s | no-op dry-run s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for plan, r in rows:
-        print(f"| {plan} | {r['shards']:,} | {r['embed_jobs']:,} | {r['wall_s']:.1f} | {r['noop_s']:.1f} |")
+    print(machine_header())
+    print(f"stub jobs, local executor, --cores {args.cores}, --scheduler {args.scheduler}\n")
+    print(table(("plan", "shards", "embed jobs", "fresh run, wall s", "no-op dry-run s"),
+                [(plan, r["shards"], r["embed_jobs"], r["wall_s"], r["noop_s"]) for plan, r in rows],
+                formats={"fresh run, wall s": "{:.1f}", "no-op dry-run s": "{:.1f}"}))
     print(f"\nUniRef50: {args.target_shards:,} shards, {args.residues:.3g} residues at {args.residues_per_gpu_s:,.0f} "
           f"residues/s per GPU = {gpu_s / 3600:,.0f} GPU-hours, {wall_embed / 3600:,.1f} h on {args.gpus} GPUs\n")
-    print("| plan | growth exponent (wall - baseline ~ shards^b) | overhead at UniRef50 | % of embedding wall time |")
-    print("| --- | ---: | ---: | ---: |")
+    fits = []
     for plan in dict.fromkeys(p for p, _ in rows[1:]):
         points = [(r["shards"], max(r["wall_s"] - base, 0.1)) for p, r in rows if p == plan]
         if len(points) < 2:
             continue
         a, b = fit_exponent(points)
         at = base + a * args.target_shards ** b
-        print(f"| {plan} | {b:.2f} | {at:,.0f} s | {100 * at / wall_embed:.2f}% |")
+        fits.append((plan, f"{b:.2f}", f"{at:,.0f} s", f"{100 * at / wall_embed:.2f}%"))
+    print(table(("plan", "growth exponent (wall - baseline ~ shards^b)", "overhead at UniRef50",
+                 "% of embedding wall time"), fits))
     if args.json:
         print(json.dumps([{"plan": p, **r} for p, r in rows], indent=1))
 
@@ -281,16 +276,15 @@ def main() -> None:
         return
 
     where = args.profile or f"local, --cores {args.cores}"
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {where}; "
-          f"test model {args.layers} layers, dim {args.dim}; {args.precision} on {args.device}; "
+    print(machine_header())
+    print(f"{where}; test model {args.layers} layers, dim {args.dim}; {args.precision} on {args.device}; "
           f"median of {args.repeat} run(s)\n")
-    print("| measure | seconds |")
-    print("| --- | ---: |")
-    print(f"| workflow wall time (fresh run, {r['shards']} shards) | {r['wall_s']:.1f} |")
-    print(f"| sum of embed jobs (benchmark files) | {r['embed_jobs_sum_s']:.1f} |")
+    measures = [(f"workflow wall time (fresh run, {r['shards']} shards)", r["wall_s"]),
+                ("sum of embed jobs (benchmark files)", r["embed_jobs_sum_s"])]
     if r["embedding_sum_s"] is not None:
-        print(f"| sum of embedding inside the jobs (embed logs) | {r['embedding_sum_s']:.1f} |")
-    print(f"| no-op rerun (`snakemake -n`, nothing to do) | {r['noop_rerun_s']:.1f} |")
+        measures.append(("sum of embedding inside the jobs (embed logs)", r["embedding_sum_s"]))
+    measures.append(("no-op rerun (`snakemake -n`, nothing to do)", r["noop_rerun_s"]))
+    print(table(("measure", "seconds"), measures, formats={"seconds": "{:.1f}"}))
     print(f"\nwall / embed jobs = {r['wall_over_jobs']:.2f}", end="")
     if r["wall_over_embedding"]:
         print(f"; wall / embedding = {r['wall_over_embedding']:.2f}")
@@ -298,12 +292,9 @@ def main() -> None:
         print()
     stages = ", ".join(f"{rule} {span:.0f}" for rule, span in r["stages_s"].items())
     print(f"stages, first start to last finish (s, 1 s resolution): {stages}")
-    print("\n| shard | job s | embedding s | records | residues | max RSS MB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for j in r["jobs"]:
-        embed_s = f"{j['embed_s']:.1f}" if j["embed_s"] is not None else "-"
-        print(f"| {j['shard']} | {j['job_s']:.1f} | {embed_s} | {j['records'] or '-'} | "
-              f"{j['residues'] or '-'} | {j['max_rss_mb']:.0f} |")
+    jobs = [(j["shard"], f"{j['job_s']:.1f}", "-" if j["embed_s"] is None else f"{j['embed_s']:.1f}",
+             j["records"] or "-", j["residues"] or "-", f"{j['max_rss_mb']:.0f}") for j in r["jobs"]]
+    print("\n" + table(("shard", "job s", "embedding s", "records", "residues", "max RSS MB"), jobs))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The doc's ``layers`` block lists, for each package, the packages it may import; this test reads
 that block, walks every ``import`` in ``embedpipe/`` (module-level and inside functions: a late
 import hides a dependency, it does not remove it) and fails on an import the block does not allow,
-and on any import cycle between modules.
+on any import cycle between modules, on a cycle among the packages the block allows (an edge to
+``package.module`` counts as one to its package), and on an allowed edge no import uses.
 """
 
 from __future__ import annotations
@@ -130,6 +131,42 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_between_modules() -> None:
     assert cycles(graph()) == []
+
+
+def allowed_packages(table: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The block as package edges: ``model.layout`` is an edge to ``model``."""
+    return {name: {entry.split(".", 1)[0] for entry in below} for name, below in table.items()}
+
+
+def test_the_allowed_packages_form_no_cycle() -> None:
+    """The block is an order, bottom to top: no package may reach itself through what it allows."""
+    assert cycles(allowed_packages(allowed_imports())) == []
+
+
+def unused_edges(table: dict[str, set[str]], edges: dict[str, set[str]]) -> list[str]:
+    """``package: entry`` for each allowed entry no module of the package imports (an entry
+    ``package.module`` is used only by an import of that module)."""
+    used: set[tuple[str, str]] = set()
+    for name, targets in edges.items():
+        here = package_of(name)
+        for target in targets:
+            there, short = package_of(target), target.removeprefix("embedpipe.")
+            used |= {(here, entry) for entry in table.get(here, ()) if entry in (there, short)}
+    return sorted(f"{here}: {entry}" for here, below in table.items() for entry in below
+                  if (here, entry) not in used)
+
+
+def test_every_allowed_import_is_used() -> None:
+    """An allowed edge nobody uses is a claim the code does not make: drop it from the block."""
+    assert unused_edges(allowed_imports(), graph()) == []
+
+
+def test_a_planted_package_cycle_and_an_unused_edge_are_caught() -> None:
+    planted = {"core": {"export.formats"}, "export": {"core"}, "cli": {"core", "export"}}
+    assert cycles(allowed_packages(planted)) == [["core", "export"]]
+    edges = {"embedpipe.cli.commands": {"embedpipe.core.options"}, "embedpipe.export.run": {"embedpipe.core.x"},
+             "embedpipe.core.options": {"embedpipe.export.run"}}
+    assert unused_edges(planted, edges) == ["cli: export", "core: export.formats"]
 
 
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:

@@ -78,3 +78,25 @@ def test_readme_commands_run_as_written(tmp_path):
     assert (repo / "results-demo" / "embeddings.h5").is_file()
     for name in ("embeddings.h5", "embeddings.parquet"):
         assert (repo / "results-demo" / "exports" / name).stat().st_size > 0
+
+
+PYTHON_PAGE = ROOT / "docs" / "python.md"
+
+
+def test_the_python_page_runs_as_written(tmp_path):
+    """docs/python.md's example, by the README's mechanism: every block marked, the ``run`` ones
+    run in order in a fresh directory (a random-weight model made by the first), each must exit 0."""
+    blocks = readme_blocks(PYTHON_PAGE.read_text(encoding="utf-8"))
+    assert [b.marker for b in blocks] == ["run"] * 3 and [b.lang for b in blocks] == ["bash", "python", "bash"]
+    assert len(blocks[1].code.strip().splitlines()) <= 10  # the ten-line example the page promises
+    env = dict(os.environ, EMBEDPIPE_OFFLINE="1", PYTHONPATH=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    outputs = []
+    for block in blocks:
+        command = ["bash", "-euo", "pipefail", "-c", block.code] if block.lang == "bash" else [sys.executable, "-c", block.code]
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"docs/python.md line {block.line} failed:\n{block.code}\n{proc.stderr[-3000:]}"
+        outputs.append(proc.stdout)
+    assert outputs[1].startswith("['P1', 'P2', 'P3'] (3, 32) ['bf16-mixed', 'bf16-mixed', 'bf16-mixed'] ['', '', '']")
+    lines = (tmp_path / "hits.tsv").read_text().splitlines()
+    assert lines[0] == "query\thit\tscore\trank" and [line.split("\t")[3] for line in lines[1:]] == ["1", "2"]

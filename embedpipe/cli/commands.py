@@ -16,10 +16,9 @@ from typing import Optional
 import typer
 
 from embedpipe.cli.exit import run_app, user_errors
-from embedpipe.core import options
+from embedpipe.core import export_formats, options  # export_formats: the registry, no format module
 from embedpipe.core.cpus import set_wait_policy
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.export import formats as export_formats  # import-light: the registry, no format module
 
 app = typer.Typer(
     add_completion=False,
@@ -54,17 +53,6 @@ def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
 TOKENS_PER_BATCH_HELP = (
     f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
     f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}.")
-ATTENTION_HELP = _one_of(options.ATTENTION_IMPLEMENTATIONS, {
-    "sdpa": "fused, default", "math": "explicit scores and softmax", "fair-esm": "fair-esm's own forward"}) + "."
-FALLBACK_DEVICE_HELP = "Where records that fall back are re-run in fp32: " + _one_of(options.FALLBACK_DEVICES, {
-    "auto": "the same device; the CPU when the fp32 model does not fit there"}) + ". See docs/precision.md."
-BATCH_LAYOUT_HELP = "How a batch's tokens are laid out: " + _one_of(options.BATCH_LAYOUTS, {
-    "auto": "packed where the varlen kernel runs, else padded", "packed": "no padding",
-    "padded": "with a mask"}) + ". See docs/precision.md."
-ATTENTION_INPUTS_HELP = "dtype of q, k, v at the attention kernel under the -mixed policies: " + _one_of(
-    options.ATTENTION_INPUTS, {"auto": "compute on CUDA, else fp32", "compute": "the policy's compute dtype"}) + "."
-COMPILE_HELP = "torch.compile the layers' elementwise work: " + _one_of(options.COMPILE_MODES, {"auto": "if measured to pay"})
-CACHE_HELP = "inductor's cache, shared by jobs."
 AUTO_CACHE_HELP = "Where --precision auto keeps its measurements per node (default: ~/.cache/embedpipe)."
 INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
     "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."
@@ -109,21 +97,23 @@ def shard(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     model: Optional[str] = typer.Option(
         None, "--model", help="The model the shards are for: its family's special tokens count per record "
-                              "(default: ESM-2's BOS and EOS). Described only, never loaded."),
+                              "(default: ESM-2's BOS and EOS), and a family whose case is input (ProstT5) keeps "
+                              "each record's case. Described only, never loaded."),
     max_record_length: int = MAX_RECORD_LENGTH,
     max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
     from embedpipe.shard.passes import TOKENS_PER_RECORD, shard_fasta
 
-    per_record = TOKENS_PER_RECORD
+    per_record, keep_case = TOKENS_PER_RECORD, False
     if model is not None:
         from embedpipe.model import describe
 
-        per_record = describe(model).token_layout.extra_tokens
+        layout = describe(model).token_layout
+        per_record, keep_case = layout.extra_tokens, layout.keeps_case
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
                           max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record,
-                          limits=options.FastaLimits(max_record_length, max_id_length))
+                          limits=options.FastaLimits(max_record_length, max_id_length, keep_case))
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -177,19 +167,13 @@ def embed(
     storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
                                       help=_one_of(options.STORAGE_DTYPES) + "."),
     long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP),
-    attention: str = typer.Option(EMBED.attention, "--attention", help=ATTENTION_HELP),
     overflow_margin: Optional[float] = typer.Option(
         EMBED.overflow_margin, "--overflow-margin",
         help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
     threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
-    fallback_device: str = typer.Option(EMBED.fallback_device, "--fallback-device", help=FALLBACK_DEVICE_HELP),
-    batch_layout: str = typer.Option(EMBED.batch_layout, "--batch-layout", help=BATCH_LAYOUT_HELP),
-    attention_inputs: str = typer.Option(EMBED.attention_inputs, "--attention-inputs", help=ATTENTION_INPUTS_HELP),
     int8_smoothing: str = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", help=INT8_SMOOTHING_HELP),
     int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
                                                    help=INT8_CALIBRATION_HELP),
-    compile: str = typer.Option(EMBED.compile, "--compile", help=COMPILE_HELP),
-    compile_cache: Optional[str] = typer.Option(EMBED.compile_cache, "--compile-cache", metavar="DIR", help=CACHE_HELP),
     auto_cache: Optional[str] = typer.Option(EMBED.auto_cache, "--auto-cache", metavar="DIR", help=AUTO_CACHE_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     accept_platform_mix: bool = typer.Option(
@@ -205,9 +189,8 @@ def embed(
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
-        long_sequences=long_sequences, attention=attention, overflow_margin=overflow_margin, threads=threads,
-        fallback_device=fallback_device, batch_layout=batch_layout, attention_inputs=attention_inputs,
-        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration, compile=compile, compile_cache=compile_cache,
+        long_sequences=long_sequences, overflow_margin=overflow_margin, threads=threads,
+        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
         auto_cache=auto_cache, accept_platform_mix=accept_platform_mix)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length))
@@ -384,7 +367,8 @@ def make_test_model(
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
     family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), or a Hugging Face "
-                               "directory: prot-t5, ankh, hf-esm, hf-esm1b, esmc (needs the hf extra; docs/models.md)."),
+                               "directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc (needs the hf extra; "
+                               "docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
     format, or a Hugging Face model directory (--family)."""
@@ -417,6 +401,52 @@ def export(
                            quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
+
+
+@app.command()
+@user_errors
+def index(
+    store: Path = typer.Argument(..., help="Store whose vectors to index."),
+    out: Path = typer.Option(..., "--out", help="The index (FAISS), with OUT.json (what it holds, of which store) "
+                             "and OUT.ids.txt beside it; written atomically."),
+    layer: int = typer.Option(-1, "--layer", help="Stored layer to index (-1 = the highest stored)."),
+    pooling: str = typer.Option("mean", "--pooling", help=f"Pooled vectors to index: {_one_of(options.POOLINGS)} (if stored)."),
+    kind: str = typer.Option("exact", "--kind", help="exact (cosine, every row compared) or hnsw (approximate, for "
+                             "tens of millions of rows; recall in docs/python.md)."),
+) -> None:
+    """Build a nearest-neighbour index over one stored layer and pooling (the search extra: faiss)."""
+    from embedpipe.neighbours.build import build_index
+
+    print(build_index(store, out, layer=layer, pooling=pooling, kind=kind).render(), file=sys.stderr)
+
+
+@app.command()
+@user_errors
+def search(
+    queries: Path = typer.Argument(..., help="Protein FASTA of the queries."),
+    index_path: Path = typer.Option(..., "--index", help="An index built by embedpipe index."),
+    out: Path = typer.Option(..., "--out", help="TSV of hits: query, hit, score (cosine), rank; written atomically."),
+    k: int = typer.Option(10, "--k", min=1, help="Neighbours per query."),
+    model: Optional[str] = typer.Option(None, "--model", help="Default: the model the index's store was embedded with."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Default: the store's policy (another is refused)."),
+    layer: Optional[int] = typer.Option(None, "--layer", help="Default: the index's layer (another is refused)."),
+    storage_dtype: Optional[str] = typer.Option(None, "--storage-dtype", help="Default: the store's."),
+    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
+    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
+    tokens_per_batch: str = typer.Option(str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
+                                         help=TOKENS_PER_BATCH_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
+) -> None:
+    """Embed the queries as the index's store was embedded, and write each one's nearest IDs."""
+    from embedpipe.api.querying import search_fasta
+
+    hits = search_fasta(queries, index_path, out, model=model, k=k, quiet=quiet,
+                        limits=options.FastaLimits(max_record_length, max_id_length), precision=precision,
+                        layers=None if layer is None else (layer,), storage_dtype=storage_dtype, device=device,
+                        threads=threads, tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch))
+    if not quiet:
+        print(f"searched {len(hits.queries)} queries in {index_path} -> {out}", file=sys.stderr)
 
 
 @app.command("model-info")

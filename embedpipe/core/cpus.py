@@ -145,9 +145,10 @@ def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> 
 
 def thread_count(requested: int | None, env: Mapping[str, str] = os.environ,
                  root: Path = CGROUP_ROOT) -> CpuAllocation:
-    """``--threads`` when given, else :func:`allocated`."""
+    """``--threads`` when given (its note: :func:`oversubscribed`), else :func:`allocated`: the
+    one count of a job's threads, which :func:`embedpipe.embed.resolved.resolve_run` records."""
     if requested:
-        return CpuAllocation(int(requested), "--threads")
+        return CpuAllocation(int(requested), "--threads", oversubscribed(requested, env, root))
     return allocated(env, root)
 
 
@@ -165,12 +166,12 @@ def oversubscribed(requested: int | None, env: Mapping[str, str] = os.environ, r
             "out (docs/cluster.md, \"CPU threads\")")
 
 
-def use_threads(requested: int | None, *, quiet: bool = False) -> CpuAllocation:
+def use_threads(allocation: CpuAllocation, *, quiet: bool = False) -> CpuAllocation:
     """Size torch's intra-op pool (shared by oneDNN and MKL) and, while it can still be set,
-    its inter-op pool to :func:`thread_count`; returns it. A setting it ignored is one warning line."""
+    its inter-op pool to ``allocation`` (:func:`thread_count`'s); returns it. Its note (a setting
+    ignored, more threads than CPUs) is one warning line."""
     import torch
 
-    allocation = thread_count(requested)
     if allocation.note:
         say(f"warning: {allocation.note}", quiet=quiet)
     torch.set_num_threads(allocation.count)
@@ -181,12 +182,11 @@ def use_threads(requested: int | None, *, quiet: bool = False) -> CpuAllocation:
     return allocation
 
 
-def provenance(requested: int | None) -> dict[str, int | str]:
+def provenance(allocation: CpuAllocation) -> dict[str, int | str]:
     """Root attributes (docs/store-format.md): ``threads``, the intra-op threads the run used,
-    and ``threads_from``, where that count came from."""
+    and ``threads_from``, where ``allocation`` (the run's count) came from."""
     import torch
 
-    allocation = thread_count(requested)
     return {"threads": int(torch.get_num_threads()), "threads_from": allocation.source}
 
 

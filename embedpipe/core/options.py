@@ -14,9 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from embedpipe.core import export_formats
 from embedpipe.core import long_sequences as long_modes
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.export import formats as export_formats  # import-light: names, files, modules
 
 # ------------------------------------------------------------------------------ allowed values
 
@@ -43,26 +43,6 @@ STORAGE_DTYPES = ("float32", "float16")
 #: what happens to sequences longer than the model's trained window (each mode, with what the
 #: store records of it, in core/long_sequences.py)
 LONG_SEQUENCE_MODES = long_modes.NAMES
-#: attention implementations of the forward pass
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "math", "fair-esm")
-#: how a batch's tokens are laid out (docs/precision.md, "Batch layout"): packed = the
-#: sequences' tokens concatenated, no padding (varlen flash attention on CUDA, a per-sequence
-#: SDPA stand-in elsewhere); padded = a (B, T) batch with a mask; auto = packed where the
-#: varlen kernel runs (CUDA, compute capability 8.0+, 16-bit attention inputs), else padded
-BATCH_LAYOUTS = ("auto", "packed", "padded")
-#: dtype of q, k and v at the attention kernel under the fp32-island policies (rotary tables
-#: and the rotation are fp32 either way): fp32; compute = cast to the policy's compute dtype
-#: after the rotation (tensor-core kernels, which accumulate scores and softmax in fp32);
-#: auto = compute on CUDA, fp32 elsewhere (docs/precision.md, "Attention inputs")
-ATTENTION_INPUTS = ("auto", "fp32", "compute")
-#: ``torch.compile`` of the layer's elementwise work (CPU: embedpipe/runtime/fused.py): auto =
-#: on the CPU for a policy measured faster compiled (none yet) where the job's residues outweigh
-#: the compile time, never on CUDA; on; off (docs/precision.md, "Compiled elementwise work")
-COMPILE_MODES = ("auto", "on", "off")
-#: where records that fall back are re-run in fp32: auto = the main device, or the CPU when the
-#: fp32 model does not fit there beside the low-precision one; same = the main device or fail;
-#: cpu = always the CPU. Memory each needs: docs/precision.md.
-FALLBACK_DEVICES = ("auto", "same", "cpu")
 #: int8-mixed's per-input-channel smoothing (docs/precision.md, "int8-mixed"): none, or
 #: smoothquant (SmoothQuant, alpha 0.5, calibrated in fp32 on ``--int8-calibration``: by default
 #: the 16 records shipped as embedpipe/data/int8_calibration.fasta)
@@ -71,7 +51,7 @@ INT8_SMOOTHINGS = ("none", "smoothquant")
 #: (docs/store-format.md, "Pooling")
 POOLINGS = ("mean", "bos")
 #: formats of ``embedpipe export`` and the workflow key ``exports`` (docs/exports.md)
-EXPORT_FORMATS = export_formats.NAMES  # defined with their files and modules in export/formats.py
+EXPORT_FORMATS = export_formats.NAMES  # defined with their files and modules in core/export_formats.py
 #: what ``shard`` does with an invalid FASTA record: stop, or list it as skipped in the manifest
 ON_INVALID = ("error", "skip")
 
@@ -97,10 +77,14 @@ class FastaLimits:
 
     ``max_length``: residues of one record; the longest known proteins are about 35,000
     (human titin) to 45,000 residues, so 100,000 is far above any real protein. ``max_id_length``:
-    characters of one ID (UniProt's are under 30; stores index IDs in memory)."""
+    characters of one ID (UniProt's are under 30; stores index IDs in memory). ``keep_case``:
+    keep each record's case instead of upper-casing it, for a family whose token layout says
+    case is input (ProstT5: amino acids upper case, 3Di lower case); set from the model, never
+    by a flag (:mod:`embedpipe.inputs.residue_rules`)."""
 
     max_length: int = 100_000
     max_id_length: int = 1_000
+    keep_case: bool = False
 
     def check(self, error: type[EmbedpipeError]) -> None:
         """Refuse a limit below 1 (a typo must not make every record an error)."""
@@ -134,11 +118,12 @@ class EmbedOptions:
 
     What is computed: ``precision``, ``layers``, ``per_residue``, ``pooling`` (what is
     stored besides the mean, which always is), ``storage_dtype``, ``long_sequences``,
-    ``attention``, ``overflow_margin`` (which records fall back) and ``device`` (rounding
-    differs with the hardware). How it runs, not what: ``tokens_per_batch`` and ``threads``
-    (a record's numbers never depend on its batch: docs/precision.md, "Reproducibility")
-    and ``fallback_device`` (the fp32 re-run gives fp32 numbers wherever it runs); how stores
-    are compared, not what: ``accept_platform_mix``.
+    ``overflow_margin`` (which records fall back) and ``device`` (rounding differs with the
+    hardware). How it runs, not what: ``tokens_per_batch`` and ``threads`` (a record's numbers
+    never depend on its batch: docs/precision.md, "Reproducibility"); how stores are compared,
+    not what: ``accept_platform_mix``. The engine choices (attention kernel, batch layout, q/k/v
+    dtype, where fallback records run) are no options: the run derives them
+    (embedpipe.embed.resolved, docs/precision.md "Engine choices").
     """
 
     precision: str = "fp32"  # a policy, or auto (resolved when the job starts: runtime/auto_precision.py)
@@ -149,16 +134,10 @@ class EmbedOptions:
     device: str = DEFAULT_DEVICE
     storage_dtype: str = "float32"
     long_sequences: str = long_modes.DEFAULT
-    attention: str = "sdpa"
     overflow_margin: float | None = None
     threads: int | None = None
-    fallback_device: str = "auto"
-    batch_layout: str = "auto"
-    attention_inputs: str = "auto"
     int8_smoothing: str = "none"
     int8_calibration: str | None = None  # a FASTA; None = the shipped calibration set
-    compile: str = "auto"  # auto, on, off (COMPILE_MODES)
-    compile_cache: str | None = None  # inductor's cache directory; None = inductor's default
     auto_cache: str | None = None  # where --precision auto's measurements are kept; None = the user's cache
     #: keep and reuse stores computed on another platform (CPU class, GPU model, torch, oneDNN):
     #: the platform is still recorded, only left out of the comparison (docs/cluster.md)
@@ -170,24 +149,11 @@ class EmbedOptions:
             raise EmbedpipeError(
                 f"unknown precision policy {self.precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}"
             )
-        check_choice("--fallback-device", self.fallback_device, FALLBACK_DEVICES)
         for pooling in self.pooling:
             check_choice("--pooling", pooling, POOLINGS)
         check_choice("--storage-dtype", self.storage_dtype, STORAGE_DTYPES)
         check_choice("--long-sequences", self.long_sequences, LONG_SEQUENCE_MODES)
-        check_choice("--attention", self.attention, ATTENTION_IMPLEMENTATIONS)
-        check_choice("--batch-layout", self.batch_layout, BATCH_LAYOUTS)
-        check_choice("--attention-inputs", self.attention_inputs, ATTENTION_INPUTS)
-        check_choice("--compile", self.compile, COMPILE_MODES)
         self._validate_int8_smoothing()
-        if self.batch_layout == "packed" and self.attention != "sdpa":
-            raise EmbedpipeError(
-                f"--batch-layout packed attends with sdpa; --attention {self.attention} runs padded batches only")
-        if self.attention == "fair-esm" and self.precision in FP32_ISLAND_POLICIES:
-            raise EmbedpipeError(
-                f"--precision {self.precision} keeps fp32 islands inside the layers, which fair-esm's own "
-                "forward cannot do; use --attention sdpa or math"
-            )
         if self.tokens_per_batch == AUTO:
             pass
         elif isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int):
@@ -293,11 +259,7 @@ def parse_tokens_per_batch(text: str) -> int | str:
 
 
 __all__ = [
-    "ATTENTION_IMPLEMENTATIONS",
-    "ATTENTION_INPUTS",
     "AUTO",
-    "BATCH_LAYOUTS",
-    "COMPILE_MODES",
     "CPU_TOKENS_PER_BATCH",
     "CROSSCHECK_BOOTSTRAP",
     "CROSSCHECK_FOLDS",
@@ -306,7 +268,6 @@ __all__ = [
     "CROSSCHECK_SEED",
     "DEFAULT_DEVICE",
     "EmbedOptions",
-    "FALLBACK_DEVICES",
     "FASTA_LIMITS",
     "FastaLimits",
     "FP32_ISLAND_POLICIES",

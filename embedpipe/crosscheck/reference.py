@@ -18,7 +18,9 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions, parse_tokens_per_batch
 from embedpipe.core.progress import say
 from embedpipe.embed.engine import Embedder
+from embedpipe.embed.resolved import ResolvedRun, resolve_loaded
 from embedpipe.model import is_model_name, load_model
+from embedpipe.runtime.engine_override import ATTENTION_KERNELS, EngineChoice
 from embedpipe.store.reader import Store
 
 
@@ -47,8 +49,9 @@ def fp32_reference(st: Store, provenance: dict[str, Any], layers: list[int], sam
             )
         if not loaded.trained:
             notes.append("the model has random (untrained) weights: a test or smoke run, not a real measurement")
-        options, reference = _reference_options(provenance, layers, st.has_per_residue)
-        fp32 = _reembed(loaded, options, gpu, [(s["id"], s["sequence"]) for s in sampled], quiet)
+        options, engine, reference = _reference_options(provenance, layers, st.has_per_residue)
+        fp32 = _reembed(loaded, resolve_loaded(loaded, options, gpu, engine),
+                        [(s["id"], s["sequence"]) for s in sampled], quiet)
     reference["device"] = fp32.pop("device")
     reference["seconds"] = fp32.pop("seconds")
     return Reference(model_info=model_info, settings=reference, records=fp32["records"], dim=int(loaded.embed_dim))
@@ -107,7 +110,8 @@ def _load_reference_model(provenance: dict[str, Any], override: str | None, allo
 
 
 def _reference_options(provenance: dict[str, Any], layers: list[int], per_residue: bool):
-    """fp32 ``EmbedOptions`` that reproduce the store's pooling and long-sequence handling."""
+    """fp32 ``EmbedOptions`` and engine choices that reproduce the store's pooling, long-sequence
+    handling and attention kernel (the rest of the engine derived for this device)."""
     recorded = provenance.get("config")
     config = recorded if isinstance(recorded, dict) else {}
     defaults = EmbedOptions()
@@ -124,27 +128,30 @@ def _reference_options(provenance: dict[str, Any], layers: list[int], per_residu
         device="auto",
         storage_dtype="float32",
         long_sequences=str(pick("long_sequences")),
-        attention=str(pick("attention")),
     )
-    options.validate()
+    attention = config.get("attention", provenance.get("attention")) or ATTENTION_KERNELS[0]
+    if attention not in ATTENTION_KERNELS:
+        raise EmbedpipeError(f"the store records attention {attention!r}; this embedpipe runs "
+                             f"{', '.join(ATTENTION_KERNELS)}")
     reference = {
         "precision": "fp32",
         "layers": list(options.layers),
         "per_residue": options.per_residue,
         "tokens_per_batch": options.tokens_per_batch,
         "long_sequences": options.long_sequences,
-        "attention": options.attention,
+        "attention": attention,
         "tf32": False,
     }
-    return options, reference
+    return options, EngineChoice(attention=str(attention)), reference
 
 
-def _reembed(loaded, options, device, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
-    """fp32 forward of ``pairs`` on the claimed ``device`` (the worker's fp32 policy already pins
-    true fp32 matmuls, no TF32)."""
+def _reembed(loaded, run: ResolvedRun, pairs: list[tuple[str, str]], quiet: bool) -> dict[str, Any]:
+    """fp32 forward of ``pairs`` as ``run`` resolved it on the claimed device (the worker's fp32
+    policy already pins true fp32 matmuls, no TF32)."""
     started = time.perf_counter()
     out: dict[int, Any] = {}
-    embedder = Embedder(loaded, options, device)
+    device = run.device
+    embedder = Embedder(loaded, run)
     plan = embedder.plan(pairs)
     for index, record in embedder.embed(pairs, plan, quiet=quiet):
         out[index] = record

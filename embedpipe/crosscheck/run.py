@@ -39,7 +39,7 @@ import numpy as np
 
 from embedpipe.core.atomic import check_output_path, write_text_atomic
 from embedpipe.core.checksums import file_sha256
-from embedpipe.core.cpus import use_threads
+from embedpipe.core.cpus import thread_count, use_threads
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import CROSSCHECK_K, CROSSCHECK_SAMPLE, CROSSCHECK_SEED, DEFAULT_DEVICE, Thresholds
 from embedpipe.core.output_guard import guard_outputs
@@ -140,7 +140,7 @@ def run_crosscheck(
     fp32 and write the report to ``out``; ``threads`` caps torch's CPU threads (a job's cores)."""
     thresholds, store_path, out_dir = thresholds or Thresholds(), Path(store), Path(out)
     _check_arguments(thresholds, sample, k, out_dir, labels, store_path, model)
-    use_threads(threads, quiet=quiet)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
+    use_threads(thread_count(threads), quiet=quiet)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
     started = time.perf_counter()
     notes: list[str] = []
     with open_store(store_path) as st:

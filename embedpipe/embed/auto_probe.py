@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embedpipe.core.cpus import CpuAllocation
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import say
@@ -32,21 +33,16 @@ from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime import auto_precision
 from embedpipe.runtime.auto_precision import AutoChoice, Timing
+from embedpipe.runtime.engine_override import EngineChoice
 
 Records = Sequence[tuple[str, str]]
 
 
-def usable_candidates(options: EmbedOptions, device: torch.device) -> list[str]:
-    """The device's candidates that the other options allow (``--attention fair-esm`` runs no
-    mixed policy): auto chooses among those, never one the job would then refuse."""
-    usable = []
-    for name in auto_precision.candidates(device):
-        try:
-            dataclasses.replace(options, precision=name).validate()
-        except EmbedpipeError:
-            continue
-        usable.append(name)
-    return usable
+def usable_candidates(engine: EngineChoice, device: torch.device) -> list[str]:
+    """The device's candidates that the engine choices allow (fair-esm's forward runs no mixed
+    policy): auto chooses among those, never one the job would then refuse. The options were
+    checked once, with ``auto`` (no smoothing), so they allow every policy."""
+    return [name for name in auto_precision.candidates(device) if engine.refusal(name) is None]
 
 
 def probe_records(records: Records, budget: int = auto_precision.PROBE_RESIDUES) -> list[tuple[str, str]]:
@@ -66,16 +62,16 @@ def probe_records(records: Records, budget: int = auto_precision.PROBE_RESIDUES)
     return picked or [(records[order[0]][0], records[order[0]][1][:budget])]
 
 
-def _cache_options(options: EmbedOptions) -> dict[str, object]:
-    """The options that change every candidate's work (so a cached measurement applies)."""
-    return {name: str(getattr(options, name)) for name in
-            ("layers", "pooling", "per_residue", "storage_dtype", "long_sequences", "attention", "batch_layout",
-             "attention_inputs")}
+def _cache_options(options: EmbedOptions, engine: EngineChoice) -> dict[str, object]:
+    """The options and engine choices that change every candidate's work (so a cached measurement applies)."""
+    work = {name: str(getattr(options, name)) for name in
+            ("layers", "pooling", "per_residue", "storage_dtype", "long_sequences")}
+    return work | {name: getattr(engine, name) for name in ("attention", "batch_layout", "attention_inputs")}
 
 
-def _key(options: EmbedOptions, device: torch.device, model: ModelIdentity) -> dict[str, object]:
+def _key(options: EmbedOptions, engine: EngineChoice, device: torch.device, model: ModelIdentity) -> dict[str, object]:
     return auto_precision.cache_key(device, json.dumps(model.fields(), sort_keys=True), torch.get_num_threads(),
-                                    _cache_options(options))
+                                    _cache_options(options, engine))
 
 
 def _from_cache(timings: dict[str, Timing], when: str, usable: Sequence[str], directory: Path) -> AutoChoice:
@@ -84,31 +80,35 @@ def _from_cache(timings: dict[str, Timing], when: str, usable: Sequence[str], di
                                 f"{auto_precision.describe(timings)}")
 
 
-def cached(options: EmbedOptions, device: torch.device, model: ModelIdentity, directory: Path) -> AutoChoice | None:
+def cached(options: EmbedOptions, engine: EngineChoice, device: torch.device, model: ModelIdentity,
+           directory: Path) -> AutoChoice | None:
     """The decision a measurement already cached on this node gives, without the model loaded
     (``--reuse`` predicts a job's identity so); None when nothing is cached for this key."""
-    found = auto_precision.read_cached(directory, _key(options, device, model))
-    return None if found is None else _from_cache(*found, usable_candidates(options, device), directory)
+    found = auto_precision.read_cached(directory, _key(options, engine, device, model))
+    return None if found is None else _from_cache(*found, usable_candidates(engine, device), directory)
 
 
-def notes(policy: str, options: EmbedOptions, device: torch.device, model: ModelIdentity, directory: Path,
-          table_notes: Sequence[str]) -> list[str]:
-    """The warnings for running ``policy``: from this node's measurement when one is cached for
-    the model (it overrules the table), else the table's (``table_notes``)."""
-    found = auto_precision.read_cached(directory, _key(options, device, model))
+def notes(run: ResolvedRun, model: ModelIdentity, directory: Path, table_notes: Sequence[str]) -> list[str]:
+    """The warnings for running ``run``'s policy: from this node's measurement when one is cached
+    for the model (it overrules the table), else the table's (``table_notes``)."""
+    policy = run.policy.name
+    found = auto_precision.read_cached(directory, _key(run.options, run.engine, run.device, model))
     if found is None:
         return list(table_notes)
     return [note for note in (auto_precision.measured_note(policy, *found),) if note]
 
 
-def decide(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, model: ModelIdentity,
-           records: Records, job_residues: int, directory: Path, quiet: bool = True) -> AutoChoice:
-    """``auto`` for this job: a cached measurement, a new one (timed here, then cached), or the
-    table's prior where the job is too small to pay for measuring."""
-    usable = usable_candidates(options, device)
+def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
+           model: ModelIdentity, records: Records, job_residues: int, directory: Path, *, threads: CpuAllocation,
+           quiet: bool = True) -> AutoChoice:
+    """``auto`` for this job (asked by :func:`~embedpipe.embed.resolved.resolve_run`, with the
+    engine choices it read): a cached measurement, a new one (timed here, then cached), or the
+    table's prior where the job is too small to pay for measuring. Each candidate runs with the
+    same ``engine`` and ``threads`` as the job."""
+    usable = usable_candidates(engine, device)
     if not usable:
         raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
-    key = _key(options, device, model)
+    key = _key(options, engine, device, model)
     sample = probe_records(records)
     cost = len(usable) * (1 + auto_precision.TIMED_PASSES) * sum(len(s) for _, s in sample)
     with auto_precision.measuring(directory, key):
@@ -123,7 +123,7 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device, 
         for name in usable:
             chosen = dataclasses.replace(options, precision=name)
             run = resolve_run(chosen, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
-                              model=model, width=loaded.embed_dim)
+                              model=model, width=loaded.embed_dim, loaded=loaded, threads=threads, engine=engine)
             seconds, means[name] = _time(loaded, run, sample)
             residues = max(1, sum(len(s) for _, s in sample))
             timings[name] = Timing(seconds * 1e6 / residues,  # ms per 1,000 residues

@@ -1,7 +1,7 @@
 """``--tokens-per-batch``: a number, or ``auto`` sized to the device (docs/precision.md, "Batch size").
 
 On CUDA, ``auto`` divides the device memory the batches may use by what one padded token
-costs. It is sized when the :class:`~embedpipe.embed.engine.Embedder` is built, before any model is
+costs. It is sized when the run is resolved (:func:`~embedpipe.embed.resolved.resolve_run`), before any model is
 on the device, so the weights the run will put there are subtracted here. The estimate is
 rough on purpose: a batch that still runs out of memory is split in halves by the worker
 (``Embedder._run_batch``). On the CPU, ``auto`` is :data:`~embedpipe.core.options.CPU_TOKENS_PER_BATCH`.
@@ -37,16 +37,18 @@ MAX_KERNEL_ELEMENTS = 2**31 - 1
 
 
 def resolve_tokens_per_batch(options: EmbedOptions, loaded: EmbeddingModel, policy: Policy,
-                             device: torch.device, stored_layers: Sequence[int], *, attention_inputs: str) -> int:
+                             device: torch.device, stored_layers: Sequence[int], *, attention_inputs: str,
+                             fallback_device: str = "auto") -> int:
     """The token budget a run uses: the number given, or for ``auto`` one that fits ``device``
-    (``stored_layers``: the resolved layers the run returns and stores; ``attention_inputs``:
-    ``--attention-inputs`` as the run resolved it, embedpipe.embed.resolved)."""
+    (``stored_layers``: the resolved layers the run returns and stores; ``attention_inputs``
+    and ``fallback_device``: as the run resolved them). Called once per run, by
+    :func:`embedpipe.embed.resolved.resolve_run`, which records the number."""
     if options.tokens_per_batch != AUTO:
         return int(options.tokens_per_batch)
     if device.type != "cuda":
         return CPU_TOKENS_PER_BATCH
     free = cuda.free_memory(device)
-    weights = device_weight_bytes(loaded, policy, options.fallback_device, free)
+    weights = device_weight_bytes(loaded, policy, fallback_device, free)
     per_token = bytes_per_token(loaded, policy, stored_layers, options.per_residue, attention_inputs=attention_inputs)
     return min(tokens_that_fit(free - weights, per_token), kernel_token_cap(loaded, policy))
 
@@ -56,7 +58,7 @@ def device_weight_bytes(loaded: EmbeddingModel, policy: Policy, fallback_device:
     when it goes there too.
 
     No fallback model for fp32 itself, and none for a policy whose weights are fp32 (the amp
-    policies run the fp32 model, which the fallback reuses). ``--fallback-device cpu`` keeps
+    policies run the fp32 model, which the fallback reuses). The fallback device ``cpu`` keeps
     it off the device; ``auto`` puts it there only if it fits beside the policy's model, so
     it is counted only when both fit in ``free``; ``same`` always counts it.
     """
@@ -80,7 +82,7 @@ def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Seque
       them with per-residue output, held until the rows leave the device; one at a time
       otherwise).
     Checked against a traced forward at the 650M and 3B shapes (tests/runtime/test_cuda_memory.py).
-    ``attention_inputs``: resolved ``--attention-inputs`` (``compute`` is CUDA's default)."""
+    ``attention_inputs``: the attention inputs as resolved (``compute`` is CUDA's default)."""
     estimate = loaded.estimate_memory(policy, attention_inputs=attention_inputs)
     hidden = loaded.embed_dim * estimate.hidden_itemsize
     held = sum(1 for layer in stored_layers if layer < loaded.num_layers - 1)

@@ -21,7 +21,7 @@ from pathlib import Path
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.inputs.fasta import read_calibration
-from embedpipe.model.capabilities import check_family, packs_by_family
+from embedpipe.model.capabilities import check_family
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.layers import resolve_layers
 
@@ -65,8 +65,8 @@ def _device(run: Combination) -> None:
 def _family(run: Combination) -> None:
     """What the model's family cannot do (embedpipe.model.capabilities, asked again once loaded)."""
     facts = run.facts
-    check_family(facts.family, facts.token_layout.bos, packs_by_family(facts.family), run.options.pooling,
-                 run.options.batch_layout)
+    # the batch layout is derived by the run (an override is checked when it resolves): "auto" here
+    check_family(facts.family, facts.token_layout.bos, facts.packs, run.options.pooling, "auto")
 
 
 def _layers(run: Combination) -> None:

@@ -18,19 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import progress_bar, say
-from embedpipe.embed.budget import batch_overhead_tokens, resolve_tokens_per_batch
+from embedpipe.embed.budget import batch_overhead_tokens
 from embedpipe.embed.fallback import RecordCheck
 from embedpipe.embed.planning import Piece, padding_efficiency, plan_batches, plan_packed_batches, plan_record
 from embedpipe.embed.pooling import HostPooled, pool_packed, pool_padded
 from embedpipe.embed.preparation import Preparation
-from embedpipe.embed.resolved import ResolvedRun, resolve_run
+from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.embed.stitching import Assemblies, PieceResult, Results, stitch
 from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel, PackedRunner, Runner
-from embedpipe.model.identity import ModelIdentity
-from embedpipe.model.layers import resolve_layers  # noqa: F401 - re-exported (tests, crosscheck)
 from embedpipe.runtime import cuda
 from embedpipe.runtime.cuda import BusyTimer, HostCopy
 from embedpipe.runtime.packed import PackedTokens
@@ -71,16 +68,6 @@ class _Launched:
     residue_starts: list[int] | None
 
 
-def resolved_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device | None) -> ResolvedRun:
-    """Plain options resolved for ``loaded`` on ``device`` (its identity from the loaded weights
-    only: a job resolves its own from the model's files, embedpipe.embed.job)."""
-    if device is None:
-        raise TypeError("Embedder(loaded, options, device): the device is needed to resolve plain options")
-    packs = capabilities.packs(loaded)
-    return resolve_run(options, device, num_layers=loaded.num_layers, packs=packs,
-                       model=ModelIdentity(loaded.sha256, packs, {}, loaded.family), width=loaded.embed_dim)
-
-
 class Embedder:
     """Embeds sequences with one loaded model under one policy; reusable for many inputs.
 
@@ -89,25 +76,24 @@ class Embedder:
     model prepared lazily, once.
     """
 
-    def __init__(self, loaded: EmbeddingModel, options: EmbedOptions | ResolvedRun,
-                 device: torch.device | None = None) -> None:
-        """``options`` resolved by the job (:class:`ResolvedRun`, the engine re-derives nothing),
-        or plain options resolved here for ``device`` and ``loaded`` (tests, benchmarks, crosscheck)."""
-        run = options if isinstance(options, ResolvedRun) else resolved_for(loaded, options, device)
+    def __init__(self, loaded: EmbeddingModel, run: ResolvedRun) -> None:
+        """``run``: resolved by the job, or outside one by
+        :func:`~embedpipe.embed.resolved.resolve_loaded` (the cross-check, tests, benchmarks); the
+        engine re-derives nothing."""
+        if run.tokens_per_batch is None:
+            raise TypeError("Embedder: the run was resolved without its model (a prediction); resolve it with loaded=")
         self.loaded = loaded
         self.run = run
         self.options = run.options
         self.policy = run.policy  # int8-mixed smoothing: a policy of its own
-        self.prepared = Preparation(loaded, run, on_moved=self._fallback_moved,
-                                    tell=lambda line: say(line, quiet=self.quiet))
+        self.prepared = Preparation(loaded, run, on_moved=self._fallback_moved)
         self.layers = list(run.layers)
         self.pooling = list(run.pooling)
-        capabilities.check_options(loaded, run.options.pooling, run.options.batch_layout)
+        capabilities.check_options(loaded, run.options.pooling, run.engine.batch_layout)
         self.check = RecordCheck.for_storage(run.options.storage_dtype, run.options.overflow_margin)
         self.notes = check_policy_on_device(self.policy, run.device)
-        #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for the device)
-        self.tokens_per_batch = resolve_tokens_per_batch(run.options, loaded, self.policy, run.device, self.layers,
-                                                         attention_inputs=run.attention_inputs)
+        #: the token budget of a batch (``--tokens-per-batch``, ``auto`` resolved for the device by the run)
+        self.tokens_per_batch: int = run.tokens_per_batch
         self.quiet = True
         self.stats: Counter[str] = Counter()
         self._busy = BusyTimer()
@@ -158,12 +144,6 @@ class Embedder:
     def attention_inputs(self) -> str:
         """dtype name of q/k/v at the main policy's attention kernel."""
         return self.run.qkv_dtype
-
-    def compile_attrs(self) -> dict[str, object]:
-        """Root attributes of ``--compile`` (docs/store-format.md): compiled, why, the seconds it took."""
-        prepared = self.prepared
-        return {"compiled": prepared.compiled, "compile_reason": prepared.compile_reason,
-                "compile_s": round(prepared.compile_s, 3)}
 
     @property
     def runner_provenance(self) -> dict[str, str]:
@@ -266,8 +246,6 @@ class Embedder:
             raise EmbedpipeError(
                 f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
                 f"memory on {device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
-                + (", or --fallback-device cpu for the fp32 re-run"
-                   if self.prepared.is_fallback(policy) and device.type == "cuda" else "")
             )
         self.stats["oom_splits"] += 1
         middle = len(batch) // 2
@@ -286,7 +264,7 @@ class Embedder:
             self._busy.start(device)
             if packed:
                 if not isinstance(runner, PackedRunner):
-                    raise EmbedpipeError(f"{self.loaded.name} runs padded batches only; use --batch-layout padded or auto")
+                    raise EmbedpipeError(f"{self.loaded.name} runs padded batches only (EMBEDPIPE_ENGINE batch_layout=packed)")
                 assert host_batch is not None  # made above for a packed batch
                 out = runner.packed(host_batch.to(device, cuda.to_device), self.layers)
                 with exact_fp32(device):

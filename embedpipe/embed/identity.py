@@ -19,19 +19,19 @@ from embedpipe.runtime.precision import Policy
 
 #: the identity's version: 2 covers the model's config and tokenizer files, the family's forward
 #: version, the int8 weight range and canonical pooling (older stores carry none); 3 the platform,
-#: and only what ``--batch-layout``, ``--attention-inputs`` and ``--compile`` resolved to
+#: and only what the batch layout and the attention inputs resolved to
 IDENTITY_VERSION = 3
 
 #: options that change how a job runs, not its numbers: a retry's smaller batches, threads,
-#: where fallback records run, where inductor and ``auto`` keep their caches, whether another
-#: platform's stores are accepted (docs/cluster.md, "Resuming, rerunning")
-HOW_IT_RUNS = ("tokens_per_batch", "threads", "fallback_device", "compile_cache", "auto_cache", "accept_platform_mix")
+#: where ``auto`` keeps its cache, whether another platform's stores are accepted
+#: (docs/cluster.md, "Resuming, rerunning"); where fallback records run is not an option
+#: (the run derives it) and is left out likewise
+HOW_IT_RUNS = ("tokens_per_batch", "threads", "auto_cache", "accept_platform_mix")
 
-#: options replaced by what they resolve to (``layers``, ``pooling``, the device's type, the
-#: batch layout, the q/k/v dtype and ``compile`` in ``computed_as``) or by the file's bytes
-#: (``int8_calibration``): two spellings that run alike keep each other's stores
-_RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration", "compile", "batch_layout",
-             "attention_inputs")
+#: options replaced by what they resolve to (``layers``, ``pooling``, the device's type in
+#: ``computed_as``) or by the file's bytes (``int8_calibration``): two spellings that run alike
+#: keep each other's stores
+_RESOLVED = ("device", "layers", "pooling", "int8_smoothing", "int8_calibration")
 
 #: the identity's field that ``--accept-platform-mix`` leaves out of the comparison (still recorded)
 PLATFORM = "platform"
@@ -53,11 +53,9 @@ FIELDS: dict[str, str] = {
     "attention": "attention",
     "overflow_margin": "overflow_margin",
     "computed_as.device_type": "the device type (resolved from --device)",
-    "computed_as.batch_layout": "the batch layout (resolved from --batch-layout on the device)",
-    "computed_as.attention_inputs": ("the dtype of q/k/v at attention (resolved from --attention-inputs, "
-                                     "the precision policy and the device)"),
-    "computed_as.compiled": ("compiled elementwise work (resolved from --compile; compiled kernels round "
-                             "differently from eager ones)"),
+    "computed_as.batch_layout": "the batch layout (resolved on the device)",
+    "computed_as.attention_inputs": "the dtype of q/k/v at attention (resolved from the precision policy and the device)",
+    "computed_as.compiled": "compiled elementwise work (an older embedpipe's --compile; this one runs eager)",
     PLATFORM: ("the platform (CPU instruction-set class or GPU model, torch and oneDNN versions decide the "
                "numbers; --accept-platform-mix to accept it)"),
 }
@@ -73,7 +71,8 @@ _MISSING = "(not recorded)"
 
 
 def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, computed_as: Mapping[str, str],
-                   layers: Sequence[int], pooling: Sequence[str], *, calibration: str | None, platform: str) -> str:
+                   layers: Sequence[int], pooling: Sequence[str], *, calibration: str | None, platform: str,
+                   attention: str) -> str:
     """What makes a store's numbers, as JSON: the model (:meth:`ModelIdentity.fields`: weights,
     config and tokenizer sha256s, the family's version), every option except how the job ran
     (:data:`HOW_IT_RUNS`), the precision policy's resolved parameters, and what the ``auto``
@@ -84,11 +83,13 @@ def embed_identity(options: EmbedOptions, policy: Policy, model: ModelIdentity, 
     ``--pooling bos`` and ``--pooling mean --pooling bos`` agree), the device only as the type
     used (``--device auto`` and ``--device cpu`` agree on the CPU), the calibration set's bytes
     (``calibration``: its sha256, None without smoothing), the ``platform`` that ran it
-    (:func:`embedpipe.runtime.platform.describe`). The values come resolved from
+    (:func:`embedpipe.runtime.platform.describe`), the ``attention`` kernel the run derived
+    (sdpa unless ``EMBEDPIPE_ENGINE`` overrides it). The values come resolved from
     :func:`embedpipe.embed.resolved.resolve_run`; nothing is resolved here."""
     chosen: dict[str, Any] = {k: v for k, v in asdict(options).items() if k not in HOW_IT_RUNS + _RESOLVED}
     chosen["layers"] = sorted(int(n) for n in layers)
     chosen["pooling"] = list(pooling)
+    chosen["attention"] = attention
     if calibration is not None:
         chosen["int8_smoothing"] = f"{options.int8_smoothing}, calibration sha256 {calibration}"
     chosen |= _policy_facts(policy)

@@ -17,21 +17,24 @@ from typing import Any
 
 import torch
 
-from embedpipe.core.cpus import oversubscribed, use_threads
+from embedpipe.core.cpus import CpuAllocation, use_threads
 from embedpipe.core.devices import claim_device, resolve_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
-from embedpipe.core.options import AUTO, EmbedOptions
+from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.progress import say
 from embedpipe.embed import auto_probe
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.identity import first_difference, ignored
-from embedpipe.embed.resolved import ResolvedRun, resolve_run, resolve_threads
+from embedpipe.embed.resolved import ResolvedRun, Unpredictable, resolve_run, resolve_threads
 from embedpipe.embed.reuse import Reuse
+from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime import auto_precision
+from embedpipe.runtime.auto_precision import AutoChoice
+from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.precision import Policy
 from embedpipe.store import EmbeddedRecord
 
@@ -75,14 +78,14 @@ class Job:
     ``stack`` only when a record must be computed (:meth:`embedder`)."""
 
     def __init__(self, model: str, options: EmbedOptions, policy: Policy | None, reuse: Reuse | None, quiet: bool,
-                 stack: contextlib.ExitStack, residues: int = 0, probe: Sequence[tuple[str, str]] = ()) -> None:
+                 stack: contextlib.ExitStack, threads: CpuAllocation, inputs: JobInput) -> None:
         self.model, self.options, self.policy, self.reuse, self.quiet = model, options, policy, reuse, quiet
         self._stack = stack
         self._embedder: Embedder | None = None
-        self.residues = residues  # the whole input's, for --compile auto and what auto's probe may cost
-        self.probe = probe  # records of the job's own input, for --precision auto's probe
+        self.threads = threads  # counted once per job (embedpipe.core.cpus), recorded in the run
+        self.inputs = inputs  # the job's FASTAs: what --precision auto's probe measures on and may cost
         #: the job's resolved run: predicted without the model when reuse allows, else the loaded one's
-        self.run = predict_run(reuse, model, options, policy, residues)
+        self.run = predict_run(reuse, model, options, policy, threads)
         #: the identity of every store the job writes
         self.identity = self.run.identity if self.run is not None else None
 
@@ -95,25 +98,26 @@ class Job:
         identity checked against the reuse stores and the one predicted before loading."""
         if self._embedder is None:
             loaded, device = self._stack.enter_context(_model_on(self.model, self.options))
-            packs = capabilities.packs(loaded)
             model = _loaded_identity(self.model, loaded)
-            auto = None
-            if self.options.precision == AUTO:  # measured on this node (embed/auto_probe.py), then resolved once
-                auto = auto_probe.decide(loaded, self.options, device, model, self.probe, self.residues,
-                                         auto_cache(self.options), self.quiet)
-                say(f"precision {auto.reason}", quiet=self.quiet)
-            run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=packs, model=model,
-                              policy=self.policy, residues=self.residues, width=loaded.embed_dim, auto=auto)
+
+            def measure(options: EmbedOptions, engine: EngineChoice) -> AutoChoice:
+                """``--precision auto`` measured on this node (embed/auto_probe.py), asked by resolve_run."""
+                records, residues = self.inputs.probe()
+                return auto_probe.decide(loaded, options, engine, device, model, records, residues,
+                                         auto_cache(options), threads=self.threads, quiet=self.quiet)
+
+            run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
+                              model=model, policy=self.policy, width=loaded.embed_dim, measure=measure,
+                              loaded=loaded, threads=self.threads)
+            if run.precision_requested:
+                say(f"precision {run.precision_reason}", quiet=self.quiet)
             embedder = Embedder(loaded, run)
-            policy_notes = auto_probe.notes(run.policy.name, self.options, device, model, auto_cache(self.options),
-                                            embedder.notes)
-            for note in filter(None, (oversubscribed(resolve_threads(self.options)), *policy_notes)):
+            for note in auto_probe.notes(run, model, auto_cache(self.options), embedder.notes):
                 say(f"warning: {note}", quiet=self.quiet)
             if self.identity is not None and self.identity != run.identity:
                 key = (first_difference(self.identity, run.identity) or ("?",))[0]
                 raise EmbedpipeError(f"--reuse: the loaded model resolves {key} differently than predicted "
                                      "from its files; run without --reuse")
-            run = _as_compiled(embedder, run)
             if self.reuse is not None:
                 self.reuse.check(run.identity, ignored(self.options))
             self.identity, self.run, self._embedder = run.identity, run, embedder
@@ -127,18 +131,36 @@ class Job:
         return st.layers, st.dim, st.pooling
 
 
+@dataclass(frozen=True)
+class JobInput:
+    """The job's FASTAs, read for ``--precision auto`` only when it measures: records of the
+    first to probe on, and every shard's residues (kept ones too, so a rerun decides as the
+    first run did) to bound what the probe may cost; or ``records`` held in memory (the Python
+    API's first call: embedpipe.api)."""
+
+    fastas: tuple[Path, ...] = ()
+    limits: FastaLimits = FASTA_LIMITS
+    records: tuple[tuple[str, str], ...] | None = None
+
+    def probe(self) -> tuple[list[tuple[str, str]], int]:
+        if self.records is not None:
+            return list(self.records), sum(len(s) for _, s in self.records)
+        records = list(read_sequences(self.fastas[0], self.limits))
+        others = sum(len(s) for fasta in self.fastas[1:] for _, s in read_sequences(fasta, self.limits))
+        return records, sum(len(s) for _, s in records) + others
+
+
 @contextlib.contextmanager
 def open_job(model: str, options: EmbedOptions, policy: Policy | None, reuse: Sequence[Path], quiet: bool,
-             residues: int = 0, probe: Sequence[tuple[str, str]] = ()) -> Iterator[Job]:
+             inputs: JobInput) -> Iterator[Job]:
     """The job's reuse stores and its model, claimed and loaded only when a record must be
-    computed; ``residues``: the job's whole input (``--compile auto``, auto's probe budget);
-    ``probe``: records of its input for ``--precision auto`` to measure on."""
-    # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads"), once per job: before
-    # anything is timed (auto and int8's kernels measure at it) and before the model loads
-    use_threads(resolve_threads(options), quiet=quiet)
+    computed; ``inputs``: the job's FASTAs, for ``--precision auto``'s probe."""
+    # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads"), counted once per job:
+    # before anything is timed (auto and int8's kernels measure at it) and before the model loads
+    threads = use_threads(resolve_threads(options), quiet=quiet)
     with contextlib.ExitStack() as stack:
         sources = stack.enter_context(Reuse(reuse, quiet)) if reuse else None
-        yield Job(model, options, policy, sources, quiet, stack, residues, probe)
+        yield Job(model, options, policy, sources, quiet, stack, threads, inputs)
 
 
 def auto_cache(options: EmbedOptions) -> Path:
@@ -147,7 +169,7 @@ def auto_cache(options: EmbedOptions) -> Path:
 
 
 def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy | None,
-                residues: int = 0) -> ResolvedRun | None:
+                threads: CpuAllocation) -> ResolvedRun | None:
     """The job's run without loading the model (its identity checked against every reuse
     store), or None when it cannot be known so: no reuse store, a family without
     ``file_identity``, ``--precision auto`` with no measurement cached on this node, int8-mixed
@@ -158,27 +180,19 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
     if facts is None:
         return None
     device = resolve_device(options.device)
-    auto = auto_probe.cached(options, device, facts, auto_cache(options)) if options.precision == AUTO else None
-    if options.precision == AUTO and auto is None:
-        return None
-    width = reuse.sources[0].width
-    if width is None and (auto.policy if auto is not None else options.precision) == "int8-mixed":
+
+    def measure(chosen: EmbedOptions, engine: EngineChoice) -> AutoChoice | None:
+        return auto_probe.cached(chosen, engine, device, facts, auto_cache(chosen))
+
+    try:
+        run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,
+                          policy=policy, width=reuse.sources[0].width, measure=measure, threads=threads)
+    except Unpredictable:
         return None
     for source in reuse.sources:
         source.check_model(facts.sha256)
-    run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,
-                      policy=None if auto is not None else policy, residues=residues, width=width, auto=auto)
     reuse.check(run.identity, ignored(options))
     return run
-
-
-def _as_compiled(embedder: Embedder, run: ResolvedRun) -> ResolvedRun:
-    """The run as it computes: asked to compile, its main runner is prepared now, and where it
-    has no compiled path (ESM C, T5, a policy without an fp32 stream) the identity says eager."""
-    if not run.compiled:
-        return run
-    embedder.runner(run.policy)
-    return run if embedder.prepared.compiled else run.eager()
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) ->
         "model_num_layers": loaded.num_layers,
         **run.policy.provenance(),  # precision_policy, weight/compute/island dtypes (int8: its scheme)
         "fallback_dtype": "float32",
-        "attention": options.attention,
+        "attention": run.attention,
         "long_sequences": options.long_sequences,
         "trained_window_residues": loaded.trained_window,
         "device": str(device),

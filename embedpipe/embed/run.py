@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +24,20 @@ from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.interrupts import telling_progress
 from embedpipe.core.locks import lock_path_for
-from embedpipe.core.options import AUTO, FASTA_LIMITS, FastaLimits
+from embedpipe.core.options import AUTO, FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.embed.combinations import check_embed
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.embed.engine import Embedder
 from embedpipe.embed.group_marker import write_marker
 from embedpipe.embed.identity import describe_difference, ignored
-from embedpipe.embed.job import Job, open_job
+from embedpipe.embed.job import Job, JobInput, open_job
 from embedpipe.embed.provenance import batching_attrs, provenance
 from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import check_regular_file, read_sequences
 from embedpipe.model import inspect
 from embedpipe.model.registry import model_files
-from embedpipe.runtime import fused
 from embedpipe.runtime.precision import Policy
 from embedpipe.store import StoreWriter, utc_now
 from embedpipe.store.format import is_complete, read_root_attrs
@@ -112,27 +111,32 @@ def _check_group(fastas: Sequence[Path], done: Path | None, limits: FastaLimits 
             raise EmbedpipeError(f"{fasta}: no records to embed")
 
 
-def _job_residues(fastas: Sequence[Path], options: EmbedOptions, limits: FastaLimits) -> int:
-    """Every shard's residues (kept stores' too: a rerun decides as the first run did,
-    docs/precision.md); read only when a decision needs them: ``--precision auto`` (whether the
-    job can pay for its probe) or ``--compile auto`` for a policy it may compile."""
-    if options.precision != AUTO and not fused.needs_residues(options.compile, options.precision):
-        return 0
-    return sum(len(s) for fasta in fastas for _, s in read_sequences(Path(fasta), limits))
-
-
-def _resolve(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
-             limits: FastaLimits) -> Policy | None:
-    """Every check of an embed run before a record is read or the model loads, and its named
-    policy configured (:func:`_start`; None for ``--precision auto``, which the job decides)."""
-    check_embed(options, inspect(model), reuse, calibration=False)  # the workflow's check (embed/combinations.py)
-    fused.check_cache(options.compile_cache)  # a bad --compile-cache: one line, not inductor's traceback
-    policy = _start(options)
+def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reuse: Sequence[Path],
+                 limits: FastaLimits) -> tuple[Policy | None, FastaLimits]:
+    """Every check of an embed run before a record is read or the model loads (the options
+    checked once, by the workflow's check: embed/combinations.py), its named policy configured
+    (``--int8-calibration`` read now, so a bad file fails before the model loads; None for
+    ``--precision auto``: :func:`~embedpipe.embed.resolved.resolve_run` decides it in the job,
+    once its model is loaded, embed/auto_probe.py), and ``limits`` as the model's family reads
+    records (its case kept where case is input: ProstT5)."""
+    facts = inspect(model)
+    check_embed(options, facts, reuse, calibration=False)
     limits.check(EmbedpipeError)
     for fasta in fastas:  # a pipe is drained by the first read: the store recorded an empty input's sha256
         check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
                            "its store records")
-    return policy
+    policy = None if options.precision == AUTO else resolve_policy(options)
+    return policy, replace(limits, keep_case=facts.token_layout.keeps_case)
+
+
+@contextlib.contextmanager
+def _job(fastas: Sequence[Path], model: str, options: EmbedOptions, policy: Policy | None, reuse: Sequence[Path],
+         limits: FastaLimits, outputs: list[tuple[str, Path]], quiet: bool) -> Iterator[Job]:
+    """The job of an embed run (one FASTA or a group): its outputs guarded and locked, then its
+    threads, reuse stores and model (embed/job.py)."""
+    with _writing(outputs, fastas, model, reuse), \
+            open_job(model, options, policy, reuse, quiet, JobInput(tuple(map(Path, fastas)), limits)) as job:
+        yield job
 
 
 def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
@@ -147,22 +151,13 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
-    policy = _resolve([fasta], model, options, reuse, limits)
+    policy, limits = start_checks([fasta], model, options, reuse, limits)
     started = time.perf_counter()
-    with _writing([("--out", Path(out))], [Path(fasta)], model, reuse):
+    with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out))], quiet) as job:
         records = _read_records(fasta, limits)
         check_output_path(Path(out))
-        with open_job(model, options, policy, reuse, quiet, sum(len(s) for _, s in records), records) as job:
-            return _embed_records(job, records, Path(fasta), Path(out), started,
-                                  {"input_sha256": file_sha256(Path(fasta))}, quiet)
-
-
-def _start(options: EmbedOptions) -> Policy | None:
-    """The options checked and the named policy configured: ``--int8-calibration`` read now, so
-    a bad file fails before the model loads. None for ``--precision auto``: the job decides it
-    once its model is loaded (embed/auto_probe.py), and resolves the run then."""
-    options.validate()
-    return None if options.precision == AUTO else resolve_policy(options)
+        return _embed_records(job, records, Path(fasta), Path(out), started,
+                              {"input_sha256": file_sha256(Path(fasta))}, quiet)
 
 
 def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: Path, started: float,
@@ -202,7 +197,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
                         background.put(work.todo[j], record)
         fallback = _fallback_counts(embedder, work.fallbacks())
         writer.set_attrs(fallback_count=sum(fallback.values()), fallback_reasons=json.dumps(fallback, sort_keys=True),
-                         finished_utc=utc_now(), **(_run_attrs(embedder, plan) if embedder is not None else {}))
+                         finished_utc=utc_now(), **(run_attrs(embedder, plan) if embedder is not None else {}))
     return EmbedSummary(
         out=out, records=len(records), residues=sum(len(s) for _, s in records),
         seconds=time.perf_counter() - started, precision=job.run.policy.name if job.run else options.precision,
@@ -219,10 +214,10 @@ def _fallback_counts(embedder: Embedder | None, copied: int) -> dict[str, int]:
     return fallback | ({"reused": copied} if copied else {})
 
 
-def _run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
+def run_attrs(embedder: Embedder, plan: Any) -> dict[str, Any]:
     """Root attributes of how the computed records ran."""
     return {"padding_efficiency": plan.padding_efficiency, "fallback_device": embedder.fallback_device or "none",
-            **batching_attrs(embedder), **embedder.compile_attrs()}
+            **batching_attrs(embedder)}
 
 
 # ------------------------------------------------------------------------------ groups of shards
@@ -311,7 +306,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     only once every shard of the group has its store (embedpipe.embed.group_marker). With
     ``reuse``, the model is loaded only when a shard has a record no reuse store holds.
     """
-    policy = _resolve(fastas, model, options, reuse, limits)
+    policy, limits = start_checks(fastas, model, options, reuse, limits)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -320,10 +315,8 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
     outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
-    residues = _job_residues(fastas, options, limits)
-    probe = _read_records(Path(fastas[0]), limits) if options.precision == AUTO else []
-    with telling_progress(lambda: summary.progress(fastas, stores)), _writing(outputs, fastas, model, reuse), \
-            open_job(model, options, policy, reuse, quiet, residues, probe) as job:
+    with telling_progress(lambda: summary.progress(fastas, stores)), \
+            _job(fastas, model, options, policy, reuse, limits, outputs, quiet) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for k, (fasta, store, digest) in enumerate(zip(fastas, stores, digests)):

@@ -1,7 +1,7 @@
 """``embedpipe export``: a store in the layouts downstream tools read (docs/exports.md).
 
-* ``formats``: the registry (names, workflow files, modules), import-light
-* ``run``: ``export_store`` (checks, attributes, the stream of blocks to the format's module)
+* ``run``: ``export_store`` (checks, attributes, the stream of blocks to the format's module,
+  found by its entry in :mod:`embedpipe.core.export_formats`)
 * ``blocks``: the store as blocks of input IDs; ``keys``: HDF5 names
 * ``h5_per_id``, ``parquet``, ``npy``: one module per format
 

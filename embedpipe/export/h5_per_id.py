@@ -72,5 +72,5 @@ def write_h5_per_id(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str
 
 def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,
            on_block: Callable[[ExportBlock], None]) -> None:
-    """The registry's entry point (``formats.py``)."""
+    """The registry's entry point (``core/export_formats.py``)."""
     write_h5_per_id(out, blocks, attrs, on_block)

@@ -62,7 +62,7 @@ def write_npy(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any]
 
 def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,
            on_block: Callable[[ExportBlock], None]) -> None:
-    """The registry's entry point (``formats.py``): one row per input ID, or its residues."""
+    """The registry's entry point (``core/export_formats.py``): one row per input ID, or its residues."""
     outputs = len(store) + len(store.aliases)
     rows = _per_residue_rows(store) if per_residue else outputs
     write_npy(out, blocks, attrs, rows=rows, dim=store.dim, dtype=store.dtype, per_residue=per_residue,

@@ -67,5 +67,5 @@ def write_parquet(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, 
 
 def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,
            on_block: Callable[[ExportBlock], None]) -> None:
-    """The registry's entry point (``formats.py``)."""
+    """The registry's entry point (``core/export_formats.py``)."""
     write_parquet(out, blocks, attrs, dim=store.dim, dtype=store.dtype, per_residue=per_residue, on_block=on_block)

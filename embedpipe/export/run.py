@@ -1,6 +1,6 @@
 """``embedpipe export``: a store in the layouts downstream tools read (docs/exports.md).
 
-Formats (registered in ``formats.py``): ``h5-per-id`` (one dataset per input ID: bio_embeddings, ProtT5 embedder,
+Formats (registered in ``core/export_formats.py``): ``h5-per-id`` (one dataset per input ID: bio_embeddings, ProtT5 embedder,
 protspace, LightAttention, TMbed), ``parquet`` (pandas, polars, DuckDB, Hugging Face
 ``datasets``), ``npy`` (a memory-mappable matrix plus IDs: scikit-learn, FAISS). Every input
 ID of the store is exported, aliases resolved; reading is streamed block by block, so memory
@@ -10,20 +10,27 @@ is bounded by a block whatever the store's size, and every output is written ato
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from embedpipe.core import export_formats as formats
 from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.progress import progress_bar
-from embedpipe.export import formats
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.store import Store, open_store
 from embedpipe.store.sources import pinned_by
 from embedpipe.store.validate import export_problems
+
+
+def writer(fmt: formats.ExportFormat) -> ModuleType:
+    """The module that writes ``fmt``, imported only now (the registry in ``core/`` names it)."""
+    return importlib.import_module(fmt.module)
 
 
 @dataclass
@@ -72,7 +79,7 @@ def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str)
         raise EmbedpipeError(f"{store.path}: has no per-residue vectors (embedded without --per-residue)")
     if Path(out).resolve() == store.path.resolve():
         raise EmbedpipeError(f"{out}: the export would overwrite the store it reads")
-    companions = getattr(formats.BY_NAME[fmt].load(), "companions", None)
+    companions = getattr(writer(formats.BY_NAME[fmt]), "companions", None)
     extra = [(f"the {role} file", p) for role, p in companions(out, per_residue).items()] if companions else []
     with writing_outputs("export", [("--out", out), *extra], [store.path], pinned=pinned_by([store.path])):
         yield
@@ -108,7 +115,7 @@ def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_
             def advance(block: ExportBlock) -> None:
                 bar.update(len(block.ids))
 
-            formats.BY_NAME[fmt].load().export(out, store, blocks, attrs, per_residue, advance)
+            writer(formats.BY_NAME[fmt]).export(out, store, blocks, attrs, per_residue, advance)
     return ExportSummary(out, fmt, absolute, per_residue, pooling, counts["records"], counts["aliases"],
                          counts["skipped"], time.perf_counter() - started)
 

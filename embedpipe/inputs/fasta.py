@@ -16,8 +16,9 @@ Rules (what a sequence may hold: :mod:`embedpipe.inputs.residue_rules`):
 * a record over :class:`~embedpipe.core.options.FastaLimits` (residues, ID characters, bytes of
   text) is a structural error too, found while the record streams (:mod:`embedpipe.inputs.bounds`);
 * blank lines, spaces and tabs inside a record are ignored;
-* lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (counted in
-  ``FastaRecord.normalised``); ``U O B Z X`` are kept (ESM has tokens for them);
+* lowercase is upper-cased (kept, for a family whose case is input: ``limits.keep_case``), one
+  trailing ``*`` is stripped, ``J`` becomes ``X`` (counted in ``FastaRecord.normalised``);
+  ``U O B Z X`` are kept (ESM has tokens for them);
 * a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty
   sequence make the record *invalid*: ``invalid`` holds the reason and ``error`` the message.
 """
@@ -310,7 +311,7 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
     """Yield every record of ``data[pos:]`` known to be complete (all of them at ``eof``);
     return where the incomplete rest starts and its line number."""
     seen_ids = None if seen is None else seen.ids
-    max_length, max_id, cap = limits.max_length, limits.max_id_length, text_cap(limits)  # per record: locals
+    max_length, max_id, cap, keep_case = limits.max_length, limits.max_id_length, text_cap(limits), limits.keep_case
     while True:
         nxt = data.find(b"\n>", pos)
         if nxt < 0:
@@ -332,7 +333,7 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
                 raise seen.duplicate(rid, display, line)  # type: ignore[union-attr]
             seen_ids.add(rid)
         raw = data[hend + 1 : end]
-        seq, kinds, reason, bad = check_sequence(raw)
+        seq, kinds, reason, bad = check_sequence(raw, keep_case)
         if len(seq) > max_length or end - pos > cap:
             check_record(rid, len(seq), end - pos, display, line, limits)
         record = FastaRecord(rid, header, seq, display, line, file_index, kinds)

@@ -6,6 +6,9 @@ The normalisation kinds and invalid reasons below are what ``manifest.tsv`` reco
 * blank lines, spaces and tabs inside a record are ignored;
 * lowercase is upper-cased, one trailing ``*`` is stripped, ``J`` becomes ``X`` (the
   normalisation kinds); ``U O B Z X`` are kept (ESM has tokens for them);
+* for a family whose case is input (ProstT5: upper-case amino acids, lower-case 3Di;
+  ``keep_case``) the case is kept (``j`` becomes ``x``), and a record mixing upper and lower
+  case is invalid (``mixed-case``): it is neither;
 * a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty
   sequence make the record *invalid* (the invalid reasons).
 
@@ -21,6 +24,7 @@ __all__ = [
     "INVALID_CHARACTER",
     "INVALID_REASONS",
     "J_TO_X",
+    "MIXED_CASE",
     "NORMALISATION_KINDS",
     "STOP_STRIPPED",
     "UPPERCASED",
@@ -40,7 +44,8 @@ EMPTY_SEQUENCE = "empty-sequence"
 INTERNAL_STOP = "internal-stop"
 ALIGNMENT_GAP = "alignment-gap"
 INVALID_CHARACTER = "invalid-character"
-INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER)
+MIXED_CASE = "mixed-case"  # keep_case only (ProstT5): neither amino acids nor 3Di
+INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER, MIXED_CASE)
 
 WHITESPACE = b" \t\r\n\v\f"
 _WHITESPACE_SET = frozenset(WHITESPACE)
@@ -50,6 +55,8 @@ _UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _ALLOWED = _LOWER + _UPPER + b"*"
 # One pass: lowercase -> uppercase, J/j -> X.
 _NORMALISE = bytes.maketrans(_LOWER + b"J", _UPPER.replace(b"J", b"X") + b"X")
+# keep_case: J/j -> X/x only.
+_NORMALISE_KEEPING_CASE = bytes.maketrans(b"Jj", b"Xx")
 
 
 def _locate(raw: bytes, residue: int) -> tuple[int, int]:
@@ -65,8 +72,17 @@ def _locate(raw: bytes, residue: int) -> tuple[int, int]:
     return 0, 0  # pragma: no cover - the residue always exists
 
 
-def check_sequence(raw: bytes) -> tuple[bytes, tuple[str, ...], str | None, int]:
-    """Normalise one record's raw sequence text (the bytes after the header line).
+def _case_mixed_at(seq: bytes) -> int:
+    """Index of the first letter whose case differs from the first letter's; -1 when one case."""
+    if len(seq.translate(None, _LOWER)) in (0, len(seq)):
+        return -1
+    other = _LOWER if seq[:1].isupper() else _UPPER
+    return next(i for i, byte in enumerate(seq) if byte in other)
+
+
+def check_sequence(raw: bytes, keep_case: bool = False) -> tuple[bytes, tuple[str, ...], str | None, int]:
+    """Normalise one record's raw sequence text (the bytes after the header line); with
+    ``keep_case`` its case is kept and a record of both cases is invalid (``mixed-case``).
 
     Returns ``(data, normalised, invalid_reason, bad_residue_index)``.
     """
@@ -87,10 +103,12 @@ def check_sequence(raw: bytes) -> tuple[bytes, tuple[str, ...], str | None, int]
     star = seq.find(b"*")
     if star >= 0:
         return seq, kinds, INTERNAL_STOP, star
-    norm = seq.translate(_NORMALISE)
+    if keep_case and (mixed := _case_mixed_at(seq)) >= 0:
+        return seq, kinds, MIXED_CASE, mixed
+    norm = seq.translate(_NORMALISE_KEEPING_CASE if keep_case else _NORMALISE)
     if norm != seq:
         extra = []
-        if len(seq.translate(None, _LOWER)) != len(seq):
+        if not keep_case and len(seq.translate(None, _LOWER)) != len(seq):
             extra.append(UPPERCASED)
         if b"J" in seq or b"j" in seq:
             extra.append(J_TO_X)
@@ -109,6 +127,9 @@ def describe_invalid(reason: str, raw: bytes, data: bytes, bad_index: int, heade
     where = f"at column {col} (residue {bad_index + 1})"
     if reason == INTERNAL_STOP:
         return line, f"stop codon '*' inside the sequence {where}"
+    if reason == MIXED_CASE:
+        return line, (f"'{char}' {where} is in the other case than the record's first residue: this model reads "
+                      "upper case as amino acids and lower case as 3Di, so one record must be all one case")
     if reason == ALIGNMENT_GAP:
         return line, f"gap character '{char}' {where}: this looks like an alignment, not raw sequences"
     if data[bad_index] >= 0x80:  # not text a residue can be: say which byte, not a decoded guess

@@ -6,11 +6,10 @@ import torch (the modules that need it are imported when a model is loaded).
 """
 
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
-from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
+from embedpipe.model.layout import TokenLayout
 from embedpipe.model.registry import Family, describe, inspect, is_model_name, load_model, register
 
 __all__ = [
-    "ESM2_LAYOUT",
     "TokenLayout",
     "Family",
     "MemoryEstimate",

@@ -14,14 +14,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from embedpipe.model.facts import MemoryEstimate
-from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout  # re-exported: families import them here
+from embedpipe.model.layout import TokenLayout  # re-exported: families import it here
 from embedpipe.runtime.packed import PackedTokens, token_max_abs
 from embedpipe.runtime.precision import Policy
 
 #: Forward implementations a family may offer: ``sdpa`` (fused attention), ``math``
 #: (explicit scores, fp32 softmax) and ``fair-esm`` (the reference library's own forward).
 
-__all__ = ["ESM2_LAYOUT", "EmbeddingModel", "ForwardOutput", "PackedRunner", "Runner", "TokenLayout", "masked_max_abs"]
+__all__ = ["EmbeddingModel", "ForwardOutput", "PackedRunner", "Runner", "TokenLayout", "masked_max_abs"]
 
 
 @dataclass

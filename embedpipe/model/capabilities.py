@@ -1,8 +1,11 @@
-"""What a loaded model's family can do, asked by the worker before it plans a batch.
+"""What a model's family can do, asked by the worker before it plans a batch and by the
+workflow before any job.
 
-Torch-free. Every family declares ``token_layout`` (:mod:`embedpipe.model.layout`),
-``family`` and ``batch_layouts`` (``("padded",)`` without a packed runner: T5), as
-:class:`~embedpipe.model.base.EmbeddingModel` requires; nothing is assumed for a family.
+Torch-free. A family's capabilities (whether it packs, its token layout with BOS and window)
+are declared once, by its spec (``esm2_spec``, an :class:`~embedpipe.model.hf_families.HfFamily`,
+a plugin's ``describe``): its :class:`~embedpipe.model.facts.ModelFacts` and its loaded model
+(``token_layout``, ``family``, ``batch_layouts`` from :func:`batch_layouts`, as
+:class:`~embedpipe.model.base.EmbeddingModel` requires) both read that declaration.
 """
 
 from __future__ import annotations
@@ -22,31 +25,21 @@ def packs(model: EmbeddingModel) -> bool:
     return "packed" in model.batch_layouts
 
 
-#: families that run padded batches only, known by name from their facts (torch-free): the
-#: workflow refuses ``batch_layout: packed`` for them before any job (embedpipe.embed.combinations);
-#: their loaded models declare the same ``batch_layouts`` (tests/model/test_capabilities.py)
-PADDED_ONLY_FAMILIES = frozenset({"prot-t5", "ankh"})
-#: families whose every model packs (ESM-2 and ESM-1b: fair-esm checkpoints and Hugging Face directories)
-PACKING_FAMILIES = frozenset({"esm2", "esm1b"})
-
-
-def packs_by_family(family: str) -> bool | None:
-    """Whether the family packs, from its name alone; None for a family not listed here (its
-    loaded model says, when the job runs)."""
-    if family in PADDED_ONLY_FAMILIES:
-        return False
-    return True if family in PACKING_FAMILIES else None
+def batch_layouts(packs_batches: bool) -> tuple[str, ...]:
+    """A loaded model's ``batch_layouts`` from its spec's ``packs`` (the one declaration)."""
+    return ("packed", "padded") if packs_batches else ("padded",)
 
 
 def check_family(family: str, bos: bool, packs_batches: bool | None, pooling: Sequence[str], batch_layout: str) -> None:
     """One-line refusals of what the family cannot do: ``bos`` pooling without a BOS token,
-    ``--batch-layout packed`` without a packed runner (``packs_batches`` None: not known yet)."""
+    the batch layout ``packed`` (an ``EMBEDPIPE_ENGINE`` override) without a packed runner
+    (``packs_batches`` None: not known yet)."""
     if "bos" in pooling and not bos:
         raise EmbedpipeError(f"--pooling bos: the {family} family has no BOS token (its token layout puts none "
                              "before the residues); store the mean or per-residue vectors")
     if batch_layout == "packed" and packs_batches is False:
-        raise EmbedpipeError(f"--batch-layout packed: the {family} family runs padded batches only; "
-                             "use --batch-layout padded or auto")
+        raise EmbedpipeError(f"EMBEDPIPE_ENGINE batch_layout=packed: the {family} family runs padded batches only; "
+                             "leave the batch layout to the run")
 
 
 def check_options(model: EmbeddingModel, pooling: Sequence[str], batch_layout: str) -> None:

@@ -229,14 +229,14 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
 
 
 def file_identity(spec: str) -> ModelIdentity:
-    """The checkpoint's sha256 (its config is inside), packs: True, and its family (``esm2 v1``,
-    ``esm1b v1``: a name's from its table, a path's from the checkpoint's layout), weights unread."""
+    """The checkpoint's sha256 (its config is inside), whether its family packs, and its family
+    (``esm2 v1``, ``esm1b v1``: a name's from its table, a path's from the checkpoint's layout),
+    weights unread; both read from the family's spec."""
     path = resolve_checkpoint(spec)
-    if esm1b_spec.is_model_name(spec) or (not esm2_spec.is_model_name(spec) and _esm1b_layout(path)):
-        family = versioned(esm1b_spec.FAMILY, esm1b_spec.FAMILY_VERSION)  # read at call time: the one place set
-    else:
-        family = versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION)
-    return ModelIdentity(checkpoint_sha256(path), True, {}, family)  # both families pack
+    esm1b = esm1b_spec.is_model_name(spec) or (not esm2_spec.is_model_name(spec) and _esm1b_layout(path))
+    spec_module = esm1b_spec if esm1b else esm2_spec  # read at call time: the one place each is set
+    family = versioned(spec_module.FAMILY, spec_module.FAMILY_VERSION)
+    return ModelIdentity(checkpoint_sha256(path), spec_module.PACKS, {}, family)
 
 
 def _esm1b_layout(path: Path) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model.config_bounds import esm_config
+from embedpipe.model.esm2_spec import name_facts
 from embedpipe.model.esm2_spec import parameter_count as esm2_count
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.hf_families import HfFamily
@@ -77,13 +78,8 @@ def parameter_count(layers: int, dim: int, heads: int, max_positions: int = MAX_
 
 def describe(spec: str) -> ModelFacts:
     """Facts about an ESM-1b / ESM-1v name from the name table (no torch)."""
-    layers, dim, heads = ESM1B_MODELS[spec]
-    parameters = parameter_count(layers, dim, heads)
-    return ModelFacts(
-        family=FAMILY, spec=spec, kind="name", name=spec, trained_window=TRAINED_RESIDUES,
-        num_layers=layers, embed_dim=dim, attention_heads=heads, parameters=parameters,
-        weights_bytes=4 * parameters, trained=True, token_layout=ESM1B_LAYOUT,
-    )
+    shape = ESM1B_MODELS[spec]
+    return name_facts(FAMILY, spec, shape, parameter_count(*shape), TRAINED_RESIDUES, ESM1B_LAYOUT, PACKS)
 
 
 # --------------------------------------------------------------------------- Hugging Face ESM-1b

@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.model import esm1b, esm1b_spec, esm2_spec
-from embedpipe.model.base import ESM2_LAYOUT, EmbeddingModel, TokenLayout
+from embedpipe.model.base import EmbeddingModel, TokenLayout
+from embedpipe.model.capabilities import batch_layouts
 from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, is_esm1b_layout, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
@@ -55,8 +56,8 @@ class Esm2Model:
     attention_heads: int
     trained_window: int = esm2_spec.TRAINED_RESIDUES
     family: str = esm2_spec.FAMILY  # the store's model_family (a Hugging Face ESM-2 directory too)
-    token_layout: TokenLayout = ESM2_LAYOUT
-    batch_layouts: tuple[str, ...] = ("packed", "padded")  # EsmForward takes both
+    token_layout: TokenLayout = esm2_spec.LAYOUT  # the capabilities its spec declares (esm2_spec.py)
+    batch_layouts: tuple[str, ...] = batch_layouts(esm2_spec.PACKS)  # EsmForward takes both
     provenance: Mapping[str, str] = field(
         default_factory=lambda: {"fair_esm_version": getattr(esm, "__version__", "unknown")})
     _lut: np.ndarray = field(init=False, repr=False)
@@ -134,11 +135,13 @@ def load(spec: str) -> Esm2Model:
 def from_info(model: ESM2 | ProteinBertModel, alphabet: esm.data.Alphabet, info: Mapping[str, Any], *,
               name: str, source: str, sha256: str,
               provenance: Mapping[str, str] | None = None) -> Esm2Model:
-    """An :class:`Esm2Model` around a built model, its family's window and layout from ``info``."""
+    """An :class:`Esm2Model` around a built model; an ESM-1b's window, layout and batch layouts as
+    its spec declares them (esm1b_spec.py; ESM-2's are the class defaults, from esm2_spec.py)."""
     extra: dict[str, Any] = {} if provenance is None else {"provenance": provenance}
     if info.get("family") == esm1b_spec.FAMILY:
         extra |= {"family": esm1b_spec.FAMILY, "trained_window": esm1b_spec.window(info["max_positions"]),
-                  "token_layout": esm1b_spec.layout(info["max_positions"])}
+                  "token_layout": esm1b_spec.layout(info["max_positions"]),
+                  "batch_layouts": batch_layouts(esm1b_spec.PACKS)}
     return Esm2Model(model=model, alphabet=alphabet, name=name, source=source, sha256=sha256,
                      trained=info["trained"], num_layers=info["num_layers"], embed_dim=info["embed_dim"],
                      attention_heads=info["attention_heads"], **extra)
@@ -154,7 +157,7 @@ def inspect(facts: ModelFacts) -> ModelFacts:
         window = esm1b_spec.window(info["max_positions"])
         return replace(facts, family=esm1b_spec.FAMILY, num_layers=shape[0], embed_dim=shape[1],
                        attention_heads=shape[2], trained=info["trained"], trained_window=window,
-                       token_layout=esm1b_spec.layout(info["max_positions"]),
+                       token_layout=esm1b_spec.layout(info["max_positions"]), packs=esm1b_spec.PACKS,
                        parameters=esm1b_spec.parameter_count(*shape, info["max_positions"]))
     return replace(facts, num_layers=shape[0], embed_dim=shape[1], attention_heads=shape[2], trained=info["trained"],
                    parameters=esm2_spec.parameter_count(*shape))

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from embedpipe.core.options import ATTENTION_IMPLEMENTATIONS
 from embedpipe.model.base import ForwardOutput, PackedRunner, masked_max_abs
 from embedpipe.runtime.attention import packed_kernel
-from embedpipe.runtime.fused import Fused, compiled_pieces
+from embedpipe.runtime.engine_override import ATTENTION_KERNELS
 from embedpipe.runtime.packed import PackedTokens, packed_attention, padded_attention, token_max_abs
 from embedpipe.runtime.precision import Packed, Policy
 
@@ -153,8 +152,8 @@ class EsmForward:
         elsewhere and where the policy does not pack (autocast).
         ``attention_inputs``: under the fp32-island policies, ``fp32`` attends with fp32 q/k/v,
         ``compute`` casts them (after the fp32 rotation) to the policy's compute dtype."""
-        if attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, not {attention!r}")
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, not {attention!r}")
         if attention_inputs not in ("fp32", "compute"):
             raise ValueError(f"attention_inputs must be fp32 or compute, not {attention_inputs!r}")
         self.model = model
@@ -177,7 +176,6 @@ class EsmForward:
         self.token_dropout = bool(model.token_dropout if args is None else getattr(args, "token_dropout", False))
         self._packed: dict[int, Packed] = {}  # id(module) -> packed weights (qkv: id(attn))
         self._interleaved: set[int] = set()  # id(attn) whose packed q/k rows are in pair order
-        self._fused: Fused | None = None  # compiled elementwise pieces (:meth:`compile_elementwise`)
         if attention != "fair-esm":
             for layer in model.layers:
                 fuse_qkv(layer.self_attn)
@@ -211,28 +209,6 @@ class EsmForward:
                 self._packed[id(module)] = packed
             if interleave:
                 self._interleaved.add(id(attn))
-
-    def compile_layers(self, backend: str = "inductor") -> None:
-        """Run every layer through ``torch.compile`` (one graph shared by the layers, shapes
-        dynamic): fuses the norms, casts, rotation and residual adds that eager mode runs as
-        separate passes over memory. Optional: compiling costs time on the first batches
-        (benchmarks/gpu_acceptance.py measures both)."""
-        self._layer = torch.compile(self._layer, backend=backend, dynamic=True)  # type: ignore[method-assign]
-
-    def compile_elementwise(self, backend: str = "inductor") -> bool:
-        """On the CPU, run the elementwise work between the prepacked matmuls compiled
-        (:mod:`embedpipe.runtime.fused`; the matmuls and attention stay as they are). Only where
-        the stream is fp32 and the projections are packed with q/k in pair order; False (nothing
-        changed) elsewhere."""
-        if self.device.type != "cpu" or self.policy.stream_dtype != torch.float32 or not self._interleaved:
-            return False
-        self._fused = compiled_pieces(backend)
-        return True
-
-    @property
-    def compiled(self) -> bool:
-        """Whether :meth:`compile_elementwise` took effect."""
-        return self._fused is not None
 
     @property
     def prepacked(self) -> bool:
@@ -331,8 +307,6 @@ class EsmForward:
         return self.policy.linear(x, weight, bias, self._packed.get(id(linear)), gelu=gelu)
 
     def _layer(self, layer: FairEsmModule, x: torch.Tensor, batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
-        if self._fused is not None:
-            return self._fused_layer(self._fused, layer, x, batch)
         residual = x
         h = self._layer_norm(layer.self_attn_layer_norm, x)
         h = self._attention(layer.self_attn, h, batch)
@@ -343,18 +317,6 @@ class EsmForward:
         h = self._linear(layer.fc1, h, gelu=True)
         h = self._linear(layer.fc2, h)
         return residual + h
-
-    def _fused_layer(self, fused: Fused, layer: FairEsmModule, x: torch.Tensor,
-                     batch: _PaddedBatch | PackedTokens) -> torch.Tensor:
-        """:meth:`_layer` with its norms, casts and residual adds compiled (:mod:`embedpipe.runtime.fused`)."""
-        # as (rows, D): a batch of one record would otherwise specialise (and recompile) on B = 1
-        attn, first, second = layer.self_attn, layer.self_attn_layer_norm, layer.final_layer_norm
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        h = fused.norm_cast(x, first.weight, first.bias, first.eps, attn._embedpipe_qkv[0].dtype)
-        h = self._attention(attn, h.view(*shape[:-1], -1), batch)
-        x, h = fused.add_norm_cast(x, h.reshape(x.shape), second.weight, second.bias, second.eps, layer.fc1.weight.dtype)
-        h = self._linear(layer.fc1, h, gelu=True)
-        return fused.residual_add(x, self._linear(layer.fc2, h)).view(shape)
 
     def _table_dtype(self, attn: FairEsmModule) -> torch.dtype:
         """Mixed policies: rotary tables built in fp32 (scores and softmax in fp32 too). A
@@ -381,11 +343,6 @@ class EsmForward:
         # costs more than SDPA's CPU kernel gains from it.
         rotated = qkv[..., :2, :, :]
         interleaved = id(attn) in self._interleaved
-        if self._fused is not None and interleaved:  # compiled: one pass from qkv to q, k and v
-            tables = self.rotary.get(attn.rot_emb.inv_freq, batch.max_len, torch.float32, attn.scaling)
-            cos, sin = (batch.rows(t).expand(*lead, *t.shape[1:]).reshape(-1, *t.shape[1:]) for t in tables)
-            qk, v = self._fused.rotate_qkv(qkv.view(-1, 3, heads, head_dim), cos, sin, self.attention_dtype)
-            return self._attend(attn, qk.view(*lead, 2, heads, head_dim), v.view(*lead, heads, head_dim), batch, lead)
         if rotated.dtype != work_dtype and (interleaved or x.device.type == "cpu"):
             # in place needs the wide dtype; on the CPU one cast and then one-dtype kernels beat
             # mixed-dtype ones 2x (130-170 ms against 265 ms at 8192 x 20 heads, 2 cores).

@@ -13,7 +13,7 @@ from typing import Any
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.layout import ESM2_LAYOUT
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 
 FAMILY = "esm2"
 
@@ -33,6 +33,11 @@ ESM2_MODELS: dict[str, tuple[int, int, int]] = {
 
 #: ESM-2 was trained on 1024 tokens: 1022 residues plus BOS and EOS.
 TRAINED_RESIDUES = 1022
+
+#: ESM-2's capabilities, declared here once (its facts, its loaded model and its identity read
+#: them): its forward takes packed batches; its token layout is ``ESM2_LAYOUT`` (BOS, EOS, 1022)
+PACKS = True
+LAYOUT = ESM2_LAYOUT
 
 #: Tokens of ESM-2's alphabet (fair-esm's "ESM-1b" architecture alphabet).
 VOCABULARY_SIZE = 33
@@ -64,20 +69,27 @@ def parameter_count(layers: int, dim: int, heads: int) -> int:
     return layers * per_layer + outside + layers * heads + 1
 
 
+def name_facts(family: str, spec: str, shape: tuple[int, int, int], parameters: int, window: int,
+               layout: TokenLayout, packs: bool) -> ModelFacts:
+    """Facts of a fair-esm name from its family's table (ESM-2's, ESM-1b's): trained fp32
+    weights of ``parameters`` values, ``shape`` (layers, dim, heads), the family's capabilities."""
+    return ModelFacts(
+        family=family, spec=spec, kind="name", name=spec, trained_window=window, num_layers=shape[0],
+        embed_dim=shape[1], attention_heads=shape[2], parameters=parameters, weights_bytes=4 * parameters,
+        trained=True, token_layout=layout, packs=packs,
+    )
+
+
 def describe(spec: str) -> ModelFacts:
     """Facts about ``spec`` from the name table, or from a path's file size (no torch)."""
     if is_model_name(spec):
         layers, dim, heads = ESM2_MODELS[spec]
-        parameters = parameter_count(layers, dim, heads)
-        return ModelFacts(
-            family=FAMILY, spec=spec, kind="name", name=spec, trained_window=TRAINED_RESIDUES,
-            num_layers=layers, embed_dim=dim, attention_heads=heads, parameters=parameters,
-            weights_bytes=4 * parameters, trained=True,
-        )
+        return name_facts(FAMILY, spec, (layers, dim, heads), parameter_count(layers, dim, heads),
+                          TRAINED_RESIDUES, LAYOUT, PACKS)
     path = Path(spec).expanduser()
     size = path.stat().st_size if path.is_file() else None
     return ModelFacts(family=FAMILY, spec=spec, kind="path", name=path.stem,
-                      trained_window=TRAINED_RESIDUES, weights_bytes=size)
+                      trained_window=TRAINED_RESIDUES, weights_bytes=size, token_layout=LAYOUT, packs=PACKS)
 
 
 #: forward working memory per token, in units of D bytes, per kind of policy: the live peak of
@@ -129,7 +141,7 @@ def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
 HF_ESM = HfFamily(
     model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
     family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
-    window=lambda config: TRAINED_RESIDUES, layout=lambda config: ESM2_LAYOUT,
-    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=True,
+    window=lambda config: TRAINED_RESIDUES, layout=lambda config: LAYOUT,
+    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
     hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
 )

@@ -83,8 +83,8 @@ class EsmcModel:
     trained: bool
     trained_window: int
     token_layout: TokenLayout
+    batch_layouts: tuple[str, ...]  # as its spec declares (esmc_spec.py: EsmcForward takes both)
     family: str = esmc_spec.FAMILY
-    batch_layouts: tuple[str, ...] = ("packed", "padded")  # EsmcForward takes both
     provenance: Mapping[str, str] = field(default_factory=lambda: {"model_format": "huggingface-esmc"})
     _lut: np.ndarray = field(init=False, repr=False)
 
@@ -197,15 +197,16 @@ def check_vocabulary(directory: Path) -> None:
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> EsmcModel:
     """An :class:`EsmcModel` from a Hugging Face ESM C directory (its ``config.json`` already read)."""
     where = str(directory)
-    sizes = hf.family_for_config(config).sizes(config, str(directory / "config.json"))
+    kind = hf.family_for_config(config)  # ESM C's or ESM++'s spec: its sizes and capabilities
+    sizes = kind.sizes(config, str(directory / "config.json"))
     shape, vocab = shape_of(sizes), sizes["vocab_size"]
     check_vocabulary(directory)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     weights = esmc_weights(hf.read_state_dict(files), shape, vocab, where)
     return EsmcModel(weights=weights, shape=shape, name=spec if hf.is_model_name(spec) else directory.name,
-                     source=where, sha256=sha, trained=hf.is_trained(config), trained_window=esmc_spec.window(config),
-                     token_layout=esmc_spec.layout(config))
+                     source=where, sha256=sha, trained=hf.is_trained(config), trained_window=kind.window(config),
+                     token_layout=kind.layout(config), batch_layouts=kind.batch_layouts)
 
 
 if TYPE_CHECKING:  # mypy checks the family against the interface (docs/architecture.md)

@@ -32,7 +32,7 @@ from embedpipe.runtime.precision import Packed, Policy
 
 #: the linear layers of a block, by embedpipe's weight name (``{layer}.{name}``)
 LINEARS = ("qkv", "o", "gate_up", "down")
-#: the forwards ESM C offers (``--attention``); it has no fair-esm implementation
+#: the forwards ESM C offers (the attention kernel, ``EMBEDPIPE_ENGINE``); it has no fair-esm implementation
 ATTENTIONS = ("sdpa", "math")
 #: layer-norm epsilon of every ESM C norm (``nn.LayerNorm``'s default, not in config.json)
 EPS = 1e-5
@@ -78,7 +78,7 @@ class EsmcForward:
         """``weights``: the policy's copy (:func:`embedpipe.model.esmc.prepare_weights`);
         ``prepack``: on the CPU, the linears as the policy prepares them once (as ESM-2's)."""
         if attention not in ATTENTIONS:
-            raise ModelError(f"--attention {attention}: the esmc family runs {' or '.join(ATTENTIONS)}")
+            raise ModelError(f"EMBEDPIPE_ENGINE attention={attention}: the esmc family runs {' or '.join(ATTENTIONS)}")
         if attention_inputs not in ("fp32", "compute"):
             raise ValueError(f"attention_inputs must be fp32 or compute, not {attention_inputs!r}")
         self.w, self.shape, self.policy = weights, shape, policy

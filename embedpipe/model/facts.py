@@ -46,6 +46,7 @@ class ModelFacts:
     ``kind`` is ``"name"`` (a registered name, resolved and fetched by the family) or
     ``"path"`` (a checkpoint file). Shape fields are ``None`` when they cannot be known
     without reading the checkpoint (a path, before :func:`embedpipe.model.inspect`).
+    ``token_layout`` and ``packs``: the family's capabilities, from its spec.
     ``weights_bytes``: fp32 weights for a name, the file's size for a path, ``None`` when
     the file does not exist yet.
     """
@@ -62,6 +63,9 @@ class ModelFacts:
     weights_bytes: int | None = None
     trained: bool | None = None
     token_layout: TokenLayout = ESM2_LAYOUT  # the family's special tokens (shard budgets follow it)
+    #: whether the family prepares a packed runner, as its spec declares (the workflow's checks read
+    #: it); None: a family whose ``describe`` does not say (its loaded model's ``batch_layouts`` do)
+    packs: bool | None = None
 
     def host_mem_mb(self, attempt: int = 1) -> int:
         """Snakemake ``mem_mb`` of a job that loads this model, scaled by the retry attempt."""
@@ -70,4 +74,4 @@ class ModelFacts:
 
     def to_dict(self) -> dict[str, Any]:
         """The facts plus the memory the workflow asks for (``model-info --json``)."""
-        return asdict(self) | {"host_mem_mb": self.host_mem_mb()}
+        return asdict(self) | {"token_layout": self.token_layout.to_dict(), "host_mem_mb": self.host_mem_mb()}

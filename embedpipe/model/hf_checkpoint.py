@@ -190,10 +190,13 @@ def describe(spec: str) -> ModelFacts:
     directory = path.resolve() if path.is_dir() else hub_snapshot(spec)
     if directory is None:
         kind = HUB_NAMES.get(spec, esm2_spec.HF_ESM)
-        return ModelFacts(family=kind.hub_names.get(spec, esm2_spec.FAMILY), spec=spec, kind="name", name=spec.split("/")[-1],
-                          trained_window=kind.window(None), trained=True, token_layout=kind.layout(None))
+        family = kind.hub_names.get(spec, esm2_spec.FAMILY)
+        return ModelFacts(family=family, spec=spec, kind="name", name=spec.split("/")[-1],
+                          trained_window=kind.window(None), trained=True, token_layout=kind.layout_of(family, None),
+                          packs=kind.packs)
     config = read_config(directory)
     kind = family_for_config(config)
+    family = kind.family_name(spec, directory, config)
     # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
     sizes = kind.sizes(config, str(directory / "config.json"))
     try:
@@ -201,10 +204,10 @@ def describe(spec: str) -> ModelFacts:
     except ModelError:
         size = None
     return ModelFacts(
-        family=kind.family_name(spec, directory, config), spec=spec, kind="path" if path.is_dir() else "name",
+        family=family, spec=spec, kind="path" if path.is_dir() else "name",
         name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=kind.window(config),
         num_layers=sizes["num_layers"], embed_dim=sizes["embed_dim"], attention_heads=sizes["attention_heads"],
-        weights_bytes=size, trained=is_trained(config), token_layout=kind.layout(config),
+        weights_bytes=size, trained=is_trained(config), token_layout=kind.layout_of(family, config), packs=kind.packs,
     )
 
 

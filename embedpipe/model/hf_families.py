@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from embedpipe.model.capabilities import batch_layouts
 from embedpipe.model.layout import TokenLayout
 
 #: config.json key of the untrained marker written by make-test-model.
@@ -60,3 +61,14 @@ class HfFamily:
     #: :data:`embedpipe.model.hf_checkpoint.VARIANTS`): whether a config is this family's
     #: (Hugging Face's ``esm`` covers ESM-2, rotary, and ESM-1b/1v, absolute positions)
     takes: Callable[[Mapping[str, Any]], bool] | None = None
+    #: family name -> its layout where it is not ``layout``'s (one type, several families: ProstT5)
+    family_layouts: Mapping[str, TokenLayout] = field(default_factory=dict)
+
+    @property
+    def batch_layouts(self) -> tuple[str, ...]:
+        """What its loaded models declare (:func:`~embedpipe.model.capabilities.batch_layouts`)."""
+        return batch_layouts(self.packs)
+
+    def layout_of(self, family: str, config: Mapping[str, Any] | None) -> TokenLayout:
+        """The token layout of ``family`` (a family name of this type)."""
+        return self.family_layouts.get(family) or self.layout(config)

@@ -1,6 +1,7 @@
 """Which hidden states a run stores: ``--layers`` resolved against the model's depth.
 
-Torch-free; :mod:`embedpipe.embed.engine` re-exports it.
+Torch-free: ``embed/resolved.py`` resolves a run's layers with it, ``embed/combinations.py`` checks
+``--layers`` against a model's facts before any job.
 """
 
 from __future__ import annotations

@@ -17,14 +17,18 @@ from typing import Any
 class TokenLayout:
     """Where a family puts its special tokens around the residues of one forward window.
 
-    ``bos``: one token before the residues (ESM-2's ``<cls>``); ``eos``: one after them;
-    ``window``: the most residues one forward pass takes by construction (``None``: no hard
-    window; the family's ``trained_window`` is then its practical limit, docs/models.md).
+    ``bos``: one token before the residues (ESM-2's ``<cls>``, ProstT5's direction prefix);
+    ``eos``: one after them; ``window``: the most residues one forward pass takes by
+    construction (``None``: no hard window; the family's ``trained_window`` is then its
+    practical limit, docs/models.md). ``keeps_case``: the family reads upper and lower case as
+    different inputs (ProstT5: amino acids and 3Di), so the FASTA reader keeps each record's
+    case instead of upper-casing it (:class:`embedpipe.core.options.FastaLimits`).
     """
 
     bos: bool
     eos: bool
     window: int | None
+    keeps_case: bool = False
 
     @property
     def extra_tokens(self) -> int:
@@ -37,15 +41,13 @@ class TokenLayout:
         return int(self.bos)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bos": self.bos, "eos": self.eos, "window": self.window}
+        """The layout as JSON (``model-info``); ``keeps_case`` only where it holds."""
+        return {"bos": self.bos, "eos": self.eos, "window": self.window} | ({"keeps_case": True} if self.keeps_case else {})
 
 
 #: ESM-2: ``<cls>`` at 0, residues at 1..n, ``<eos>`` at n + 1; trained on 1022 residues. The
 #: layout of a family that declares none, and of ``embedpipe shard`` without ``--model``.
 ESM2_LAYOUT = TokenLayout(bos=True, eos=True, window=1022)
-
-#: T5 encoders (ProtT5, Ankh): no BOS, one ``</s>`` after the residues, no hard window.
-T5_LAYOUT = TokenLayout(bos=False, eos=True, window=None)
 
 
 def layout_of(model: object) -> TokenLayout:

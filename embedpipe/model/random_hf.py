@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|ankh|hf-esm|hf-esm1b|esmc``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc``.
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
@@ -24,9 +24,9 @@ from embedpipe.core.version import __version__
 from embedpipe.model.checkpoint import validate_shape
 from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
-from embedpipe.model.t5_vocab import LETTERS
+from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES, THREE_DI
 
-HF_FAMILIES = ("prot-t5", "ankh", "hf-esm", "hf-esm1b", "esmc")
+HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "hf-esm1b", "esmc")
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:
@@ -161,22 +161,26 @@ def random_esmc(layers: int, dim: int, heads: int, ffn: int, seed: int) -> dict[
 
 def t5_tokenizer_files(family: str) -> tuple[dict[str, Any], int]:
     """tokenizer.json (a Unigram vocabulary: <pad> 0, </s> 1, <unk> 2, then one piece per
-    residue: ``▁A`` for ProtT5, ``A`` for Ankh) and transformers' tokenizer configs."""
+    residue: ``▁A`` for ProtT5, ``A`` for Ankh; ProstT5: ProtT5's, one ``▁a`` per 3Di state,
+    then its direction prefixes as added special tokens) and transformers' tokenizer configs."""
     tokenizers = require("tokenizers", "make-test-model --family (writing tokenizer.json)")
-    pieces = [("▁" + r) if family == "prot-t5" else r for r in LETTERS]
+    spaced = family in ("prot-t5", "prostt5")
+    pieces = [("▁" + r) if spaced else r for r in LETTERS + (THREE_DI if family == "prostt5" else "")]
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(p, -1.0 - 0.01 * i) for i, p in enumerate(pieces)]
     tok = tokenizers.Tokenizer(tokenizers.models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    if family == "prot-t5":
+    if family == "prostt5":
+        tok.add_special_tokens(list(PROSTT5_PREFIXES))
+    if spaced:
         tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
         tok.decoder = tokenizers.decoders.Metaspace(replacement="▁", prepend_scheme="always")
     tok.post_processor = tokenizers.processors.TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
     specials = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
     # ProtT5 ships a T5 tokenizer; a per-character one is loaded as written (PreTrainedTokenizerFast)
-    cls = "T5Tokenizer" if family == "prot-t5" else "PreTrainedTokenizerFast"
+    cls = "T5Tokenizer" if spaced else "PreTrainedTokenizerFast"
     return {"tokenizer.json": tok.to_str(), "special_tokens_map.json": specials,
             "tokenizer_config.json": {"tokenizer_class": cls, "extra_ids": 0, "model_max_length": 1 << 20,
-                                      **specials}}, len(vocab)
+                                      **specials}}, tok.get_vocab_size(with_added_tokens=True)
 
 
 def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: int, *,
@@ -208,7 +212,7 @@ def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: 
 
 def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32, heads: int = 4,
                        seed: int = 0, d_kv: int | None = None, d_ff: int | None = None) -> Path:
-    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, ankh or hf-esm).
+    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, prostt5, ankh, hf-esm or esmc).
 
     ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""

@@ -1,11 +1,12 @@
-"""T5 encoders (ProtT5, Ankh) from a Hugging Face directory: loading, tokens, policies, memory.
+"""T5 encoders (ProtT5, ProstT5, Ankh) from a Hugging Face directory: loading, tokens, policies, memory.
 
 :func:`load_directory` (called by :mod:`embedpipe.model.hf_checkpoint`) reads the encoder's
 weights (a ``T5EncoderModel`` or a full ``T5ForConditionalGeneration``: the decoder is
 dropped) into an fp32 :class:`T5Model`; its runners are
 :class:`~embedpipe.model.t5_forward.T5Forward` (padded batches only: the worker picks the
 padded layout for a runner without ``packed``). Shard budgets, planning and pooling follow
-its :data:`T5_LAYOUT` (docs/models.md).
+its :data:`T5_LAYOUT` (ProstT5: :data:`~embedpipe.model.t5_spec.PROSTT5_LAYOUT`, its direction
+prefix in BOS's place; docs/models.md).
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
-from embedpipe.model import layout, t5_vocab
+from embedpipe.model import t5_spec, t5_vocab
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.model.config_bounds import t5_config
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.layout import TokenLayout
 from embedpipe.model.t5_forward import T5Forward, T5Shape
+from embedpipe.model.t5_spec import HF_T5
 from embedpipe.runtime.precision import Policy
 
-#: T5: no BOS, one ``</s>`` after the residues; no hard window (see t5_vocab.T5_MAX_RESIDUES).
-T5_LAYOUT = layout.T5_LAYOUT
+#: ProstT5 stores' ``direction_prefixes``: how each record's prefix was chosen (its stored sequence's case)
+PROSTT5_DIRECTIONS = "<AA2fold> for an upper-case record (amino acids), <fold2AA> for a lower-case one (3Di)"
 
 #: Tensors the fp32-island policies keep in fp32 (RMS norm scales, the relative-position bias).
 FP32_ISLAND_SUFFIXES = ("ln0", "ln1", "final_ln", "relative_bias")
@@ -48,10 +50,11 @@ class T5Model:
     source: str
     sha256: str
     trained: bool
-    family: str  # prot-t5 or ankh
-    trained_window: int = t5_vocab.T5_MAX_RESIDUES
-    token_layout: TokenLayout = T5_LAYOUT
-    batch_layouts: tuple[str, ...] = ("padded",)  # no packed runner (embedpipe.model.capabilities)
+    family: str  # prot-t5, prostt5 or ankh
+    trained_window: int = HF_T5.window(None)  # the capabilities its spec declares (t5_spec.py)
+    token_layout: TokenLayout = HF_T5.layout(None)
+    prefix_ids: tuple[int, int] | None = None  # ProstT5's <AA2fold>, <fold2AA> (t5_vocab.direction)
+    batch_layouts: tuple[str, ...] = HF_T5.batch_layouts  # padded only: no packed runner
     provenance: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -63,8 +66,10 @@ class T5Model:
         return self.shape.d_model
 
     def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
-        """(B, 1 + longest): the residues, ``</s>``, then ``<pad>`` (no BOS)."""
-        return torch.from_numpy(t5_vocab.tokenize(list(sequences), self.lut, self.eos_id, self.pad_id))
+        """(B, 1 + longest): the residues, ``</s>``, then ``<pad>`` (no BOS); ProstT5: (B, 2 + longest),
+        each row's direction prefix first."""
+        return torch.from_numpy(t5_vocab.tokenize(list(sequences), self.lut, self.eos_id, self.pad_id,
+                                                  self.prefix_ids))
 
     def prepare(self, policy: Policy, device: torch.device, attention: str = "math", *,
                 attention_inputs: str = "fp32") -> T5Forward:
@@ -173,17 +178,22 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5M
     where = str(directory)
     shape = shape_of(config, str(directory / "config.json"))
     family = hf.family_of(spec, directory, config)
-    lut, eos, pad = t5_vocab.residue_table(t5_vocab.read_vocabulary(directory), family, where=where)
+    vocab = t5_vocab.read_vocabulary(directory)
+    lut, eos, pad = t5_vocab.residue_table(vocab, family, where=where)
+    prefixes = t5_vocab.prefix_ids(vocab, where=where) if family == "prostt5" else None
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     weights = encoder_weights(hf.read_state_dict(files), shape, where)
-    if int(lut.max()) >= weights["embed"].shape[0]:
-        raise ModelError(f"{where}: the tokenizer's ids reach {int(lut.max())}, the embedding has "
+    top = max([int(lut.max()), *(prefixes or ())])
+    if top >= weights["embed"].shape[0]:
+        raise ModelError(f"{where}: the tokenizer's ids reach {top}, the embedding has "
                          f"{weights['embed'].shape[0]} rows")
     return T5Model(weights=weights, shape=shape, lut=lut, eos_id=eos, pad_id=pad,
                    name=spec if hf.is_model_name(spec) else directory.name, source=where, sha256=sha,
-                   trained=hf.is_trained(config), family=family,
-                   provenance={"model_format": "huggingface-t5"})
+                   trained=hf.is_trained(config), family=family, prefix_ids=prefixes,
+                   token_layout=t5_spec.layout_of_family(family),
+                   provenance={"model_format": "huggingface-t5"} | ({"direction_prefixes": PROSTT5_DIRECTIONS}
+                                                                  if prefixes else {}))
 
 
 if TYPE_CHECKING:  # mypy checks the family against the interface (docs/architecture.md)

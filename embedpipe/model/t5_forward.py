@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.model.base import ForwardOutput, masked_max_abs
-from embedpipe.runtime.packed_linear import batch_invariant
 from embedpipe.runtime.precision import Policy
 
 #: names of the bias-free linear layers in a block (attention, feed-forward)
@@ -126,7 +125,7 @@ class T5Forward:
         each record's largest |residual| over its own tokens entering every block and leaving
         the last one (inf/NaN kept)."""
         # each record's length from the host tokens (no device read-back)
-        lengths = tokens.ne(self.pad_id).sum(1).tolist() if tokens.device.type == "cpu" and batch_invariant() else None
+        lengths = tokens.ne(self.pad_id).sum(1).tolist() if tokens.device.type == "cpu" else None
         tokens = tokens.to(self.device)
         keep = tokens.ne(self.pad_id)
         wanted, last = set(layers), self.shape.num_layers

@@ -1,10 +1,13 @@
-"""T5 protein tokenizers (ProtT5, Ankh) as a residue -> token-id table, without sentencepiece.
+"""T5 protein tokenizers (ProtT5, ProstT5, Ankh) as a residue -> token-id table, without sentencepiece.
 
-Both tokenizers give one token per residue plus one ``</s>``, so embedpipe maps residues
+Each tokenizer gives one token per residue plus one ``</s>``, so embedpipe maps residues
 through the vocabulary directly (torch-free):
 
 * **ProtT5** (ProtTrans' ``prott5_embedder.py``): rare residues U, Z, O, B become X; the
   residues are space-separated, so each is a word and its piece is ``"▁" + residue``.
+* **ProstT5** (its model card's recipe): as ProtT5, and lower-case 3Di states are pieces too
+  (``"▁" + state``); one direction prefix before the residues, ``<AA2fold>`` for an upper-case
+  record (amino acids), ``<fold2AA>`` for a lower-case one (3Di): :func:`direction`.
 * **Ankh**: per-character tokens without spaces (the recipe's ``is_split_into_words``), the
   piece is the residue itself.
 
@@ -36,7 +39,11 @@ FAMILY_VERSION = 1
 LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
 #: ProtT5's recipe: ``re.sub(r"[UZOB]", "X", sequence)``.
 PROT_T5_RARE = "UZOB"
-STYLES = ("prot-t5", "ankh")
+STYLES = ("prot-t5", "ankh", "prostt5")
+#: ProstT5's direction prefixes: (amino acids, upper case; 3Di, lower case)
+PROSTT5_PREFIXES = ("<AA2fold>", "<fold2AA>")
+#: Foldseek's 20 3Di states, lower case as ProstT5 reads them (each a piece ``"▁" + state``)
+THREE_DI = "acdefghiklmnpqrstvwy"
 
 
 def read_vocabulary(directory: Path) -> dict[str, int]:
@@ -64,9 +71,12 @@ def read_vocabulary(directory: Path) -> dict[str, int]:
 
 
 def tokenization_style(directory: Path) -> str:
-    """``prot-t5`` when the vocabulary holds ``▁A`` (space-separated residues), ``ankh`` when it
-    holds ``A`` (per-character); anything else is not a protein T5 tokenizer."""
+    """``prostt5`` when the vocabulary holds both direction prefixes, ``prot-t5`` when it holds
+    ``▁A`` (space-separated residues), ``ankh`` when it holds ``A`` (per-character); anything
+    else is not a protein T5 tokenizer."""
     vocab = read_vocabulary(directory)
+    if all(prefix in vocab for prefix in PROSTT5_PREFIXES):
+        return "prostt5"
     if "▁A" in vocab:
         return "prot-t5"
     if "A" in vocab:
@@ -80,8 +90,10 @@ def residue_table(vocab: dict[str, int], style: str, *, where: str) -> tuple[np.
     if missing:
         raise ModelError(f"{where}: the tokenizer lacks {', '.join(missing)}")
     lut = np.full(256, vocab["<unk>"], dtype=np.int64)
-    for letter in LETTERS:
-        if style == "prot-t5":
+    # ProstT5 keeps the case (lower case: 3Di states); the recipe's X applies to upper case only
+    letters = LETTERS + (LETTERS.lower() if style == "prostt5" else "")
+    for letter in letters:
+        if style in ("prot-t5", "prostt5"):
             piece = "▁" + ("X" if letter in PROT_T5_RARE else letter)
         else:
             piece = letter
@@ -89,11 +101,40 @@ def residue_table(vocab: dict[str, int], style: str, *, where: str) -> tuple[np.
     return lut, vocab["</s>"], vocab["<pad>"]
 
 
-def tokenize(sequences: list[str], lut: np.ndarray, eos: int, pad: int) -> np.ndarray:
-    """(B, 1 + longest) int64: residues at 0..n-1, ``</s>`` at n, then ``<pad>`` (no BOS)."""
-    width = max(len(seq) for seq in sequences) + 1
+def prefix_ids(vocab: dict[str, int], *, where: str) -> tuple[int, int]:
+    """The ids of ProstT5's ``<AA2fold>`` and ``<fold2AA>``; one line when one, or a 3Di state's
+    piece, is missing."""
+    missing = [p for p in PROSTT5_PREFIXES if p not in vocab]
+    states = [s for s in THREE_DI if "▁" + s not in vocab]
+    if states:  # each 3Di state one piece, or the rows would not be the residues': refused, not guessed
+        raise ModelError(f"{where}: a ProstT5 tokenizer has one piece per 3Di state; it lacks "
+                         f"{', '.join('▁' + s for s in states[:5])}")
+    if missing:
+        raise ModelError(f"{where}: a ProstT5 tokenizer needs {' and '.join(PROSTT5_PREFIXES)}; it lacks {', '.join(missing)}")
+    return vocab[PROSTT5_PREFIXES[0]], vocab[PROSTT5_PREFIXES[1]]
+
+
+def direction(sequence: str) -> int:
+    """0 (``<AA2fold>``) for an upper-case record, 1 (``<fold2AA>``) for a lower-case one; a
+    record of both cases is refused (the FASTA reader refuses it first: ``mixed-case``)."""
+    if sequence.isupper():
+        return 0
+    if sequence.islower():
+        return 1
+    raise ModelError(f"ProstT5 reads an upper-case sequence as amino acids and a lower-case one as 3Di; "
+                     f"{sequence[:20]!r}... mixes both")
+
+
+def tokenize(sequences: list[str], lut: np.ndarray, eos: int, pad: int,
+             prefixes: tuple[int, int] | None = None) -> np.ndarray:
+    """(B, 1 + longest) int64: residues at 0..n-1, ``</s>`` at n, then ``<pad>`` (no BOS); with
+    ``prefixes`` (ProstT5) each row starts with its :func:`direction`'s prefix, residues at 1..n."""
+    start = 0 if prefixes is None else 1
+    width = max(len(seq) for seq in sequences) + 1 + start
     tokens = np.full((len(sequences), width), pad, dtype=np.int64)
     for row, seq in enumerate(sequences):
-        tokens[row, : len(seq)] = lut[np.frombuffer(seq.encode("ascii"), dtype=np.uint8)]
-        tokens[row, len(seq)] = eos
+        if prefixes is not None:
+            tokens[row, 0] = prefixes[direction(seq)]
+        tokens[row, start : start + len(seq)] = lut[np.frombuffer(seq.encode("ascii"), dtype=np.uint8)]
+        tokens[row, start + len(seq)] = eos
     return tokens

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from embedpipe.core.options import EmbedOptions
 from embedpipe.runtime import cuda
-from embedpipe.runtime.packed_linear import batch_invariant, tile_rows
+from embedpipe.runtime.engine_override import EngineChoice
+from embedpipe.runtime.packed_linear import tile_rows
 from embedpipe.runtime.precision import Policy, attention_dtype, resolve_attention_inputs
 
 
@@ -21,27 +21,27 @@ def packed_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return "varlen-flash" if cuda.varlen_available(device, dtype) else "sdpa-per-sequence"
 
 
-def qkv_dtype(options: EmbedOptions, policy: Policy, device: torch.device) -> torch.dtype:
-    """dtype of q, k and v at the attention kernel (``--attention-inputs`` resolved for ``device``)."""
-    return attention_dtype(policy, resolve_attention_inputs(options.attention_inputs, device))
+def qkv_dtype(engine: EngineChoice, policy: Policy, device: torch.device) -> torch.dtype:
+    """dtype of q, k and v at the attention kernel (the attention inputs resolved for ``device``)."""
+    return attention_dtype(policy, resolve_attention_inputs(engine.attention_inputs, device))
 
 
-def batch_layout(options: EmbedOptions, policy: Policy, device: torch.device) -> str:
-    """``--batch-layout``: ``auto`` packs where the varlen kernel runs (embedpipe's own sdpa
+def batch_layout(engine: EngineChoice, policy: Policy, device: torch.device) -> str:
+    """The batch layout: ``auto`` packs where the varlen kernel runs (embedpipe's own sdpa
     forward only) and pads elsewhere."""
-    if options.batch_layout != "auto":
-        return options.batch_layout
-    if options.attention == "sdpa" and packed_kernel(device, qkv_dtype(options, policy, device)) == "varlen-flash":
+    if engine.batch_layout != "auto":
+        return engine.batch_layout
+    if engine.attention == "sdpa" and packed_kernel(device, qkv_dtype(engine, policy, device)) == "varlen-flash":
         return "packed"
     return "padded"
 
 
-def attention_path(options: EmbedOptions, policy: Policy, device: torch.device) -> str:
+def attention_path(engine: EngineChoice, policy: Policy, device: torch.device) -> str:
     """As recorded in the store: ``packed-varlen-flash``, ``packed-sdpa-per-sequence``, or
-    ``padded-`` plus ``--attention``."""
-    if batch_layout(options, policy, device) == "packed":
-        return "packed-" + packed_kernel(device, qkv_dtype(options, policy, device))
-    return f"padded-{options.attention}"
+    ``padded-`` plus the attention kernel."""
+    if batch_layout(engine, policy, device) == "packed":
+        return "packed-" + packed_kernel(device, qkv_dtype(engine, policy, device))
+    return f"padded-{engine.attention}"
 
 
 def invariance_attrs(path: str, device: torch.device) -> dict[str, bool | int]:
@@ -50,5 +50,5 @@ def invariance_attrs(path: str, device: torch.device) -> dict[str, bool | int]:
     (docs/precision.md, "Reproducibility"). Yes for the packed paths (each sequence attended
     alone) and for padded SDPA on the CPU (each record at its own length); not for
     ``padded-math``, ``padded-fair-esm`` or padded CUDA batches (one masked kernel over the pad length)."""
-    invariant = batch_invariant() and (path.startswith("packed-") or (path == "padded-sdpa" and device.type == "cpu"))
+    invariant = path.startswith("packed-") or (path == "padded-sdpa" and device.type == "cpu")
     return {"batch_invariant": invariant, "batch_tile_rows": tile_rows(device)}

@@ -103,7 +103,7 @@ class Int8MixedPolicy(MixedPolicy):
         # no row tiles (docs/precision.md, "Reproducibility"): a row's int8 result cannot depend on
         # its batch-mates. Its scale is its own (per token: a max, exact in any order), the int32
         # sums are exact whatever the kernel's blocking, and the rescale and bias are per element.
-        # Tiles cost int8 a quarter of its time (benchmarks/batch_invariance_cost.py) for nothing.
+        # Tiles cost int8 a quarter of its time (benchmarks/batch_invariance.py) for nothing.
         return packed(x.float(), gelu=gelu)
 
 

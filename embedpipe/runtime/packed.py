@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.runtime import cuda
-from embedpipe.runtime.packed_linear import batch_invariant
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
     padded attention every family with ``sdpa``/``math`` uses. SDPA with ``lengths`` (the CPU):
     each record at its own length (:func:`padded_per_sequence_attention`, batch-invariant); ``math``:
     explicit scores and an fp32 softmax, as fair-esm computes them."""
-    if attention == "sdpa" and lengths is not None and batch_invariant():
+    if attention == "sdpa" and lengths is not None:
         return padded_per_sequence_attention(q, k, v, lengths)
     if attention == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)

@@ -30,16 +30,6 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 #: that the padded tile held beside the output stays inside the memory estimate
 #: (tests/runtime/test_cuda_memory.py)
 BATCH_TILE_ROWS = {"cpu": 128, "cuda": 1024}
-#: benchmark-only switch (benchmarks/batch_invariance_cost.py times the untiled path beside
-#: the tiled one); False makes a record's numbers depend on its batch again. Never set elsewhere
-_batch_invariant = True
-
-
-def batch_invariant() -> bool:
-    """Whether linear layers, padded attention and pooling run batch-invariantly (always,
-    except inside benchmarks/batch_invariance_cost.py's untiled rounds)."""
-    return _batch_invariant
-
 
 def tile_rows(device: torch.device) -> int:
     """The matmul row tile on ``device`` (:data:`BATCH_TILE_ROWS`; a device type not listed: CUDA's)."""
@@ -56,9 +46,7 @@ def row_tiled(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -
     a copy leaves int8 calibration's per-channel absmax as it is). One copy of the
     output (tile results into one buffer of the real rows) and one tile of each held beside
     it are the cost, measured in
-    benchmarks/batch_invariance_cost.py."""
-    if not _batch_invariant:
-        return linear(x)
+    benchmarks/batch_invariance.py."""
     lead, width, tile = x.shape[:-1], x.shape[-1], tile_rows(x.device)
     rows = x.reshape(-1, width)
     n = rows.shape[0]

@@ -285,7 +285,7 @@ FP32 = POLICIES["fp32"]
 
 
 def resolve_attention_inputs(option: str, device: torch.device) -> str:
-    """``--attention-inputs auto`` -> ``compute`` on CUDA (tensor-core attention), else ``fp32``."""
+    """The attention inputs ``auto`` -> ``compute`` on CUDA (tensor-core attention), else ``fp32``."""
     if option == "auto":
         return "compute" if device.type == "cuda" else "fp32"
     return option

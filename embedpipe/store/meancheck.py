@@ -6,7 +6,7 @@ validate``; see docs/store-format.md ("Checking a store", check 7).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import h5py
 import numpy as np
@@ -30,6 +30,26 @@ def mean_tolerance(stored_mean: np.ndarray, abs_mean: np.ndarray, rows: np.ndarr
     u32 = storage_limits(np.float32).relative_rounding
     atol = 4.0 * storage.absolute_rounding  # half a unit (subnormal) per cast, two casts, doubled
     return 2.0 * (u_s * (np.abs(stored_mean) + abs_mean) + rows[:, None] * u32 * abs_mean) + atol
+
+
+def mean_mismatch(stored: np.ndarray, sums: np.ndarray, abss: np.ndarray, rows: np.ndarray, dtype: np.dtype,
+                  layer: int, record: Callable[[int], tuple[str, int]]) -> tuple[int, str] | None:
+    """Check 7 on a batch of whole records, the one comparison validate's streamed check and
+    ``embed --reuse``'s rows make: their stored means (``stored``) against the sums and absolute
+    sums of their ``rows`` per-residue rows. (how many records fail, one line naming the first:
+    ``record(i)`` gives its ID and store row), or None when every record passes."""
+    diff = np.abs(stored - sums / rows[:, None])
+    tol = mean_tolerance(stored, abss / rows[:, None], rows, dtype)
+    bad = (diff > tol).any(axis=1)
+    if not bad.any():
+        return None
+    i = int(np.argmax(bad))
+    j = int(np.argmax(diff[i] - tol[i]))
+    rid, row = record(i)
+    return int(np.count_nonzero(bad)), (
+        f"record {rid!r} (row {row}) layer {layer}: stored mean differs from the mean of its {int(rows[i])} "
+        f"per-residue rows by {diff[i, j]:.3g} at element {j} (tolerance {tol[i, j]:.3g} for {dtype}): pooled "
+        "vectors and per-residue rows come from different runs or were edited")
 
 
 #: offsets read at a time by the mean check (8 B each): memory independent of N
@@ -133,26 +153,21 @@ class MeanCheck(ResidueStream):
             stored = self.mean[int(recs[0]) : int(recs[-1]) + 1][recs - recs[0]].astype(np.float64)
         except OSError:
             return  # the checksum pass over mean/layer_k reports it
-        computed = sums / rows[:, None]
-        diff = np.abs(stored - computed)
-        tol = mean_tolerance(stored, abss / rows[:, None], rows, self.dtype)
-        bad = (diff > tol).any(axis=1)
-        if bad.any():
-            if self.first is None:
-                i = int(np.argmax(bad))
-                j = int(np.argmax(diff[i] - tol[i]))
-                rid = self.ids[int(recs[i])] if self.ids else str(int(recs[i]))
-                self.first = (f"record {rid!r} (row {int(recs[i])}) layer {self.layer}: stored mean differs from the "
-                              f"mean of its {int(rows[i])} per-residue rows by {diff[i, j]:.3g} at element {j} "
-                              f"(tolerance {tol[i, j]:.3g} for {self.dtype})")
-            self.failed += int(np.count_nonzero(bad))
+        def record(i: int) -> tuple[str, int]:
+            row = int(recs[i])
+            return (self.ids[row] if self.ids else str(row)), row
+
+        found = mean_mismatch(stored, sums, abss, rows, self.dtype, self.layer, record)
+        if found is not None:
+            self.first = self.first or found[1]
+            self.failed += found[0]
 
     def problem(self) -> str | None:
         """One line naming the first failing record, or None."""
         if self.first is None or self.broken:
             return None
         more = f"; {self.failed} record(s) in this layer fail" if self.failed > 1 else ""
-        return f"{self.first}: pooled vectors and per-residue rows come from different runs or were edited{more}"
+        return f"{self.first}{more}"
 
 
 def mean_check_applies(f: h5py.File) -> bool:

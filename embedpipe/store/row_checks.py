@@ -1,4 +1,11 @@
-"""``embedpipe validate``'s per-record checks, for just the rows ``embed --reuse`` copies.
+"""``embedpipe validate``'s per-record checks, defined once here, and run on just the rows
+``embed --reuse`` copies.
+
+:func:`record_problem` (a record's fields against each other) and :func:`unknown_long_handling`
+are the checks validate makes of every record and :class:`RowChecks` of each copied row; the
+mean comparison is :func:`~embedpipe.store.meancheck.mean_mismatch`, the row digests
+:mod:`embedpipe.store.digests`, finiteness :func:`~embedpipe.store.checks.nonfinite_rows`: one
+function each, so validate and ``--reuse`` cannot disagree.
 
 A copy is bit for bit, so whatever is wrong in the source row becomes wrong in the new store:
 a tampered source (a mean edited, a dataset rewritten without its checksum, a NaN) was
@@ -15,7 +22,7 @@ checked once. Every failure is one StoreError line naming the source and what fa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import h5py
@@ -23,13 +30,14 @@ import numpy as np
 
 from embedpipe.core.errors import StoreError
 from embedpipe.core.options import STORAGE_DTYPES
+from embedpipe.store.checks import nonfinite_rows
 from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import (
     LONG_HANDLING,
     attr_to_python,
     open_h5,
 )
-from embedpipe.store.meancheck import mean_check_applies, mean_tolerance
+from embedpipe.store.meancheck import mean_check_applies, mean_mismatch
 from embedpipe.store.reader import Store
 from embedpipe.store.reuse_checks import check_row_range
 
@@ -37,6 +45,31 @@ from embedpipe.store.reuse_checks import check_row_range
 RUN_ROWS = 1024
 #: per-residue bytes read at a time (at least one record's)
 READ_BYTES = 64 << 20
+
+
+def unknown_long_handling(values: Collection[str]) -> list[str]:
+    """The ``long_handling`` values of ``values`` no long-sequence mode records, sorted."""
+    return sorted(set(values) - set(LONG_HANDLING))
+
+
+def record_problem(length: np.ndarray, embedded: np.ndarray | None = None, chars: np.ndarray | None = None,
+                   handling: Collection[str] | None = None) -> tuple[int, str] | None:
+    """The first record of a block whose fields disagree, and what (docs/store-format.md,
+    "Checking a store": 2): ``embedded_length`` within 0..``length``, ``length`` equal to the
+    sequence's characters (``chars``), a known ``long_handling``; a field not given is not
+    checked. (index in the block, the problem without the record's name) or None."""
+    found: list[tuple[int, str]] = []
+    if embedded is not None and (bad := (embedded < 0) | (embedded > length)).any():
+        i = int(np.argmax(bad))
+        found.append((i, f"embedded_length {embedded[i]} outside 0..length {length[i]}"))
+    if chars is not None and (bad := chars != length).any():
+        i = int(np.argmax(bad))
+        found.append((i, f"length {length[i]} != len(sequence) {chars[i]}"))
+    if handling is not None and (unknown := unknown_long_handling(handling)):
+        values = list(handling)
+        i = min(values.index(value) for value in unknown)
+        found.append((i, f"long_handling {values[i]!r} is not known"))
+    return min(found, key=lambda problem: problem[0]) if found else None
 
 
 def _runs(rows: list[int]) -> Iterator[tuple[int, int]]:
@@ -110,14 +143,9 @@ class RowChecks:
         table = st.records(sequence=True, rows=slice(lo, hi))
         ids, length, emb = table["id"], table["length"].astype(np.int64), table["embedded_length"].astype(np.int64)
         chars = np.array([len(s) for s in table["sequence"]], dtype=np.int64)
-        for i in range(hi - lo):
-            where = f"record {ids[i]!r} (row {lo + i})"
-            if not 0 <= emb[i] <= length[i]:
-                raise self._fail(f"{where}: embedded_length {emb[i]} outside 0..length {length[i]}")
-            if length[i] != chars[i]:
-                raise self._fail(f"{where}: length {length[i]} != len(sequence) {chars[i]}")
-            if table["long_handling"][i] not in LONG_HANDLING:
-                raise self._fail(f"{where}: long_handling {table['long_handling'][i]!r} is not known")
+        if (found := record_problem(length, emb, chars, list(table["long_handling"]))) is not None:
+            i, what = found
+            raise self._fail(f"record {ids[i]!r} (row {lo + i}): {what}")
         pooled: dict[str, np.ndarray] = {}
         for pooling in st.pooling:
             for k in st.layers:
@@ -136,7 +164,7 @@ class RowChecks:
 
     def _finite(self, block: np.ndarray, name: str, lo: int, ids: np.ndarray, offsets: np.ndarray | None = None) -> None:
         """Every value finite; ``offsets``: ``block`` holds per-residue rows, record i's from offsets[i]."""
-        bad = ~np.isfinite(block.reshape(len(block), -1)).all(axis=1)
+        bad = nonfinite_rows(block)
         if bad.any():
             i = int(np.argmax(bad))
             if offsets is not None:
@@ -171,15 +199,12 @@ class RowChecks:
         x = vectors.astype(np.float64)
         starts = offsets[:-1][has]
         sums, abss = np.add.reduceat(x, starts, axis=0), np.add.reduceat(np.abs(x), starts, axis=0)
-        n = rows[has].astype(np.float64)[:, None]
-        kept = stored[has].astype(np.float64)
-        diff, tol = np.abs(kept - sums / n), mean_tolerance(kept, abss / n, n[:, 0], self.store.dtype)
-        bad = (diff > tol).any(axis=1)
-        if bad.any():
-            i = int(np.argmax(bad))
-            j = int(np.argmax(diff[i] - tol[i]))
-            r = int(np.flatnonzero(has)[i])
-            raise self._fail(f"record {ids[r]!r} (row {lo + r}) layer {layer}: stored mean differs from the mean of "
-                             f"its {int(rows[r])} per-residue rows by {diff[i, j]:.3g} at element {j} (tolerance "
-                             f"{tol[i, j]:.3g} for {self.store.dtype}): pooled vectors and per-residue rows come "
-                             "from different runs or were edited")
+        kept = np.flatnonzero(has)
+
+        def record(i: int) -> tuple[str, int]:
+            return ids[kept[i]], lo + int(kept[i])
+
+        found = mean_mismatch(stored[has].astype(np.float64), sums, abss, rows[has].astype(np.float64),
+                              self.store.dtype, layer, record)
+        if found is not None:
+            raise self._fail(found[1])

@@ -18,7 +18,6 @@ from embedpipe.store.columns import COLUMNS, STR, required_columns
 from embedpipe.store.digests import ROW_DIGEST, DigestCheck, RecordedDigests, digest_parts
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
-    LONG_HANDLING,
     POOLINGS,
     attr_to_python,
     check_format,
@@ -37,6 +36,7 @@ from embedpipe.store.idsort import index_problems_sorted
 from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.merged_provenance import platform_lines, platforms
 from embedpipe.store.residues import ShardRows
+from embedpipe.store.row_checks import record_problem, unknown_long_handling
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
 from embedpipe.store.sources import validate_sources
 
@@ -256,10 +256,8 @@ class _Validation:
             use_len, use_emb = lengths is not None, emb is not None
             if lengths is None or emb is None:
                 continue
-            if (bad := (emb < 0) | (emb > lengths)).any():
-                i = int(np.argmax(bad))
-                self.problems.append(f"record {self.label(lo + i)}: embedded_length {emb[i]} outside 0..length "
-                                     f"{lengths[i]}")
+            if (found := record_problem(lengths, embedded=emb)) is not None:
+                self.problems.append(f"record {self.label(lo + found[0])}: {found[1]}")
                 break
         self.embedded_ok = use_emb and self._usable("embedded_length")
         if use_len:
@@ -271,8 +269,7 @@ class _Validation:
             if name in self.f and self.f[name].ndim == 1:
                 self._distinct(name, keep=False)
         handling = self._usable("long_handling") and self._distinct("long_handling")
-        bad_handling = sorted(set(handling or ()) - set(LONG_HANDLING))
-        if bad_handling:
+        if bad_handling := unknown_long_handling(handling or ()):
             self.problems.append(f"long_handling has unknown value(s) {bad_handling}")
 
     def _distinct(self, name: str, keep: bool = True) -> set[str] | None:
@@ -302,10 +299,8 @@ class _Validation:
                 lengths = self._ints("length", lo, lo + len(block))
                 if lengths is None:
                     return
-                if not np.array_equal(chars, lengths):
-                    i = int(np.argmax(chars != lengths))
-                    self.problems.append(f"record {self.label(lo + i)}: length {lengths[i]} != len(sequence) "
-                                         f"{chars[i]}")
+                if (found := record_problem(lengths, chars=chars)) is not None:
+                    self.problems.append(f"record {self.label(lo + found[0])}: {found[1]}")
                     return
         except StoreError as exc:
             self.problems.append(str(exc))

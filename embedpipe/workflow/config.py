@@ -5,14 +5,17 @@ keeps every scalar inside it a string (``layers=[0,-1]`` gives ``['0', '-1']``).
 converts such strings to the types the schema declares, so a command-line override works as
 the same value in a config file does. ``check`` turns schema errors into one line naming the
 key (and, for a misspelled key, the nearest valid one) instead of a dump of the schema.
-The Snakefile side is a few lines in workflows/rules/common.smk.
+The Snakefile side is a few lines in workflows/rules/common.smk, which takes the command-line
+options of its jobs from here (:func:`embed_args`, :func:`fasta_limit_args`): the one mapping
+from config keys to ``embedpipe`` options.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import replace
+from collections.abc import Collection
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,20 +157,48 @@ def check_reuse(reuse: list[str], outdir: str) -> None:
                               "or choose another outdir")
 
 
-#: config keys that are ``embedpipe embed`` options of the same name (``int8_smoothing`` is
-#: ``--int8-smoothing``); embed_options in workflows/rules/common.smk passes them to every job
-EMBED_KEYS = ("precision", "layers", "per_residue", "pooling", "tokens_per_batch", "device", "storage_dtype",
-              "long_sequences", "fallback_device", "batch_layout", "attention_inputs", "int8_smoothing",
-              "int8_calibration", "compile", "accept_platform_mix")
+#: config keys of the FASTA limits, options of both steps that read FASTA (shard and embed)
+FASTA_LIMIT_KEYS = ("max_record_length", "max_id_length")
+
+
+def embed_keys(config: Collection[str]) -> list[str]:
+    """The config's keys that are ``embedpipe embed`` options: every :class:`EmbedOptions` field
+    of the same name (``int8_smoothing`` is ``--int8-smoothing``), in the fields' order."""
+    return [f.name for f in fields(EmbedOptions) if f.name in config]
 
 
 def embed_options(config: dict[str, Any]) -> EmbedOptions:
     """The options every embed job of ``config`` runs with (schema defaults filled in)."""
-    values = {key: config[key] for key in EMBED_KEYS if key in config}
-    for key in ("layers", "pooling"):
-        if key in values:
-            values[key] = tuple(values[key])
+    values: dict[str, Any] = {key: tuple(config[key]) if isinstance(config[key], list) else config[key]
+                              for key in embed_keys(config)}
     return EmbedOptions(**values)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def embed_args(config: dict[str, Any], *, leave: Collection[str] = ()) -> list[str]:
+    """``embedpipe embed``'s options for every job of ``config``, the FASTA limits included: a
+    list is its flag repeated, a switch (a bool field, off by default) its flag when on, an
+    unset value (None) nothing. ``leave``: keys the rule passes itself (``tokens_per_batch``:
+    smaller on each retry)."""
+    options, args = embed_options(config), []
+    for key in embed_keys(config):
+        value = getattr(options, key)
+        if key in leave or value is None or value is False:
+            continue
+        if value is True:
+            args.append(_flag(key))
+        else:
+            args += [word for item in (value if isinstance(value, tuple) else (value,)) for word in (_flag(key), str(item))]
+    return [*args, *fasta_limit_args(config)]
+
+
+def fasta_limit_args(config: dict[str, Any]) -> list[str]:
+    """``--max-record-length N --max-id-length N`` for ``embedpipe shard`` and ``embed`` (embed
+    reads the shards through the same reader: the same limits)."""
+    return [word for key in FASTA_LIMIT_KEYS for word in (_flag(key), str(config[key]))]
 
 
 def check_embed_config(config: dict[str, Any], facts: ModelFacts) -> None:

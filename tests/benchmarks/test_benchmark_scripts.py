@@ -56,3 +56,57 @@ def test_hf_peer_in_bf16_writes_fp32_means_close_to_fair_esm(tiny_model_path, fa
             want = model(toks, repr_layers=[model.num_layers])["representations"][model.num_layers][0, 1 : len(seq) + 1].mean(0)
         cosine = float(got @ want / (got.norm() * want.norm()))
         assert 0.999 < cosine < 1.0  # bf16: close, and not fp32's bit-for-bit answer
+
+
+def run_tiny(script: str, *args: str, cwd: Path) -> str:
+    """stdout of one benchmark script on a tiny configuration (no timing is asserted)."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("machine: "), proc.stdout[:300]  # every table under the machine header
+    return proc.stdout
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The cells of every Markdown row below a header in ``stdout``."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("|---")]
+
+
+def test_batch_invariance_cost_sets_up_the_previous_path_and_both_agree(tmp_path):
+    """The untiled, batched-attention pass this script sets up in its own process computes the
+    same embeddings up to rounding (the invariant path is the product's)."""
+    out = run_tiny("batch_invariance.py", "cost", "--shapes", "tiny", "--policies", "fp32", "--records", "6",
+                   "--median", "60", "--rounds", "1", cwd=tmp_path)
+    header, row = table_rows(out)
+    assert header[:2] == ["shape", "policy"] and row[:2] == ["tiny", "fp32"]
+    assert float(row[-1]) < 1e-4  # max pooled difference between the two paths
+
+
+def test_batch_invariance_bits_finds_every_record_bit_equal(tmp_path):
+    out = run_tiny("batch_invariance.py", "bits", "--records", "5", "--precisions", "fp32", cwd=tmp_path)
+    _, row = table_rows(out)
+    assert row[0] == "fp32" and row[2].startswith("0/5, 0 pooled") and row[3].startswith("0/5, 0 pooled")
+
+
+def test_batch_layout_kernels_rate_each_kernel_against_fused_fp32(tmp_path):
+    out = run_tiny("batch_layout.py", "kernels", "--repeats", "1", "--threads", "1", cwd=tmp_path)
+    rows = [r for r in table_rows(out) if r[0] != "batch x length"]
+    assert len(rows) == 15 and all(r[-1] == "1.00" for r in rows if r[1] == "sdpa fp32")
+    for r in rows:  # the ratio column is the ms column over its shape's sdpa fp32 ms
+        base = next(float(b[2]) for b in rows if b[0] == r[0] and b[1] == "sdpa fp32")
+        assert float(r[3]) == pytest.approx(float(r[2]) / base, abs=0.06)
+
+
+def test_export_scale_checks_and_scale_tiny(tmp_path):
+    out = run_tiny("export_scale.py", "checks", "--records", "20", "--dim", "4", "--repeat", "1", cwd=tmp_path)
+    assert [r[0] for r in table_rows(out)[1:]] == ["`npy`", "`parquet`", "`h5-per-id`", "`npy --per-residue`"]
+    out = run_tiny("export_scale.py", "scale", "--records", "100", "--formats", "npy", "--out",
+                   str(tmp_path / "r.json"), cwd=tmp_path)
+    assert table_rows(out)[1][:2] == ["100", "npy"]
+    assert json.loads((tmp_path / "r.json").read_text())[0]["peak_mib"] > 0
+
+
+def test_keep_check_tiny(tmp_path):
+    out = run_tiny("keep_check.py", "--records", "10", "--length", "5", "--dim", "4", "--repeat", "1", cwd=tmp_path)
+    assert [r[:2] for r in table_rows(out)[1:]] == [["per-residue + mean", "10"], ["mean only", "10"]]

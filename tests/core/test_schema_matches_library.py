@@ -21,6 +21,7 @@ import yaml
 from embedpipe.cli import app
 from embedpipe.core import options
 from embedpipe.core.options import EmbedOptions, Thresholds
+from embedpipe.runtime import engine_override
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = yaml.safe_load((ROOT / "workflows" / "schemas" / "config.schema.yaml").read_text())
@@ -32,9 +33,6 @@ CHOICES = {
     "precision": (options.PRECISION_CHOICES, EMBED.precision),
     "storage_dtype": (options.STORAGE_DTYPES, EMBED.storage_dtype),
     "long_sequences": (options.LONG_SEQUENCE_MODES, EMBED.long_sequences),
-    "fallback_device": (options.FALLBACK_DEVICES, EMBED.fallback_device),
-    "batch_layout": (options.BATCH_LAYOUTS, EMBED.batch_layout),
-    "attention_inputs": (options.ATTENTION_INPUTS, EMBED.attention_inputs),
     "int8_smoothing": (options.INT8_SMOOTHINGS, EMBED.int8_smoothing),
     "on_invalid": (options.ON_INVALID, options.ON_INVALID_DEFAULT),
 }
@@ -163,10 +161,6 @@ def test_the_precision_module_defines_exactly_the_named_policies() -> None:
         ("embed", "precision", options.POLICY_NAMES),
         ("embed", "storage_dtype", options.STORAGE_DTYPES),
         ("embed", "long_sequences", options.LONG_SEQUENCE_MODES),
-        ("embed", "attention", options.ATTENTION_IMPLEMENTATIONS),
-        ("embed", "fallback_device", options.FALLBACK_DEVICES),
-        ("embed", "batch_layout", options.BATCH_LAYOUTS),
-        ("embed", "attention_inputs", options.ATTENTION_INPUTS),
         ("embed", "int8_smoothing", options.INT8_SMOOTHINGS),
         ("shard", "on_invalid", options.ON_INVALID),
     ],
@@ -186,10 +180,22 @@ def test_tokens_per_batch_help_names_auto_its_cpu_budget_and_the_minimum() -> No
 
 def test_every_embed_option_is_a_workflow_key_or_set_by_the_rule() -> None:
     """A new EmbedOptions field must reach the workflow: a schema key, or one the embed rule sets."""
-    set_by_the_rule = {"threads", "compile_cache", "auto_cache"}  # the rule's threads; caches its jobs share
-    not_in_the_workflow = {"attention", "overflow_margin"}  # command-line only, for now
+    set_by_the_rule = {"threads", "auto_cache"}  # the rule's threads; the cache its jobs share
+    not_in_the_workflow = {"overflow_margin"}  # command-line only, for now
     fields = {field.name for field in dataclasses.fields(EmbedOptions)}
     assert fields - set(PROPERTIES) - set_by_the_rule == not_in_the_workflow
     rule = (Path(__file__).resolve().parents[2] / "workflows" / "rules" / "embed.smk").read_text()
-    assert "--threads {{threads}}" in rule and "--compile-cache {COMPILE_CACHE}" in rule
-    assert "--auto-cache {AUTO_CACHE}" in rule
+    assert "--threads {{threads}}" in rule and "--auto-cache {AUTO_CACHE}" in rule
+
+
+def test_the_engine_choices_are_no_option_workflow_key_or_rule_argument() -> None:
+    """The run derives the engine choices (embed/resolved.py); ``EMBEDPIPE_ENGINE`` is their only
+    override: no ``EmbedOptions`` field, schema key, embed flag or rule argument names one, and
+    ``--compile`` is gone with its cache."""
+    removed = {*engine_override.CHOICES, "compile", "compile_cache"}
+    assert not removed & {field.name for field in dataclasses.fields(EmbedOptions)}
+    assert not removed & set(PROPERTIES)
+    assert not removed & {p.name for p in _command("embed").params}
+    rules = "".join(path.read_text() for path in (ROOT / "workflows" / "rules").glob("*.smk"))
+    for name in removed:
+        assert "--" + name.replace("_", "-") not in rules and f'config["{name}"]' not in rules, name

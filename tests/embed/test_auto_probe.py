@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from embedpipe.core.cpus import thread_count
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed import auto_probe
 from embedpipe.model import load_model
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime import advice, auto_precision, cpu_features
+from embedpipe.runtime.engine_override import EngineChoice
 from helpers.embed_helpers import embed_store, random_sequences
 
 CPU = torch.device("cpu")
@@ -52,7 +54,8 @@ def loaded(tiny_model_path):
 
 def _decide(loaded, tmp_path, options=AUTO, model=None, residues=10**9):
     model = model or ModelIdentity(loaded.sha256, True, {}, loaded.family)
-    return auto_probe.decide(loaded, options, CPU, model, RECORDS, residues, tmp_path / "cache")
+    return auto_probe.decide(loaded, options, EngineChoice(), CPU, model, RECORDS, residues, tmp_path / "cache",
+                             threads=thread_count(None))
 
 
 def test_the_fastest_passing_policy_is_chosen_and_a_failing_one_refused(loaded, tmp_path, monkeypatch) -> None:

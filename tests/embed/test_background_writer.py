@@ -22,6 +22,7 @@ from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.model import load_model
 from embedpipe.store import StoreWriter
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.engine import embedder_for
 
 
 def _writer_threads() -> list[threading.Thread]:
@@ -221,7 +222,7 @@ def test_a_store_written_through_the_thread_equals_one_written_directly(tmp_path
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(40, (5, 80), seed=31)
     options = EmbedOptions(per_residue=True, layers=(0, -1), pooling=("mean", "bos"), tokens_per_batch=200)
-    embedder = Embedder(loaded, options, torch.device("cpu"))
+    embedder = embedder_for(loaded, options, torch.device("cpu"))
     plan = embedder.plan(records)
     results = list(embedder.embed(records, plan))
 

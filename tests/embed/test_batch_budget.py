@@ -39,11 +39,13 @@ class FakeModel:
                               activation_bytes_per_token=ACTIVATION, hidden_itemsize=self.hidden_itemsize)
 
 
-def budget(free: int, stored_layers: tuple[int, ...] = (30,), model: FakeModel | None = None, **options) -> int:
+def budget(free: int, stored_layers: tuple[int, ...] = (30,), model: FakeModel | None = None,
+           fallback_device: str = "auto", attention_inputs: str = "auto", **options) -> int:
     chosen = EmbedOptions(**options)
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=free) as free_memory:
         tokens = resolve_tokens_per_batch(chosen, model or FakeModel(), get_policy(chosen.precision), CUDA, list(stored_layers),
-                                          attention_inputs=resolve_attention_inputs(chosen.attention_inputs, CUDA))
+                                          attention_inputs=resolve_attention_inputs(attention_inputs, CUDA),
+                                          fallback_device=fallback_device)
     free_memory.assert_called_once_with(CUDA)
     return tokens
 
@@ -89,7 +91,7 @@ def test_amp_policies_share_the_fp32_model_with_the_fallback():
 
 def test_auto_fallback_that_cannot_fit_beside_the_model_is_not_counted():
     # 500 MiB free: the 200 MiB bf16 model fits, the 400 MiB fp32 one does not beside it, so
-    # --fallback-device auto will run it on the CPU: (500 - 200) MiB * 0.8 / 10_000 = 25_165.8 -> 25_088
+    # the fallback device auto will run it on the CPU: (500 - 200) MiB * 0.8 / 10_000 = 25_165.8 -> 25_088
     assert budget(500 * MiB, precision="fp16") == 25_088
     # with `same` it is counted (and the worker will report that it does not fit)
     assert budget(500 * MiB, precision="fp16", fallback_device="same") == MIN_TOKENS_PER_BATCH
@@ -144,8 +146,9 @@ def test_the_worker_plans_padded_batches_with_its_devices_overhead(tiny_model_pa
     from embedpipe.embed.engine import Embedder
     from embedpipe.embed.planning import plan_record
     from embedpipe.model import load_model
+    from helpers.engine import embedder_for
 
-    embedder = Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=4096), torch.device("cpu"))
+    embedder = embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=4096), torch.device("cpu"))
     records = [(f"r{i}", "A" * n) for i, n in enumerate([500, 480, 40, 30, 20, 300, 290])]
     pieces = [p for i, (_, s) in enumerate(records) for p in plan_record(i, len(s), "chunk", window=1022)[0]]
     planner = __import__("embedpipe.embed.planning").embed.planning.plan_batches

@@ -6,7 +6,8 @@ subsets, other batch-mates, one record alone, one thread or two) and every value
 holds for a record (every layer's pooled mean and BOS, per-residue rows, the largest
 activation, the precision used, the fp32 fallback's re-run) is compared bit for bit with
 the store of one batch of them all: ESM-2 (fair-esm .pt, both layouts; Hugging Face ESM-2)
-T5 (ProtT5, Ankh; padded) and ESM C (both layouts) under fp32, bf16-mixed and int8-mixed.
+T5 (ProtT5, Ankh, ProstT5 with amino-acid and 3Di records; padded) and ESM C (both layouts)
+under fp32, bf16-mixed and int8-mixed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ LAYERS = (0, 1, 2)
 #: what every batching computes: every layer, BOS (where the family has one) and per-residue rows
 WHAT = dict(layers=LAYERS, per_residue=True)
 POOLING = {"esm2-pt": ("mean", "bos"), "esm1b-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",),
-           "ankh": ("mean",), "esmc": ("mean", "bos")}
+           "ankh": ("mean",), "esmc": ("mean", "bos"), "prostt5": ("mean", "bos")}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def models(model_factory, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("invariance-models")
     paths = {"esm2-pt": model_factory(layers=2, dim=64, heads=4, seed=32),
              "esm1b-pt": model_factory(layers=2, dim=64, heads=4, seed=32, family="esm1b")}
-    for family in ("hf-esm", "prot-t5", "ankh", "esmc"):
+    for family in ("hf-esm", "prot-t5", "ankh", "esmc", "prostt5"):
         paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=32)
     return paths
 
@@ -62,6 +63,7 @@ CASES = [
     ("esm1b-pt", "fp32", "packed"), ("esm1b-pt", "bf16-mixed", "padded"), ("esm1b-pt", "int8-mixed", "packed"),
     ("prot-t5", "fp32", "padded"), ("prot-t5", "bf16-mixed", "padded"), ("prot-t5", "int8-mixed", "padded"),
     ("ankh", "fp32", "padded"), ("ankh", "bf16-mixed", "padded"), ("ankh", "int8-mixed", "padded"),
+    ("prostt5", "fp32", "padded"), ("prostt5", "bf16-mixed", "padded"),
     ("esmc", "fp32", "packed"), ("esmc", "bf16-mixed", "packed"), ("esmc", "int8-mixed", "packed"),
     ("esmc", "fp32", "padded"), ("esmc", "bf16-mixed", "padded"), ("esmc", "int8-mixed", "padded"),
 ]
@@ -100,25 +102,33 @@ def assert_same(reference: dict, other: dict, what: str) -> None:
     assert set(other) - {rid for rid, _ in MATES} <= set(reference)
 
 
+def records_of(family: str) -> list[tuple[str, str]]:
+    """:data:`RECORDS`; for ProstT5 every third one lower case (3Di: the other direction prefix)."""
+    if family != "prostt5":
+        return RECORDS
+    return [(rid, seq.lower() if n % 3 == 0 else seq) for n, (rid, seq) in enumerate(RECORDS)]
+
+
 @pytest.mark.parametrize(("family", "precision", "layout"), CASES)
 def test_every_batching_gives_bit_identical_records(models, tmp_path, family, precision, layout):
     options = dict(precision=precision, batch_layout=layout)
-    reference = embed_values(tmp_path, models[family], RECORDS, "all", tokens_per_batch=4096, threads=2, **options)
-    assert sorted(reference) == sorted(rid for rid, _ in RECORDS)
+    records = records_of(family)
+    reference = embed_values(tmp_path, models[family], records, "all", tokens_per_batch=4096, threads=2, **options)
+    assert sorted(reference) == sorted(rid for rid, _ in records)
     batchings: dict[str, Callable[[], dict]] = {
         "tokens_per_batch 150, one thread": lambda: embed_values(
-            tmp_path, models[family], RECORDS, "small", tokens_per_batch=150, threads=1, **options),
+            tmp_path, models[family], records, "small", tokens_per_batch=150, threads=1, **options),
         "reversed, longer batch-mates": lambda: embed_values(
-            tmp_path, models[family], MATES + RECORDS[::-1], "mates", tokens_per_batch=700, threads=2, **options),
+            tmp_path, models[family], MATES + records[::-1], "mates", tokens_per_batch=700, threads=2, **options),
         "every other record": lambda: embed_values(
-            tmp_path, models[family], RECORDS[1::2], "subset", tokens_per_batch=4096, threads=2, **options),
+            tmp_path, models[family], records[1::2], "subset", tokens_per_batch=4096, threads=2, **options),
         "one record alone": lambda: embed_values(
-            tmp_path, models[family], RECORDS[6:7], "alone", tokens_per_batch=4096, threads=1, **options),
+            tmp_path, models[family], records[6:7], "alone", tokens_per_batch=4096, threads=1, **options),
     }
     for what, embed in batchings.items():
         assert_same(reference, embed(), what)
     sharded: dict = {}
-    for n, shard in enumerate(shards(RECORDS, 300)):
+    for n, shard in enumerate(shards(records, 300)):
         sharded |= embed_values(tmp_path, models[family], shard, f"shard{n}", tokens_per_batch=4096, **options)
     assert_same(reference, sharded, "tokens_per_shard 300")
     assert sorted(sharded) == sorted(reference)

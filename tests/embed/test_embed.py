@@ -9,12 +9,15 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.engine import Embedder, EmbedOptions, resolve_layers
+from embedpipe.core.options import EmbedOptions
+from embedpipe.embed.engine import Embedder
 from embedpipe.embed.planning import plan_record
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.model.layers import resolve_layers
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, write_fasta
+from helpers.engine import embedder_for
 
 ATOL = 1e-5
 
@@ -116,7 +119,7 @@ def test_cuda_oom_splits_batch_and_names_unfittable_record(tmp_path, tiny_model_
     """Inject CUDA out-of-memory on the CPU: batches over 2 pieces fail, then a named record fails alone."""
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(8, (10, 40), seed=5)
-    embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
     real = Embedder._launch
     calls = []
 
@@ -142,7 +145,7 @@ def test_cuda_oom_splits_batch_and_names_unfittable_record(tmp_path, tiny_model_
 
     monkeypatch.setattr(Embedder, "_launch", always)
     with pytest.raises(EmbedpipeError, match=r"record 'rec00\d'.*does not fit"):
-        list(Embedder(loaded, EmbedOptions(), torch.device("cpu")).embed(records))
+        list(embedder_for(loaded, EmbedOptions(), torch.device("cpu")).embed(records))
 
 
 def test_failed_run_leaves_no_store(tmp_path, tiny_model_path, monkeypatch):
@@ -185,7 +188,8 @@ def test_cli_embed_info_validate(tmp_path, tiny_model_path):
     result = runner.invoke(app, ["info", str(out)])
     assert "batches     4096 tokens (auto), padded;" in result.output
     given = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(tmp_path / "g.h5"),
-                                "--tokens-per-batch", "300", "--batch-layout", "padded", "--attention-inputs", "fp32"])
+                                "--tokens-per-batch", "300"],
+                          env={"EMBEDPIPE_ENGINE": "batch_layout=padded,attention_inputs=fp32"})
     assert given.exit_code == 0, given.output
     assert "tokens per batch 300\n" in given.output + "\n" and "(auto)" not in given.output
     bad = runner.invoke(app, ["embed", str(fasta), "--model", str(tiny_model_path), "--out", str(out),
@@ -200,7 +204,7 @@ def test_oom_retry_runs_after_the_failed_attempt_is_freed(tiny_model_path, monke
 
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(4, (10, 20), seed=14)
-    embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(tokens_per_batch=10_000), torch.device("cpu"))
     real = Embedder._launch
     failed: list = []
     alive_during_retry: list[bool] = []
@@ -258,7 +262,7 @@ def test_the_store_records_the_batches_it_was_made_with(tmp_path, tiny_model_pat
     attrs = store["attrs"]
     assert json.loads(attrs["config"])["tokens_per_batch"] == tokens_per_batch
     assert int(attrs["tokens_per_batch"]) == resolved
-    embedder = Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=tokens_per_batch),
+    embedder = embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=tokens_per_batch),
                         torch.device("cpu"))
     assert embedder.tokens_per_batch == resolved
     assert attrs["batch_layout"] == embedder.batch_layout == "padded"  # auto: padded off CUDA

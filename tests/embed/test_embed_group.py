@@ -91,7 +91,7 @@ def test_complete_stores_are_kept_missing_and_incomplete_ones_redone(tmp_path, t
     assert store_uuid(stores[2]) != before[2][0]
     on_cpu = {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}
     identity = embed_identity(OPTIONS, get_policy(OPTIONS.precision), _model(tiny_model_path), on_cpu, [0, 2],
-                              ["mean"], calibration=None, platform=describe_platform(torch.device("cpu")))
+                              ["mean"], calibration=None, platform=describe_platform(torch.device("cpu")), attention="sdpa")
     assert all(embed_module.store_is_current(p, identity, _input(p))
                for p in stores)
 
@@ -136,7 +136,8 @@ def test_a_store_computed_padded_is_not_kept_where_auto_means_packed(tmp_path, t
 
     shards = _shards(tmp_path, 1)
     out = tmp_path / "stores"
-    options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed", "attention_inputs": "compute"})
+    options = EmbedOptions(**{**OPTIONS.__dict__, "precision": "bf16-mixed"})
+    monkeypatch.setenv("EMBEDPIPE_ENGINE", "attention_inputs=compute")
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True)
     before = store_uuid(out / "shard-00000.h5")
     assert embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=options, quiet=True).kept

@@ -3,10 +3,7 @@
 * a FASTA that is a pipe: a named FIFO hung forever (the first pass drained it, the second
   ``open`` waited for a writer), and ``<(cat in.fa)`` stored the records with the
   ``input_sha256`` of an empty input; the same check as ``shard``'s
-  (embedpipe/inputs/fasta.py, ``check_regular_file``), and for ``--int8-calibration`` too;
-* a ``--compile-cache`` that is not a directory that can be created and written: a file gave
-  ``File exists: in.fa``, naming no option, and an unwritable directory a 499-line
-  InductorError once the compile started (embedpipe/runtime/fused.py, ``check_cache``).
+  (embedpipe/inputs/fasta.py, ``check_regular_file``), and for ``--int8-calibration`` too.
 
 Independent computation: the paths each line must name are the ones the test made."""
 
@@ -16,8 +13,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from helpers.embed_helpers import write_fasta
 from helpers.processes import ROOT
@@ -84,15 +79,3 @@ def test_an_int8_calibration_pipe_is_refused(tmp_path, tiny_model_path) -> None:
                                "stream to a file first")
 
 
-@pytest.mark.parametrize(("cache", "why"), [
-    ("in.fa", "exists and is not a directory (inductor's cache is a directory)"),
-    ("in.fa/cache", "cannot create or write this directory: Not a directory"),
-    ("/proc/self", "cannot create or write this directory: No such file or directory"),  # a directory no one may write
-])
-def test_a_compile_cache_that_cannot_be_written_is_one_line_naming_the_option(tmp_path, tiny_model_path, cache,
-                                                                               why) -> None:
-    write_fasta(tmp_path / "in.fa", [("a", "MKTAYIAKQR")])
-    proc = _embed(["in.fa", "--model", str(tiny_model_path), "--out", "b.h5", "--device", "cpu", "--compile", "on",
-                   "--compile-cache", cache], tmp_path)
-    assert _one_line(proc) == f"embedpipe: error: --compile-cache {cache}: {why}"
-    assert not (tmp_path / "b.h5").exists()

@@ -120,8 +120,8 @@ def test_a_resolved_field_is_named_only_alone_and_explained():
             "computed_as": {"device_type": "cpu", "batch_layout": "padded", "attention_inputs": "float32"}}
     other = base | {"computed_as": base["computed_as"] | {"attention_inputs": "bfloat16"}}
     assert describe_difference(json.dumps(base), json.dumps(other)) == (
-        "embedded with the dtype of q/k/v at attention (resolved from --attention-inputs, the precision policy and "
-        "the device) 'float32', this run 'bfloat16'")
+        "embedded with the dtype of q/k/v at attention (resolved from the precision policy and the device) "
+        "'float32', this run 'bfloat16'")
     assert describe_difference(json.dumps(other | {"precision": "bf16"}), json.dumps(base)) == (
         "embedded with the precision policy 'bf16', this run 'fp32'")
     assert describe_difference(json.dumps(base), json.dumps(base)) is None

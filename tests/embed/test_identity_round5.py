@@ -1,8 +1,8 @@
 """Integrity round 5: the identity holds the platform that decides the numbers (CPU class, GPU
 model, torch and oneDNN: resume re-embeds and ``--reuse`` refuses another platform unless
 ``--accept-platform-mix``; a merged store of several says which records came from where), and
-it compares what was resolved and ran, not how it was requested (``--batch-layout``,
-``--attention-inputs``, ``--compile on`` without a compiled path); an all-reused store keeps
+it compares what was resolved and ran, not how it was requested (an ``EMBEDPIPE_ENGINE``
+override that resolves as the derived choice); an all-reused store keeps
 this run's request, not its source's (embedpipe/embed/identity.py, resolved.py, reuse.py)."""
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
-from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store.info import render_info, store_info
 from embedpipe.store.merge import merge_stores
+from embedpipe.store.validate import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.engine import engine_override
 
 RECORDS = random_sequences(4, (8, 24), seed=5)
 REUSABLE = "only a store embedded with the same model and options can be reused"
@@ -109,30 +110,40 @@ def test_a_merged_store_of_two_platforms_says_which_records_came_from_where(tmp_
 
 @pytest.mark.parametrize("asked", [{"batch_layout": "padded"}, {"attention_inputs": "fp32"}],
                          ids=["batch_layout", "attention_inputs"])
-def test_a_request_that_resolves_as_auto_does_keeps_the_stores(tmp_path, tiny_model_path, asked):
-    """On the CPU, ``auto`` resolves to padded batches and fp32 q/k/v for fp32: the same numbers."""
+def test_an_override_that_resolves_as_derived_keeps_the_stores(tmp_path, tiny_model_path, asked):
+    """On the CPU the run derives padded batches and fp32 q/k/v for fp32: an ``EMBEDPIPE_ENGINE``
+    override asking for the same gives the same numbers, and keeps the stores."""
     shard, out = write_fasta(tmp_path / "shard-0.fasta", RECORDS), tmp_path / "stores"
     embed_shards([shard], model=str(tiny_model_path), out_dir=out, options=EmbedOptions(device="cpu"), quiet=True)
     with h5py.File(out / "shard-0.h5", "r") as f:
         ran = {"batch_layout": "padded", "attention_inputs": "float32"}
-        assert {k: str(f.attrs[k]) for k in ran} == ran  # what auto resolved to: what is asked below
-    again = embed_shards([shard], model=str(tiny_model_path), out_dir=out, quiet=True,
-                         options=EmbedOptions(device="cpu", **asked))
+        assert {k: str(f.attrs[k]) for k in ran} == ran  # what was derived: what is asked below
+    with engine_override(**asked):
+        again = embed_shards([shard], model=str(tiny_model_path), out_dir=out, quiet=True,
+                             options=EmbedOptions(device="cpu"))
     assert again.kept == [out / "shard-0.h5"] and again.embedded == []
 
 
-def test_compile_on_without_a_compiled_path_is_an_eager_store(tmp_path):
-    """T5 has no compiled path: ``--compile on`` runs eager, stores ``compiled = False``, and its
-    identity is an eager store's (a ``--compile off`` run keeps it)."""
-    model = make_hf_test_model(tmp_path / "prot-t5", family="prot-t5", layers=1, dim=16, heads=2)
+def test_a_store_recording_the_removed_options_still_validates_merges_and_is_kept(tmp_path, tiny_model_path):
+    """A store an embedpipe with ``--compile``, ``--attention``, ``--batch-layout``,
+    ``--attention-inputs``, ``--fallback-device`` and ``--compile-cache`` wrote (their values in
+    ``config``, the ``compiled`` attributes at the root) validates, merges and is kept by a rerun:
+    readers ignore them, and its identity (eager, sdpa) is this embedpipe's."""
     shard, out = write_fasta(tmp_path / "shard-0.fasta", RECORDS), tmp_path / "stores"
-    embed_shards([shard], model=str(model), out_dir=out, options=EmbedOptions(device="cpu", compile="on"), quiet=True)
-    with h5py.File(out / "shard-0.h5", "r") as f:
-        assert not bool(f.attrs["compiled"])
-        assert "compiled" not in json.loads(f.attrs["embed_identity"])["computed_as"]
-    again = embed_shards([shard], model=str(model), out_dir=out, quiet=True,
-                         options=EmbedOptions(device="cpu", compile="off"))
-    assert again.kept == [out / "shard-0.h5"] and again.embedded == []
+    embed_shards([shard], model=str(tiny_model_path), out_dir=out, options=EmbedOptions(device="cpu"), quiet=True)
+    store = out / "shard-0.h5"
+    older = {"attention": "sdpa", "batch_layout": "auto", "attention_inputs": "auto", "fallback_device": "auto",
+             "compile": "auto", "compile_cache": None}
+    with h5py.File(store, "r+") as f:
+        config = json.loads(f.attrs["config"])
+        assert not set(older) & set(config)  # this embedpipe records none of them
+        f.attrs["config"] = json.dumps(config | older, sort_keys=True)
+        f.attrs["compiled"], f.attrs["compile_reason"], f.attrs["compile_s"] = False, "auto: eager", 0.0
+    assert validate_store(store) == []
+    merge_stores([store], out=tmp_path / "merged.h5")
+    assert validate_store(tmp_path / "merged.h5") == []
+    again = embed_shards([shard], model=str(tiny_model_path), out_dir=out, quiet=True, options=EmbedOptions(device="cpu"))
+    assert again.kept == [store] and again.embedded == []
 
 
 def test_an_all_reused_store_keeps_this_runs_request_not_its_sources(tmp_path, tiny_model_path):

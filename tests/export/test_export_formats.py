@@ -1,4 +1,4 @@
-"""The export format registry (embedpipe/export/formats.py): the names are defined once, the
+"""The export format registry (embedpipe/core/export_formats.py): the names are defined once, the
 workflow derives its file names and wildcard from it, and it is read without h5py or pyarrow."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from embedpipe.core import export_formats as formats
 from embedpipe.core import options
-from embedpipe.export import formats
+from embedpipe.export.run import writer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,7 @@ def test_the_names_are_the_registry_s():
 
 def test_every_format_module_has_the_entry_point():
     for fmt in formats.REGISTRY:
-        assert callable(fmt.load().export), fmt.module
+        assert callable(writer(fmt).export), fmt.module
 
 
 def test_the_workflow_spells_no_format_name():
@@ -40,7 +41,7 @@ def test_the_workflow_spells_no_format_name():
 
 
 def test_reading_the_registry_imports_no_writer():
-    code = ("import sys; import embedpipe.core.options, embedpipe.export.formats; "
+    code = ("import sys; import embedpipe.core.options, embedpipe.core.export_formats; "
             "print(sorted(m for m in ('h5py', 'pyarrow', 'numpy', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

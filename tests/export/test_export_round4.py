@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from embedpipe.core.errors import StoreError
+from embedpipe.core.export_formats import NAMES
 from embedpipe.export import export_store
-from embedpipe.export.formats import NAMES
 from embedpipe.store import EmbeddedRecord, merge_stores, validate_store
 from helpers.processes import run_cli
 from helpers.stores import edit_store, set_row, write_store

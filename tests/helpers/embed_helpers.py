@@ -16,6 +16,8 @@ from embedpipe.embed.run import embed_fasta
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.esm2 import any_checkpoint_info, build_model
 from embedpipe.model.random_checkpoint import KEY_PREFIX, save
+from embedpipe.runtime.engine_override import CHOICES
+from helpers.engine import engine_override
 
 AMINO = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
 
@@ -42,10 +44,13 @@ def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
 
 def embed_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]], name: str = "out", **options) -> Path:
     """Write ``records`` to ``tmp/NAME.fasta`` and embed them (quietly) into ``tmp/NAME.h5``;
-    ``options`` are :class:`EmbedOptions` fields."""
+    ``options`` are :class:`EmbedOptions` fields, or engine choices (``attention``,
+    ``batch_layout``, ...), given through ``EMBEDPIPE_ENGINE`` (helpers/engine.py)."""
     fasta = write_fasta(tmp / f"{name}.fasta", records)
     out = tmp / f"{name}.h5"
-    embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(**options), quiet=True)
+    engine = {key: options.pop(key) for key in list(options) if key in CHOICES}
+    with engine_override(**engine):
+        embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(**options), quiet=True)
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe.model import Family, MemoryEstimate, ModelFacts, TokenLayout
+from embedpipe.model.capabilities import batch_layouts
 
 PREFIX = "layout:"
 NAME = "fake-layout"
@@ -102,7 +103,7 @@ class Model:
     num_layers: int = LAYERS
     embed_dim: int = DIM
     family: str = NAME
-    batch_layouts: tuple[str, ...] = ("padded",)
+    batch_layouts: tuple[str, ...] = batch_layouts(False)  # as describe declares: padded only
     provenance: dict[str, str] = field(default_factory=dict)
     seen_widths: list[int] = field(default_factory=list)  # tokenized widths, for the tests
 
@@ -137,7 +138,8 @@ class Model:
 
 def describe(spec: str) -> ModelFacts:
     return ModelFacts(family=NAME, spec=spec, kind="name", name=spec.removeprefix(PREFIX), trained_window=WINDOW,
-                      num_layers=LAYERS, embed_dim=DIM, weights_bytes=2**20, trained=False, token_layout=LAYOUT)
+                      num_layers=LAYERS, embed_dim=DIM, weights_bytes=2**20, trained=False, token_layout=LAYOUT,
+                      packs=False)
 
 
 def load(spec: str) -> Model:

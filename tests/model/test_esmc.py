@@ -210,7 +210,7 @@ def test_a_crafted_config_is_refused_before_any_weight_is_read(esmc_dir, tmp_pat
 
 
 def test_there_is_no_fair_esm_forward_for_esmc(esmc_dir: Path) -> None:
-    with pytest.raises(ModelError, match=r"^--attention fair-esm: the esmc family runs sdpa or math$"):
+    with pytest.raises(ModelError, match=r"^EMBEDPIPE_ENGINE attention=fair-esm: the esmc family runs sdpa or math$"):
         load_model(str(esmc_dir)).prepare(get_policy("fp32"), CPU, "fair-esm")
 
 
@@ -263,3 +263,6 @@ def test_an_esm_plusplus_directory_loads_and_equals_transformers_esmc(tmp_path: 
     for layer, expected in enumerate(want):
         assert rel(out.hidden[layer][keep], expected[keep]) <= 1e-5, layer
     assert describe("Synthyra/ESMplusplus_small").family == "esmc"
+    from test_capabilities import assert_declared_as_loaded
+
+    assert_declared_as_loaded(str(directory))  # ESM++'s spec declares what its loaded model answers

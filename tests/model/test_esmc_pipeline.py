@@ -22,6 +22,7 @@ from test_t5_pipeline import close, embed  # the same store-writing run and rela
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.engine import engine_override
 from helpers.stores import cosine
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +51,8 @@ def transformers_fp32(directory: Path, seqs: list[str]) -> tuple[list[list[np.nd
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_embed_end_to_end_equals_transformers(layout: str, tmp_path: Path) -> None:
     directory = make_hf_test_model(tmp_path / "m", family="esmc", layers=2, dim=32, heads=4, seed=1)
-    store = embed(directory, tmp_path, RECORDS, "s", per_residue=True, batch_layout=layout, layers=(0, 1, 2))
+    with engine_override(batch_layout=layout):
+        store = embed(directory, tmp_path, RECORDS, "s", per_residue=True, layers=(0, 1, 2))
     attrs = store["attrs"]
     assert (attrs["model_family"], bool(attrs["model_trained"]), attrs["batch_layout"]) == ("esmc", False, layout)
     want, _ = transformers_fp32(directory, [s for _, s in RECORDS])

@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed.engine import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import Family, ModelFacts, registry
 from embedpipe.model.base import TokenLayout
@@ -114,7 +114,7 @@ def test_model_info_for_a_name_reads_nothing_and_imports_no_torch(tmp_path: Path
         "family": "esm2", "spec": "esm2_t33_650M_UR50D", "kind": "name", "name": "esm2_t33_650M_UR50D",
         "trained_window": 1022, "num_layers": 33, "embed_dim": 1280, "attention_heads": 20,
         "parameters": 651_043_254, "weights_bytes": 4 * 651_043_254, "trained": True, "host_mem_mb": 9728,
-        "token_layout": {"bos": True, "eos": True, "window": 1022},
+        "token_layout": {"bos": True, "eos": True, "window": 1022}, "packs": True,
     }
     assert not (tmp_path / "empty").exists()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
 from embedpipe.model import load_model
+from helpers.engine import embedder_for
 
 RECORDS = [("a", "ACDEFGHIKLMNPQRSTVWY"), ("b", "MKTAYIAKQRQISFVKSHFSRQ")]
 
@@ -24,7 +24,7 @@ def _bias(layer: int):
 def test_a_large_feed_forward_activation_is_caught_in_every_layer(model_factory, layer):
     path = model_factory(layers=2, dim=32, heads=4, seed=31, edit=_bias(layer))
     options = EmbedOptions(precision="fp16", overflow_margin=0.5, device="cpu", layers=(-1,))
-    embedder = Embedder(load_model(str(path)), options, torch.device("cpu"))
+    embedder = embedder_for(load_model(str(path)), options, torch.device("cpu"))
     records = dict(embedder.embed(RECORDS))
     for record in records.values():
         assert record.max_abs_activation >= 0.5 * 65504  # what the fp16 forward saw
@@ -38,5 +38,5 @@ def test_without_the_margin_the_last_layer_activation_is_kept(model_factory):
     """The control: fp16 holds 6e4, so without a margin nothing falls back."""
     path = model_factory(layers=2, dim=32, heads=4, seed=31, edit=_bias(1))
     options = EmbedOptions(precision="fp16", device="cpu", layers=(-1,))
-    records = dict(Embedder(load_model(str(path)), options, torch.device("cpu")).embed(RECORDS))
+    records = dict(embedder_for(load_model(str(path)), options, torch.device("cpu")).embed(RECORDS))
     assert {r.precision_used for r in records.values()} == {"fp16"}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_t5 import hf_inputs, overflowing
 
-from embedpipe.embed.engine import EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
@@ -134,9 +134,9 @@ def test_bos_pooling_of_a_t5_is_refused_in_one_line(tmp_path: Path) -> None:
 
     directory = make_hf_test_model(tmp_path / "a", family="ankh", layers=1, dim=16, heads=2)
     fasta = write_fasta(tmp_path / "in.fasta", [("a", "MKTAYIAK")])
-    for extra in (["--pooling", "bos"], ["--batch-layout", "packed"]):
+    for extra, env in ((["--pooling", "bos"], {}), ([], {"EMBEDPIPE_ENGINE": "batch_layout=packed"})):
         result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(directory), "--out",
-                                          str(tmp_path / "o.h5"), "--device", "cpu", "--quiet", *extra])
+                                          str(tmp_path / "o.h5"), "--device", "cpu", "--quiet", *extra], env=env)
         assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "the ankh family" in result.stderr and not (tmp_path / "o.h5").exists()
 

@@ -18,13 +18,14 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model import registry
 from embedpipe.model.plugins import ENV
 from embedpipe.store import validate_store
 from helpers import fake_family_layout as fake
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.engine import embedder_for
 
 SPEC = fake.PREFIX + "toy"
 TESTS = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def test_batches_pool_and_store_follow_the_layout(family, tmp_path: Path) -> Non
     records = [("a", random_sequences(1, [511], seed=2)[0][1]), ("b", random_sequences(1, [511], seed=3)[0][1]),
                ("long", random_sequences(1, [700], seed=4)[0][1])] + random_sequences(4, (3, 40), seed=5)
     loaded = registry.load_model(SPEC)
-    embedder = Embedder(loaded, EmbedOptions(tokens_per_batch=1024, device="cpu"), loaded_device())
+    embedder = embedder_for(loaded, EmbedOptions(tokens_per_batch=1024, device="cpu"), loaded_device())
     plan = embedder.plan(records)
     pieces = [p for batch in plan.batches for p in batch]
     assert all(p.tokens == p.residues + 1 for p in pieces)

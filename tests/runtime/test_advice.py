@@ -103,16 +103,18 @@ def test_auto_never_chooses_what_the_other_options_exclude() -> None:
     from embedpipe.embed.auto_probe import usable_candidates
     from embedpipe.embed.resolved import resolve_run
     from embedpipe.model.identity import ModelIdentity
+    from embedpipe.runtime.engine_override import EngineChoice
 
-    fair = EmbedOptions(precision="auto", device="cpu", attention="fair-esm")
-    assert usable_candidates(fair, CPU) == ["fp32"]  # fair-esm's forward has no fp32 islands
-    assert usable_candidates(EmbedOptions(precision="auto", device="cpu"), CPU) == list(auto_precision.CPU_CANDIDATES)
+    fair = EmbedOptions(precision="auto", device="cpu")
+    assert usable_candidates(EngineChoice(attention="fair-esm"), CPU) == ["fp32"]  # fair-esm's forward has no fp32 islands
+    assert usable_candidates(EngineChoice(), CPU) == list(auto_precision.CPU_CANDIDATES)
     # without a measurement the table's prior is resolved, and a prior the options exclude is refused in one line
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(auto_precision, "prior", lambda device, cpu=None: ("bf16-mixed", "a planted prior"))
         with pytest.raises(EmbedpipeError, match=r"^--precision auto chose bf16-mixed on this machine, but [^\n]*"
                                                  r"fair-esm[^\n]*name a policy with --precision$"):
-            resolve_run(fair, CPU, num_layers=2, packs=True, model=ModelIdentity("0" * 64, True), width=32)
+            resolve_run(fair, CPU, num_layers=2, packs=True, model=ModelIdentity("0" * 64, True), width=32,
+                        engine=EngineChoice(attention="fair-esm"))
     with pytest.raises(EmbedpipeError, match="applies to --precision int8-mixed only, not auto"):
         EmbedOptions(precision="auto", int8_smoothing="smoothquant").validate()
 

@@ -1,10 +1,9 @@
 """embedpipe.runtime.cuda's read-back on the CPU: the pinned ring's reuse and bound, HostCopy's CPU
-stand-in, the sync counter's CPU answer, and the optional compiled layers (issue 20, §3).
+stand-in, and the sync counter's CPU answer.
 The CUDA branches of HostCopy (copy stream, ring) run in tests/runtime/test_cuda_trace.py."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from embedpipe.runtime import cuda
@@ -50,23 +49,3 @@ def test_the_sync_count_exists_on_cuda_only():
     with cuda.count_syncs(torch.device("cpu")) as syncs:
         float(torch.ones(1).sum())
     assert syncs.count is None and syncs.why == "sync debug mode exists on CUDA only"
-
-
-def test_compiled_layers_give_the_eager_outputs(tiny_model_path):
-    """``compile_layers`` traced with dynamo (the eager backend: no C++ compiler on a CI CPU)."""
-    from embedpipe.model import load_model
-    from embedpipe.model.esm2 import prepare_model
-    from embedpipe.model.esm2_forward import EsmForward
-    from embedpipe.runtime.packed import PackedTokens
-    from embedpipe.runtime.precision import get_policy
-
-    loaded, policy = load_model(str(tiny_model_path)), get_policy("fp32")
-    runner = EsmForward(prepare_model(loaded.model, policy, torch.device("cpu")), policy, prepack=False)
-    tokens = loaded.tokenize(["ACDEFGHIK", "MKTAYIAKQRQ", "MKV"])
-    batch = PackedTokens.from_padded(tokens, [11, 13, 5])
-    with torch.inference_mode():
-        eager = runner.packed(batch, [2]).hidden[2].clone()
-        runner.compile_layers(backend="eager")
-        compiled = runner.packed(batch, [2]).hidden[2]
-    assert hasattr(runner._layer, "_torchdynamo_orig_callable")  # the compiled wrapper ran
-    np.testing.assert_allclose(compiled.numpy(), eager.numpy(), atol=1e-5, rtol=0)

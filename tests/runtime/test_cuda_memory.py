@@ -26,12 +26,12 @@ from esm.model.esm2 import ESM2
 
 from embedpipe.core.options import POLICY_KINDS, POLICY_NAMES, EmbedOptions
 from embedpipe.embed import budget as batch_budget
-from embedpipe.embed.engine import Embedder
 from embedpipe.model import load_model
 from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.t5 import T5Model
 from embedpipe.model.t5_forward import T5Shape
+from helpers.engine import embedder_for
 from helpers.fake_cuda import fake_cuda
 
 SHAPES = {"650M": (1280, 20), "3B": (2560, 40)}
@@ -70,8 +70,8 @@ def traced_embed(make, records: list[tuple[str, str]], precision: str, *, tokens
     per computed token of the largest batch, ``bytes_per_token`` from the run the embedder resolved)."""
     with fake_cuda(track_memory=True) as trace:
         loaded = make()
-        chosen = EmbedOptions(precision=precision, device="cuda", tokens_per_batch=tokens, **options)
-        embedder = Embedder(loaded, chosen, torch.device("cuda", 0))
+        embedder = embedder_for(loaded, dict(precision=precision, device="cuda", tokens_per_batch=tokens, **options),
+                                torch.device("cuda", 0))  # attention_inputs: the override
         plan = embedder.plan(records)
         embedder.runner(embedder.policy)
         trace.clear()
@@ -80,7 +80,7 @@ def traced_embed(make, records: list[tuple[str, str]], precision: str, *, tokens
         computed = max(sum(p.tokens for p in b) if plan.packed else len(b) * max(p.tokens for p in b)
                        for b in plan.batches)
         run = embedder.run
-        estimate = batch_budget.bytes_per_token(loaded, run.policy, embedder.layers, chosen.per_residue,
+        estimate = batch_budget.bytes_per_token(loaded, run.policy, embedder.layers, run.options.per_residue,
                                                 attention_inputs=run.attention_inputs)
         return (trace.peak_bytes - before) / computed, estimate
 
@@ -116,7 +116,7 @@ def test_fp32_attention_inputs_are_counted(shape, precision):
 def test_an_auto_budget_keeps_every_kernel_input_under_2_to_the_31_elements(shape):
     with fake_cuda(track_memory=False) as trace:
         loaded = fake_model(*SHAPES[shape])
-        embedder = Embedder(loaded, EmbedOptions(precision="bf16-mixed", device="cuda"), torch.device("cuda", 0))
+        embedder = embedder_for(loaded, EmbedOptions(precision="bf16-mixed", device="cuda"), torch.device("cuda", 0))
         budget = embedder.tokens_per_batch
         records = records_filling(budget)
         embedder.runner(embedder.policy)

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from embedpipe.core.options import POLICY_NAMES, EmbedOptions
+from embedpipe.core.options import POLICY_NAMES
 from embedpipe.embed.engine import Embedder
 from embedpipe.model import load_model
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.runtime import cuda as ep_cuda
 from embedpipe.runtime.precision import FP32
+from helpers.engine import embedder_for
 from helpers.fake_cuda import FLOAT_ABS, SEAM_NAME, Trace, fake_cuda, is_fake_cuda
 
 CUDA = torch.device("cuda", 0)
@@ -62,9 +63,9 @@ def trace_embed(model_path, *, nan_row: int | None = None, pooling: tuple[str, .
     """Embed the records on the faked GPU: (embedder, results, trace of the launch path, facts
     read while the GPU was faked)."""
     loaded = load_model(str(model_path))
-    options = EmbedOptions(device="cuda", per_residue=True, pooling=pooling, layers=(1, -1), **options)
+    options = dict(device="cuda", per_residue=True, pooling=pooling, layers=(1, -1), **options)  # engine keys: the override
     with fake_cuda(answer=NanAnswer(nan_row)) as trace:
-        embedder = Embedder(loaded, options, CUDA)
+        embedder = embedder_for(loaded, options, CUDA)
         embedder.runner(embedder.policy)
         if nan_row is not None:
             embedder.runner(FP32)  # the fallback model: preparation too

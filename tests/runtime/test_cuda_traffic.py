@@ -22,7 +22,7 @@ import torch
 from test_cuda_memory import fake_model
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
+from helpers.engine import embedder_for
 from helpers.fake_cuda import fake_cuda
 
 LAYERS, DIM, HEADS, LENGTH, RECORDS = 33, 1280, 20, 415, 40
@@ -43,7 +43,7 @@ def traffic(policy: str) -> dict[str, float]:
     records = [(f"r{i}", "".join(rng.choice(amino, LENGTH))) for i in range(RECORDS)]
     with fake_cuda() as trace:
         loaded = fake_model(DIM, HEADS, LAYERS)
-        embedder = Embedder(loaded, EmbedOptions(precision=policy, device="cuda"), torch.device("cuda", 0))
+        embedder = embedder_for(loaded, EmbedOptions(precision=policy, device="cuda"), torch.device("cuda", 0))
         embedder.runner(embedder.policy)
         trace.clear()
         trace.counter.track_traffic = True

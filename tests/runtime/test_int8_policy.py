@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import EmbedOptions
 from embedpipe.model.esm2_forward import EsmForward
 from embedpipe.runtime import advice
 from embedpipe.runtime.advice import cpu_note, fastest_policy
 from embedpipe.runtime.cpu_features import CpuFeatures
+from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.int8_kernels import ENGINES
 from embedpipe.runtime.int8_linear import Int8Linear, quantize_per_token
 from embedpipe.runtime.precision import get_policy
@@ -127,8 +127,10 @@ def test_int8_mixed_is_refused_off_the_cpu_in_one_line() -> None:
         with pytest.raises(EmbedpipeError, match=r"^precision 'int8-mixed' runs on the CPU only[^\n]*$"):
             INT8.check_device(torch.device(device))
     assert INT8.check_device(torch.device("cpu"), CpuFeatures(frozenset({"avx2"}))) == []
-    with pytest.raises(EmbedpipeError, match="fp32 islands"):
-        EmbedOptions(precision="int8-mixed", attention="fair-esm").validate()
+    assert EngineChoice(attention="fair-esm").refusal("int8-mixed") == (
+        "EMBEDPIPE_ENGINE attention=fair-esm: --precision int8-mixed keeps fp32 islands inside the layers, which "
+        "fair-esm's own forward cannot do")
+    assert EngineChoice(attention="math").refusal("int8-mixed") is None
 
 
 @pytest.mark.parametrize(("flags", "dtype", "best"), [

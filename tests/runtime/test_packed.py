@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import EmbedOptions as Options
-from embedpipe.embed.engine import Embedder, EmbedOptions
+from embedpipe.core.options import EmbedOptions
 from embedpipe.model import load_model
-from embedpipe.runtime import cuda
+from embedpipe.runtime import cuda, engine_override
 from embedpipe.runtime.packed import PackedTokens, per_sequence_attention, range_max, range_segments, range_sums
 from embedpipe.runtime.precision import POLICIES, attention_dtype, resolve_attention_inputs
 from helpers.embed_helpers import fair_esm_bos, fair_esm_forward, random_sequences
+from helpers.engine import embedder_for
 
 CPU = torch.device("cpu")
 ATOL = 1e-5
@@ -70,7 +70,7 @@ def test_per_sequence_attention_equals_explicit_softmax_attention_per_sequence()
 
 
 def _embed(loaded, records, **options):
-    embedder = Embedder(loaded, EmbedOptions(**options), CPU)
+    embedder = embedder_for(loaded, options, CPU)
     return embedder, dict(embedder.embed(records))
 
 
@@ -194,9 +194,9 @@ def test_auto_layout_packs_where_the_varlen_kernel_runs(tiny_model_path, varlen_
 ])
 def test_auto_layout_follows_the_attention_dtype(tiny_model_path, varlen_here, policy, inputs, layout):
     loaded = load_model(str(tiny_model_path))
-    embedder = Embedder(loaded, EmbedOptions(precision=policy, attention_inputs=inputs), CPU)
+    embedder = embedder_for(loaded, EmbedOptions(precision=policy), CPU, attention_inputs=inputs)
     assert embedder.batch_layout == layout
-    explicit = Embedder(loaded, EmbedOptions(precision=policy, attention_inputs=inputs, attention="math"), CPU)
+    explicit = embedder_for(loaded, EmbedOptions(precision=policy), CPU, attention_inputs=inputs, attention="math")
     assert explicit.batch_layout == "padded" and explicit.attention_path == "padded-math"
 
 
@@ -228,10 +228,10 @@ def test_compute_attention_inputs_stay_close_to_fp32_on_the_cpu(tiny_model_path)
 
 
 def test_packed_needs_sdpa_and_a_runner_that_packs():
-    with pytest.raises(EmbedpipeError, match="--batch-layout packed attends with sdpa"):
-        Options(batch_layout="packed", attention="math").validate()
-    with pytest.raises(EmbedpipeError, match="--attention-inputs must be one of"):
-        Options(attention_inputs="fp8").validate()
+    with pytest.raises(EmbedpipeError, match="^EMBEDPIPE_ENGINE: batch_layout=packed attends with sdpa"):
+        engine_override.parse("batch_layout=packed,attention=math")
+    with pytest.raises(EmbedpipeError, match="^EMBEDPIPE_ENGINE: attention_inputs must be one of auto, fp32, compute"):
+        engine_override.parse("attention_inputs=fp8")
 
 
 def test_host_copies_and_busy_time_on_the_cpu(tiny_model_path):

@@ -148,7 +148,7 @@ def _row_count_dependent(weight: torch.Tensor, calls: list[int]):
     return linear
 
 
-def test_row_tiles_make_a_row_count_dependent_linear_batch_invariant(monkeypatch):
+def test_row_tiles_make_a_row_count_dependent_linear_batch_invariant():
     weight, _ = _weights(torch.float32)
     x = torch.randn(700, weight.shape[1], generator=torch.Generator().manual_seed(2))
     calls: list[int] = []
@@ -164,9 +164,8 @@ def test_row_tiles_make_a_row_count_dependent_linear_batch_invariant(monkeypatch
     assert set(calls) == {tile}
     # (B, T, K) inputs keep their leading shape
     assert packed_linear.row_tiled(linear, x[:600].view(4, 150, -1)).shape == (4, 150, weight.shape[0])
-    # the benchmark-only switch: untiled, the same rows round differently with the batch's size
-    monkeypatch.setattr(packed_linear, "_batch_invariant", False)
-    assert not torch.equal(packed_linear.row_tiled(linear, x[:5]), packed_linear.row_tiled(linear, x[:6])[:5])
+    # untiled, the same rows round differently with the batch's size: what the tiles take away
+    assert not torch.equal(linear(x[:5]), linear(x[:6])[:5])
 
 
 def test_every_float_policy_runs_its_linear_layers_in_whole_tiles():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from embedpipe.runtime import precision
 from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.precision import POLICIES, check_policy_on_device, get_policy
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, read_store, write_fasta
+from helpers.engine import embedder_for
 from helpers.stores import cosine
 
 LOW_POLICIES = [p for p in POLICIES if p != "fp32"]
@@ -105,7 +107,7 @@ def test_mixed_policies_are_closer_to_fp32_than_plain_casts_on_long_sequences(mo
     last = loaded.num_layers
 
     def run(policy):
-        embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
+        embedder = embedder_for(loaded, EmbedOptions(precision=policy, per_residue=True), torch.device("cpu"))
         return dict(embedder.embed(records))
 
     ref = run("fp32")
@@ -133,7 +135,8 @@ def test_low_precision_then_fp32_in_one_process_equals_a_fresh_process(tmp_path,
     fasta = tmp_path / "after.fasta"
     fresh_out = tmp_path / "fresh.h5"
     subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(tiny_model_path),
-                    "--out", str(fresh_out), "--attention", "fair-esm", "--per-residue", "--quiet"], check=True)
+                    "--out", str(fresh_out), "--per-residue", "--quiet"], check=True,
+                   env=os.environ | {"EMBEDPIPE_ENGINE": "attention=fair-esm"})
     fresh = read_store(fresh_out)
     for rid, _ in records:
         np.testing.assert_allclose(same_process["per_residue"][2][rid], fresh["per_residue"][2][rid], atol=1e-6, rtol=0)
@@ -143,13 +146,13 @@ def test_rotary_cache_from_one_dtype_never_leaks_into_another(tiny_model_path):
     """fair-esm rebuilds its cos/sin cache on length or device change only, not dtype."""
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(3, (40, 40), seed=12)
-    fp32 = Embedder(loaded, EmbedOptions(attention="fair-esm"), torch.device("cpu"))
+    fp32 = embedder_for(loaded, EmbedOptions(), torch.device("cpu"), attention="fair-esm")
     before = dict(fp32.embed(records))
-    low = Embedder(loaded, EmbedOptions(precision="fp16", attention="fair-esm"), torch.device("cpu"))
+    low = embedder_for(loaded, EmbedOptions(precision="fp16"), torch.device("cpu"), attention="fair-esm")
     dict(low.embed(records))
     rot = low.runner(get_policy("fp16")).model.layers[0].self_attn.rot_emb
     assert rot._cos_cached.dtype == torch.float16
-    again = dict(Embedder(loaded, EmbedOptions(attention="fair-esm"), torch.device("cpu")).embed(records))
+    again = dict(embedder_for(loaded, EmbedOptions(), torch.device("cpu"), attention="fair-esm").embed(records))
     assert loaded.model.layers[0].self_attn.rot_emb._cos_cached.dtype == torch.float32
     for i in before:
         np.testing.assert_array_equal(before[i].mean[2], again[i].mean[2])
@@ -175,9 +178,10 @@ def test_device_checks(monkeypatch):
         get_policy("half")
 
 
-def test_mixed_policy_refuses_fair_esm_attention():
-    with pytest.raises(EmbedpipeError, match="fp32 islands"):
-        EmbedOptions(precision="bf16-mixed", attention="fair-esm").validate()
+def test_mixed_policy_refuses_fair_esm_attention(tiny_model_path):
+    with pytest.raises(EmbedpipeError, match="^EMBEDPIPE_ENGINE attention=fair-esm: --precision bf16-mixed keeps fp32 islands"):
+        embedder_for(load_model(str(tiny_model_path)), EmbedOptions(precision="bf16-mixed"), torch.device("cpu"),
+                     attention="fair-esm")
 
 
 def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_path, monkeypatch):
@@ -207,7 +211,8 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_pat
         monkeypatch.setattr(Embedder, "_launch", forward)
         monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (settings.append(p), real_set(p))[1])
         records = random_sequences(6, (20, 60), seed=1)
-        dict(Embedder(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu")).embed(records))
+        embedder = embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu"))
+        dict(embedder.embed(records))
         assert len(seen) > 1 and set(seen) == {"highest"}
         assert settings == ["highest", "medium"]
         assert torch.get_float32_matmul_precision() == "medium"
@@ -220,7 +225,7 @@ def test_fused_qkv_weights_follow_each_policys_dtype(tiny_model_path):
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(2, (20, 30), seed=13)
     for name in ("fp32", "bf16-mixed", "fp16", "fp32"):
-        embedder = Embedder(loaded, EmbedOptions(precision=name), torch.device("cpu"))
+        embedder = embedder_for(loaded, EmbedOptions(precision=name), torch.device("cpu"))
         dict(embedder.embed(records))
         for layer in embedder.runner(get_policy(name)).model.layers:
             attn = layer.self_attn
@@ -344,7 +349,7 @@ def test_pooling_sums_stay_fp32_under_autocast(tiny_model_path, policy):
     """Autocast would run the pooling einsum in 16 bits: each mean must be the fp32 mean of its rows."""
     loaded = load_model(str(tiny_model_path))
     records = random_sequences(3, (900, 1000), seed=31)
-    embedder = Embedder(loaded, EmbedOptions(precision=policy, per_residue=True, layers=(0, -1)), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(precision=policy, per_residue=True, layers=(0, -1)), torch.device("cpu"))
     out = dict(embedder.embed(records))
     for index in range(len(records)):
         assert out[index].precision_used == policy
@@ -370,8 +375,8 @@ def _fallback_embedder(loaded, fallback_device: str, monkeypatch, prepared_on: l
         return real(model, policy, device, **kw)
 
     monkeypatch.setattr(esm2_module, "prepare_model", prepare)
-    embedder = Embedder(loaded, EmbedOptions(precision="fp16", per_residue=True, layers=(0, -1),
-                                             fallback_device=fallback_device), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(precision="fp16", per_residue=True, layers=(0, -1)),
+                            torch.device("cpu"), fallback_device=fallback_device)
     embedder.runner(embedder.policy)  # the fp16 model: prepared on the CPU
     embedder.device = torch.device("cuda", 0)  # ...while the job's device reads as the GPU
     return embedder
@@ -387,7 +392,7 @@ def test_fp32_fallback_that_does_not_fit_the_gpu_runs_on_the_cpu(overflow_model,
     assert prepared_on == [("fp16", "cpu", False), ("fp32", "cuda:0", False), ("fp32", "cpu", False)]
     assert embedder.fallback_device == "cpu" and embedder.stats["fallback_moved_to_cpu"] == 1
     assert next(loaded.model.parameters()).device.type == "cpu"
-    fp32 = Embedder(loaded, EmbedOptions(per_residue=True, layers=(0, -1)), torch.device("cpu"))
+    fp32 = embedder_for(loaded, EmbedOptions(per_residue=True, layers=(0, -1)), torch.device("cpu"))
     reference = dict(fp32.embed(overflow_records))
     fell = [i for i, (_, seq) in enumerate(overflow_records) if "C" in seq]
     assert fell and embedder.stats["fallback"] == len(fell)
@@ -402,7 +407,7 @@ def test_fp32_fallback_that_does_not_fit_says_so_under_same(overflow_model, over
     loaded = load_model(str(overflow_model))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     embedder = _fallback_embedder(loaded, "same", monkeypatch, [])
-    with pytest.raises(EmbedpipeError, match=r"fp32 fallback model .* does not fit in memory on cuda:0 .*--fallback-device cpu"):
+    with pytest.raises(EmbedpipeError, match=r"fp32 fallback model .* does not fit in memory on cuda:0 .*a GPU with more memory"):
         list(embedder.embed(overflow_records))
 
 
@@ -416,7 +421,7 @@ def test_a_fallback_forward_out_of_memory_still_names_the_record(overflow_model,
         return real(self, policy, batch, recs)
 
     monkeypatch.setattr(Embedder, "_launch", fp32_oom)
-    embedder = Embedder(loaded, EmbedOptions(precision="fp16", fallback_device="cpu"), torch.device("cpu"))
+    embedder = embedder_for(loaded, EmbedOptions(precision="fp16"), torch.device("cpu"), fallback_device="cpu")
     with pytest.raises(EmbedpipeError, match=r"record 'cys\d'.*does not fit in memory on cpu even alone"):
         list(embedder.embed(overflow_records))
 
@@ -424,17 +429,17 @@ def test_a_fallback_forward_out_of_memory_still_names_the_record(overflow_model,
 def test_fallback_device_is_recorded_in_the_store(tmp_path, overflow_model, overflow_records):
     store = embed_and_read(tmp_path, overflow_model, overflow_records, "cpufb", precision="fp16", fallback_device="cpu")
     assert store["attrs"]["fallback_device"] == "cpu" and store["attrs"]["fallback_count"] == 4
-    assert json.loads(store["attrs"]["config"])["fallback_device"] == "cpu"
+    assert "fallback_device" not in json.loads(store["attrs"]["config"])  # not an option: derived, or overridden
     plain = embed_and_read(tmp_path, overflow_model, overflow_records, "nofb", precision="fp32")
     assert plain["attrs"]["fallback_device"] == "none"
-    with pytest.raises(EmbedpipeError, match="--fallback-device must be one of auto, same, cpu"):
-        EmbedOptions(fallback_device="gpu").validate()
+    with pytest.raises(EmbedpipeError, match="^EMBEDPIPE_ENGINE: fallback_device must be one of auto, same, cpu, not 'gpu'$"):
+        embed_and_read(tmp_path, overflow_model, overflow_records, "gpufb", precision="fp16", fallback_device="gpu")
     from typer.testing import CliRunner
 
     from embedpipe.cli import app
 
     fasta = write_fasta(tmp_path / "cli.fasta", overflow_records)
     result = CliRunner().invoke(app, ["embed", str(fasta), "--model", str(overflow_model), "--out", str(tmp_path / "cli.h5"),
-                                      "--precision", "fp16", "--fallback-device", "cpu", "-q"])
+                                      "--precision", "fp16", "-q"], env={"EMBEDPIPE_ENGINE": "fallback_device=cpu"})
     assert result.exit_code == 0, result.output
     assert read_store(tmp_path / "cli.h5")["attrs"]["fallback_device"] == "cpu"

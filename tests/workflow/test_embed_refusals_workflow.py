@@ -5,8 +5,7 @@ Each case is run twice, independently: the CLI (``embedpipe embed ...``, its one
 the workflow's config parsing (the schema's coercion, then the check common.smk calls); two
 cases also through ``snakemake -n``. The CLI's single-value refusals (an unknown precision, a
 pooling, a tokens_per_batch under 3, ...) are the schema's enums and minimums in the workflow
-(tests/workflow/test_workflow_config.py); ``--attention`` and ``--overflow-margin`` are not
-workflow keys.
+(tests/workflow/test_workflow_config.py); ``--overflow-margin`` is not a workflow key.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ CASES: dict[str, list[tuple[str, dict[str, Any], list[str]]]] = {
     ],
     "_device": [(ESM2, {"precision": "int8-mixed", "device": "cuda"}, ["--precision", "int8-mixed", "--device", "cuda"])],
     "_family": [
-        ("T5", {"batch_layout": "packed"}, ["--batch-layout", "packed"]),
         ("T5", {"pooling": ["mean", "bos"]}, ["--pooling", "mean", "--pooling", "bos"]),
     ],
     "_layers": [
@@ -123,7 +121,7 @@ def test_the_workflow_refuses_what_the_cli_refuses_with_the_same_line(
 
 
 @pytest.mark.parametrize(("model", "config"), [(ESM2, "precision=fp32 int8_smoothing=smoothquant"),
-                                               ("T5", "batch_layout=packed")])
+                                               (ESM2, "precision=int8-mixed device=cuda")])
 def test_snakemake_dry_run_stops_before_any_job(tmp_path: Path, models: dict[str, str], model: str,
                                                 config: str) -> None:
     path = tmp_path / "config.yaml"

@@ -1,7 +1,6 @@
 """The workflow keys ``max_record_length`` and ``max_id_length`` reach both steps that read
 FASTA, shard and embed (embed reads the shards through the same reader, so raised limits must
-reach it too); at the defaults neither flag is passed, so existing runs stay up to date
-(docs/store-format.md, "Input limits")."""
+reach it too: embedpipe.workflow.config.fasta_limit_args, docs/store-format.md, "Input limits")."""
 
 from __future__ import annotations
 

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from embedpipe.workflow.config import ConfigError, check, check_outdir, coerce, load_schema, normalise, unknown_keys
+from embedpipe.core.options import EmbedOptions, FastaLimits
+from embedpipe.workflow.config import (
+    ConfigError,
+    check,
+    check_outdir,
+    coerce,
+    embed_args,
+    embed_keys,
+    embed_options,
+    load_schema,
+    normalise,
+    unknown_keys,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = ROOT / "workflows" / "schemas" / "config.schema.yaml"
@@ -88,19 +101,94 @@ def test_tokens_per_batch_is_auto_or_a_number_of_at_least_3(schema):
     check({"input": "x.fa"}, schema)  # the default, auto, passes
 
 
-def test_batch_layout_and_attention_inputs_are_checked(schema):
-    check(_base() | {"batch_layout": "packed", "attention_inputs": "compute"}, schema)
-    with pytest.raises(ConfigError, match=r"'batch_layout'.*'ragged'"):
-        check(_base() | {"batch_layout": "ragged"}, schema)
-    with pytest.raises(ConfigError, match=r"'attention_inputs'"):
-        check(_base() | {"attention_inputs": "fp16"}, schema)
+@pytest.mark.parametrize("key", ["batch_layout", "attention_inputs", "fallback_device", "compile", "attention"])
+def test_the_engine_choices_are_no_workflow_keys(schema, key):
+    """The run derives them (docs/precision.md, "Engine choices"): a config that sets one is refused
+    as an unknown key, like any other."""
+    with pytest.raises(ConfigError, match=rf"'{key}'"):
+        check(_base() | {key: "auto"}, schema)
 
 
 def test_precision_auto_is_accepted_and_left_for_the_job_to_resolve(schema):
     """`precision: auto` passes the schema as written; the rules pass it on verbatim (each embed job
     chooses on its own node: docs/precision.md, "precision: auto"), never resolved at parse time."""
     check(_base() | {"precision": "auto"}, schema)
-    common = (ROOT / "workflows" / "rules" / "common.smk").read_text()
-    assert 'args = ["--precision", config["precision"]]' in common
+    args = embed_args(_filled(schema) | {"precision": "auto"})
+    assert args[args.index("--precision") + 1] == "auto"
     with pytest.raises(ConfigError, match=r"'precision'.*'automatic'"):
         check(_base() | {"precision": "automatic"}, schema)
+
+
+def _filled(schema) -> dict:
+    """The demo config with the schema's defaults filled in, as Snakemake's ``validate`` fills them."""
+    defaults = {key: spec["default"] for key, spec in schema["properties"].items() if "default" in spec}
+    return defaults | _base()
+
+
+def _other(spec: dict):
+    """A value of a config key other than its default, from its schema entry alone."""
+    default = spec.get("default")
+    if spec.get("type") == "boolean":
+        return not default
+    if "enum" in spec:
+        return next(v for v in reversed(spec["enum"]) if v != default)
+    if spec.get("type") == "array":
+        items = spec["items"]
+        return list(items["enum"]) if "enum" in items else [0, -1]
+    if spec.get("type") == "integer":
+        return default // 2
+    if "pattern" in spec:
+        return "cpu"
+    return "calibration.fasta"  # a path (int8_calibration)
+
+
+def _parsed_by_the_cli(args: list[str], monkeypatch) -> tuple[EmbedOptions, FastaLimits]:
+    """What ``embedpipe embed``'s own parser makes of ``args`` (the job itself not run)."""
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+    from embedpipe.embed import run
+
+    seen = {}
+    monkeypatch.setattr(run, "embed_command", lambda *a, **kw: seen.update(kw))
+    result = CliRunner().invoke(app, ["embed", "in.fa", "--model", "m.pt", "--out", "o.h5", "-q", *args])
+    assert "options" in seen, result.output
+    return seen["options"], seen["limits"]
+
+
+@pytest.mark.parametrize("changed", ["defaults", "demo", "all"])
+def test_the_embed_args_are_the_config_s_options_as_the_cli_parses_them(schema, monkeypatch, changed):
+    """The one mapping from config to command line (common.smk passes it to every embed job):
+    the CLI's own parser gives back every embed option and FASTA limit the config holds."""
+    config = _filled(schema)
+    if changed == "defaults":  # every switch off
+        config = {key: spec["default"] for key, spec in schema["properties"].items() if "default" in spec}
+    if changed == "all":
+        config |= {key: _other(schema["properties"][key]) for key in [*embed_keys(config), "max_record_length",
+                                                                       "max_id_length"]}
+        assert all(config[key] != schema["properties"][key].get("default") for key in embed_keys(config))
+    options, limits = _parsed_by_the_cli(embed_args(config, leave=("tokens_per_batch",)), monkeypatch)
+    assert options == embed_options(config | {"tokens_per_batch": EmbedOptions.tokens_per_batch})
+    assert limits == FastaLimits(config["max_record_length"], config["max_id_length"])
+
+
+def test_every_switch_is_off_by_default():
+    """embed_args passes a bool option as its flag when on, nothing when off: right only while
+    every bool option is off by default."""
+    switches = {name: value for name, value in vars(EmbedOptions()).items() if isinstance(value, bool)}
+    assert switches and not any(switches.values()), switches
+
+
+def test_the_rules_spell_no_embed_option(schema):
+    """The embed rule and common.smk's embed_options take every embed option from embed_args:
+    no second mapping by hand (other commands' flags of the same name, crosscheck's --device,
+    make-test-model's --layers, are theirs)."""
+    rules = ROOT / "workflows" / "rules"
+    common = rules.joinpath("common.smk").read_text(encoding="utf-8")
+    function = re.search(r"\ndef embed_options\(\):\n(.*?)\n(?=\S)", common, re.S)
+    assert function and "workflow_config.embed_args(config" in function.group(1)
+    for text in (function.group(1), rules.joinpath("embed.smk").read_text(encoding="utf-8")):
+        code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+        for key in embed_keys(schema["properties"]):
+            if key != "tokens_per_batch":  # the embed rule's resource: smaller on each retry
+                assert not re.search(rf"--{key.replace('_', '-')}(?![\w-])", code), key

@@ -16,13 +16,12 @@ from snakemake.utils import validate
 if workflow.basedir not in sys.path:
     sys.path.append(workflow.basedir)  # the checkout's embedpipe when none is installed
 from embedpipe import model as embedpipe_model
-from embedpipe.core.options import FASTA_LIMITS
 from embedpipe.workflow import checks as workflow_checks
 from embedpipe.workflow import cluster as workflow_cluster
 from embedpipe.workflow import config as workflow_config
 from embedpipe.workflow import jobs as workflow_jobs
 from embedpipe.model import fetch as model_fetch
-from embedpipe.export import formats as export_formats
+from embedpipe.core import export_formats
 
 
 def fail(message):
@@ -50,9 +49,6 @@ except workflow_config.ConfigError as exc:
     fail(exc)
 
 OUTDIR = os.path.normpath(config["outdir"])
-#: the inductor cache every embed job shares (`--compile-cache`; docs/precision.md, "Compiled
-#: elementwise work"), quoted for the shell line
-COMPILE_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "inductor"))
 #: where `precision: auto` keeps each node's measurement (`--auto-cache`; docs/precision.md,
 #: "precision: auto"): the run's jobs on one node measure once
 AUTO_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "auto-precision"))
@@ -72,9 +68,6 @@ try:
     workflow_config.check_embed_config(config, MODEL_FACTS)
 except workflow_config.ConfigError as exc:
     fail(exc)
-
-# The model family's token layout (its special tokens) sets the shard token budgets.
-MODEL_LAYOUT = MODEL_FACTS.token_layout
 
 if config.get("test_model"):
     MODEL_KIND = "test"  # written by rule make_test_model
@@ -298,55 +291,16 @@ def _join(args):
 
 
 def embed_options():
-    """Options of `embedpipe embed` taken from the config (a param: changing one re-embeds)."""
-    args = ["--precision", config["precision"]]
-    for layer in config["layers"]:
-        args += ["--layers", layer]
-    args.append("--per-residue" if config["per_residue"] else "--no-per-residue")
-    args += [
-        "--device",
-        config["device"],
-        "--storage-dtype",
-        config["storage_dtype"],
-        "--long-sequences",
-        config["long_sequences"],
-    ]
-    if config["fallback_device"] != "auto":  # not passed by default: existing runs stay up to date
-        args += ["--fallback-device", config["fallback_device"]]
-    if sorted(config["pooling"]) != ["mean"]:  # likewise
-        for pooling in config["pooling"]:
-            args += ["--pooling", pooling]
-    for key in ("batch_layout", "attention_inputs", "compile"):  # likewise
-        if config[key] != "auto":
-            args += ["--" + key.replace("_", "-"), config[key]]
-    if config["int8_smoothing"] != "none":  # likewise
-        args += ["--int8-smoothing", config["int8_smoothing"]]
-    if config["int8_calibration"] is not None:
-        args += ["--int8-calibration", config["int8_calibration"]]
-    if config["accept_platform_mix"]:  # likewise
-        args.append("--accept-platform-mix")
-    return _join([*args, *fasta_limit_options()])  # likewise
-
-
-def fasta_limit_options():
-    """`--max-record-length`, `--max-id-length` of shard and embed (the same limits for both:
-    embed reads the shards through the same reader); not passed at the defaults, so existing
-    runs stay up to date (docs/store-format.md, "Input limits")."""
-    args = []
-    for key, flag, default in (("max_record_length", "--max-record-length", FASTA_LIMITS.max_length),
-                               ("max_id_length", "--max-id-length", FASTA_LIMITS.max_id_length)):
-        if config[key] != default:
-            args += [flag, config[key]]
-    return args
+    """Options of `embedpipe embed` from the config (a param: changing one re-embeds), mapped
+    by the package (embedpipe.workflow.config.embed_args); `tokens_per_batch` is the rule's
+    resource (smaller on a retry)."""
+    return _join(workflow_config.embed_args(config, leave=("tokens_per_batch",)))
 
 
 def shard_options():
-    """`--model` of `embedpipe shard` for a family whose special tokens are not ESM-2's, and
-    the FASTA limits when not the defaults (otherwise not passed, so existing runs stay up to date)."""
-    args = fasta_limit_options()
-    if MODEL_LAYOUT.extra_tokens != embedpipe_model.ESM2_LAYOUT.extra_tokens:
-        args += ["--model", MODEL]
-    return f" {_join(args)}" if args else ""
+    """`--model` of `embedpipe shard` (the family's token layout sets the shard budgets) and the
+    FASTA limits (embedpipe.workflow.config.fasta_limit_args, embed's too)."""
+    return _join(["--model", MODEL, *workflow_config.fasta_limit_args(config)])
 
 
 def reuse_indexes():
@@ -429,7 +383,7 @@ def crosscheck_label_options():
 # ---------------------------------------------------------------- targets
 
 
-#: format -> the file the export rule writes, from the registry (embedpipe/export/formats.py)
+#: format -> the file the export rule writes, from the registry (embedpipe/core/export_formats.py)
 EXPORT_NAMES = export_formats.workflow_files()
 
 

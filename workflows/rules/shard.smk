@@ -17,9 +17,8 @@ checkpoint shard:
     params:
         outdir=lambda wildcards, output: os.path.dirname(output.manifest),
         tokens_per_shard=config["tokens_per_shard"],
-        # plus `--model MODEL` for a family whose special tokens are not ESM-2's (shard_options:
-        # folded into this param, so the rule's text and params of ESM-2 runs stay as they were)
-        on_invalid=config["on_invalid"] + shard_options(),
+        on_invalid=config["on_invalid"],
+        options=shard_options(),
         max_jobs=config["max_jobs"],
     resources:
         mem_mb=shard_mem_mb,
@@ -27,5 +26,5 @@ checkpoint shard:
     shell:
         "embedpipe shard {input.fasta:q} --out {params.outdir:q}"
         " --tokens-per-shard {params.tokens_per_shard} --on-invalid {params.on_invalid}"
-        " --max-jobs {params.max_jobs}"
+        " --max-jobs {params.max_jobs} {params.options}"
         " > {log:q} 2>&1"

@@ -1,18 +1,18 @@
 """The export formats, defined once: the ``--format`` name, the workflow's file, the module.
 
-Import-light (no numpy, h5py or pyarrow): ``core/options.py`` takes the names from here, and
-the workflow (``workflows/rules/common.smk``, ``export.smk``) derives its file names and its
-wildcard constraint from it at start-up. A format module is imported only when it is used and
-provides ``export(out, store, blocks, attrs, per_residue, on_block)``, and, when it writes more
-than ``out``, ``companions(out, per_residue) -> {role: path}`` (checked as outputs too).
+Plain data in ``core/`` (no numpy, h5py or pyarrow, nothing of ``export/``): ``core/options.py``
+takes the names from here, and the workflow (``workflows/rules/common.smk``, ``export.smk``)
+derives its file names and its wildcard constraint from it at start-up. ``embedpipe export``
+(:func:`embedpipe.export.run.writer`) imports a format's module by its name only when it is
+used; the module provides ``export(out, store, blocks, attrs, per_residue, on_block)``, and,
+when it writes more than ``out``, ``companions(out, per_residue) -> {role: path}`` (checked as
+outputs too).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class ExportFormat:
 
     name: str
     file: str
-    module: str
+    module: str  # the writer's module, imported by name when used (embedpipe.export.run.writer)
     what: str = ""
     #: added to ``--out`` when it does not end with it (``npy``: ``OUT.npy``, as ``numpy.save``
     #: names a file and docs/exports.md promises); none: ``--out`` as given
@@ -37,9 +37,6 @@ class ExportFormat:
     def ext(self) -> str:
         """The workflow's ``{ext}`` wildcard: ``file`` after ``embeddings.``."""
         return self.file.split(".", 1)[1]
-
-    def load(self) -> ModuleType:
-        return importlib.import_module(self.module)
 
 
 #: the registered formats (``NAMES`` are their ``--format`` names)

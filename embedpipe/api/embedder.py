@@ -1,0 +1,136 @@
+"""``embedpipe.Embedder`` and ``embedpipe.embed``: sequences held in memory embedded in
+process, with the guarantees of ``embedpipe embed``.
+
+Why it goes through the job: the options are checked, the policy configured, the device
+claimed, the model loaded and the run resolved by the very functions ``embed`` uses
+(:mod:`embedpipe.embed.run`'s checks, :func:`embedpipe.embed.job.open_job`, and through it
+:func:`~embedpipe.embed.resolved.resolve_run`), so the same records and options give the same
+bits as the CLI's store. The model stays loaded between calls until :meth:`Embedder.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from embedpipe.api.compatible import check_compatible
+from embedpipe.api.result import Result
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
+from embedpipe.embed.engine import Embedder as Engine
+from embedpipe.embed.job import JobInput, open_job
+from embedpipe.embed.provenance import provenance
+from embedpipe.embed.resolved import ResolvedRun
+from embedpipe.embed.run import run_attrs, start_checks  # the checks and root attributes `embed` makes
+from embedpipe.inputs.memory import Sequences, check_records
+from embedpipe.model.registry import model_files
+from embedpipe.neighbours.hits import Hits, search_index
+from embedpipe.neighbours.index_file import read_meta
+from embedpipe.store import EmbeddedRecord
+
+__all__ = ["Embedder", "embed"]
+
+
+def _options(given: dict[str, Any]) -> EmbedOptions:
+    """``EmbedOptions`` from keyword arguments; an unknown one is one line naming it."""
+    known = set(EmbedOptions.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise EmbedpipeError(f"Embedder: unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+    for name in ("layers", "pooling"):  # a list is as good as a tuple; the store's config keeps tuples
+        if isinstance(given.get(name), list):
+            given[name] = tuple(given[name])
+    if isinstance(given.get("layers"), int):
+        given["layers"] = (given["layers"],)
+    return EmbedOptions(**given)
+
+
+class Embedder:
+    """A model loaded once (at the first call), with one set of ``embed`` options, resolved once.
+
+    ``Embedder(model, precision="bf16-mixed", layers=(-1,))`` takes the model spec of
+    ``embed --model`` and the options of :class:`~embedpipe.core.options.EmbedOptions`; use it
+    as a context manager, or call :meth:`close`, to release the model. ``quiet=False`` shows
+    progress and the job's notes; ``limits``: the input limits of ``--max-record-length`` and
+    ``--max-id-length``."""
+
+    def __init__(self, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
+                 **options: Any) -> None:
+        self.model = str(model)
+        self.options = _options(options)
+        self.quiet = quiet
+        # embed's checks, before the model loads; the limits as the family reads records (ProstT5 keeps case)
+        self._policy, self.limits = start_checks([], self.model, self.options, (), limits)
+        self.model_files = model_files(self.model)
+        self._stack = contextlib.ExitStack()
+        self._engine: Engine | None = None
+        self._closed = False
+
+    def _engine_for(self, records: list[tuple[str, str]]) -> Engine:
+        """The engine, its model loaded and its run resolved at the first call, as ``embed`` does
+        for a FASTA of these records (``--precision auto`` probes them, the job's residues are
+        theirs); later calls reuse it."""
+        if self._closed:
+            raise EmbedpipeError("this Embedder is closed: its model was released; make a new one")
+        if self._engine is None:
+            job = self._stack.enter_context(open_job(self.model, self.options, self._policy, (), self.quiet,
+                                                     JobInput(limits=self.limits, records=tuple(records))))
+            self._engine = job.embedder()  # the device claimed, the model loaded, the run resolved
+        return self._engine
+
+    @property
+    def run(self) -> ResolvedRun | None:
+        """The resolved run (:class:`~embedpipe.embed.resolved.ResolvedRun`) every call uses; None
+        until the first call loads the model."""
+        return None if self._engine is None else self._engine.run
+
+    def embed(self, sequences: Sequences) -> Result:
+        """Embed ``sequences`` (a list of sequences, of ``(id, sequence)`` pairs, or a dict of them);
+        the records come back in input order. A record ``embed`` would refuse in a FASTA is
+        refused in one line naming it, before anything is computed."""
+        return self._embed(check_records(sequences, self.limits))
+
+    def _embed(self, records: list[tuple[str, str]]) -> Result:
+        engine = self._engine_for(records)
+        engine.new_input()
+        plan = engine.plan(records)
+        done: list[EmbeddedRecord | None] = [None] * len(records)
+        with contextlib.closing(engine.embed(records, plan, quiet=self.quiet)) as results:
+            for j, record in results:
+                done[j] = record
+        attrs = provenance(engine.loaded, engine.run, None) | run_attrs(engine, plan)
+        return Result([r for r in done if r is not None], engine.run, attrs, self.model_files)
+
+    def search(self, queries: Sequences, index: str | Path, *, k: int = 10) -> Hits:
+        """The ``k`` nearest neighbours in ``index`` of every query (:mod:`embedpipe.neighbours`),
+        embedded by this Embedder; refused, before anything is embedded, in one line naming what
+        differs when its run is not the index's store's (:mod:`embedpipe.api.compatible`)."""
+        path = Path(index)
+        meta = read_meta(path)
+        records = check_records(queries, self.limits)
+        check_compatible(self._engine_for(records).run, meta, path)
+        result = self._embed(records)
+        return search_index(path, meta, result.ids, result.pooled(meta.layer, meta.pooling), k)
+
+    def close(self) -> None:
+        """Release the model (and the device it holds)."""
+        self._engine, self._closed = None, True
+        self._stack.close()
+
+    def __enter__(self) -> Embedder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def embed(sequences: Sequences, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
+          **options: Any) -> Result:
+    """One call: load ``model``, embed ``sequences`` with ``options``, release the model."""
+    with Embedder(model, quiet=quiet, limits=limits, **options) as embedder:
+        return embedder.embed(sequences)
+
+

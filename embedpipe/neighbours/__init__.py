@@ -1,0 +1,1 @@
+"""Nearest neighbours over a store: ``embedpipe index`` and the search of an index (docs/python.md)."""

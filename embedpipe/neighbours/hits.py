@@ -1,0 +1,65 @@
+"""The neighbours of queries in an index, and their TSV (``query hit score rank``).
+
+Why here and not in the API: the search of vectors already embedded is the index's business
+(its kind, its metric, its IDs); the API only embeds the queries as the index says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embedpipe.core.atomic import write_text_atomic
+from embedpipe.core.errors import EmbedpipeError
+from embedpipe.neighbours.build import unit_rows
+from embedpipe.neighbours.index_file import IndexMeta, faiss_module, read_ids
+
+__all__ = ["HEADER", "Hits", "search_index"]
+
+#: the TSV's header
+HEADER = ("query", "hit", "score", "rank")
+
+
+@dataclass
+class Hits:
+    """Per query, its ``k`` nearest IDs (best first) and their scores (cosine, or ``metric``)."""
+
+    queries: list[str]
+    hits: list[list[str]]
+    scores: np.ndarray  # (Q, k) float32
+    metric: str = "cosine"
+
+    def rows(self) -> list[tuple[str, str, float, int]]:
+        """(query, hit, score, rank) rows, rank from 1, in query order."""
+        return [(q, hit, float(self.scores[i, r]), r + 1)
+                for i, q in enumerate(self.queries) for r, hit in enumerate(self.hits[i])]
+
+    def to_tsv(self) -> str:
+        lines = ["\t".join(HEADER)] + [f"{q}\t{h}\t{s:.7g}\t{r}" for q, h, s, r in self.rows()]
+        return "\n".join(lines) + "\n"
+
+    def write_tsv(self, path: Path | str) -> Path:
+        """The TSV, written atomically."""
+        write_text_atomic(Path(path), self.to_tsv())
+        return Path(path)
+
+
+def search_index(index: Path, meta: IndexMeta, queries: list[str], vectors: np.ndarray, k: int) -> Hits:
+    """The ``k`` nearest rows of ``index`` to each of ``vectors`` (rows of ``queries``; as the
+    store holds them, in its storage dtype) by cosine; fewer when the index holds fewer rows."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise EmbedpipeError(f"--k must be a positive whole number, not {k!r}")
+    faiss = faiss_module()
+    loaded = faiss.read_index(str(index))
+    if loaded.ntotal != meta.rows or loaded.d != meta.dim:
+        raise EmbedpipeError(f"{index}: holds {loaded.ntotal} rows of {loaded.d} values, its description says "
+                             f"{meta.rows} of {meta.dim}; rebuild it with embedpipe index")
+    ids = read_ids(index, meta.rows)
+    k = min(k, meta.rows)
+    if meta.kind == "hnsw":
+        loaded.hnsw.efSearch = max(loaded.hnsw.efSearch, k)
+    scores, found = loaded.search(unit_rows(vectors), k)
+    return Hits(list(queries), [[ids[j] for j in row] for row in found.tolist()], scores, meta.metric)
+
