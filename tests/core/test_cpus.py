@@ -112,7 +112,11 @@ def test_embed_under_a_non_ascii_slurm_cpus_per_task_runs_and_warns_once(tiny_mo
 
 def test_explicit_threads_win_over_the_allocation(node) -> None:
     root = node(2, ["0::/"], {"cpu.max": "100000 100000"})
-    assert cpus.thread_count(6, {"SLURM_CPUS_PER_TASK": "1"}, root) == cpus.CpuAllocation(6, "--threads")
+    chosen = cpus.thread_count(6, {"SLURM_CPUS_PER_TASK": "1"}, root)
+    assert (chosen.count, chosen.source) == (6, "--threads")
+    # the one count carries the warning that 6 threads oversubscribe the cgroup's one CPU
+    assert chosen.note.startswith("--threads 6 is more than the 1 CPU(s) this job may use (cgroup ")
+    assert cpus.thread_count(1, {"SLURM_CPUS_PER_TASK": "1"}, root) == cpus.CpuAllocation(1, "--threads")
     assert cpus.thread_count(None, {}, root).count == 1
 
 

@@ -31,7 +31,8 @@ def fake_esmc(dim: int, heads: int, ffn: int) -> EsmcModel:
     weights = {name: torch.empty(size) for name, size in expected_shapes(shape, 64).items()}
     weights["inv_freq"] = inverse_frequencies(shape)
     return EsmcModel(weights=weights, shape=shape, name="fake", source="fake", sha256="0" * 64, trained=False,
-                     trained_window=esmc_spec.window(None), token_layout=esmc_spec.layout(None))
+                     trained_window=esmc_spec.window(None), token_layout=esmc_spec.layout(None),
+                     batch_layouts=esmc_spec.HF_ESMC.batch_layouts)
 
 
 def traced_bytes_per_token(shape: str, precision: str, *, tokens: int = 16384, **options) -> tuple[float, int]:
