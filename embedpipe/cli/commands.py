@@ -367,7 +367,7 @@ def make_test_model(
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
     family: str = typer.Option("esm2", "--family", help="esm2 (a fair-esm .pt), or a Hugging Face directory: "
-                               "prot-t5, prostt5, ankh, hf-esm, esmc (needs the hf extra; docs/models.md)."),
+                               "prot-t5, prostt5, ankh, hf-esm, esmc, saprot (needs the hf extra; docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 checkpoint in fair-esm's format, or a
     Hugging Face model directory (--family)."""

@@ -174,9 +174,11 @@ def skip_random_init() -> Iterator[None]:
         yield
 
 
-def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: str) -> tuple[ESM2, esm.data.Alphabet]:
-    """An ``ESM2`` from the cfg with ``state_dict`` assigned (no second copy of the weights)."""
-    alphabet = esm2_alphabet()
+def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: str,
+                alphabet: esm.data.Alphabet | None = None) -> tuple[ESM2, esm.data.Alphabet]:
+    """An ``ESM2`` from the cfg with ``state_dict`` assigned (no second copy of the weights);
+    ``alphabet``: the tokens it embeds (ESM-2's unless given: SaProt's pairs)."""
+    alphabet = alphabet or esm2_alphabet()
     with skip_random_init():  # parameters allocated, never written; the loaded tensors replace them
         model = ESM2(num_layers=info["num_layers"], embed_dim=info["embed_dim"],
                      attention_heads=info["attention_heads"], alphabet=alphabet, token_dropout=info["token_dropout"])

@@ -13,6 +13,7 @@ from typing import Any
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
 from embedpipe.model.hf_families import HfFamily
+from embedpipe.model import saprot_spec
 from embedpipe.model.layout import ESM2_LAYOUT
 
 FAMILY = "esm2"
@@ -129,11 +130,19 @@ def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
     return ["config.json", "vocab.txt"]
 
 
-#: ``model_type: esm`` directories, loaded into the ESM-2 runner (:mod:`embedpipe.model.hf_esm`)
+def _hf_family_name(spec: str, directory: Path, config: Mapping[str, Any]) -> str:
+    """``saprot`` when the vocabulary holds amino-acid x 3Di pair tokens, else ``esm2``."""
+    return saprot_spec.FAMILY if saprot_spec.has_pair_vocabulary(directory) else FAMILY
+
+
+#: ``model_type: esm`` directories, loaded into the ESM-2 runner (:mod:`embedpipe.model.hf_esm`):
+#: ESM-2, and SaProt (its pair vocabulary, its layout of two characters a residue)
 HF_ESM = HfFamily(
-    model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
-    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
+    model_type="esm", label="ESM-2, SaProt", module="embedpipe.model.hf_esm",
+    family_name=_hf_family_name, sizes=esm_config,
     window=lambda config: TRAINED_RESIDUES, layout=lambda config: LAYOUT,
     identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
-    hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
+    hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS}
+    | {name: saprot_spec.FAMILY for name in saprot_spec.HUB_NAMES},
+    family_layouts={saprot_spec.FAMILY: saprot_spec.LAYOUT},
 )

@@ -18,9 +18,11 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
+from embedpipe.model import esm2_spec, saprot_spec
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet
+from embedpipe.model.saprot import SaProtModel, saprot_alphabet
 
 #: fair-esm per-layer module -> transformers' ``EsmLayer`` module.
 PER_LAYER = {
@@ -57,10 +59,10 @@ def fair_to_hf_names(num_layers: int) -> dict[str, str]:
     return names
 
 
-def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check_config(config: Mapping[str, Any], where: str, vocabulary: int = esm2_spec.VOCABULARY_SIZE) -> dict[str, Any]:
     """fair-esm's ESM-2 cfg from an ``EsmConfig`` (``where``: its config.json); every size
     bounded first (:func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals
-    for what ESM2 cannot be."""
+    for what ESM2 cannot be (``vocabulary``: the tokens it must embed, SaProt's 446)."""
     sizes = esm_config(config, where)
     dim = sizes["embed_dim"]
     token_dropout = config.get("token_dropout", False)
@@ -70,7 +72,7 @@ def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         (sizes["position_embedding_type"] == "rotary", "position_embedding_type is not 'rotary'"),
         (not config.get("emb_layer_norm_before"), "emb_layer_norm_before is set"),
         (sizes["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
-        (sizes["vocab_size"] == len(esm2_alphabet().all_toks), "vocab_size is not ESM-2's 33"),
+        (sizes["vocab_size"] == vocabulary, f"vocab_size is not {vocabulary}, its vocabulary's"),
         (abs(sizes["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
         (config.get("hidden_act", "gelu") == "gelu", "hidden_act is not gelu"),
     ]
@@ -81,13 +83,13 @@ def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
             "token_dropout": token_dropout, "trained": hf.is_trained(config)}
 
 
-def check_vocabulary(directory: Path) -> None:
-    """A ``vocab.txt``, when present, must be fair-esm's alphabet in fair-esm's order."""
+def check_vocabulary(directory: Path, expected: list[str], label: str) -> None:
+    """A ``vocab.txt``, when present, must be ``expected`` in its order (``label``: whose)."""
     vocab = directory / "vocab.txt"
     if vocab.is_file():
-        tokens = vocab.read_text().split()
-        if tokens != list(esm2_alphabet().all_toks):
-            raise ModelError(f"{vocab}: not ESM-2's vocabulary (fair-esm's alphabet, in its order)")
+        tokens = vocab.read_text(errors="replace").split()
+        if tokens != expected:
+            raise ModelError(f"{vocab}: not {label}'s vocabulary (its tokens, in its order)")
 
 
 def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: str) -> dict[str, torch.Tensor]:
@@ -124,13 +126,15 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
     """An :class:`Esm2Model` from a Hugging Face ESM-2 directory (``config.json`` already read)."""
     where = str(directory)
-    info = check_config(config, str(directory / "config.json"))
-    check_vocabulary(directory)
+    saprot = hf.family_of(spec, directory, config) == saprot_spec.FAMILY
+    alphabet = saprot_alphabet() if saprot else esm2_alphabet()
+    info = check_config(config, str(directory / "config.json"), len(alphabet.all_toks))
+    check_vocabulary(directory, list(alphabet.all_toks), "SaProt" if saprot else "ESM-2")
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     state = to_fair(hf.read_state_dict(files), info, where)
-    model, alphabet = build_model(info, state, where=where)
-    return Esm2Model(model=model, alphabet=alphabet, name=spec if hf.is_model_name(spec) else directory.name,
+    model, alphabet = build_model(info, state, where=where, alphabet=alphabet)
+    return (SaProtModel if saprot else Esm2Model)(model=model, alphabet=alphabet, name=spec if hf.is_model_name(spec) else directory.name,
                      source=where, sha256=sha, trained=info["trained"], num_layers=info["num_layers"],
                      embed_dim=info["embed_dim"], attention_heads=info["attention_heads"],
                      provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),

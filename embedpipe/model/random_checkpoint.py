@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import esm
 import torch
 from esm.model.esm2 import ESM2
 
@@ -132,11 +133,13 @@ def _untrained_marker(seed: int) -> dict[str, object]:
     }
 
 
-def _random_esm2(layers: int, dim: int, heads: int, seed: int, token_dropout: bool) -> ESM2:
-    """fair-esm's init, then the constant parameters drawn at random; the global RNG untouched."""
+def _random_esm2(layers: int, dim: int, heads: int, seed: int, token_dropout: bool,
+                 alphabet: esm.data.Alphabet | None = None) -> ESM2:
+    """fair-esm's init, then the constant parameters drawn at random; the global RNG untouched
+    (``alphabet``: ESM-2's unless given, SaProt's pairs)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads, alphabet=esm2_alphabet(),
+        model = ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads, alphabet=alphabet or esm2_alphabet(),
                      token_dropout=token_dropout)
         with torch.no_grad():
             for pname, param in model.named_parameters():

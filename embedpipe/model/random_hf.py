@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|esmc``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|esmc|saprot``.
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
@@ -26,7 +26,7 @@ from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
 from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES, THREE_DI
 
-HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "esmc")
+HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "esmc", "saprot")
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:
@@ -65,11 +65,13 @@ def _write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, 
 # --------------------------------------------------------------------------- ESM-2
 
 
-def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json and the EsmTokenizer files of an ESM-2 with this shape."""
+def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: Mapping[str, Any],
+                 alphabet: Any = None) -> dict[str, Any]:
+    """config.json and the EsmTokenizer files of an ESM-2 with this shape (``alphabet``: ESM-2's
+    unless given, SaProt's pairs: its vocab.txt as SaProt's own)."""
     from embedpipe.model.esm2 import esm2_alphabet
 
-    alphabet = esm2_alphabet()
+    alphabet = alphabet or esm2_alphabet()
     config = {"model_type": "esm", "architectures": ["EsmForMaskedLM"], "vocab_size": len(alphabet.all_toks),
               "hidden_size": dim, "num_hidden_layers": layers, "num_attention_heads": heads,
               "intermediate_size": 4 * dim, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
@@ -94,10 +96,10 @@ def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int) -> dict[
 
 
 def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: int, dim: int, heads: int,
-                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None) -> Path:
+                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None, alphabet: Any = None) -> Path:
     """An ESM-2 (fair-esm state dict) as a Hugging Face ``EsmForMaskedLM`` directory."""
     mark = marker("hf-esm", -1) if mark is None else mark
-    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark),
+    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, alphabet),
                            hf_esm_tensors(fair_state, layers))
 
 
@@ -208,7 +210,7 @@ def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: 
 
 def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32, heads: int = 4,
                        seed: int = 0, d_kv: int | None = None, d_ff: int | None = None) -> Path:
-    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, prostt5, ankh, hf-esm or esmc).
+    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, prostt5, ankh, hf-esm, esmc or saprot).
 
     ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
@@ -218,11 +220,14 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
     if family == "esmc":
         return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),
                                random_esmc(layers, dim, heads, d_ff or 2 * dim, seed))
-    if family == "hf-esm":
+    if family in ("hf-esm", "saprot"):
         from embedpipe.model.random_checkpoint import _random_esm2
+        from embedpipe.model.saprot import saprot_alphabet
 
-        fair = _random_esm2(layers, dim, heads, seed, True).state_dict()
-        return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed))
+        alphabet = saprot_alphabet() if family == "saprot" else None
+        fair = _random_esm2(layers, dim, heads, seed, True, alphabet).state_dict()
+        return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed),
+                            alphabet=alphabet)
     tokenizer, vocab = t5_tokenizer_files(family)
     d_kv, d_ff = d_kv or dim // heads, d_ff or 2 * dim
     gated = family == "ankh"  # Ankh is T5 v1.1-style (gated-gelu); ProtT5-XL uses relu
