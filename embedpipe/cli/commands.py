@@ -105,15 +105,15 @@ def shard(
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
     from embedpipe.shard.passes import TOKENS_PER_RECORD, shard_fasta
 
-    per_record, keep_case = TOKENS_PER_RECORD, False
+    per_record, keep_case, per_residue = TOKENS_PER_RECORD, False, 1
     if model is not None:
         from embedpipe.model import describe
 
         layout = describe(model).token_layout
-        per_record, keep_case = layout.extra_tokens, layout.keeps_case
+        per_record, keep_case, per_residue = layout.extra_tokens, layout.keeps_case, layout.chars_per_residue
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
                           max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record,
-                          limits=options.FastaLimits(max_record_length, max_id_length, keep_case))
+                          limits=options.FastaLimits(max_record_length, max_id_length, keep_case, per_residue))
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from embedpipe.model import saprot_spec
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model import saprot_spec
 from embedpipe.model.layout import ESM2_LAYOUT
 
 FAMILY = "esm2"

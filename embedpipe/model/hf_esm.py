@@ -17,8 +17,8 @@ import esm
 import torch
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model import esm2_spec, saprot_spec
+from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet
@@ -134,8 +134,9 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm
     sha = hf.weights_sha256(files)
     state = to_fair(hf.read_state_dict(files), info, where)
     model, alphabet = build_model(info, state, where=where, alphabet=alphabet)
-    return (SaProtModel if saprot else Esm2Model)(model=model, alphabet=alphabet, name=spec if hf.is_model_name(spec) else directory.name,
-                     source=where, sha256=sha, trained=info["trained"], num_layers=info["num_layers"],
-                     embed_dim=info["embed_dim"], attention_heads=info["attention_heads"],
-                     provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
-                                 "model_format": "huggingface-esm"})
+    kind = SaProtModel if saprot else Esm2Model
+    return kind(model=model, alphabet=alphabet, name=spec if hf.is_model_name(spec) else directory.name,
+                source=where, sha256=sha, trained=info["trained"], num_layers=info["num_layers"],
+                embed_dim=info["embed_dim"], attention_heads=info["attention_heads"],
+                provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
+                            "model_format": "huggingface-esm"})
