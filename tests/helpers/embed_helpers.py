@@ -33,6 +33,14 @@ def random_sequences(count: int, lengths: Sequence[int] | tuple[int, int], seed:
     return [(f"rec{i:03d}", "".join(rng.choice(alphabet, int(n)))) for i, n in enumerate(sizes)]
 
 
+def structure_aware(records: Sequence[tuple[str, str]], seed: int = 0) -> list[tuple[str, str]]:
+    """``records`` as SaProt's structure-aware sequences: after each residue a random 3Di state
+    (lower case) or ``#`` (masked), two characters a residue."""
+    rng = np.random.default_rng(seed)
+    states = np.array(list("acdefghiklmnpqrstvwy#"))
+    return [(rid, "".join(a + s for a, s in zip(seq, rng.choice(states, len(seq))))) for rid, seq in records]
+
+
 def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
     with open(path, "w") as fh:
         for rid, seq in records:

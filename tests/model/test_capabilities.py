@@ -20,9 +20,9 @@ from helpers import fake_family_layout as fake
 
 #: a test model of every family embedpipe registers: make-test-model's formats (fair-esm and one
 #: directory per Hugging Face ``model_type`` it writes; ESM++ in tests/model/test_esmc.py)
-FAMILY_MODELS = ("esm2", "hf-esm", "prot-t5", "prostt5", "ankh", "esmc")
+FAMILY_MODELS = ("esm2", "hf-esm", "saprot", "prot-t5", "prostt5", "ankh", "esmc")
 #: model_type of each make-test-model family (the Hugging Face spec it is declared by)
-MODEL_TYPES = {"hf-esm": "esm", "prot-t5": "t5", "prostt5": "t5", "ankh": "t5", "esmc": "esmc"}
+MODEL_TYPES = {"hf-esm": "esm", "saprot": "esm", "prot-t5": "t5", "prostt5": "t5", "ankh": "t5", "esmc": "esmc"}
 
 
 def assert_declared_as_loaded(spec: str) -> None:
