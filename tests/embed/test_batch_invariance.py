@@ -122,7 +122,8 @@ def test_every_batching_gives_bit_identical_records(models, tmp_path, family, pr
         "tokens_per_batch 150, one thread": lambda: embed_values(
             tmp_path, models[family], records, "small", tokens_per_batch=150, threads=1, **options),
         "reversed, longer batch-mates": lambda: embed_values(
-            tmp_path, models[family], records_of(family, MATES) + records[::-1], "mates", tokens_per_batch=700, threads=2, **options),
+            tmp_path, models[family], records_of(family, MATES) + records[::-1], "mates", tokens_per_batch=700,
+            threads=2, **options),
         "every other record": lambda: embed_values(
             tmp_path, models[family], records[1::2], "subset", tokens_per_batch=4096, threads=2, **options),
         "one record alone": lambda: embed_values(

@@ -30,7 +30,14 @@ from embedpipe.model import describe, load_model, registry
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.saprot_spec import LAYOUT
 from embedpipe.store.validate import validate_store
-from helpers.embed_helpers import random_sequences, read_store, structure_aware, write_fasta
+from helpers.embed_helpers import (
+    random_sequences,
+    read_store,
+    reuse_twins,
+    structure_aware,
+    unmarked_family,
+    write_fasta,
+)
 
 #: structure-aware records: amino acids (rare ones too) with 3Di states, '#' masked
 RECORDS = structure_aware(random_sequences(6, [5, 40, 1, 17, 60, 9], seed=5), seed=6) + [
@@ -74,13 +81,7 @@ def test_the_family_is_recognised_from_its_vocabulary(saprot: Path) -> None:
     assert registry.model_identity(str(saprot)).family == "saprot v1"
     for name in ("westlake-repl/SaProt_650M_AF2", "westlake-repl/SaProt_35M_AF2"):  # before they are cached
         assert (describe(name).family, describe(name).token_layout) == ("saprot", LAYOUT)
-    config = json.loads((saprot / "config.json").read_text())
-    del config["embedpipe"]  # no make-test-model marker at all: the vocabulary alone says it
-    unmarked = saprot.parent / "unmarked"
-    shutil.copytree(saprot, unmarked)
-    (unmarked / "config.json").write_text(json.dumps(config))
-    assert describe(str(unmarked)).family == "saprot"
-    shutil.rmtree(unmarked)
+    assert unmarked_family(saprot, whole_marker=True) == "saprot"  # no marker at all: the vocabulary says it
 
 
 def test_token_ids_equal_esm_tokenizer_on_the_pair_vocabulary(saprot: Path) -> None:
@@ -140,17 +141,9 @@ def test_a_record_that_is_not_pairs_is_refused_in_one_line(saprot: Path, tmp_pat
 
 def test_a_structure_change_is_another_sequence_to_reuse(saprot: Path, tmp_path: Path) -> None:
     """The same amino acids with another 3Di string are not copied from the earlier store."""
-    earlier = tmp_path / "earlier.h5"
-    embed(saprot, tmp_path, [("first", "MdEvVp")], "earlier")
-    from embedpipe.core.options import EmbedOptions
-    from embedpipe.embed.run import embed_fasta
-
-    summary = embed_fasta(write_fasta(tmp_path / "next.fasta", [("other", "MdEvVq"), ("again", "MdEvVp")]),
-                          model=str(saprot), out=tmp_path / "next.h5", reuse=[earlier], quiet=True,
-                          options=EmbedOptions(device="cpu", tokens_per_batch=4096))
-    assert summary.reused == 1  # "again" only
-    store = read_store(tmp_path / "next.h5")
-    assert np.array_equal(store["mean"][2]["again"], read_store(earlier)["mean"][2]["first"])
+    reused, earlier, store = reuse_twins(tmp_path, saprot, ("first", "MdEvVp"), "MdEvVq")
+    assert reused == 1  # "again" only
+    assert np.array_equal(store["mean"][2]["again"], earlier["mean"][2]["first"])
     assert not np.array_equal(store["mean"][2]["other"], store["mean"][2]["again"])
 
 
