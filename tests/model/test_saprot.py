@@ -139,6 +139,21 @@ def test_a_record_that_is_not_pairs_is_refused_in_one_line(saprot: Path, tmp_pat
     assert "record 'bad'" in result.stderr and not (tmp_path / "o.h5").exists()
 
 
+def test_shard_with_the_model_counts_residues_and_skips_what_is_not_pairs(saprot: Path, tmp_path: Path) -> None:
+    """The manifest's length, the shard's residues and tokens count pairs; the case is kept."""
+    records = [("a", "MdEvVpQp"), ("b", "A#CaYc#pKd"), ("odd", "MdE"), ("dup", "MdEvVpQp")]
+    result = CliRunner().invoke(app, ["shard", str(write_fasta(tmp_path / "sa.faa", records)), "--out",
+                                      str(tmp_path / "shards"), "--model", str(saprot), "--on-invalid", "skip", "-q"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split("\t") for line in (tmp_path / "shards" / "manifest.tsv").read_text().splitlines()[1:]]
+    assert [(row[0], row[2], row[5]) for row in rows] == [
+        ("a", "4", "ok"), ("b", "5", "ok"), ("odd", "1", "skipped:not-pairs"), ("dup", "4", "duplicate")]
+    shards = json.loads((tmp_path / "shards" / "shards.json").read_text())["shards"]
+    assert [(s["residues"], s["tokens"], s["min_length"], s["max_length"]) for s in shards] == [(9, 13, 4, 5)]
+    text = "".join(p.read_text() for p in sorted((tmp_path / "shards").glob("shard-*.fasta")))
+    assert sorted(line for line in text.split() if not line.startswith(">")) == ["A#CaYc#pKd", "MdEvVpQp"]
+
+
 def test_a_structure_change_is_another_sequence_to_reuse(saprot: Path, tmp_path: Path) -> None:
     """The same amino acids with another 3Di string are not copied from the earlier store."""
     reused, earlier, store = reuse_twins(tmp_path, saprot, ("first", "MdEvVp"), "MdEvVq")
