@@ -358,6 +358,23 @@ def fetch_model(
     print(path)
 
 
+@app.command("join-structure")
+@user_errors
+def join_structure(
+    amino: Path = typer.Argument(..., help="Amino-acid FASTA (Foldseek convert2fasta of the structure database)."),
+    three_di: Path = typer.Argument(..., help="3Di FASTA with the same IDs (convert2fasta of its _ss database)."),
+    out: Path = typer.Option(..., "--out", help="Structure-aware FASTA to write (SaProt's input), atomically."),
+) -> None:
+    """Pair an amino-acid FASTA and a 3Di FASTA by ID into SaProt's structure-aware sequences."""
+    from embedpipe.core.atomic import check_output_path
+    from embedpipe.inputs.structure import write_structure_aware
+
+    if Path(out).resolve() in (Path(amino).resolve(), Path(three_di).resolve()):
+        raise EmbedpipeError(f"--out {out} is one of the inputs; write the structure-aware FASTA elsewhere")
+    check_output_path(out)
+    print(f"{write_structure_aware(amino, three_di, out)} records -> {out}", file=sys.stderr)
+
+
 @app.command("make-test-model")
 @user_errors
 def make_test_model(
