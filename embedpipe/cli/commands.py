@@ -367,7 +367,7 @@ def join_structure(
 ) -> None:
     """Pair an amino-acid FASTA and a 3Di FASTA by ID into SaProt's structure-aware sequences."""
     from embedpipe.core.atomic import check_output_path
-    from embedpipe.inputs.structure import write_structure_aware
+    from embedpipe.shard.structure import write_structure_aware
 
     if Path(out).resolve() in (Path(amino).resolve(), Path(three_di).resolve()):
         raise EmbedpipeError(f"--out {out} is one of the inputs; write the structure-aware FASTA elsewhere")

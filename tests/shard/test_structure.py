@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import InputError
-from embedpipe.inputs.structure import join_structure
 from embedpipe.model.random_hf import make_hf_test_model
+from embedpipe.shard.structure import join_structure
 from helpers.embed_helpers import read_store, write_fasta
 
 
