@@ -201,3 +201,18 @@ def test_an_overflowing_saprot_falls_back_to_fp32_values(saprot: Path, tmp_path:
         for layer in store["mean"]:
             close(store["mean"][layer][rid], reference_store["mean"][layer][rid])
             close(store["per_residue"][layer][rid], reference_store["per_residue"][layer][rid])
+
+
+def test_a_long_record_is_windowed_in_residues_not_characters(saprot: Path, tmp_path: Path) -> None:
+    """1100 residues (2200 characters) over SaProt's 1022-residue window: ``truncate`` keeps
+    transformers' rows of the first 1022 pairs; ``chunk`` cuts between pairs and keeps every residue."""
+    long = structure_aware(random_sequences(1, [1100], seed=8), seed=9)
+    rid, seq = long[0]
+    truncated = embed(saprot, tmp_path, long, "truncate", per_residue=True, long_sequences="truncate")
+    assert (truncated["fields"]["length"][rid], truncated["fields"]["embedded_length"][rid]) == (1100, 1022)
+    want = reference(saprot, [seq[: 2 * 1022]])[2][0, 1:1023].numpy()
+    close(truncated["per_residue"][2][rid], want)
+    chunked = embed(saprot, tmp_path, long, "chunk", per_residue=True, long_sequences="chunk")
+    rows = chunked["per_residue"][2][rid]
+    assert (rows.shape[0], chunked["fields"]["windows"][rid], chunked["fields"]["embedded_length"][rid]) == (1100, 2, 1100)
+    close(rows[:500], want[:500])  # the first window is the truncated one's, its first residues kept
