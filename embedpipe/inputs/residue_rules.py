@@ -11,8 +11,8 @@ The normalisation kinds and invalid reasons below are what ``manifest.tsv`` reco
   case is invalid (``mixed-case``): it is neither;
 * for a family that reads structure-aware sequences (SaProt: ``pairs``) every residue is two
   characters, an upper-case amino acid (or ``#``) and its lower-case 3Di state (or ``#``,
-  masked); case is kept, nothing is normalised, and an odd length or a character out of its
-  place makes the record invalid (``not-pairs``);
+  masked); case is kept, nothing is normalised but one trailing ``*`` stripped, and an odd
+  length or a character out of its place makes the record invalid (``not-pairs``);
 * a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty
   sequence make the record *invalid* (the invalid reasons).
 
@@ -109,10 +109,14 @@ def check_sequence(raw: bytes, keep_case: bool = False,
     if not seq:
         return seq, (), EMPTY_SEQUENCE, -1
     if pairs:
+        stripped: tuple[str, ...] = (STOP_STRIPPED,) if seq[-1] == 42 else ()  # one trailing b"*"
+        seq = seq[:-1] if stripped else seq
+        if not seq:
+            return seq, stripped, EMPTY_SEQUENCE, -1
         if (gap := next((i for i, byte in enumerate(seq) if byte in b"-.*"), -1)) >= 0:
-            return seq, (), ALIGNMENT_GAP if seq[gap] != 42 else INTERNAL_STOP, gap
+            return seq, stripped, ALIGNMENT_GAP if seq[gap] != 42 else INTERNAL_STOP, gap
         bad_pair = _pair_problem(seq)
-        return seq, (), (None if bad_pair < 0 else NOT_PAIRS), bad_pair
+        return seq, stripped, (None if bad_pair < 0 else NOT_PAIRS), bad_pair
     bad = seq.translate(None, _ALLOWED)
     if bad:
         char = bad[:1]

@@ -25,7 +25,7 @@ from embedpipe.cli import app
 from embedpipe.core.errors import InputError, ModelError
 from embedpipe.core.options import FastaLimits
 from embedpipe.inputs.fasta import read_sequences
-from embedpipe.inputs.residue_rules import ALIGNMENT_GAP, NOT_PAIRS, check_sequence
+from embedpipe.inputs.residue_rules import ALIGNMENT_GAP, INTERNAL_STOP, NOT_PAIRS, check_sequence
 from embedpipe.model import describe, load_model, registry
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.saprot_spec import LAYOUT
@@ -121,6 +121,8 @@ def test_pairs_are_checked_and_case_kept_for_saprot_only() -> None:
     assert check_sequence(b"dMEv", pairs=True)[2:] == (NOT_PAIRS, 0)  # lower case in an amino acid's place
     assert check_sequence(b"MdEb", pairs=True)[2:] == (NOT_PAIRS, 3)  # 'b' is no 3Di state
     assert check_sequence(b"Md-v", pairs=True)[2:] == (ALIGNMENT_GAP, 2)
+    assert check_sequence(b"MdEv*", pairs=True) == (b"MdEv", ("stop-stripped",), None, -1)
+    assert check_sequence(b"Md*Ev", pairs=True)[2:] == (INTERNAL_STOP, 2)
     assert check_sequence(b"M#E#")[2] is not None  # '#' stays invalid for every other family
 
 
