@@ -52,6 +52,12 @@ def chars_per_residue(attrs: Any) -> int:
     return int(attrs.get(CHARS_PER_RESIDUE, 1))
 
 
+def residues_of(chars: int, per_residue: int) -> int:
+    """Residues of a stored sequence of ``chars`` characters; a part of a residue counts as one,
+    so that ``length`` disagrees with a sequence that is not whole residues (validate)."""
+    return -(-chars // per_residue)
+
+
 def chars_attr(per_residue: int) -> dict[str, int]:
     """The root attribute for a family's ``chars_per_residue``: none where it is 1."""
     return {CHARS_PER_RESIDUE: per_residue} if per_residue != 1 else {}

@@ -29,6 +29,7 @@ from embedpipe.store.format import (
     poolings_of,
     read_blocks,
     read_root_attrs,
+    residues_of,
     stored_layers,
     string_counts,
 )
@@ -298,7 +299,7 @@ class _Validation:
             return
         try:
             for lo, block in iter_sequence_blocks(self.f):
-                chars = np.array([len(t) // per_residue for t in decode_strings(block, "dataset sequence", lo)],
+                chars = np.array([residues_of(len(t), per_residue) for t in decode_strings(block, "dataset sequence", lo)],
                                  dtype=np.int64)
                 lengths = self._ints("length", lo, lo + len(block))
                 if lengths is None:

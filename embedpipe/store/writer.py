@@ -147,6 +147,10 @@ class StoreWriter:
         #: characters of a sequence one residue takes (the family's layout; SaProt: 2), which
         #: ``length`` and the per-residue rows count
         self.chars_per_residue = chars_per_residue(attrs)
+        split = next((i for i, s in zip(self.ids, self.sequences) if len(s) % self.chars_per_residue), None)
+        if split is not None:
+            raise StoreError(f"{self.path}: record {split!r}: its sequence is not whole residues of "
+                             f"{self.chars_per_residue} characters")
 
         self._n = n = len(self.ids)
         self._written = np.zeros(n, dtype=bool)

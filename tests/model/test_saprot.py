@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -218,3 +219,28 @@ def test_a_long_record_is_windowed_in_residues_not_characters(saprot: Path, tmp_
     rows = chunked["per_residue"][2][rid]
     assert (rows.shape[0], chunked["fields"]["windows"][rid], chunked["fields"]["embedded_length"][rid]) == (1100, 2, 1100)
     close(rows[:500], want[:500])  # the first window is the truncated one's, its first residues kept
+
+
+def test_a_stored_sequence_that_is_not_whole_residues_is_refused_and_found(tmp_path: Path) -> None:
+    """The writer refuses a structure-aware sequence of odd length; validate finds one in a
+    store edited after the fact (7 characters, ``length`` 3: not 3 whole pairs)."""
+    from embedpipe.core.errors import StoreError
+    from embedpipe.store.writer import StoreWriter
+
+    common = dict(residue_rows=None, layers=[0], dim=4, storage_dtype="float32")
+    with pytest.raises(StoreError, match=r"record 'odd': its sequence is not whole residues of 2 characters"):
+        StoreWriter(tmp_path / "refused.h5", ids=["odd"], sequences=["MdEvVpQ"], attrs={"chars_per_residue": 2},
+                    **common)
+    assert not (tmp_path / "refused.h5").exists()
+    path = tmp_path / "edited.h5"
+    from embedpipe.store.columns import EmbeddedRecord
+
+    with StoreWriter(path, ids=["odd"], sequences=["MdEvVpQ"], attrs={}, **common) as writer:
+        writer.write(0, EmbeddedRecord(id="odd", sequence="MdEvVpQ", precision_used="fp32",
+                                       mean={0: np.zeros(4, dtype=np.float32)}, embedded_length=3))
+    assert validate_store(path) == []  # one character a residue: 7 residues, 3 of them embedded
+    with h5py.File(path, "r+") as f:
+        f.attrs["chars_per_residue"] = 2
+        f["length"][0] = 3
+    problems = validate_store(path)
+    assert any("sequence/offsets rows 0:2 give record row 0 7 entries, but length says 6" in p for p in problems), problems
