@@ -11,8 +11,10 @@ layer and the last layer:
 * **p99.9 |err|**: the 99.9th percentile of the absolute differences;
 * **min cos**: the smallest cosine between a residue's two vectors.
 
-References: fair-esm's own forward for a fair-esm ``.pt`` ESM-2 (``esm2``), transformers'
-``EsmModel`` for a Hugging Face ESM-2 directory (``hf-esm``, converted from the same ``.pt``),
+References: fair-esm's own forward for a fair-esm ``.pt`` ESM-2 (``esm2``) and ESM-1b/1v
+(``esm1b``: fair-esm's ``ProteinBertModel``), transformers' ``EsmModel`` for a Hugging Face
+ESM-2 directory (``hf-esm``, converted from the same ``.pt``) and an ESM-1b one (``hf-esm1b``:
+absolute positions, the layer norm before the first layer),
 ``T5EncoderModel`` for ProtT5, ProstT5 (upper-case and lower-case 3Di records, each with its
 direction prefix) and Ankh, ``EsmcModel`` (eager attention) for ESM C.
 
@@ -41,6 +43,9 @@ SHAPES: dict[str, dict[str, int]] = {
     # esm2_t33_650M_UR50D: width 1280, 20 heads of 64, feed-forward 4 x width
     "esm2": {"layers": 4, "dim": 256, "heads": 4},
     "hf-esm": {"layers": 4, "dim": 256, "heads": 4},
+    # esm1b_t33_650M_UR50S and the ESM-1v models: the same proportions as ESM-2 650M
+    "esm1b": {"layers": 4, "dim": 256, "heads": 4},
+    "hf-esm1b": {"layers": 4, "dim": 256, "heads": 4},
     # ProtT5-XL-U50 (and ProstT5, its fine-tune): d_model 1024, 32 heads x d_kv 128 (4 x d_model), d_ff 16 x d_model
     "prot-t5": {"layers": 4, "dim": 128, "heads": 4, "d_kv": 128, "d_ff": 2048},
     "prostt5": {"layers": 4, "dim": 128, "heads": 4, "d_kv": 128, "d_ff": 2048},
@@ -80,6 +85,11 @@ def make_model(family: str, root: Path, seed: int) -> Path:
         if family == "esm2":
             return pt
         return write_hf_esm(root / family, load_model(str(pt)).model.state_dict(), **shape)
+    if family == "esm1b":
+        pt = root / "esm1b_parity.pt"  # fair-esm builds its ProteinBertModel for names not starting with esm2
+        if not pt.exists():
+            make_test_model(pt, seed=seed, family="esm1b", **shape)
+        return pt
     return make_hf_test_model(root / family, family=family, seed=seed, **shape)
 
 
@@ -87,7 +97,7 @@ def reference(family: str, path: Path, tokens: torch.Tensor, pad: int, layers: l
     """The family's reference forward in fp32: hidden states (B, T, D) of ``layers``."""
     mask = tokens.ne(pad).long()
     with torch.no_grad():
-        if family == "esm2":
+        if family in ("esm2", "esm1b"):
             import argparse as namespace
 
             import esm
@@ -97,7 +107,7 @@ def reference(family: str, path: Path, tokens: torch.Tensor, pad: int, layers: l
             return dict(model.eval()(tokens, repr_layers=layers)["representations"])
         import transformers
 
-        if family == "hf-esm":
+        if family in ("hf-esm", "hf-esm1b"):
             hidden = transformers.EsmModel.from_pretrained(str(path), add_pooling_layer=False).eval()(
                 input_ids=tokens, attention_mask=mask, output_hidden_states=True).hidden_states
         elif family == "esmc":

@@ -139,7 +139,7 @@ LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of
 @user_errors
 def embed(
     fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
-    model: str = typer.Option(..., "--model", help="fair-esm ESM-2 name or checkpoint (.pt), a Hugging Face "
+    model: str = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), a Hugging Face "
                               "model directory, or a hub name in the local hub cache (docs/models.md)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
     out_dir: Optional[Path] = typer.Option(
@@ -347,8 +347,8 @@ def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
 @app.command("fetch-model")
 @user_errors
 def fetch_model(
-    name: str = typer.Argument(..., help="fair-esm ESM-2 name, e.g. esm2_t33_650M_UR50D (downloaded); a Hugging "
-                               "Face hub name is only looked up in the local hub cache."),
+    name: str = typer.Argument(..., help="fair-esm name, e.g. esm2_t33_650M_UR50D or esm1b_t33_650M_UR50S "
+                               "(downloaded); a Hugging Face hub name is only looked up in the local hub cache."),
     dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
 ) -> None:
     """Download a model ahead of time, for compute nodes without internet."""
@@ -383,19 +383,20 @@ def make_test_model(
     dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads)."),
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
-    family: str = typer.Option("esm2", "--family", help="esm2 (a fair-esm .pt), or a Hugging Face directory: "
-                               "prot-t5, prostt5, ankh, hf-esm, esmc, saprot (needs the hf extra; docs/models.md)."),
+    family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), or a Hugging Face "
+                               "directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc, saprot (needs the hf "
+                               "extra; docs/models.md)."),
 ) -> None:
-    """Write a random-weight (untrained) test model: an ESM-2 checkpoint in fair-esm's format, or a
-    Hugging Face model directory (--family)."""
-    if family != "esm2":
+    """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
+    format, or a Hugging Face model directory (--family)."""
+    if family not in ("esm2", "esm1b"):
         from embedpipe.model.random_hf import make_hf_test_model
 
         print(make_hf_test_model(out, family=family, layers=layers, dim=dim, heads=heads, seed=seed))
         return
     from embedpipe.model.random_checkpoint import make_test_model as _make
 
-    path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed)
+    path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed, family=family)
     print(path)
 
 

@@ -47,6 +47,11 @@ OUT_OF_MEMORY_WORDS = ("can't allocate memory", "not enough memory", "out of mem
                        "bad_alloc")
 
 
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines too) as one space: an error line."""
+    return " ".join(str(text).split())
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is running out of memory (host or GPU) while loading or running: a
     ``MemoryError``, an ``OSError`` ENOMEM, an allocator's ``RuntimeError`` (torch's

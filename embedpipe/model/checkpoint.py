@@ -1,6 +1,6 @@
 """Reading fair-esm ESM-2 checkpoints safely, and what their config says.
 
-A checkpoint in fair-esm's ESM-2 format is a dict with ``"model"`` (state dict, keys
+A checkpoint in fair-esm's ESM-2 format (ESM-1b's: :mod:`embedpipe.model.esm1b`) is a dict with ``"model"`` (state dict, keys
 prefixed ``encoder.sentence_encoder.`` or ``encoder.``) and ``"cfg": {"model":
 Namespace(encoder_layers=, encoder_embed_dim=, encoder_attention_heads=, token_dropout=)}``.
 
@@ -29,10 +29,8 @@ from typing import Any
 import torch
 import torch.serialization as ts
 
-from embedpipe.core.errors import ModelError, out_of_memory
+from embedpipe.core.errors import ModelError, one_line, out_of_memory
 from embedpipe.model.config_bounds import validate_shape  # re-exported: make-test-model, hf_esm
-from embedpipe.model.downloads import one_line
-from embedpipe.model.esm2_spec import valid_names
 
 #: The only non-tensor type a checkpoint may contain (real checkpoints' ``cfg["model"]``).
 SAFE_GLOBALS: tuple[type, ...] = (argparse.Namespace,)
@@ -155,6 +153,12 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
+def is_esm1b_layout(data: Mapping[str, Any]) -> bool:
+    """Whether a loaded fair-esm checkpoint is in ESM-1b's layout (``args``, no ``cfg``):
+    ESM-1b and ESM-1v (:mod:`embedpipe.model.esm1b`)."""
+    return "args" in data and "cfg" not in data
+
+
 def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> dict[str, Any]:
     """Architecture and training marker of a loaded checkpoint dict (no model built).
 
@@ -164,12 +168,7 @@ def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> di
     if "model" not in data or not isinstance(data["model"], Mapping):
         raise ModelError(f"{where} is not a fair-esm checkpoint: no 'model' state dict")
     cfg_root = data.get("cfg")
-    if cfg_root is None:
-        if "args" in data:
-            raise ModelError(
-                f"{where} looks like an ESM-1/ESM-1b checkpoint ('args', no 'cfg'); embedpipe "
-                f"supports ESM-2 only ({valid_names()})"
-            )
+    if cfg_root is None:  # ESM-1b's layout ('args') is read by embedpipe.model.esm1b
         raise ModelError(f"{where} is not a fair-esm ESM-2 checkpoint: no 'cfg'")
     cfg = _cfg_get(cfg_root, "model")
     if cfg is None:

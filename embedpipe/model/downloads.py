@@ -1,9 +1,9 @@
 """Where a model spec's checkpoint comes from: fair-esm names, the torch hub cache, downloads.
 
-A fair-esm ESM-2 name resolves through the torch hub cache
+A fair-esm name (ESM-2, ESM-1b, ESM-1v) resolves through the torch hub cache
 (``torch.hub.get_dir()/checkpoints/NAME.pt``, the file fair-esm itself uses) and is
 downloaded from fair-esm's URL when it is not there yet; any other spec is a checkpoint path.
-The ``NAME-contact-regression.pt`` companion is fetched alongside and never required.
+The ``NAME-contact-regression.pt`` companion is fetched alongside (ESM-1v has none) and never required.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from pathlib import Path
 
 from embedpipe.core.atomic import atomic_path
 from embedpipe.core.checksums import file_sha256
-from embedpipe.core.errors import ModelError
+from embedpipe.core.errors import ModelError, one_line
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
-from embedpipe.model import esm2_spec
-from embedpipe.model.esm2_spec import is_model_name, valid_names
+from embedpipe.model import esm1b_spec, esm2_spec
 from embedpipe.model.identity import ModelIdentity, versioned
 
 #: Same URL scheme as fair-esm's ``esm/pretrained.py``.
@@ -35,6 +34,15 @@ DOWNLOAD_TIMEOUT_S = 30.0
 #: Set to 1/true/yes to never attempt a download while resolving a name (``fetch_model``
 #: still downloads when called explicitly).
 OFFLINE_ENV = "EMBEDPIPE_OFFLINE"
+
+
+def is_model_name(spec: str) -> bool:
+    """Whether ``spec`` is a fair-esm name embedpipe reads (ESM-2, ESM-1b, ESM-1v)."""
+    return esm2_spec.is_model_name(spec) or esm1b_spec.is_model_name(spec)
+
+
+def valid_names() -> str:
+    return ", ".join([*esm2_spec.ESM2_MODELS, *esm1b_spec.ESM1B_MODELS])
 
 
 def hub_checkpoint_path(name: str) -> Path:
@@ -71,10 +79,6 @@ def checkpoint_sha256(path: Path) -> str:
 
 def _offline() -> bool:
     return os.environ.get(OFFLINE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def one_line(text: object) -> str:
-    return " ".join(str(text).split())
 
 
 DEMO_COMMAND = "snakemake --cores 2 --configfile configs/offline-demo.yaml"
@@ -138,7 +142,7 @@ def resolve_checkpoint(spec: str) -> Path:
     if looks_like_path:
         raise ModelError(f"model checkpoint not found: {spec}")
     raise ModelError(
-        f"unknown model {spec!r}: use a fair-esm ESM-2 name ({valid_names()}) or a path to a "
+        f"unknown model {spec!r}: use a fair-esm name ({valid_names()}) or a path to a "
         f"checkpoint in fair-esm's format (e.g. one written by `embedpipe make-test-model`)"
     )
 
@@ -211,7 +215,7 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise ModelError(_offline_message(name, target, _network_reason(exc), fetching=fetching)) from None
     companion = companion_path(target)
-    if not companion.is_file():
+    if not companion.is_file() and esm1b_spec.has_contact_regression(name):
         try:
             _fetch_one(REGRESSION_URL.format(name=name), companion)
         except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -225,6 +229,19 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
 
 
 def file_identity(spec: str) -> ModelIdentity:
-    """The checkpoint's sha256 (its config is inside), whether ESM-2 packs, without reading the weights."""
-    family = versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION)  # read at call time: the one place it is set
-    return ModelIdentity(checkpoint_sha256(resolve_checkpoint(spec)), esm2_spec.PACKS, {}, family)
+    """The checkpoint's sha256 (its config is inside), whether its family packs, and its family
+    (``esm2 v1``, ``esm1b v1``: a name's from its table, a path's from the checkpoint's layout),
+    weights unread; both read from the family's spec."""
+    path = resolve_checkpoint(spec)
+    esm1b = esm1b_spec.is_model_name(spec) or (not esm2_spec.is_model_name(spec) and _esm1b_layout(path))
+    spec_module = esm1b_spec if esm1b else esm2_spec  # read at call time: the one place each is set
+    family = versioned(spec_module.FAMILY, spec_module.FAMILY_VERSION)
+    return ModelIdentity(checkpoint_sha256(path), spec_module.PACKS, {}, family)
+
+
+def _esm1b_layout(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is in ESM-1b's layout (memory-mapped: weights unread,
+    except in a legacy non-zip file, which torch reads whole)."""
+    from embedpipe.model.checkpoint import is_esm1b_layout, load_checkpoint_safely
+
+    return is_esm1b_layout(load_checkpoint_safely(path))

@@ -1,7 +1,9 @@
 """ESM-2 through fair-esm: building from a checkpoint, tokens, preparing under a policy.
 
 :func:`load` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
-for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`.
+for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`. A
+checkpoint in ESM-1b's layout (ESM-1b, ESM-1v: :mod:`embedpipe.model.esm1b`) becomes an
+``Esm2Model`` of family ``esm1b`` around fair-esm's ``ProteinBertModel``, run by the same forward.
 Which tensors are ESM-2's fp32 islands and the rotary caches are ESM-2 specific and live
 here; the policies themselves, and how they cast a copy, are in :mod:`embedpipe.runtime.precision`.
 """
@@ -17,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 import esm
 import numpy as np
 import torch
+from esm.model.esm1 import ProteinBertModel
 from esm.model.esm2 import ESM2
 from torch.overrides import TorchFunctionMode
 
 from embedpipe.core.errors import ModelError, out_of_memory
-from embedpipe.model import esm2_spec
+from embedpipe.model import esm1b, esm1b_spec, esm2_spec
 from embedpipe.model.base import EmbeddingModel, TokenLayout
 from embedpipe.model.capabilities import batch_layouts
-from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
+from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, is_esm1b_layout, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
@@ -40,9 +43,9 @@ def esm2_alphabet() -> esm.data.Alphabet:
 
 @dataclass
 class Esm2Model:
-    """A ready ESM-2: eval mode, fp32, on CPU, no gradients; plus where it came from."""
+    """A ready ESM-2 (or ESM-1b): eval mode, fp32, on CPU, no gradients; plus where it came from."""
 
-    model: ESM2
+    model: ESM2 | ProteinBertModel
     alphabet: esm.data.Alphabet
     name: str  # fair-esm name, or the checkpoint file's stem for a path
     source: str  # resolved checkpoint path
@@ -90,47 +93,76 @@ class Esm2Model:
     def estimate_memory(self, policy: Policy, *, attention_inputs: str = "fp32") -> MemoryEstimate:
         return esm2_spec.estimate_memory(self.num_layers, self.embed_dim, self.attention_heads,
                                          policy.weight_dtype.itemsize, policy.compute_dtype.itemsize,
-                                         kind=policy.memory_kind(attention_inputs))
+                                         kind=policy.memory_kind(attention_inputs),
+                                         parameters=self.esm1b_parameters)
+
+    @property
+    def esm1b_parameters(self) -> int | None:
+        """ESM-1b's parameter count (its position table, its first layer norm); None: ESM-2's formula."""
+        if self.family != esm1b_spec.FAMILY:
+            return None
+        return esm1b_spec.parameter_count(self.num_layers, self.embed_dim, self.attention_heads,
+                                          self.trained_window + 2)
 
 
 # --------------------------------------------------------------------------- loading
 
 
+def any_checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """The config of a fair-esm checkpoint in either layout: ESM-2's ``cfg`` or ESM-1b's ``args``."""
+    return esm1b.checkpoint_info(data, where=where) if is_esm1b_layout(data) else checkpoint_info(data, where=where)
+
+
 def load(spec: str) -> Esm2Model:
-    """Resolve, checksum and safely load a model spec into a fresh fp32 CPU ``ESM2``.
+    """Resolve, checksum and safely load a model spec into a fresh fp32 CPU ``ESM2`` (or, for a
+    checkpoint in ESM-1b's layout, ``ProteinBertModel``).
 
     Each call returns a new model. The contact-regression companion is loaded (safely)
-    when it sits next to the checkpoint, and is otherwise not needed.
+    when it sits next to the checkpoint, and is otherwise not needed (ESM-1v has none).
     """
     path = resolve_checkpoint(spec)
     sha = checkpoint_sha256(path)
     data = load_checkpoint_safely(path)
-    info = checkpoint_info(data, where=str(path))
+    info = any_checkpoint_info(data, where=str(path))
     state_dict = upgrade_state_dict(data["model"])
     del data
     state_dict.update(_companion_state(companion_path(path)))
     model, alphabet = build_model(info, state_dict, where=str(path))
-    return Esm2Model(
-        model=model,
-        alphabet=alphabet,
-        name=spec if esm2_spec.is_model_name(spec) else path.stem,
-        source=str(path),
-        sha256=sha,
-        trained=info["trained"],
-        num_layers=info["num_layers"],
-        embed_dim=info["embed_dim"],
-        attention_heads=info["attention_heads"],
-    )
+    named = esm2_spec.is_model_name(spec) or esm1b_spec.is_model_name(spec)
+    return from_info(model, alphabet, info, name=spec if named else path.stem, source=str(path), sha256=sha)
+
+
+def from_info(model: ESM2 | ProteinBertModel, alphabet: esm.data.Alphabet, info: Mapping[str, Any], *,
+              name: str, source: str, sha256: str,
+              provenance: Mapping[str, str] | None = None, kind: type[Esm2Model] | None = None) -> Esm2Model:
+    """An :class:`Esm2Model` (``kind``: a subclass, SaProt's) around a built model; an ESM-1b's
+    window, layout and batch layouts as its spec declares them (esm1b_spec.py; ESM-2's and
+    SaProt's are the class defaults, from esm2_spec.py and saprot_spec.py)."""
+    extra: dict[str, Any] = {} if provenance is None else {"provenance": provenance}
+    if info.get("family") == esm1b_spec.FAMILY:
+        extra |= {"family": esm1b_spec.FAMILY, "trained_window": esm1b_spec.window(info["max_positions"]),
+                  "token_layout": esm1b_spec.layout(info["max_positions"]),
+                  "batch_layouts": batch_layouts(esm1b_spec.PACKS)}
+    made = kind or Esm2Model
+    return made(model=model, alphabet=alphabet, name=name, source=source, sha256=sha256,
+                trained=info["trained"], num_layers=info["num_layers"], embed_dim=info["embed_dim"],
+                attention_heads=info["attention_heads"], **extra)
 
 
 def inspect(facts: ModelFacts) -> ModelFacts:
     """A checkpoint path's facts completed from its config and parameter count. The file is
     memory-mapped, so its weights are never read."""
     path = Path(facts.spec).expanduser()
-    info = checkpoint_info(load_checkpoint_safely(path), where=str(path))
-    parameters = esm2_spec.parameter_count(info["num_layers"], info["embed_dim"], info["attention_heads"])
-    return replace(facts, num_layers=info["num_layers"], embed_dim=info["embed_dim"],
-                   attention_heads=info["attention_heads"], trained=info["trained"], parameters=parameters)
+    info = any_checkpoint_info(load_checkpoint_safely(path), where=str(path))
+    shape = (info["num_layers"], info["embed_dim"], info["attention_heads"])
+    if info.get("family") == esm1b_spec.FAMILY:
+        window = esm1b_spec.window(info["max_positions"])
+        return replace(facts, family=esm1b_spec.FAMILY, num_layers=shape[0], embed_dim=shape[1],
+                       attention_heads=shape[2], trained=info["trained"], trained_window=window,
+                       token_layout=esm1b_spec.layout(info["max_positions"]), packs=esm1b_spec.PACKS,
+                       parameters=esm1b_spec.parameter_count(*shape, info["max_positions"]))
+    return replace(facts, num_layers=shape[0], embed_dim=shape[1], attention_heads=shape[2], trained=info["trained"],
+                   parameters=esm2_spec.parameter_count(*shape))
 
 
 def _companion_state(companion: Path) -> dict[str, Any]:
@@ -175,20 +207,27 @@ def skip_random_init() -> Iterator[None]:
 
 
 def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: str,
-                alphabet: esm.data.Alphabet | None = None) -> tuple[ESM2, esm.data.Alphabet]:
-    """An ``ESM2`` from the cfg with ``state_dict`` assigned (no second copy of the weights);
-    ``alphabet``: the tokens it embeds (ESM-2's unless given: SaProt's pairs)."""
+                alphabet: esm.data.Alphabet | None = None) -> tuple[ESM2 | ProteinBertModel, esm.data.Alphabet]:
+    """An ``ESM2`` from the cfg (a ``ProteinBertModel`` from an ESM-1b ``info``: ``family``
+    esm1b) with ``state_dict`` assigned (no second copy of the weights); ``alphabet``: the
+    tokens it embeds (ESM-2's unless given: SaProt's pairs)."""
     alphabet = alphabet or esm2_alphabet()
+    label = _label(info)
     with skip_random_init():  # parameters allocated, never written; the loaded tensors replace them
-        model = ESM2(num_layers=info["num_layers"], embed_dim=info["embed_dim"],
-                     attention_heads=info["attention_heads"], alphabet=alphabet, token_dropout=info["token_dropout"])
+        model: ESM2 | ProteinBertModel
+        if info.get("family") == esm1b_spec.FAMILY:
+            model = esm1b.construct(info, alphabet)
+        else:
+            model = ESM2(num_layers=info["num_layers"], embed_dim=info["embed_dim"],
+                         attention_heads=info["attention_heads"], alphabet=alphabet,
+                         token_dropout=info["token_dropout"])
     _check_state_dict(model, state_dict, info, where)
     try:
         model.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as exc:  # shape mismatches
         if out_of_memory(exc):  # no refusal: more memory may load it
             raise
-        raise ModelError(f"{where}: weights do not fit the configured ESM-2: {one_line(exc)[:400]}") from None
+        raise ModelError(f"{where}: weights do not fit the configured {label}: {one_line(exc)[:400]}") from None
     model.lm_head.weight = model.embed_tokens.weight  # re-tie
     if not (CONTACT_KEYS <= set(state_dict)):
         # No companion: a real (zeroed) contact head, so that no parameter stays uninitialised.
@@ -202,11 +241,16 @@ def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: s
     return model, alphabet
 
 
+def _label(info: Mapping[str, Any]) -> str:
+    """The network ``info`` describes, as refusals name it."""
+    return "ESM-1b" if info.get("family") == esm1b_spec.FAMILY else "ESM-2"
+
+
 def _listing(names: list[str]) -> str:
     return f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
 
 
-def _check_state_dict(model: ESM2, state_dict: Mapping[str, Any], info: Mapping[str, Any], where: str) -> None:
+def _check_state_dict(model: ESM2 | ProteinBertModel, state_dict: Mapping[str, Any], info: Mapping[str, Any], where: str) -> None:
     """Refuse a state dict that misses or adds keys, holds non-tensors or NaN/inf, or unties
     the LM head from the token embedding."""
     expected, found = set(model.state_dict().keys()), set(state_dict.keys())
@@ -215,7 +259,7 @@ def _check_state_dict(model: ESM2, state_dict: Mapping[str, Any], info: Mapping[
         parts = ([f"missing {_listing(missing)}"] if missing else []) + (
             [f"unexpected {_listing(unexpected)}"] if unexpected else [])
         raise ModelError(
-            f"{where} does not match an ESM-2 with {info['num_layers']} layers, dim "
+            f"{where} does not match an {_label(info)} with {info['num_layers']} layers, dim "
             f"{info['embed_dim']}, {info['attention_heads']} heads: {'; '.join(parts)}"
         )
     for key, value in state_dict.items():
@@ -223,12 +267,12 @@ def _check_state_dict(model: ESM2, state_dict: Mapping[str, Any], info: Mapping[
             raise ModelError(f"{where}: state dict entry {key} is not a tensor")
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise ModelError(f"{where}: weights {key} hold NaN or inf")
-    # ESM-2 ties the LM head to the token embedding. fair-esm's copy-loading leaves both
+    # ESM-2 (and ESM-1b) ties the LM head to the token embedding. fair-esm's copy-loading leaves both
     # equal to lm_head.weight; a checkpoint where the two differ was edited inconsistently.
     emb, head = state_dict.get("embed_tokens.weight"), state_dict.get("lm_head.weight")
     if emb is not None and head is not None and not torch.equal(emb, head):
         raise ModelError(
-            f"{where}: embed_tokens.weight and lm_head.weight differ, but ESM-2 ties them "
+            f"{where}: embed_tokens.weight and lm_head.weight differ, but {_label(info)} ties them "
             f"(fair-esm would silently use lm_head.weight); edit both or neither"
         )
 

@@ -6,6 +6,10 @@ averaged attention maps that fair-esm always computes, runs attention through
 the mixed policies' fp32 islands, and reports each record's largest activation. It uses the
 model's parameters as they are (no patching), so fair-esm's own forward stays the reference
 it is tested against (``attention="fair-esm"`` calls that forward directly).
+
+ESM-1b and ESM-1v (fair-esm's ``ProteinBertModel``) run through the same loop: the runner reads
+off the module what differs (learned absolute positions instead of rotary ones, a layer norm
+before the first layer, token dropout in ``args``) and runs those parts only where present.
 """
 
 from __future__ import annotations
@@ -163,6 +167,13 @@ class EsmForward:
         self.rotary = RotaryTables()
         self.padding_idx = model.padding_idx
         self.num_layers = model.num_layers
+        # what sets fair-esm's ESM-1b (``ProteinBertModel``) apart from ESM-2, read off the module:
+        # learned absolute positions instead of rotary ones, an optional layer norm before the
+        # first layer, token dropout in its ``args`` (ESM-2: an attribute)
+        self.positions: torch.nn.Embedding | None = getattr(model, "embed_positions", None)
+        self.norm_before: torch.nn.LayerNorm | None = getattr(model, "emb_layer_norm_before", None) or None
+        args = getattr(model, "args", None)
+        self.token_dropout = bool(model.token_dropout if args is None else getattr(args, "token_dropout", False))
         self._packed: dict[int, Packed] = {}  # id(module) -> packed weights (qkv: id(attn))
         self._interleaved: set[int] = set()  # id(attn) whose packed q/k rows are in pair order
         if attention != "fair-esm":
@@ -184,7 +195,7 @@ class EsmForward:
         for layer in self.model.layers:
             attn = layer.self_attn
             weight, bias = attn._embedpipe_qkv
-            interleave = self._rotation_dtype(attn, weight.dtype) == torch.float32
+            interleave = attn.rot_emb is not None and self._rotation_dtype(attn, weight.dtype) == torch.float32
             if interleave:
                 weight, bias = interleave_rotary_rows(weight, bias, attn.num_heads, attn.head_dim)
             targets = [(attn, weight, bias)]
@@ -255,11 +266,19 @@ class EsmForward:
 
         x = model.embed_scale * model.embed_tokens(tokens)
         x = x.to(stream_dtype)
-        if model.token_dropout:
+        if self.token_dropout:
             masked = tokens == model.mask_idx
             x = x.masked_fill(masked.unsqueeze(-1), 0.0)
             mask_ratio_train = 0.15 * 0.8
             x = x * (1 - mask_ratio_train) / (1 - batch.mask_ratio(masked, x.dtype)).unsqueeze(-1)
+        if self.positions is not None:  # ESM-1b: learned absolute positions, restarting per sequence
+            first = self.padding_idx + 1  # fair-esm's positions count from padding_idx + 1
+            if first + batch.max_len > self.positions.num_embeddings:
+                raise ValueError(f"{batch.max_len} tokens exceed the model's "
+                                 f"{self.positions.num_embeddings - first} learned positions")
+            x = x + batch.rows(self.positions.weight[first : first + batch.max_len])
+        if self.norm_before is not None:  # ESM-1b: a layer norm before the first layer
+            x = self._layer_norm(self.norm_before, x)
         x = batch.zero_padding(x)
 
         max_abs = batch.row_max_abs(x)
@@ -313,6 +332,10 @@ class EsmForward:
         heads, head_dim = attn.num_heads, attn.head_dim
         lead = x.shape[:-1]  # (B, T) padded, (N,) packed
         qkv = self._linear(attn, x, *attn._embedpipe_qkv).view(*lead, 3, heads, head_dim)
+        if attn.rot_emb is None:  # absolute positions (ESM-1b): q scaled as fair-esm scales it
+            qk = qkv[..., :2, :, :].to(self.policy.table_dtype(qkv.dtype))  # mixed: fp32, as q/k after rotation
+            qk[..., 0, :, :] *= attn.scaling
+            return self._attend(attn, qk, qkv[..., 2, :, :].to(self.attention_dtype), batch, lead)
         table_dtype = self._table_dtype(attn)
         work_dtype = self._rotation_dtype(attn, qkv.dtype)
         # q and k rotated together, in one cast (mixed-dtype kernels would each cast again);

@@ -10,11 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from embedpipe.model import saprot_spec
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.layout import ESM2_LAYOUT
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 
 FAMILY = "esm2"
 
@@ -70,16 +69,23 @@ def parameter_count(layers: int, dim: int, heads: int) -> int:
     return layers * per_layer + outside + layers * heads + 1
 
 
+def name_facts(family: str, spec: str, shape: tuple[int, int, int], parameters: int, window: int,
+               layout: TokenLayout, packs: bool) -> ModelFacts:
+    """Facts of a fair-esm name from its family's table (ESM-2's, ESM-1b's): trained fp32
+    weights of ``parameters`` values, ``shape`` (layers, dim, heads), the family's capabilities."""
+    return ModelFacts(
+        family=family, spec=spec, kind="name", name=spec, trained_window=window, num_layers=shape[0],
+        embed_dim=shape[1], attention_heads=shape[2], parameters=parameters, weights_bytes=4 * parameters,
+        trained=True, token_layout=layout, packs=packs,
+    )
+
+
 def describe(spec: str) -> ModelFacts:
     """Facts about ``spec`` from the name table, or from a path's file size (no torch)."""
     if is_model_name(spec):
         layers, dim, heads = ESM2_MODELS[spec]
-        parameters = parameter_count(layers, dim, heads)
-        return ModelFacts(
-            family=FAMILY, spec=spec, kind="name", name=spec, trained_window=TRAINED_RESIDUES,
-            num_layers=layers, embed_dim=dim, attention_heads=heads, parameters=parameters,
-            weights_bytes=4 * parameters, trained=True, token_layout=LAYOUT, packs=PACKS,
-        )
+        return name_facts(FAMILY, spec, (layers, dim, heads), parameter_count(layers, dim, heads),
+                          TRAINED_RESIDUES, LAYOUT, PACKS)
     path = Path(spec).expanduser()
     size = path.stat().st_size if path.is_file() else None
     return ModelFacts(family=FAMILY, spec=spec, kind="path", name=path.stem,
@@ -93,7 +99,7 @@ ACTIVATION_D_BYTES = {"fp32": 44, "plain": 22, "fp32-islands": 30, "fp32-islands
 
 
 def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
-                    compute_itemsize: int, *, kind: str = "plain") -> MemoryEstimate:
+                    compute_itemsize: int, *, kind: str = "plain", parameters: int | None = None) -> MemoryEstimate:
     """Memory of an ESM-2 under a policy whose weights and matmuls use the given sizes.
 
     Activations per token (``kind``: ``fp32``, ``plain`` 16-bit, ``fp32-islands`` with q/k/v
@@ -110,7 +116,8 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
     The residual stream (and so a returned hidden state) is fp32 except under plain casts.
     The widest tensor is the FFN's hidden layer, 4 D values a token.
     """
-    parameters = parameter_count(layers, dim, heads)
+    if parameters is None:  # ESM-1b passes its own count (the same layers, plus a position table)
+        parameters = parameter_count(layers, dim, heads)
     if compute_itemsize == 4:
         kind = "fp32"
     return MemoryEstimate(
@@ -125,24 +132,17 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
 # --------------------------------------------------------------------------- Hugging Face ESM-2
 
 
-def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
+def hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
     """``config.json`` and ``vocab.txt`` (checked against fair-esm's alphabet on load)."""
     return ["config.json", "vocab.txt"]
 
 
-def _hf_family_name(spec: str, directory: Path, config: Mapping[str, Any]) -> str:
-    """``saprot`` when the vocabulary holds amino-acid x 3Di pair tokens, else ``esm2``."""
-    return saprot_spec.FAMILY if saprot_spec.has_pair_vocabulary(directory) else FAMILY
-
-
-#: ``model_type: esm`` directories, loaded into the ESM-2 runner (:mod:`embedpipe.model.hf_esm`):
-#: ESM-2, and SaProt (its pair vocabulary, its layout of two characters a residue)
+#: ``model_type: esm`` directories with rotary positions and ESM-2's letters, loaded into the
+#: ESM-2 runner (:mod:`embedpipe.model.hf_esm`); ESM-1b and SaProt share the type as variants
 HF_ESM = HfFamily(
-    model_type="esm", label="ESM-2, SaProt", module="embedpipe.model.hf_esm",
-    family_name=_hf_family_name, sizes=esm_config,
+    model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
+    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
     window=lambda config: TRAINED_RESIDUES, layout=lambda config: LAYOUT,
-    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
-    hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS}
-    | {name: saprot_spec.FAMILY for name in saprot_spec.HUB_NAMES},
-    family_layouts={saprot_spec.FAMILY: saprot_spec.LAYOUT},
+    identity_files=hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
+    hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
 )

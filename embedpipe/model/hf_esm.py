@@ -1,7 +1,11 @@
-"""Hugging Face ESM-2 directories (``model_type: esm``) into embedpipe's ESM-2 runner.
+"""Hugging Face ESM directories (``model_type: esm``) into embedpipe's ESM-2 runner.
 
-The weights (``EsmModel`` or ``EsmForMaskedLM``) are renamed to fair-esm's ``ESM2`` state
-dict and built by :func:`embedpipe.model.esm2.build_model`, so the model is an ordinary
+ESM-2 (rotary positions) and ESM-1b / ESM-1v (``position_embedding_type: absolute``, usually
+with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``) share the type, and so does
+SaProt (an ESM-2 over amino-acid x 3Di pair tokens, :mod:`embedpipe.model.saprot`); which one a
+directory is, :func:`embedpipe.model.hf_checkpoint.family_for_config` says. The weights
+(``EsmModel`` or ``EsmForMaskedLM``) are renamed to fair-esm's ``ESM2`` (or ESM-1b
+``ProteinBertModel``) state dict and built by :func:`embedpipe.model.esm2.build_model`, so the model is an ordinary
 :class:`~embedpipe.model.esm2.Esm2Model`: every policy, the packed layout and the fp32
 fallback are the ones fair-esm checkpoints get. The mapping is transformers' own
 ``convert_esm.py`` read backwards; :func:`to_hf` is the forward direction (make-test-model).
@@ -17,11 +21,12 @@ import esm
 import torch
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import esm2_spec, saprot_spec
+from embedpipe.model import esm1b_spec, saprot_spec
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
-from embedpipe.model.config_bounds import esm_config
-from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet
+from embedpipe.model.esm1b import check_weights, sizes
+from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet, from_info
+from embedpipe.model.hf_families import HfFamily
 from embedpipe.model.saprot import SaProtModel, saprot_alphabet
 
 #: fair-esm per-layer module -> transformers' ``EsmLayer`` module.
@@ -45,13 +50,20 @@ OUTSIDE = {
 #: ``EsmForMaskedLM``'s head (``lm_head.decoder.weight`` is the tied embedding).
 LM_HEAD = ("lm_head.dense.weight", "lm_head.dense.bias", "lm_head.layer_norm.weight",
            "lm_head.layer_norm.bias", "lm_head.bias")
+#: ESM-1b's learned positions and first layer norm: fair-esm name -> transformers name.
+ABSOLUTE = {
+    "embed_positions.weight": "embeddings.position_embeddings.weight",
+    "emb_layer_norm_before.weight": "embeddings.layer_norm.weight",
+    "emb_layer_norm_before.bias": "embeddings.layer_norm.bias",
+}
 #: Recomputed or unused tensors a directory may hold.
 IGNORED_SUFFIXES = ("inv_freq", "position_ids")
 
 
-def fair_to_hf_names(num_layers: int) -> dict[str, str]:
-    """Every fair-esm name (LM head included) -> its ``EsmModel``/``EsmForMaskedLM`` name."""
-    names = dict(OUTSIDE) | {k: k for k in LM_HEAD}
+def fair_to_hf_names(num_layers: int, absolute: bool = False) -> dict[str, str]:
+    """Every fair-esm name (LM head included) -> its ``EsmModel``/``EsmForMaskedLM`` name
+    (``absolute``: ESM-1b's position table and first layer norm too)."""
+    names = dict(OUTSIDE) | {k: k for k in LM_HEAD} | (dict(ABSOLUTE) if absolute else {})
     for i in range(num_layers):
         for src, dst in PER_LAYER.items():
             for kind in ("weight", "bias"):
@@ -59,28 +71,51 @@ def fair_to_hf_names(num_layers: int) -> dict[str, str]:
     return names
 
 
-def check_config(config: Mapping[str, Any], where: str, vocabulary: int = esm2_spec.VOCABULARY_SIZE) -> dict[str, Any]:
-    """fair-esm's ESM-2 cfg from an ``EsmConfig`` (``where``: its config.json); every size
-    bounded first (:func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals
-    for what ESM2 cannot be (``vocabulary``: the tokens it must embed, SaProt's 446)."""
-    sizes = esm_config(config, where)
-    dim = sizes["embed_dim"]
+def alphabet_of(kind: HfFamily) -> esm.data.Alphabet:
+    """The tokens a ``model_type: esm`` family embeds: SaProt's pairs, else fair-esm's 33."""
+    return saprot_alphabet() if kind is saprot_spec.HF_SAPROT else esm2_alphabet()
+
+
+def check_config(config: Mapping[str, Any], where: str, kind: HfFamily) -> dict[str, Any]:
+    """fair-esm's ESM-2 cfg (or ESM-1b args: absolute positions) from an ``EsmConfig``
+    (``where``: its config.json; ``kind``: the family its directory is, ESM-2, SaProt or ESM-1b);
+    every size bounded first (the family's ``sizes``, built on
+    :func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
+    ESM2 (ProteinBertModel) cannot be, or for a vocabulary size that is not the family's."""
+    bounded = kind.sizes(config, where)
+    dim = bounded["embed_dim"]
     token_dropout = config.get("token_dropout", False)
-    if not isinstance(token_dropout, bool):
-        raise ModelError(f"{where}: token_dropout must be true or false, got {token_dropout!r}")
+    norm_before = config.get("emb_layer_norm_before", False)
+    for field, value in (("token_dropout", token_dropout), ("emb_layer_norm_before", norm_before)):
+        if not isinstance(value, bool):
+            raise ModelError(f"{where}: {field} must be true or false, got {value!r}")
+    absolute = kind is esm1b_spec.HF_ESM1B
+    label, network = ("ESM-1b", "ProteinBertModel") if absolute else (kind.label, "ESM2")
+    vocabulary = len(alphabet_of(kind).all_toks)
     checks = [
-        (sizes["position_embedding_type"] == "rotary", "position_embedding_type is not 'rotary'"),
-        (not config.get("emb_layer_norm_before"), "emb_layer_norm_before is set"),
-        (sizes["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
-        (sizes["vocab_size"] == vocabulary, f"vocab_size is not {vocabulary}, its vocabulary's"),
-        (abs(sizes["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
+        (absolute or bounded["position_embedding_type"] == "rotary",
+         "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"),
+        (absolute or not norm_before, "emb_layer_norm_before is set with rotary positions"),
+        (absolute or bounded["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
+        (bounded["vocab_size"] == vocabulary, f"vocab_size is not {label}'s {vocabulary}"),
+        (config.get("pad_token_id", esm1b_spec.PADDING_IDX) == esm1b_spec.PADDING_IDX,
+         f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"),
+        (abs(bounded["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
         (config.get("hidden_act", "gelu") == "gelu", "hidden_act is not gelu"),
     ]
     for ok, why in checks:
         if not ok:
-            raise ModelError(f"{where}: not an ESM-2 that fair-esm's ESM2 can run ({why})")
-    return {"num_layers": sizes["num_layers"], "embed_dim": dim, "attention_heads": sizes["attention_heads"],
+            article = "an" if label[0] in "AEIOU" else "a"
+            raise ModelError(f"{where}: not {article} {label} that fair-esm's {network} can run ({why})")
+    info = {"num_layers": bounded["num_layers"], "embed_dim": dim, "attention_heads": bounded["attention_heads"],
             "token_dropout": token_dropout, "trained": hf.is_trained(config)}
+    if absolute:
+        info = sizes(info["num_layers"], dim, info["attention_heads"], bounded["intermediate_size"],
+                     esm1b_spec.hf_max_positions(config), token_dropout, where=where,
+                     fields=("num_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                             "max_position_embeddings", "token_dropout")) | {
+            "trained": info["trained"], "norm_before": norm_before}
+    return info
 
 
 def check_vocabulary(directory: Path, expected: list[str], label: str) -> None:
@@ -95,7 +130,8 @@ def check_vocabulary(directory: Path, expected: list[str], label: str) -> None:
 def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: str) -> dict[str, torch.Tensor]:
     """A transformers ESM state dict as fair-esm's ``ESM2`` state dict (LM head zero if absent)."""
     prefix = "esm." if any(k.startswith("esm.") for k in state) else ""
-    hf_names = fair_to_hf_names(info["num_layers"])
+    absolute = info.get("family") == esm1b_spec.FAMILY
+    hf_names = fair_to_hf_names(info["num_layers"], absolute)
     wanted = {(v if v.startswith("lm_head.") else prefix + v): k for k, v in hf_names.items()}
     out, unexpected = {}, []
     for name, tensor in state.items():
@@ -105,8 +141,12 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
                   or name == "lm_head.decoder.weight"):
             unexpected.append(name)
     if unexpected:
-        raise ModelError(f"{where}: unexpected weights {', '.join(sorted(unexpected)[:4])} for an ESM-2")
-    check_cfg_against_weights(out, info["num_layers"], info["embed_dim"], where=where)
+        raise ModelError(f"{where}: unexpected weights {', '.join(sorted(unexpected)[:4])} for an "
+                         f"{'ESM-1b' if absolute else 'ESM-2'}")
+    if absolute:
+        check_weights(out, info, where, ("max_position_embeddings", "intermediate_size"))
+    else:
+        check_cfg_against_weights(out, info["num_layers"], info["embed_dim"], where=where)
     decoder = state.get("lm_head.decoder.weight")
     if decoder is not None and not torch.equal(decoder, out["embed_tokens.weight"]):
         raise ModelError(f"{where}: lm_head.decoder.weight differs from the token embedding, but ESM-2 ties them")
@@ -117,26 +157,23 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
                 "lm_head.bias": torch.zeros(vocab)}
     head_dim = dim // info["attention_heads"]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))  # fair-esm's
-    for i in range(info["num_layers"]):
+    for i in range(0 if absolute else info["num_layers"]):
         out[f"layers.{i}.self_attn.rot_emb.inv_freq"] = inv_freq.clone()
     out["lm_head.weight"] = out["embed_tokens.weight"]
     return {k: (v.float() if v.is_floating_point() else v) for k, v in out.items()}
 
 
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
-    """An :class:`Esm2Model` from a Hugging Face ESM-2 directory (``config.json`` already read)."""
+    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already read)."""
     where = str(directory)
-    saprot = hf.family_of(spec, directory, config) == saprot_spec.FAMILY
-    alphabet = saprot_alphabet() if saprot else esm2_alphabet()
-    info = check_config(config, str(directory / "config.json"), len(alphabet.all_toks))
-    check_vocabulary(directory, list(alphabet.all_toks), "SaProt" if saprot else "ESM-2")
+    kind = hf.family_for_config(directory, config)
+    info = check_config(config, str(directory / "config.json"), kind)
+    check_vocabulary(directory, list(alphabet_of(kind).all_toks), kind.label)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     state = to_fair(hf.read_state_dict(files), info, where)
-    model, alphabet = build_model(info, state, where=where, alphabet=alphabet)
-    kind = SaProtModel if saprot else Esm2Model
-    return kind(model=model, alphabet=alphabet, name=spec if hf.is_model_name(spec) else directory.name,
-                source=where, sha256=sha, trained=info["trained"], num_layers=info["num_layers"],
-                embed_dim=info["embed_dim"], attention_heads=info["attention_heads"],
-                provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
-                            "model_format": "huggingface-esm"})
+    model, alphabet = build_model(info, state, where=where, alphabet=alphabet_of(kind))
+    return from_info(model, alphabet, info, name=spec if hf.is_model_name(spec) else directory.name,
+                     source=where, sha256=sha, provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
+                                                           "model_format": "huggingface-esm"},
+                     kind=SaProtModel if kind is saprot_spec.HF_SAPROT else Esm2Model)

@@ -57,13 +57,18 @@ class HfFamily:
     version: Callable[[], int]  # the forward's version, read at call time (the one place it is set)
     packs: bool  # whether its runner takes packed batches (a store's identity records it)
     hub_names: Mapping[str, str] = field(default_factory=dict)  # known hub name -> family name
+    #: for a family that shares its ``model_type`` with another (listed in
+    #: :data:`embedpipe.model.hf_checkpoint.VARIANTS`): whether (directory, config) is this
+    #: family's (Hugging Face's ``esm`` covers ESM-2, rotary; ESM-1b/1v, absolute positions;
+    #: SaProt, a vocabulary of amino-acid x 3Di pairs)
+    takes: Callable[[Path, Mapping[str, Any]], bool] | None = None
+    #: family name -> its layout where it is not ``layout``'s (one type, several families: ProstT5)
+    family_layouts: Mapping[str, TokenLayout] = field(default_factory=dict)
 
     @property
     def batch_layouts(self) -> tuple[str, ...]:
         """What its loaded models declare (:func:`~embedpipe.model.capabilities.batch_layouts`)."""
         return batch_layouts(self.packs)
-    #: family name -> its layout where it is not ``layout``'s (one type, several families: ProstT5)
-    family_layouts: Mapping[str, TokenLayout] = field(default_factory=dict)
 
     def layout_of(self, family: str, config: Mapping[str, Any] | None) -> TokenLayout:
         """The token layout of ``family`` (a family name of this type)."""

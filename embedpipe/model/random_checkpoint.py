@@ -1,4 +1,4 @@
-"""Random-weight (untrained) ESM-2 checkpoints in fair-esm's format, for tests and demos.
+"""Random-weight (untrained) ESM-2 and ESM-1b checkpoints in fair-esm's format, for tests and demos.
 
 ``embedpipe make-test-model`` and the offline demo write them; the checkpoint carries the
 untrained marker (see :mod:`embedpipe.model.checkpoint`), so stores made with it say
@@ -21,6 +21,7 @@ from embedpipe.core.atomic import atomic_paths, check_output_path
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.version import __version__
+from embedpipe.model import esm1b, esm1b_spec
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, validate_shape
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.esm2 import esm2_alphabet
@@ -44,8 +45,15 @@ def make_test_model(
     token_dropout: bool = True,
     storage_dtype: torch.dtype | None = None,
     companion: bool = True,
+    family: str = "esm2",
 ) -> Path:
-    """Write a random-weight (untrained) ESM-2 in fair-esm's checkpoint format.
+    """Write a random-weight (untrained) ESM-2 (``family`` esm1b: an ESM-1b) in fair-esm's
+    checkpoint format.
+
+    ESM-1b's is the released layout: ``{"model": ..., "args": Namespace(arch="roberta_large",
+    encoder_layers=, ...)}``, the LM head under ``encoder.``, the rest under
+    ``encoder.sentence_encoder.``, a layer norm before the first layer; ``companion=False``
+    writes it as ESM-1v is released (no contact-regression file).
 
     ``out`` gets ``{"model": state dict with fair-esm's key prefix, "cfg": {"model":
     Namespace(...)}, "embedpipe": {"trained": False, "seed": ..., ...}}``; the companion
@@ -64,7 +72,9 @@ def make_test_model(
     outputs = [("checkpoint", out), *([("companion", companion_path(out))] if companion else [])]
     with writing_outputs("make-test-model", outputs):
         refuse_foreign(out, companion_path(out) if companion else None)
-        _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion)
+        if family not in ("esm2", esm1b_spec.FAMILY):
+            raise ModelError(f"make-test-model: unknown fair-esm family {family!r}; choose esm2 or esm1b")
+        _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion, family)
     return out
 
 
@@ -93,23 +103,20 @@ def refuse_foreign(out: Path, companion: Path | None) -> None:
 
 
 def _write(out: Path, layers: int, dim: int, heads: int, seed: int, token_dropout: bool,
-           storage_dtype: torch.dtype | None, companion: bool) -> None:
+           storage_dtype: torch.dtype | None, companion: bool, family: str) -> None:
     """The checkpoint (and its companion) of :func:`make_test_model`, atomically."""
     check_output_path(out)
     if companion:
         check_output_path(companion_path(out))
-    state = _storage_cast(_random_esm2(layers, dim, heads, seed, token_dropout).state_dict(), storage_dtype)
-    cfg = argparse.Namespace(
-        arch="esm2",
-        encoder_layers=layers,
-        encoder_embed_dim=dim,
-        encoder_ffn_embed_dim=4 * dim,
-        encoder_attention_heads=heads,
-        token_dropout=token_dropout,
-        max_positions=TRAINED_RESIDUES + 2,
-    )
-    main_state = {KEY_PREFIX + k: v for k, v in state.items() if k not in CONTACT_KEYS}
-    checkpoint = {"model": main_state, "cfg": {"model": cfg}, MARKER_KEY: _untrained_marker(seed)}
+    args = _args(family, layers, dim, heads, token_dropout)
+    state = _storage_cast(random_fair_esm(family, layers, dim, heads, seed, token_dropout).state_dict(), storage_dtype)
+    checkpoint: dict[str, Any] = {MARKER_KEY: _untrained_marker(seed)}
+    if family == "esm2":
+        checkpoint |= {"model": {KEY_PREFIX + k: v for k, v in state.items() if k not in CONTACT_KEYS},
+                       "cfg": {"model": args}}
+    else:  # released ESM-1b: the LM head under "encoder.", the rest under "encoder.sentence_encoder."
+        checkpoint |= {"model": {("encoder." if k.startswith("lm_head.") else KEY_PREFIX) + k: v
+                                 for k, v in state.items() if k not in CONTACT_KEYS}, "args": args}
     regression = {"model": {k: v.clone() for k, v in state.items() if k in CONTACT_KEYS}}
     if companion:
         # both written before either is renamed into place: a failure leaves neither behind
@@ -133,24 +140,47 @@ def _untrained_marker(seed: int) -> dict[str, object]:
     }
 
 
-def _random_esm2(layers: int, dim: int, heads: int, seed: int, token_dropout: bool,
-                 alphabet: esm.data.Alphabet | None = None) -> ESM2:
-    """fair-esm's init, then the constant parameters drawn at random; the global RNG untouched
-    (``alphabet``: ESM-2's unless given, SaProt's pairs)."""
+def _args(family: str, layers: int, dim: int, heads: int, token_dropout: bool) -> argparse.Namespace:
+    """The config fair-esm writes: ESM-2's ``cfg["model"]``, ESM-1b's ``args`` (the same fields)."""
+    return argparse.Namespace(
+        arch="esm2" if family == "esm2" else esm1b.ESM1B_ARCH,
+        encoder_layers=layers,
+        encoder_embed_dim=dim,
+        encoder_ffn_embed_dim=4 * dim,
+        encoder_attention_heads=heads,
+        token_dropout=token_dropout,
+        max_positions=TRAINED_RESIDUES + 2,
+    )
+
+
+def random_fair_esm(family: str, layers: int, dim: int, heads: int, seed: int,
+                    token_dropout: bool = True, alphabet: esm.data.Alphabet | None = None) -> torch.nn.Module:
+    """fair-esm's ``ESM2`` (``family`` esm1b: ESM-1b's ``ProteinBertModel``, with the layer norm
+    before the first layer; ``alphabet``: ESM-2's unless given, SaProt's pairs) with fair-esm's
+    init, then the constant parameters drawn at random; the global RNG untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads, alphabet=alphabet or esm2_alphabet(),
-                     token_dropout=token_dropout)
-        with torch.no_grad():
-            for pname, param in model.named_parameters():
-                flat = param.detach().flatten()
-                if flat.numel() < 2 or not bool((flat == flat[0]).all()):
-                    continue
-                noise = torch.randn(param.shape)
-                if pname.endswith(".weight"):  # layer-norm scales around 1
-                    param.copy_(1.0 + 0.1 * noise)
-                else:  # biases around 0
-                    param.copy_(0.05 * noise)
+        if family == "esm2":
+            return _randomise_constants(ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads,
+                                             alphabet=alphabet or esm2_alphabet(), token_dropout=token_dropout))
+        info = {"num_layers": layers, "embed_dim": dim, "ffn_embed_dim": 4 * dim, "attention_heads": heads,
+                "max_positions": TRAINED_RESIDUES + 2, "norm_before": True, "token_dropout": token_dropout}
+        return _randomise_constants(esm1b.construct(info, alphabet or esm2_alphabet()))
+
+
+def _randomise_constants(model: torch.nn.Module) -> Any:
+    """``model`` with every parameter its init leaves constant (layer-norm scales, biases)
+    drawn at random too, so that every parameter matters; in eval mode."""
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            flat = param.detach().flatten()
+            if flat.numel() < 2 or not bool((flat == flat[0]).all()):
+                continue
+            noise = torch.randn(param.shape)
+            if pname.endswith(".weight"):  # layer-norm scales around 1
+                param.copy_(1.0 + 0.1 * noise)
+            else:  # biases around 0
+                param.copy_(0.05 * noise)
     return model.eval()
 
 

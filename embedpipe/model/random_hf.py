@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|esmc|saprot``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``.
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
@@ -26,7 +26,7 @@ from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
 from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES, THREE_DI
 
-HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "esmc", "saprot")
+HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "hf-esm1b", "esmc", "saprot")
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:
@@ -65,10 +65,11 @@ def _write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, 
 # --------------------------------------------------------------------------- ESM-2
 
 
-def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: Mapping[str, Any],
-                 alphabet: Any = None) -> dict[str, Any]:
-    """config.json and the EsmTokenizer files of an ESM-2 with this shape (``alphabet``: ESM-2's
-    unless given, SaProt's pairs: its vocab.txt as SaProt's own)."""
+def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: Mapping[str, Any], *,
+                 absolute: bool = False, alphabet: Any = None) -> dict[str, Any]:
+    """config.json and the EsmTokenizer files of an ESM-2 with this shape (``absolute``: an ESM-1b,
+    as ``facebook/esm1b_t33_650M_UR50S`` is: absolute positions, a layer norm before the first layer;
+    ``alphabet``: ESM-2's unless given, SaProt's pairs: its vocab.txt as SaProt's own)."""
     from embedpipe.model.esm2 import esm2_alphabet
 
     alphabet = alphabet or esm2_alphabet()
@@ -76,7 +77,8 @@ def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: M
               "hidden_size": dim, "num_hidden_layers": layers, "num_attention_heads": heads,
               "intermediate_size": 4 * dim, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
               "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 1026,
-              "position_embedding_type": "rotary", "layer_norm_eps": 1e-5, "emb_layer_norm_before": False,
+              "position_embedding_type": "absolute" if absolute else "rotary", "layer_norm_eps": 1e-5,
+              "emb_layer_norm_before": absolute,
               "token_dropout": token_dropout, "mask_token_id": alphabet.mask_idx,
               "pad_token_id": alphabet.padding_idx, "is_folding_model": False, MARKER_KEY: dict(mark)}
     specials = {"cls_token": "<cls>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
@@ -86,21 +88,25 @@ def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: M
             "special_tokens_map.json": specials}
 
 
-def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
-    """A fair-esm ``ESM2`` state dict under ``EsmForMaskedLM``'s names (tied head left out)."""
+def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int,
+                   absolute: bool = False) -> dict[str, torch.Tensor]:
+    """A fair-esm ``ESM2`` (``absolute``: ESM-1b) state dict under ``EsmForMaskedLM``'s names (tied head left out)."""
     from embedpipe.model.hf_esm import fair_to_hf_names
 
-    names = fair_to_hf_names(layers)
+    names = fair_to_hf_names(layers, absolute)
     return {(v if v.startswith("lm_head.") else "esm." + v): fair_state[k].detach().clone().float()
             for k, v in names.items() if k in fair_state}
 
 
 def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: int, dim: int, heads: int,
-                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None, alphabet: Any = None) -> Path:
-    """An ESM-2 (fair-esm state dict) as a Hugging Face ``EsmForMaskedLM`` directory."""
-    mark = marker("hf-esm", -1) if mark is None else mark
-    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, alphabet),
-                           hf_esm_tensors(fair_state, layers))
+                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None, absolute: bool = False,
+                 alphabet: Any = None) -> Path:
+    """An ESM-2 (``absolute``: ESM-1b; ``alphabet``: SaProt's pairs; a fair-esm state dict) as a
+    Hugging Face ``EsmForMaskedLM`` directory."""
+    mark = marker("hf-esm1b" if absolute else "hf-esm", -1) if mark is None else mark
+    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, absolute=absolute,
+                                             alphabet=alphabet),
+                           hf_esm_tensors(fair_state, layers, absolute))
 
 
 # --------------------------------------------------------------------------- ESM C
@@ -220,14 +226,15 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
     if family == "esmc":
         return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),
                                random_esmc(layers, dim, heads, d_ff or 2 * dim, seed))
-    if family in ("hf-esm", "saprot"):
-        from embedpipe.model.random_checkpoint import _random_esm2
+    if family in ("hf-esm", "hf-esm1b", "saprot"):
+        from embedpipe.model.random_checkpoint import random_fair_esm
         from embedpipe.model.saprot import saprot_alphabet
 
         alphabet = saprot_alphabet() if family == "saprot" else None
-        fair = _random_esm2(layers, dim, heads, seed, True, alphabet).state_dict()
+        fair = random_fair_esm("esm1b" if family == "hf-esm1b" else "esm2", layers, dim, heads, seed,
+                               alphabet=alphabet).state_dict()
         return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed),
-                            alphabet=alphabet)
+                            absolute=family == "hf-esm1b", alphabet=alphabet)
     tokenizer, vocab = t5_tokenizer_files(family)
     d_kv, d_ff = d_kv or dim // heads, d_ff or 2 * dim
     gated = family == "ankh"  # Ankh is T5 v1.1-style (gated-gelu); ProtT5-XL uses relu

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import downloads, esm2_spec, hf_checkpoint, hf_sources, plugins
+from embedpipe.model import downloads, esm1b_spec, esm2_spec, hf_checkpoint, hf_sources, plugins
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity
 
@@ -57,6 +57,10 @@ FAMILIES: list[Family] = [
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
            "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity,
            hf_sources.model_files),
+    # fair-esm's ESM-1b / ESM-1v names; their checkpoint paths, like ESM-2's, go to the esm2
+    # entry, whose loader reads either layout (embedpipe.model.esm1b)
+    Family("esm1b", esm1b_spec.is_model_name, esm1b_spec.describe, esm1b_spec.is_model_name, "embedpipe.model.esm2",
+           "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
     Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
            "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
 ]

@@ -9,11 +9,19 @@ case the amino acid, lower case its 3Di state, ``#`` a masked one), so its layou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from embedpipe.model import esm2_spec
+from embedpipe.model.config_bounds import esm_config
+from embedpipe.model.hf_families import HfFamily
 from embedpipe.model.layout import TokenLayout
 
 FAMILY = "saprot"
+
+#: SaProt runs on ESM-2's forward (its version) and packs as ESM-2 does
+PACKS = esm2_spec.PACKS
 
 #: SaProt's ``foldseek_seq_vocab`` and ``foldseek_struc_vocab``, in its order (``#``: masked)
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY#"
@@ -48,3 +56,19 @@ def has_pair_vocabulary(directory: Path) -> bool:
         return any(is_pair(token) for token in vocab.read_text(errors="replace").split())
     except OSError:
         return False
+
+
+def is_hf_saprot(directory: Path, config: Mapping[str, Any]) -> bool:
+    """Whether a ``model_type: esm`` directory is SaProt's: its vocabulary holds pair tokens."""
+    return has_pair_vocabulary(directory)
+
+
+#: ``model_type: esm`` directories whose ``vocab.txt`` holds amino-acid x 3Di pairs, loaded into
+#: the ESM-2 runner over SaProt's alphabet by :mod:`embedpipe.model.hf_esm`
+HF_SAPROT = HfFamily(
+    model_type="esm", label="SaProt", module="embedpipe.model.hf_esm",
+    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
+    window=lambda config: esm2_spec.TRAINED_RESIDUES, layout=lambda config: LAYOUT,
+    identity_files=esm2_spec.hf_identity_files, version=lambda: esm2_spec.FAMILY_VERSION, packs=PACKS,
+    hub_names={name: FAMILY for name in HUB_NAMES}, takes=is_hf_saprot,
+)

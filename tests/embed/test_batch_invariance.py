@@ -33,15 +33,16 @@ MATES = [(f"mate{i}", seq) for i, (_, seq) in enumerate(random_sequences(3, [400
 LAYERS = (0, 1, 2)
 #: what every batching computes: every layer, BOS (where the family has one) and per-residue rows
 WHAT = dict(layers=LAYERS, per_residue=True)
-POOLING = {"esm2-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",), "ankh": ("mean",),
-           "esmc": ("mean", "bos"), "prostt5": ("mean", "bos"), "saprot": ("mean", "bos")}
+POOLING = {"esm2-pt": ("mean", "bos"), "esm1b-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",),
+           "ankh": ("mean",), "esmc": ("mean", "bos"), "prostt5": ("mean", "bos"), "saprot": ("mean", "bos")}
 
 
 @pytest.fixture(scope="module")
 def models(model_factory, tmp_path_factory) -> dict[str, Path]:
     """Small random models of each family: 2 layers, width 64."""
     root = tmp_path_factory.mktemp("invariance-models")
-    paths = {"esm2-pt": model_factory(layers=2, dim=64, heads=4, seed=32)}
+    paths = {"esm2-pt": model_factory(layers=2, dim=64, heads=4, seed=32),
+             "esm1b-pt": model_factory(layers=2, dim=64, heads=4, seed=32, family="esm1b")}
     for family in ("hf-esm", "prot-t5", "ankh", "esmc", "prostt5", "saprot"):
         paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=32)
     return paths
@@ -55,11 +56,12 @@ def restore_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-#: (family, precision, layout): ESM-2 in both layouts, T5 families padded (their only layout)
+#: (family, precision, layout): ESM-2 and ESM-1b in both layouts, T5 families padded (their only layout)
 CASES = [
     ("esm2-pt", "fp32", "packed"), ("esm2-pt", "bf16-mixed", "packed"), ("esm2-pt", "int8-mixed", "packed"),
     ("esm2-pt", "fp32", "padded"), ("esm2-pt", "bf16-mixed", "padded"), ("esm2-pt", "int8-mixed", "padded"),
     ("hf-esm", "fp32", "packed"), ("hf-esm", "bf16-mixed", "padded"),
+    ("esm1b-pt", "fp32", "packed"), ("esm1b-pt", "bf16-mixed", "padded"), ("esm1b-pt", "int8-mixed", "packed"),
     ("prot-t5", "fp32", "padded"), ("prot-t5", "bf16-mixed", "padded"), ("prot-t5", "int8-mixed", "padded"),
     ("ankh", "fp32", "padded"), ("ankh", "bf16-mixed", "padded"), ("ankh", "int8-mixed", "padded"),
     ("prostt5", "fp32", "padded"), ("prostt5", "bf16-mixed", "padded"),

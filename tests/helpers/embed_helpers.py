@@ -15,8 +15,8 @@ import torch
 from embedpipe.core.errors import ModelError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta
-from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
-from embedpipe.model.esm2 import build_model
+from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, upgrade_state_dict
+from embedpipe.model.esm2 import any_checkpoint_info, build_model
 from embedpipe.model.random_checkpoint import KEY_PREFIX, save
 from embedpipe.runtime.engine_override import CHOICES
 from helpers.engine import engine_override
@@ -178,7 +178,8 @@ def edit_test_checkpoint(path: Path, *, token_row_overrides: Mapping[str, float]
     The marker records what was done. The contact-regression companion is left as it is.
     """
     data = load_checkpoint_safely(path)
-    model, alphabet = build_model(checkpoint_info(data), upgrade_state_dict(data["model"]), where=str(path))
+    model, alphabet = build_model(any_checkpoint_info(data, where=str(path)), upgrade_state_dict(data["model"]),
+                                  where=str(path))
     overrides = dict(token_row_overrides or {})
     for token in overrides:
         if token not in alphabet.tok_to_idx:

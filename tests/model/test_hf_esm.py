@@ -141,7 +141,11 @@ def test_make_test_model_hf_esm_and_refusals(tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "e", bad)
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelError, match="position_embedding_type is not 'rotary'"):
+    # absolute positions make it an ESM-1b, which needs a position table
+    with pytest.raises(ModelError, match=r"max_position_embeddings says embed_positions.weight is \(1026, 32\), found none"):
+        load_model(str(bad))
+    (bad / "config.json").write_text(json.dumps(config | {"position_embedding_type": "relative_key"}))
+    with pytest.raises(ModelError, match="position_embedding_type is neither 'rotary'"):
         load_model(str(bad))
     (bad / "config.json").write_text(json.dumps(config | {"position_embedding_type": "rotary", "num_hidden_layers": 3}))
     with pytest.raises(ModelError, match="weights do not fit the cfg"):

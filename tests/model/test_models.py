@@ -316,7 +316,7 @@ def test_corrupt_and_foreign_files(tmp_path: Path, tiny_model_path: Path) -> Non
         load_model(str(plain))
     esm1 = tmp_path / "esm1.pt"
     torch.save({"model": {}, "args": {"arch": "roberta_large"}}, esm1)
-    with pytest.raises(ModelError, match="ESM-2 only"):
+    with pytest.raises(ModelError, match="'args' must be an argparse.Namespace"):  # ESM-1b's layout, args malformed
         load_model(str(esm1))
 
 
@@ -435,8 +435,9 @@ def test_unknown_name_lists_valid_names() -> None:
     with pytest.raises(ModelError) as info:
         resolve_checkpoint("esm2_t99_huge")
     assert "esm2_t33_650M_UR50D" in str(info.value) and "esm2_t6_8M_UR50D" in str(info.value)
+    assert "esm1b_t33_650M_UR50S" in str(info.value) and "esm1v_t33_650M_UR90S_5" in str(info.value)
     with pytest.raises(ModelError, match="unknown model"):
-        fetch_model("esm1b_t33_650M_UR50S")
+        fetch_model("esm1_t34_670M_UR50S")  # ESM-1 (not 1b) is not read
 
 
 def test_missing_path_is_an_error(tmp_path: Path) -> None:

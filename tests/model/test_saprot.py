@@ -176,7 +176,7 @@ def _edited(saprot: Path, tmp_path: Path, config: dict | None = None, vocab: str
 
 
 @pytest.mark.parametrize(("config", "vocab", "message"), [
-    ({"vocab_size": 33}, None, r"vocab_size is not 446"),
+    ({"vocab_size": 33}, None, r"not a SaProt that fair-esm's ESM2 can run \(vocab_size is not SaProt's 446\)"),
     ({"vocab_size": 10**12}, None, r"vocab_size"),
     (None, "<cls>\n<pad>\n<eos>\n<unk>\nAp\nAy\n<mask>\n", r"vocab.txt: not SaProt's vocabulary"),
 ])
