@@ -94,7 +94,8 @@ def check_config(config: Mapping[str, Any], where: str, kind: HfFamily) -> dict[
     vocabulary = len(alphabet_of(kind).all_toks)
     checks = [
         (absolute or bounded["position_embedding_type"] == "rotary",
-         "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"),
+         "position_embedding_type is not 'rotary'" if kind is saprot_spec.HF_SAPROT
+         else "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"),
         (absolute or not norm_before, "emb_layer_norm_before is set with rotary positions"),
         (absolute or bounded["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
         (bounded["vocab_size"] == vocabulary, f"vocab_size is not {label}'s {vocabulary}"),

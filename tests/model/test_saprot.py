@@ -178,6 +178,9 @@ def _edited(saprot: Path, tmp_path: Path, config: dict | None = None, vocab: str
 @pytest.mark.parametrize(("config", "vocab", "message"), [
     ({"vocab_size": 33}, None, r"not a SaProt that fair-esm's ESM2 can run \(vocab_size is not SaProt's 446\)"),
     ({"vocab_size": 10**12}, None, r"vocab_size"),
+    # a pair vocabulary with ESM-1b's absolute positions: SaProt's (its vocabulary decides), refused
+    ({"position_embedding_type": "absolute", "emb_layer_norm_before": True}, None,
+     r"not a SaProt that fair-esm's ESM2 can run \(position_embedding_type is not 'rotary'\)"),
     (None, "<cls>\n<pad>\n<eos>\n<unk>\nAp\nAy\n<mask>\n", r"vocab.txt: not SaProt's vocabulary"),
 ])
 def test_a_hostile_or_inconsistent_directory_is_refused_in_one_line(saprot: Path, tmp_path: Path, config, vocab,
