@@ -14,7 +14,8 @@ layer and the last layer:
 References: fair-esm's own forward for a fair-esm ``.pt`` ESM-2 (``esm2``) and ESM-1b/1v
 (``esm1b``: fair-esm's ``ProteinBertModel``), transformers' ``EsmModel`` for a Hugging Face
 ESM-2 directory (``hf-esm``, converted from the same ``.pt``) and an ESM-1b one (``hf-esm1b``:
-absolute positions, the layer norm before the first layer),
+absolute positions, the layer norm before the first layer) and a SaProt one (``saprot``: the
+pair token ids of structure-aware records),
 ``T5EncoderModel`` for ProtT5, ProstT5 (upper-case and lower-case 3Di records, each with its
 direction prefix) and Ankh, ``EsmcModel`` (eager attention) for ESM C.
 
@@ -46,6 +47,8 @@ SHAPES: dict[str, dict[str, int]] = {
     # esm1b_t33_650M_UR50S and the ESM-1v models: the same proportions as ESM-2 650M
     "esm1b": {"layers": 4, "dim": 256, "heads": 4},
     "hf-esm1b": {"layers": 4, "dim": 256, "heads": 4},
+    # SaProt_650M_AF2 (and _PDB): ESM-2 650M's proportions over its 446 pair tokens
+    "saprot": {"layers": 4, "dim": 256, "heads": 4},
     # ProtT5-XL-U50 (and ProstT5, its fine-tune): d_model 1024, 32 heads x d_kv 128 (4 x d_model), d_ff 16 x d_model
     "prot-t5": {"layers": 4, "dim": 128, "heads": 4, "d_kv": 128, "d_ff": 2048},
     "prostt5": {"layers": 4, "dim": 128, "heads": 4, "d_kv": 128, "d_ff": 2048},
@@ -107,7 +110,7 @@ def reference(family: str, path: Path, tokens: torch.Tensor, pad: int, layers: l
             return dict(model.eval()(tokens, repr_layers=layers)["representations"])
         import transformers
 
-        if family in ("hf-esm", "hf-esm1b"):
+        if family in ("hf-esm", "hf-esm1b", "saprot"):
             hidden = transformers.EsmModel.from_pretrained(str(path), add_pooling_layer=False).eval()(
                 input_ids=tokens, attention_mask=mask, output_hidden_states=True).hidden_states
         elif family == "esmc":
@@ -136,8 +139,15 @@ def compare(got: np.ndarray, want: np.ndarray) -> dict[str, float]:
 
 
 def records(family: str, seed: int) -> list[str]:
-    """Random amino-acid records; ProstT5 also reads every other one as lower-case 3Di."""
+    """Random amino-acid records; ProstT5 also reads every other one as lower-case 3Di; SaProt's
+    are structure-aware, each amino acid followed by a random 3Di state (``MdEvVp``)."""
     seqs = [seq for _, seq in random_records(LENGTHS, seed)]
+    if family == "saprot":
+        from embedpipe.model.saprot_spec import THREE_DI
+
+        rng = np.random.default_rng(seed)
+        return ["".join(a + b for a, b in zip(seq, rng.choice(list(THREE_DI.rstrip("#")), len(seq)), strict=True))
+                for seq in seqs]
     return [s.lower() if family == "prostt5" and i % 2 else s for i, s in enumerate(seqs)]
 
 
@@ -157,7 +167,7 @@ def measure(family: str, policies: list[str], root: Path, seed: int = 0) -> list
     pad = int(tokens[int(np.argmin([len(s) for s in seqs])), -1])  # the shortest record's row ends in padding
     n = model.num_layers
     layers = sorted({1, (n + 1) // 2, n})
-    lengths = [len(s) for s in seqs]
+    lengths = [len(s) // layout.chars_per_residue for s in seqs]  # residues (SaProt: two characters each)
     want = {layer: residue_rows(h, layout.first_residue, lengths)
             for layer, h in reference(family, path, tokens, pad, layers).items()}
     rows = []

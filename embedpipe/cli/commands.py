@@ -105,15 +105,15 @@ def shard(
     """Validate, normalise and deduplicate FASTA input and cut it into length-sorted shards."""
     from embedpipe.shard.passes import TOKENS_PER_RECORD, shard_fasta
 
-    per_record, keep_case = TOKENS_PER_RECORD, False
+    per_record, keep_case, per_residue = TOKENS_PER_RECORD, False, 1
     if model is not None:
         from embedpipe.model import describe
 
         layout = describe(model).token_layout
-        per_record, keep_case = layout.extra_tokens, layout.keeps_case
+        per_record, keep_case, per_residue = layout.extra_tokens, layout.keeps_case, layout.chars_per_residue
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
                           max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record,
-                          limits=options.FastaLimits(max_record_length, max_id_length, keep_case))
+                          limits=options.FastaLimits(max_record_length, max_id_length, keep_case, per_residue))
     if not quiet:
         print(summary.render(), file=sys.stderr)
 
@@ -358,6 +358,23 @@ def fetch_model(
     print(path)
 
 
+@app.command("join-structure")
+@user_errors
+def join_structure(
+    amino: Path = typer.Argument(..., help="Amino-acid FASTA (Foldseek convert2fasta of the structure database)."),
+    three_di: Path = typer.Argument(..., help="3Di FASTA with the same IDs (convert2fasta of its _ss database)."),
+    out: Path = typer.Option(..., "--out", help="Structure-aware FASTA to write (SaProt's input), atomically."),
+) -> None:
+    """Pair an amino-acid FASTA and a 3Di FASTA by ID into SaProt's structure-aware sequences."""
+    from embedpipe.core.atomic import check_output_path
+    from embedpipe.shard.structure import write_structure_aware
+
+    if Path(out).resolve() in (Path(amino).resolve(), Path(three_di).resolve()):
+        raise EmbedpipeError(f"--out {out} is one of the inputs; write the structure-aware FASTA elsewhere")
+    check_output_path(out)
+    print(f"{write_structure_aware(amino, three_di, out)} records -> {out}", file=sys.stderr)
+
+
 @app.command("make-test-model")
 @user_errors
 def make_test_model(
@@ -367,8 +384,8 @@ def make_test_model(
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
     family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), or a Hugging Face "
-                               "directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc (needs the hf extra; "
-                               "docs/models.md)."),
+                               "directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc, saprot (needs the hf "
+                               "extra; docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
     format, or a Hugging Face model directory (--family)."""

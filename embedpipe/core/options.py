@@ -80,11 +80,14 @@ class FastaLimits:
     characters of one ID (UniProt's are under 30; stores index IDs in memory). ``keep_case``:
     keep each record's case instead of upper-casing it, for a family whose token layout says
     case is input (ProstT5: amino acids upper case, 3Di lower case); set from the model, never
-    by a flag (:mod:`embedpipe.inputs.residue_rules`)."""
+    by a flag (:mod:`embedpipe.inputs.residue_rules`). ``chars_per_residue``: 2 for a family
+    that reads structure-aware sequences (SaProt: amino-acid x 3Di pairs), from its layout too;
+    ``max_length`` still counts residues."""
 
     max_length: int = 100_000
     max_id_length: int = 1_000
     keep_case: bool = False
+    chars_per_residue: int = 1
 
     def check(self, error: type[EmbedpipeError]) -> None:
         """Refuse a limit below 1 (a typo must not make every record an error)."""

@@ -31,6 +31,7 @@ from embedpipe.embed.resolved import ResolvedRun, resolve_run
 from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
+from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 from embedpipe.runtime import auto_precision
 from embedpipe.runtime.auto_precision import AutoChoice, Timing
 from embedpipe.runtime.engine_override import EngineChoice
@@ -45,11 +46,14 @@ def usable_candidates(engine: EngineChoice, device: torch.device) -> list[str]:
     return [name for name in auto_precision.candidates(device) if engine.refusal(name) is None]
 
 
-def probe_records(records: Records, budget: int = auto_precision.PROBE_RESIDUES) -> list[tuple[str, str]]:
+def probe_records(records: Records, budget: int = auto_precision.PROBE_RESIDUES,
+                  layout: TokenLayout = ESM2_LAYOUT) -> list[tuple[str, str]]:
     """Records spread evenly over ``records`` (a length-sorted shard: short to long) whose
-    residues add up to at most ``budget``; the shortest record cut to ``budget`` when none fits."""
+    residues add up to at most ``budget``; the shortest record cut to ``budget`` when none fits
+    (whole residues: ``layout``'s characters a residue, SaProt's pairs never split)."""
     if not records:
         return []
+    budget *= layout.chars_per_residue  # in characters from here: a cut keeps whole residues
     order = sorted(range(len(records)), key=lambda i: len(records[i][1]))
     picked: list[tuple[str, str]] = []
     used = 0
@@ -109,7 +113,7 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, 
     if not usable:
         raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
     key = _key(options, engine, device, model)
-    sample = probe_records(records)
+    sample = probe_records(records, layout=capabilities.layout_of(loaded))
     cost = len(usable) * (1 + auto_precision.TIMED_PASSES) * sum(len(s) for _, s in sample)
     with auto_precision.measuring(directory, key):
         found = auto_precision.read_cached(directory, key)

@@ -165,10 +165,10 @@ class Embedder:
         pieces: list[Piece] = []
         handling: list[str] = []
         rows: list[int] = []
+        layout = capabilities.layout_of(self.loaded)
         for index, (rid, seq) in enumerate(records):
-            record_pieces, how = plan_record(index, len(seq), self.options.long_sequences,
-                                             window=self.loaded.trained_window, record_id=rid,
-                                             layout=capabilities.layout_of(self.loaded))
+            record_pieces, how = plan_record(index, layout.residues(seq), self.options.long_sequences,
+                                             window=self.loaded.trained_window, record_id=rid, layout=layout)
             pieces.extend(record_pieces)
             handling.append(how)
             rows.append(sum(p.keep_end - p.keep_start for p in record_pieces))
@@ -182,7 +182,8 @@ class Embedder:
         plan = plan or self.plan(records)
         self.quiet = quiet
         assemblies = Assemblies(plan.batches)
-        total_residues = sum(len(s) for _, s in records)
+        layout = capabilities.layout_of(self.loaded)
+        total_residues = sum(layout.residues(s) for _, s in records)
         # No TF32 for fp32 work: process-wide flags, so set once per run (not per batch), then restored.
         with progress_bar(quiet=quiet, total=total_residues, unit="res", unit_scale=True, desc="embed") as bar, \
                 true_fp32_matmuls():
@@ -191,7 +192,7 @@ class Embedder:
                 if results is None:
                     continue
                 record = self._finish(piece.record, records, plan.handling, results)
-                bar.update(len(records[piece.record][1]))
+                bar.update(layout.residues(records[piece.record][1]))
                 bar.set_postfix(records=self.stats["records"], fallback=self.stats["fallback"], refresh=False)
                 yield piece.record, record
 
@@ -243,8 +244,9 @@ class Embedder:
         if len(batch) == 1:
             piece = batch[0]
             rid, seq = records[piece.record]
+            residues = capabilities.layout_of(self.loaded).residues(seq)
             raise EmbedpipeError(
-                f"record {rid!r} ({len(seq)} residues, window {piece.start}:{piece.end}) does not fit in "
+                f"record {rid!r} ({residues} residues, window {piece.start}:{piece.end}) does not fit in "
                 f"memory on {device} even alone; use --long-sequences chunk, a lower precision or a smaller model"
             )
         self.stats["oom_splits"] += 1
@@ -257,7 +259,8 @@ class Embedder:
         device = self.prepared.devices[policy.name]
         packed = self.prepared.layout(policy) == "packed"
         with cuda.host_side():
-            tokens = self.loaded.tokenize([records[p.record][1][p.start : p.end] for p in batch])
+            layout = capabilities.layout_of(self.loaded)
+            tokens = self.loaded.tokenize([layout.residue_slice(records[p.record][1], p.start, p.end) for p in batch])
             host_batch = PackedTokens.from_padded(tokens, [p.tokens for p in batch]) if packed else None
         bos, per_residue = "bos" in self.pooling, self.options.per_residue
         with forward_context(policy, device):

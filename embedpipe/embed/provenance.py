@@ -14,8 +14,10 @@ from embedpipe.core import cpus
 from embedpipe.core.version import __version__
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.resolved import ResolvedRun
+from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.runtime.attention import invariance_attrs
+from embedpipe.store.format import chars_attr
 
 
 def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) -> dict:
@@ -35,6 +37,7 @@ def provenance(loaded: EmbeddingModel, run: ResolvedRun, source: Path | None) ->
         "attention": run.attention,
         "long_sequences": options.long_sequences,
         "trained_window_residues": loaded.trained_window,
+        **chars_attr(capabilities.layout_of(loaded).chars_per_residue),  # SaProt: 2 (store/format.py)
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,

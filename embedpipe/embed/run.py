@@ -118,7 +118,7 @@ def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reus
     (``--int8-calibration`` read now, so a bad file fails before the model loads; None for
     ``--precision auto``: :func:`~embedpipe.embed.resolved.resolve_run` decides it in the job,
     once its model is loaded, embed/auto_probe.py), and ``limits`` as the model's family reads
-    records (its case kept where case is input: ProstT5)."""
+    records (its case kept where case is input: ProstT5; two characters a residue: SaProt)."""
     facts = inspect(model)
     check_embed(options, facts, reuse, calibration=False)
     limits.check(EmbedpipeError)
@@ -126,7 +126,8 @@ def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reus
         check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
                            "its store records")
     policy = None if options.precision == AUTO else resolve_policy(options)
-    return policy, replace(limits, keep_case=facts.token_layout.keeps_case)
+    layout = facts.token_layout
+    return policy, replace(limits, keep_case=layout.keeps_case, chars_per_residue=layout.chars_per_residue)
 
 
 @contextlib.contextmanager

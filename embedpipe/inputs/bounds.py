@@ -30,7 +30,7 @@ _SHOWN = 40  # characters of an over-long ID quoted in a message
 
 def text_cap(limits: FastaLimits) -> int:
     """Bytes one record's text may take (header and line ends included)."""
-    return 2 * limits.max_length + 4 * limits.max_id_length + TEXT_SLACK
+    return 2 * limits.max_length * limits.chars_per_residue + 4 * limits.max_id_length + TEXT_SLACK
 
 
 def _shown(rid: str) -> str:

@@ -311,7 +311,9 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
     """Yield every record of ``data[pos:]`` known to be complete (all of them at ``eof``);
     return where the incomplete rest starts and its line number."""
     seen_ids = None if seen is None else seen.ids
-    max_length, max_id, cap, keep_case = limits.max_length, limits.max_id_length, text_cap(limits), limits.keep_case
+    max_id, cap, keep_case = limits.max_id_length, text_cap(limits), limits.keep_case
+    per_residue = limits.chars_per_residue
+    max_length = limits.max_length * per_residue  # in characters
     while True:
         nxt = data.find(b"\n>", pos)
         if nxt < 0:
@@ -333,9 +335,9 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
                 raise seen.duplicate(rid, display, line)  # type: ignore[union-attr]
             seen_ids.add(rid)
         raw = data[hend + 1 : end]
-        seq, kinds, reason, bad = check_sequence(raw, keep_case)
+        seq, kinds, reason, bad = check_sequence(raw, keep_case, per_residue == 2)
         if len(seq) > max_length or end - pos > cap:
-            check_record(rid, len(seq), end - pos, display, line, limits)
+            check_record(rid, len(seq) // per_residue, end - pos, display, line, limits)
         record = FastaRecord(rid, header, seq, display, line, file_index, kinds)
         if reason is not None:
             err_line, msg = describe_invalid(reason, raw, seq, bad, line)

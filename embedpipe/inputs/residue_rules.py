@@ -9,6 +9,10 @@ The normalisation kinds and invalid reasons below are what ``manifest.tsv`` reco
 * for a family whose case is input (ProstT5: upper-case amino acids, lower-case 3Di;
   ``keep_case``) the case is kept (``j`` becomes ``x``), and a record mixing upper and lower
   case is invalid (``mixed-case``): it is neither;
+* for a family that reads structure-aware sequences (SaProt: ``pairs``) every residue is two
+  characters, an upper-case amino acid (or ``#``) and its lower-case 3Di state (or ``#``,
+  masked); case is kept, nothing is normalised but one trailing ``*`` stripped, and an odd
+  length or a character out of its place makes the record invalid (``not-pairs``);
 * a ``*`` inside the sequence, ``-`` or ``.`` (an alignment), any other character, or an empty
   sequence make the record *invalid* (the invalid reasons).
 
@@ -25,6 +29,7 @@ __all__ = [
     "INVALID_REASONS",
     "J_TO_X",
     "MIXED_CASE",
+    "NOT_PAIRS",
     "NORMALISATION_KINDS",
     "STOP_STRIPPED",
     "UPPERCASED",
@@ -45,7 +50,8 @@ INTERNAL_STOP = "internal-stop"
 ALIGNMENT_GAP = "alignment-gap"
 INVALID_CHARACTER = "invalid-character"
 MIXED_CASE = "mixed-case"  # keep_case only (ProstT5): neither amino acids nor 3Di
-INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER, MIXED_CASE)
+NOT_PAIRS = "not-pairs"  # pairs only (SaProt): not amino-acid x 3Di pairs
+INVALID_REASONS = (EMPTY_SEQUENCE, INTERNAL_STOP, ALIGNMENT_GAP, INVALID_CHARACTER, MIXED_CASE, NOT_PAIRS)
 
 WHITESPACE = b" \t\r\n\v\f"
 _WHITESPACE_SET = frozenset(WHITESPACE)
@@ -55,6 +61,9 @@ _UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _ALLOWED = _LOWER + _UPPER + b"*"
 # One pass: lowercase -> uppercase, J/j -> X.
 _NORMALISE = bytes.maketrans(_LOWER + b"J", _UPPER.replace(b"J", b"X") + b"X")
+# pairs: an amino acid's place (upper-case letters, '#') and a 3Di state's (its 20 letters, '#')
+_PAIR_FIRST = frozenset(_UPPER + b"#")
+_PAIR_SECOND = frozenset(b"acdefghiklmnpqrstvwy#")
 # keep_case: J/j -> X/x only.
 _NORMALISE_KEEPING_CASE = bytes.maketrans(b"Jj", b"Xx")
 
@@ -80,15 +89,34 @@ def _case_mixed_at(seq: bytes) -> int:
     return next(i for i, byte in enumerate(seq) if byte in other)
 
 
-def check_sequence(raw: bytes, keep_case: bool = False) -> tuple[bytes, tuple[str, ...], str | None, int]:
+def _pair_problem(seq: bytes) -> int:
+    """Index of the first character out of its place in a structure-aware sequence (the last
+    one of an odd length); -1 when every residue is an amino-acid x 3Di pair."""
+    places = (_PAIR_FIRST, _PAIR_SECOND)
+    bad = next((i for i, byte in enumerate(seq) if byte not in places[i % 2]), -1)
+    return len(seq) - 1 if bad < 0 and len(seq) % 2 else bad
+
+
+def check_sequence(raw: bytes, keep_case: bool = False,
+                   pairs: bool = False) -> tuple[bytes, tuple[str, ...], str | None, int]:
     """Normalise one record's raw sequence text (the bytes after the header line); with
-    ``keep_case`` its case is kept and a record of both cases is invalid (``mixed-case``).
+    ``keep_case`` its case is kept and a record of both cases is invalid (``mixed-case``);
+    with ``pairs`` (SaProt) it is a structure-aware sequence, kept as it is.
 
     Returns ``(data, normalised, invalid_reason, bad_residue_index)``.
     """
     seq = raw.translate(None, WHITESPACE)
     if not seq:
         return seq, (), EMPTY_SEQUENCE, -1
+    if pairs:
+        stripped: tuple[str, ...] = (STOP_STRIPPED,) if seq[-1] == 42 else ()  # one trailing b"*"
+        seq = seq[:-1] if stripped else seq
+        if not seq:
+            return seq, stripped, EMPTY_SEQUENCE, -1
+        if (gap := next((i for i, byte in enumerate(seq) if byte in b"-.*"), -1)) >= 0:
+            return seq, stripped, ALIGNMENT_GAP if seq[gap] != 42 else INTERNAL_STOP, gap
+        bad_pair = _pair_problem(seq)
+        return seq, stripped, (None if bad_pair < 0 else NOT_PAIRS), bad_pair
     bad = seq.translate(None, _ALLOWED)
     if bad:
         char = bad[:1]
@@ -130,6 +158,11 @@ def describe_invalid(reason: str, raw: bytes, data: bytes, bad_index: int, heade
     if reason == MIXED_CASE:
         return line, (f"'{char}' {where} is in the other case than the record's first residue: this model reads "
                       "upper case as amino acids and lower case as 3Di, so one record must be all one case")
+    if reason == NOT_PAIRS:
+        what = (f"an odd number of characters ({len(data)})" if bad_index == len(data) - 1 and len(data) % 2
+                else f"'{char}' at column {col} (character {bad_index + 1}) out of its place")
+        return line, (f"{what}: this model reads structure-aware sequences, two characters a residue: an "
+                      "upper-case amino acid (or '#') then its lower-case 3Di state (or '#' for a masked one)")
     if reason == ALIGNMENT_GAP:
         return line, f"gap character '{char}' {where}: this looks like an alignment, not raw sequences"
     if data[bad_index] >= 0x80:  # not text a residue can be: say which byte, not a decoded guess

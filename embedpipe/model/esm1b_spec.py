@@ -12,12 +12,11 @@ BOS, layout, window) are declared here, as :mod:`embedpipe.model.esm2_spec` decl
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model.config_bounds import esm_config
-from embedpipe.model.esm2_spec import name_facts
+from embedpipe.model.esm2_spec import hf_identity_files, name_facts
 from embedpipe.model.esm2_spec import parameter_count as esm2_count
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.hf_families import HfFamily
@@ -115,16 +114,11 @@ def _hf_layout(config: Mapping[str, Any] | None) -> TokenLayout:
     return ESM1B_LAYOUT if config is None else layout(hf_max_positions(config))
 
 
-def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
-    """``config.json`` and ``vocab.txt`` (checked against fair-esm's alphabet on load)."""
-    return ["config.json", "vocab.txt"]
-
-
 #: ``model_type: esm`` directories with absolute positions (``facebook/esm1b_t33_650M_UR50S``,
 #: ``facebook/esm1v_*``), loaded into the ESM-1b runner by :mod:`embedpipe.model.hf_esm`
 HF_ESM1B = HfFamily(
     model_type="esm", label="ESM-1b/ESM-1v", module="embedpipe.model.hf_esm",
     family_name=lambda spec, directory, config: FAMILY, sizes=_hf_sizes, window=_hf_window, layout=_hf_layout,
-    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
-    hub_names={f"facebook/{name}": FAMILY for name in ESM1B_MODELS}, takes=is_hf_esm1b,
+    identity_files=hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
+    hub_names={f"facebook/{name}": FAMILY for name in ESM1B_MODELS}, takes=lambda directory, config: is_hf_esm1b(config),
 )

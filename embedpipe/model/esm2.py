@@ -134,17 +134,19 @@ def load(spec: str) -> Esm2Model:
 
 def from_info(model: ESM2 | ProteinBertModel, alphabet: esm.data.Alphabet, info: Mapping[str, Any], *,
               name: str, source: str, sha256: str,
-              provenance: Mapping[str, str] | None = None) -> Esm2Model:
-    """An :class:`Esm2Model` around a built model; an ESM-1b's window, layout and batch layouts as
-    its spec declares them (esm1b_spec.py; ESM-2's are the class defaults, from esm2_spec.py)."""
+              provenance: Mapping[str, str] | None = None, kind: type[Esm2Model] | None = None) -> Esm2Model:
+    """An :class:`Esm2Model` (``kind``: a subclass, SaProt's) around a built model; an ESM-1b's
+    window, layout and batch layouts as its spec declares them (esm1b_spec.py; ESM-2's and
+    SaProt's are the class defaults, from esm2_spec.py and saprot_spec.py)."""
     extra: dict[str, Any] = {} if provenance is None else {"provenance": provenance}
     if info.get("family") == esm1b_spec.FAMILY:
         extra |= {"family": esm1b_spec.FAMILY, "trained_window": esm1b_spec.window(info["max_positions"]),
                   "token_layout": esm1b_spec.layout(info["max_positions"]),
                   "batch_layouts": batch_layouts(esm1b_spec.PACKS)}
-    return Esm2Model(model=model, alphabet=alphabet, name=name, source=source, sha256=sha256,
-                     trained=info["trained"], num_layers=info["num_layers"], embed_dim=info["embed_dim"],
-                     attention_heads=info["attention_heads"], **extra)
+    made = kind or Esm2Model
+    return made(model=model, alphabet=alphabet, name=name, source=source, sha256=sha256,
+                trained=info["trained"], num_layers=info["num_layers"], embed_dim=info["embed_dim"],
+                attention_heads=info["attention_heads"], **extra)
 
 
 def inspect(facts: ModelFacts) -> ModelFacts:
@@ -204,11 +206,12 @@ def skip_random_init() -> Iterator[None]:
         yield
 
 
-def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *,
-                where: str) -> tuple[ESM2 | ProteinBertModel, esm.data.Alphabet]:
+def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: str,
+                alphabet: esm.data.Alphabet | None = None) -> tuple[ESM2 | ProteinBertModel, esm.data.Alphabet]:
     """An ``ESM2`` from the cfg (a ``ProteinBertModel`` from an ESM-1b ``info``: ``family``
-    esm1b) with ``state_dict`` assigned (no second copy of the weights)."""
-    alphabet = esm2_alphabet()
+    esm1b) with ``state_dict`` assigned (no second copy of the weights); ``alphabet``: the
+    tokens it embeds (ESM-2's unless given: SaProt's pairs)."""
+    alphabet = alphabet or esm2_alphabet()
     label = _label(info)
     with skip_random_init():  # parameters allocated, never written; the loaded tensors replace them
         model: ESM2 | ProteinBertModel

@@ -132,16 +132,17 @@ def estimate_memory(layers: int, dim: int, heads: int, weight_itemsize: int,
 # --------------------------------------------------------------------------- Hugging Face ESM-2
 
 
-def _hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
+def hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
     """``config.json`` and ``vocab.txt`` (checked against fair-esm's alphabet on load)."""
     return ["config.json", "vocab.txt"]
 
 
-#: ``model_type: esm`` directories, loaded into the ESM-2 runner (:mod:`embedpipe.model.hf_esm`)
+#: ``model_type: esm`` directories with rotary positions and ESM-2's letters, loaded into the
+#: ESM-2 runner (:mod:`embedpipe.model.hf_esm`); ESM-1b and SaProt share the type as variants
 HF_ESM = HfFamily(
     model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
     family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
     window=lambda config: TRAINED_RESIDUES, layout=lambda config: LAYOUT,
-    identity_files=_hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
+    identity_files=hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
     hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
 )

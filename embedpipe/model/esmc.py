@@ -197,7 +197,7 @@ def check_vocabulary(directory: Path) -> None:
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> EsmcModel:
     """An :class:`EsmcModel` from a Hugging Face ESM C directory (its ``config.json`` already read)."""
     where = str(directory)
-    kind = hf.family_for_config(config)  # ESM C's or ESM++'s spec: its sizes and capabilities
+    kind = hf.family_for_config(directory, config)  # ESM C's or ESM++'s spec: its sizes and capabilities
     sizes = kind.sizes(config, str(directory / "config.json"))
     shape, vocab = shape_of(sizes), sizes["vocab_size"]
     check_vocabulary(directory)

@@ -8,8 +8,9 @@ Hugging Face model; a name that is not cached is a one-line error saying how to 
 
 ``model_type`` picks the family: each is one :class:`~embedpipe.model.hf_families.HfFamily` in
 :data:`FAMILIES`, declared by the family's spec module (``esm``: ESM-2 into the ESM-2 runner,
-``t5``: ProtT5 and Ankh into the T5 encoder, ``esmc`` and ESM++'s ``ESMplusplus``: ESM C); any
-other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
+``t5``: ProtT5 and Ankh into the T5 encoder, ``esmc`` and ESM++'s ``ESMplusplus``: ESM C), or
+one of :data:`VARIANTS` sharing that type (``esm`` with a pair vocabulary: SaProt; with absolute
+positions: ESM-1b/1v); any other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
 carry ``"embedpipe": {"trained": false, ...}`` in ``config.json``; without that key the weights
 are taken as trained (docs/models.md). Torch-free until weights are read.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.core.jsonbounds import load_bounded_json
-from embedpipe.model import esm1b_spec, esm2_spec, esmc_spec, t5_spec
+from embedpipe.model import esm1b_spec, esm2_spec, esmc_spec, saprot_spec, t5_spec
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.hf_families import HfFamily, is_trained
 from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
@@ -38,8 +39,9 @@ from embedpipe.model.optional import require
 FAMILIES: dict[str, HfFamily] = {f.model_type: f for f in (esm2_spec.HF_ESM, t5_spec.HF_T5, esmc_spec.HF_ESMC,
                                                               esmc_spec.HF_ESM_PLUSPLUS)}
 #: families that share a ``model_type`` with one in :data:`FAMILIES`, told apart by the config
-#: (the variant's ``takes``): ESM-1b/1v directories are ``model_type: esm`` with absolute positions
-VARIANTS: tuple[HfFamily, ...] = (esm1b_spec.HF_ESM1B,)
+#: (the variant's ``takes``, asked in this order): ESM-1b/1v directories are ``model_type: esm``
+#: with absolute positions, SaProt's are ``model_type: esm`` with a vocabulary of pair tokens
+VARIANTS: tuple[HfFamily, ...] = (saprot_spec.HF_SAPROT, esm1b_spec.HF_ESM1B)
 
 #: Hub names embedpipe knows -> their family; others load too once they are cached.
 HUB_NAMES: dict[str, HfFamily] = {
@@ -171,16 +173,18 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
     return state
 
 
-def family_for_config(config: Mapping[str, Any]) -> HfFamily:
-    """The family of a config :func:`read_config` accepted: its ``model_type``'s, or that one's variant."""
+def family_for_config(directory: Path, config: Mapping[str, Any]) -> HfFamily:
+    """The family of ``directory``, whose config :func:`read_config` accepted: its ``model_type``'s,
+    or the first of that type's variants that takes it."""
     model_type = config["model_type"]
-    return next((v for v in VARIANTS if v.model_type == model_type and v.takes is not None and v.takes(config)),
+    return next((v for v in VARIANTS
+                 if v.model_type == model_type and v.takes is not None and v.takes(directory, config)),
                 FAMILIES[model_type])
 
 
 def family_of(spec: str, directory: Path, config: Mapping[str, Any]) -> str:
     """The store's ``model_family`` (``esm2``, ``prot-t5``, ``ankh``, ...), as the type's family says."""
-    return family_for_config(config).family_name(spec, directory, config)
+    return family_for_config(directory, config).family_name(spec, directory, config)
 
 
 def describe(spec: str) -> ModelFacts:
@@ -195,7 +199,7 @@ def describe(spec: str) -> ModelFacts:
                           trained_window=kind.window(None), trained=True, token_layout=kind.layout_of(family, None),
                           packs=kind.packs)
     config = read_config(directory)
-    kind = family_for_config(config)
+    kind = family_for_config(directory, config)
     family = kind.family_name(spec, directory, config)
     # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
     sizes = kind.sizes(config, str(directory / "config.json"))
@@ -256,13 +260,13 @@ def load(spec: str) -> Any:
     """Load ``spec`` with the module its ``model_type`` names."""
     directory = resolve_directory(spec)
     config = read_config(directory)
-    return importlib.import_module(family_for_config(config).module).load_directory(spec, directory, config)
+    return importlib.import_module(family_for_config(directory, config).module).load_directory(spec, directory, config)
 
 
 def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
     """The files besides the weights whose bytes decide the numbers, as the family's loader reads
     them (``config.json``, and ESM's ``vocab.txt`` or T5's tokenizer files: its ``identity_files``)."""
-    return family_for_config(config).identity_files(directory, config)
+    return family_for_config(directory, config).identity_files(directory, config)
 
 
 def file_identity(spec: str) -> ModelIdentity:
@@ -270,7 +274,7 @@ def file_identity(spec: str) -> ModelIdentity:
     without reading the weights (docs/cluster.md, "Resuming, rerunning")."""
     directory = resolve_directory(spec)
     config = read_config(directory)
-    kind = family_for_config(config)
+    kind = family_for_config(directory, config)
     return ModelIdentity(weights_sha256(weight_files(directory)), kind.packs,
                          files_sha256(directory, identity_files(directory, config)),
                          versioned(kind.family_name(spec, directory, config), kind.version()))

@@ -1,7 +1,9 @@
 """Hugging Face ESM directories (``model_type: esm``) into embedpipe's ESM-2 runner.
 
 ESM-2 (rotary positions) and ESM-1b / ESM-1v (``position_embedding_type: absolute``, usually
-with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``) share the type. The weights
+with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``) share the type, and so does
+SaProt (an ESM-2 over amino-acid x 3Di pair tokens, :mod:`embedpipe.model.saprot`); which one a
+directory is, :func:`embedpipe.model.hf_checkpoint.family_for_config` says. The weights
 (``EsmModel`` or ``EsmForMaskedLM``) are renamed to fair-esm's ``ESM2`` (or ESM-1b
 ``ProteinBertModel``) state dict and built by :func:`embedpipe.model.esm2.build_model`, so the model is an ordinary
 :class:`~embedpipe.model.esm2.Esm2Model`: every policy, the packed layout and the fp32
@@ -19,11 +21,13 @@ import esm
 import torch
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import esm1b_spec
+from embedpipe.model import esm1b_spec, saprot_spec
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
 from embedpipe.model.esm1b import check_weights, sizes
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet, from_info
+from embedpipe.model.hf_families import HfFamily
+from embedpipe.model.saprot import SaProtModel, saprot_alphabet
 
 #: fair-esm per-layer module -> transformers' ``EsmLayer`` module.
 PER_LAYER = {
@@ -67,26 +71,34 @@ def fair_to_hf_names(num_layers: int, absolute: bool = False) -> dict[str, str]:
     return names
 
 
-def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+def alphabet_of(kind: HfFamily) -> esm.data.Alphabet:
+    """The tokens a ``model_type: esm`` family embeds: SaProt's pairs, else fair-esm's 33."""
+    return saprot_alphabet() if kind is saprot_spec.HF_SAPROT else esm2_alphabet()
+
+
+def check_config(config: Mapping[str, Any], where: str, kind: HfFamily) -> dict[str, Any]:
     """fair-esm's ESM-2 cfg (or ESM-1b args: absolute positions) from an ``EsmConfig``
-    (``where``: its config.json); every size bounded first (the family's ``sizes``, built on
+    (``where``: its config.json; ``kind``: the family its directory is, ESM-2, SaProt or ESM-1b);
+    every size bounded first (the family's ``sizes``, built on
     :func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
-    ESM2 (ProteinBertModel) cannot be."""
-    bounded = hf.family_for_config(config).sizes(config, where)
+    ESM2 (ProteinBertModel) cannot be, or for a vocabulary size that is not the family's."""
+    bounded = kind.sizes(config, where)
     dim = bounded["embed_dim"]
     token_dropout = config.get("token_dropout", False)
     norm_before = config.get("emb_layer_norm_before", False)
     for field, value in (("token_dropout", token_dropout), ("emb_layer_norm_before", norm_before)):
         if not isinstance(value, bool):
             raise ModelError(f"{where}: {field} must be true or false, got {value!r}")
-    absolute = esm1b_spec.is_hf_esm1b(config)
-    label, network = ("ESM-1b", "ProteinBertModel") if absolute else ("ESM-2", "ESM2")
+    absolute = kind is esm1b_spec.HF_ESM1B
+    label, network = ("ESM-1b", "ProteinBertModel") if absolute else (kind.label, "ESM2")
+    vocabulary = len(alphabet_of(kind).all_toks)
     checks = [
         (absolute or bounded["position_embedding_type"] == "rotary",
-         "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"),
+         "position_embedding_type is not 'rotary'" if kind is saprot_spec.HF_SAPROT
+         else "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"),
         (absolute or not norm_before, "emb_layer_norm_before is set with rotary positions"),
         (absolute or bounded["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
-        (bounded["vocab_size"] == len(esm2_alphabet().all_toks), f"vocab_size is not {label}'s 33"),
+        (bounded["vocab_size"] == vocabulary, f"vocab_size is not {label}'s {vocabulary}"),
         (config.get("pad_token_id", esm1b_spec.PADDING_IDX) == esm1b_spec.PADDING_IDX,
          f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"),
         (abs(bounded["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
@@ -94,7 +106,8 @@ def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     ]
     for ok, why in checks:
         if not ok:
-            raise ModelError(f"{where}: not an {label} that fair-esm's {network} can run ({why})")
+            article = "an" if label[0] in "AEIOU" else "a"
+            raise ModelError(f"{where}: not {article} {label} that fair-esm's {network} can run ({why})")
     info = {"num_layers": bounded["num_layers"], "embed_dim": dim, "attention_heads": bounded["attention_heads"],
             "token_dropout": token_dropout, "trained": hf.is_trained(config)}
     if absolute:
@@ -106,13 +119,13 @@ def check_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return info
 
 
-def check_vocabulary(directory: Path) -> None:
-    """A ``vocab.txt``, when present, must be fair-esm's alphabet in fair-esm's order."""
+def check_vocabulary(directory: Path, expected: list[str], label: str) -> None:
+    """A ``vocab.txt``, when present, must be ``expected`` in its order (``label``: whose)."""
     vocab = directory / "vocab.txt"
     if vocab.is_file():
-        tokens = vocab.read_text().split()
-        if tokens != list(esm2_alphabet().all_toks):
-            raise ModelError(f"{vocab}: not ESM-2's vocabulary (fair-esm's alphabet, in its order)")
+        tokens = vocab.read_text(errors="replace").split()
+        if tokens != expected:
+            raise ModelError(f"{vocab}: not {label}'s vocabulary (its tokens, in its order)")
 
 
 def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: str) -> dict[str, torch.Tensor]:
@@ -154,12 +167,14 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
     """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already read)."""
     where = str(directory)
-    info = check_config(config, str(directory / "config.json"))
-    check_vocabulary(directory)
+    kind = hf.family_for_config(directory, config)
+    info = check_config(config, str(directory / "config.json"), kind)
+    check_vocabulary(directory, list(alphabet_of(kind).all_toks), kind.label)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     state = to_fair(hf.read_state_dict(files), info, where)
-    model, alphabet = build_model(info, state, where=where)
+    model, alphabet = build_model(info, state, where=where, alphabet=alphabet_of(kind))
     return from_info(model, alphabet, info, name=spec if hf.is_model_name(spec) else directory.name,
                      source=where, sha256=sha, provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
-                                                           "model_format": "huggingface-esm"})
+                                                           "model_format": "huggingface-esm"},
+                     kind=SaProtModel if kind is saprot_spec.HF_SAPROT else Esm2Model)

@@ -58,9 +58,10 @@ class HfFamily:
     packs: bool  # whether its runner takes packed batches (a store's identity records it)
     hub_names: Mapping[str, str] = field(default_factory=dict)  # known hub name -> family name
     #: for a family that shares its ``model_type`` with another (listed in
-    #: :data:`embedpipe.model.hf_checkpoint.VARIANTS`): whether a config is this family's
-    #: (Hugging Face's ``esm`` covers ESM-2, rotary, and ESM-1b/1v, absolute positions)
-    takes: Callable[[Mapping[str, Any]], bool] | None = None
+    #: :data:`embedpipe.model.hf_checkpoint.VARIANTS`): whether (directory, config) is this
+    #: family's (Hugging Face's ``esm`` covers ESM-2, rotary; ESM-1b/1v, absolute positions;
+    #: SaProt, a vocabulary of amino-acid x 3Di pairs)
+    takes: Callable[[Path, Mapping[str, Any]], bool] | None = None
     #: family name -> its layout where it is not ``layout``'s (one type, several families: ProstT5)
     family_layouts: Mapping[str, TokenLayout] = field(default_factory=dict)
 

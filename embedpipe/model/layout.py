@@ -23,12 +23,24 @@ class TokenLayout:
     practical limit, docs/models.md). ``keeps_case``: the family reads upper and lower case as
     different inputs (ProstT5: amino acids and 3Di), so the FASTA reader keeps each record's
     case instead of upper-casing it (:class:`embedpipe.core.options.FastaLimits`).
+    ``chars_per_residue``: characters of the input (and of the stored ``sequence``) one residue
+    takes (SaProt: 2, an amino acid and its 3Di state); a record's length, its windows and its
+    per-residue rows count residues (:meth:`residues`).
     """
 
     bos: bool
     eos: bool
     window: int | None
     keeps_case: bool = False
+    chars_per_residue: int = 1
+
+    def residues(self, sequence: str) -> int:
+        """Residues of ``sequence`` (its characters over ``chars_per_residue``)."""
+        return len(sequence) // self.chars_per_residue
+
+    def residue_slice(self, sequence: str, start: int, end: int) -> str:
+        """The characters of residues ``start:end`` of ``sequence``."""
+        return sequence[start * self.chars_per_residue : end * self.chars_per_residue]
 
     @property
     def extra_tokens(self) -> int:
@@ -41,8 +53,9 @@ class TokenLayout:
         return int(self.bos)
 
     def to_dict(self) -> dict[str, Any]:
-        """The layout as JSON (``model-info``); ``keeps_case`` only where it holds."""
-        return {"bos": self.bos, "eos": self.eos, "window": self.window} | ({"keeps_case": True} if self.keeps_case else {})
+        """The layout as JSON (``model-info``); ``keeps_case`` and ``chars_per_residue`` only where they differ."""
+        return ({"bos": self.bos, "eos": self.eos, "window": self.window} | ({"keeps_case": True} if self.keeps_case else {})
+                | ({"chars_per_residue": self.chars_per_residue} if self.chars_per_residue != 1 else {}))
 
 
 #: ESM-2: ``<cls>`` at 0, residues at 1..n, ``<eos>`` at n + 1; trained on 1022 residues. The

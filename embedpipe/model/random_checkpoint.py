@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import esm
 import torch
 from esm.model.esm2 import ESM2
 
@@ -153,18 +154,18 @@ def _args(family: str, layers: int, dim: int, heads: int, token_dropout: bool) -
 
 
 def random_fair_esm(family: str, layers: int, dim: int, heads: int, seed: int,
-                    token_dropout: bool = True) -> torch.nn.Module:
+                    token_dropout: bool = True, alphabet: esm.data.Alphabet | None = None) -> torch.nn.Module:
     """fair-esm's ``ESM2`` (``family`` esm1b: ESM-1b's ``ProteinBertModel``, with the layer norm
-    before the first layer) with fair-esm's init, then the constant parameters drawn at random;
-    the global RNG untouched."""
+    before the first layer; ``alphabet``: ESM-2's unless given, SaProt's pairs) with fair-esm's
+    init, then the constant parameters drawn at random; the global RNG untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if family == "esm2":
             return _randomise_constants(ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads,
-                                             alphabet=esm2_alphabet(), token_dropout=token_dropout))
+                                             alphabet=alphabet or esm2_alphabet(), token_dropout=token_dropout))
         info = {"num_layers": layers, "embed_dim": dim, "ffn_embed_dim": 4 * dim, "attention_heads": heads,
                 "max_positions": TRAINED_RESIDUES + 2, "norm_before": True, "token_dropout": token_dropout}
-        return _randomise_constants(esm1b.construct(info, esm2_alphabet()))
+        return _randomise_constants(esm1b.construct(info, alphabet or esm2_alphabet()))
 
 
 def _randomise_constants(model: torch.nn.Module) -> Any:

@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``.
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
@@ -26,7 +26,7 @@ from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
 from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES, THREE_DI
 
-HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "hf-esm1b", "esmc")
+HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "hf-esm1b", "esmc", "saprot")
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:
@@ -66,12 +66,13 @@ def _write_directory(out: Path, files: Mapping[str, Any], tensors: Mapping[str, 
 
 
 def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: Mapping[str, Any], *,
-                 absolute: bool = False) -> dict[str, Any]:
+                 absolute: bool = False, alphabet: Any = None) -> dict[str, Any]:
     """config.json and the EsmTokenizer files of an ESM-2 with this shape (``absolute``: an ESM-1b,
-    as ``facebook/esm1b_t33_650M_UR50S`` is: absolute positions, a layer norm before the first layer)."""
+    as ``facebook/esm1b_t33_650M_UR50S`` is: absolute positions, a layer norm before the first layer;
+    ``alphabet``: ESM-2's unless given, SaProt's pairs: its vocab.txt as SaProt's own)."""
     from embedpipe.model.esm2 import esm2_alphabet
 
-    alphabet = esm2_alphabet()
+    alphabet = alphabet or esm2_alphabet()
     config = {"model_type": "esm", "architectures": ["EsmForMaskedLM"], "vocab_size": len(alphabet.all_toks),
               "hidden_size": dim, "num_hidden_layers": layers, "num_attention_heads": heads,
               "intermediate_size": 4 * dim, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
@@ -98,10 +99,13 @@ def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int,
 
 
 def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: int, dim: int, heads: int,
-                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None, absolute: bool = False) -> Path:
-    """An ESM-2 (``absolute``: ESM-1b; a fair-esm state dict) as a Hugging Face ``EsmForMaskedLM`` directory."""
+                 token_dropout: bool = True, mark: Mapping[str, Any] | None = None, absolute: bool = False,
+                 alphabet: Any = None) -> Path:
+    """An ESM-2 (``absolute``: ESM-1b; ``alphabet``: SaProt's pairs; a fair-esm state dict) as a
+    Hugging Face ``EsmForMaskedLM`` directory."""
     mark = marker("hf-esm1b" if absolute else "hf-esm", -1) if mark is None else mark
-    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, absolute=absolute),
+    return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, absolute=absolute,
+                                             alphabet=alphabet),
                            hf_esm_tensors(fair_state, layers, absolute))
 
 
@@ -212,7 +216,7 @@ def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: 
 
 def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32, heads: int = 4,
                        seed: int = 0, d_kv: int | None = None, d_ff: int | None = None) -> Path:
-    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, prostt5, ankh, hf-esm or esmc).
+    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, prostt5, ankh, hf-esm, esmc or saprot).
 
     ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
@@ -222,12 +226,15 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
     if family == "esmc":
         return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),
                                random_esmc(layers, dim, heads, d_ff or 2 * dim, seed))
-    if family in ("hf-esm", "hf-esm1b"):
+    if family in ("hf-esm", "hf-esm1b", "saprot"):
         from embedpipe.model.random_checkpoint import random_fair_esm
+        from embedpipe.model.saprot import saprot_alphabet
 
-        fair = random_fair_esm("esm1b" if family == "hf-esm1b" else "esm2", layers, dim, heads, seed).state_dict()
+        alphabet = saprot_alphabet() if family == "saprot" else None
+        fair = random_fair_esm("esm1b" if family == "hf-esm1b" else "esm2", layers, dim, heads, seed,
+                               alphabet=alphabet).state_dict()
         return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed),
-                            absolute=family == "hf-esm1b")
+                            absolute=family == "hf-esm1b", alphabet=alphabet)
     tokenizer, vocab = t5_tokenizer_files(family)
     d_kv, d_ff = d_kv or dim // heads, d_ff or 2 * dim
     gated = family == "ankh"  # Ankh is T5 v1.1-style (gated-gelu); ProtT5-XL uses relu

@@ -57,10 +57,16 @@ class RecordIndex:
     head: np.ndarray  # uint32
     status: np.ndarray  # uint8
     norm: np.ndarray  # uint8
+    chars_per_residue: int = 1  # characters of ``length`` a residue takes (SaProt's pairs: 2)
 
     @property
     def n(self) -> int:
         return len(self.status)
+
+    @property
+    def residues(self) -> np.ndarray:
+        """Each record's residues (``length`` counts the spooled sequence's characters)."""
+        return self.length // self.chars_per_residue if self.chars_per_residue != 1 else self.length
 
     def entry_sizes(self, rows: np.ndarray) -> np.ndarray:
         """Bytes of the spool entries of ``rows``."""
@@ -99,7 +105,8 @@ def read_inputs(paths: list[Path], work: Path, total_bytes: int, skipping: bool,
     check_duplicate_ids(spill, paths, len(status))
     as_np = np.frombuffer
     return RecordIndex(spill=spill, spool=spool_path, length=as_np(length, np.uint32), offset=as_np(offset, np.int64),
-                       head=as_np(head, np.uint32), status=as_np(status, np.uint8), norm=as_np(norm, np.uint8))
+                       head=as_np(head, np.uint32), status=as_np(status, np.uint8), norm=as_np(norm, np.uint8),
+                       chars_per_residue=limits.chars_per_residue)
 
 
 def _read(paths: list[Path], spill: Spill, spool: object, columns: tuple, skipping: bool, on_bytes: Callable[[int], None] | None,
@@ -275,7 +282,7 @@ def write_manifest(path: Path, syncer: Syncer, sources: list[str], index: Record
             hexes = digests.tobytes().hex()
             rows = []
             for j, (i, f, ln, size, code, shard, flags) in enumerate(zip(
-                range(lo, hi), file_index.tolist(), line.tolist(), index.length[lo:hi].tolist(),
+                range(lo, hi), file_index.tolist(), line.tolist(), index.residues[lo:hi].tolist(),
                 unique.status[lo:hi].tolist(), shard_of_record[lo:hi].tolist(), index.norm[lo:hi].tolist(),
             )):
                 source = f"{src_open[f]}:{ln}{src_close[f]}"

@@ -305,15 +305,15 @@ def _count(summary: ShardSummary, index: RecordIndex, unique: Unique) -> None:
     flags = np.arange(len(norm_counts))
     summary.normalised = {kind: int(norm_counts[(flags & bit) != 0].sum()) for kind, bit in NORM_BIT.items()}
     summary.normalised_records = int(norm_counts[1:].sum())
-    summary.input_residues = int(index.length.sum(where=unique.status < SKIP_BASE, dtype=np.int64))
+    summary.input_residues = int(index.residues.sum(where=unique.status < SKIP_BASE, dtype=np.int64))
 
 
 def _plan(summary: ShardSummary, index: RecordIndex, unique: Unique, budget: int) -> _Plan:
     """Sort the unique sequences by length (stable: ties in input order) and cut by budget."""
-    order = np.argsort(index.length[unique.unique_rec], kind="stable")
+    order = np.argsort(index.residues[unique.unique_rec], kind="stable")
     sorted_rec = unique.unique_rec[order]
     del order
-    sorted_len = index.length[sorted_rec]
+    sorted_len = index.residues[sorted_rec]
     bounds = plan_shards(sorted_len, budget, summary.tokens_per_record)
     summary.residues = int(sorted_len.sum(dtype=np.int64))
     summary.tokens = summary.residues + summary.tokens_per_record * len(sorted_rec)

@@ -55,10 +55,12 @@ class EmbeddedRecord:
     windows: int = 1  # forward windows used (chunked long sequences)
     reused_from: str = ""  # store_uuid of the store it was copied from (embed --reuse); "" = computed
     row_digest: str = ""  # set by the writer from the bytes it stores (embedpipe.store.digests); a value given is replaced
+    chars_per_residue: int = 1  # characters of ``sequence`` a residue takes (SaProt: 2), not stored per record
 
     @property
     def length(self) -> int:
-        return len(self.sequence)
+        """Residues (the ``length`` column): characters over ``chars_per_residue``."""
+        return len(self.sequence) // self.chars_per_residue
 
 
 @dataclass(frozen=True)

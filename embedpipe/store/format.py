@@ -42,6 +42,27 @@ LONG_HANDLING = long_sequences.HANDLING
 #: pooled outputs a store can hold, each a group ``{pooling}/layer_{k}`` (N, D); ``mean`` is
 #: always stored, ``bos`` (the BOS token's hidden state) on request (docs/store-format.md)
 
+#: root attribute: characters of a stored ``sequence`` one residue takes, where it is not 1
+#: (SaProt's structure-aware sequences: 2); ``length`` and the per-residue rows count residues
+CHARS_PER_RESIDUE = "chars_per_residue"
+
+
+def chars_per_residue(attrs: Any) -> int:
+    """A store's characters per residue from its root attributes (1 when absent)."""
+    return int(attrs.get(CHARS_PER_RESIDUE, 1))
+
+
+def residues_of(chars: int, per_residue: int) -> int:
+    """Residues of a stored sequence of ``chars`` characters; a part of a residue counts as one,
+    so that ``length`` disagrees with a sequence that is not whole residues (validate)."""
+    return -(-chars // per_residue)
+
+
+def chars_attr(per_residue: int) -> dict[str, int]:
+    """The root attribute for a family's ``chars_per_residue``: none where it is 1."""
+    return {CHARS_PER_RESIDUE: per_residue} if per_residue != 1 else {}
+
+
 #: root attribute: random uuid4 hex written when a store is created; a rewrite gets a new one
 STORE_UUID_ATTR = "store_uuid"
 #: root attributes the writer owns; callers may not set them through ``attrs``/``set_attrs``

@@ -35,7 +35,9 @@ from embedpipe.store.columns import COLUMNS
 from embedpipe.store.format import (
     LONG_HANDLING,
     attr_to_python,
+    chars_per_residue,
     open_h5,
+    residues_of,
 )
 from embedpipe.store.meancheck import mean_check_applies, mean_mismatch
 from embedpipe.store.reader import Store
@@ -142,7 +144,8 @@ class RowChecks:
         st = self.store
         table = st.records(sequence=True, rows=slice(lo, hi))
         ids, length, emb = table["id"], table["length"].astype(np.int64), table["embedded_length"].astype(np.int64)
-        chars = np.array([len(s) for s in table["sequence"]], dtype=np.int64)
+        per_residue = chars_per_residue(st.provenance)
+        chars = np.array([residues_of(len(s), per_residue) for s in table["sequence"]], dtype=np.int64)
         if (found := record_problem(length, emb, chars, list(table["long_handling"]))) is not None:
             i, what = found
             raise self._fail(f"record {ids[i]!r} (row {lo + i}): {what}")

@@ -26,6 +26,7 @@ from embedpipe.store.format import (
     RAGGED_STRINGS,
     READ_BLOCK_BYTES,
     SMALL_CHUNK_BYTES,
+    chars_per_residue,
     chunk_rows,
     iter_row_blocks,
     tag,
@@ -106,7 +107,7 @@ def sequence_count(f: h5py.Group) -> int | None:
 
 def read_sequences(f: h5py.Group, lo: int, hi: int, path: Path | str = "") -> list[bytes]:
     """Rows ``lo:hi`` as UTF-8 bytes (either layout). Format 2's offsets are checked before
-    use (within the data, not decreasing, each step the record's ``length``): a crafted
+    use (within the data, not decreasing, each step the record's ``length``, in characters): a crafted
     offset gave all sequences joined as one (embedpipe.store.checks)."""
     obj = f[NAME]
     if isinstance(obj, h5py.Dataset):
@@ -118,7 +119,7 @@ def read_sequences(f: h5py.Group, lo: int, hi: int, path: Path | str = "") -> li
     rel = (off - off[0]).tolist()
     out = [blob[a:b] for a, b in zip(rel[:-1], rel[1:])]
     if "length" in f and f["length"].shape == (sequence_count(f),):
-        lengths = f["length"][lo:hi].astype(np.int64)
+        lengths = f["length"][lo:hi].astype(np.int64) * chars_per_residue(f.attrs)  # in characters
         chars = np.array([len(b) for b in out], dtype=np.int64)
         if not np.array_equal(chars, lengths):  # residues are ASCII: bytes == characters, unless not
             chars = np.array([len(b.decode("utf-8", "replace")) for b in out], dtype=np.int64)

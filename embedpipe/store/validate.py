@@ -20,6 +20,7 @@ from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
     POOLINGS,
     attr_to_python,
+    chars_per_residue,
     check_format,
     decode_strings,
     is_complete,
@@ -28,6 +29,7 @@ from embedpipe.store.format import (
     poolings_of,
     read_blocks,
     read_root_attrs,
+    residues_of,
     stored_layers,
     string_counts,
 )
@@ -290,12 +292,15 @@ class _Validation:
         return out
 
     def sequence_lengths(self) -> None:
-        """``length == len(sequence)`` (characters, either layout), block by block."""
+        """``length == len(sequence)`` (residues: characters over ``chars_per_residue``, either
+        layout), block by block."""
+        per_residue = chars_per_residue(self.attrs)
         if sequence_count(self.f) != self.n or any(d.startswith("sequence") for d in self.untrusted):
             return
         try:
             for lo, block in iter_sequence_blocks(self.f):
-                chars = np.array([len(t) for t in decode_strings(block, "dataset sequence", lo)], dtype=np.int64)
+                chars = np.array([residues_of(len(t), per_residue) for t in decode_strings(block, "dataset sequence", lo)],
+                                 dtype=np.int64)
                 lengths = self._ints("length", lo, lo + len(block))
                 if lengths is None:
                     return

@@ -28,6 +28,7 @@ from embedpipe.store.format import (
     LONG_HANDLING,
     RESERVED_ATTRS,
     STORE_UUID_ATTR,
+    chars_per_residue,
     create_array_dataset,
     create_per_residue_group,
     create_pooled_group,
@@ -143,6 +144,13 @@ class StoreWriter:
         self._parts = digest_parts(self.pooling, self.layers, self.offsets is not None)  # row_digest's order
         attrs = dict(attrs)
         self._check_attr_names(attrs)
+        #: characters of a sequence one residue takes (the family's layout; SaProt: 2), which
+        #: ``length`` and the per-residue rows count
+        self.chars_per_residue = chars_per_residue(attrs)
+        split = next((i for i, s in zip(self.ids, self.sequences) if len(s) % self.chars_per_residue), None)
+        if split is not None:
+            raise StoreError(f"{self.path}: record {split!r}: its sequence is not whole residues of "
+                             f"{self.chars_per_residue} characters")
 
         self._n = n = len(self.ids)
         self._written = np.zeros(n, dtype=bool)
@@ -199,7 +207,8 @@ class StoreWriter:
             pooling=self.pooling,
         )
         write_header(f, root)
-        announced = [EmbeddedRecord(id=i, sequence=s, precision_used="") for i, s in zip(self.ids, self.sequences)]
+        announced = [EmbeddedRecord(id=i, sequence=s, precision_used="", chars_per_residue=self.chars_per_residue)
+                     for i, s in zip(self.ids, self.sequences)]
         for column in COLUMNS.values():
             if column.name == "sequence":  # ragged since format 2 (embedpipe.store.sequences)
                 write_sequences(f, self.sequences, n)
@@ -272,7 +281,7 @@ class StoreWriter:
 
     def _embedded_length(self, index: int, record: EmbeddedRecord) -> int:
         """Residues embedded (``embedded_length`` -1 means all of them), checked."""
-        length = len(record.sequence)
+        length = len(record.sequence) // self.chars_per_residue
         if self.residue_rows is not None:
             rows = int(self.residue_rows[index])
             embedded = rows if record.embedded_length < 0 else int(record.embedded_length)

@@ -6,7 +6,8 @@ subsets, other batch-mates, one record alone, one thread or two) and every value
 holds for a record (every layer's pooled mean and BOS, per-residue rows, the largest
 activation, the precision used, the fp32 fallback's re-run) is compared bit for bit with
 the store of one batch of them all: ESM-2 (fair-esm .pt, both layouts; Hugging Face ESM-2)
-T5 (ProtT5, Ankh, ProstT5 with amino-acid and 3Di records; padded) and ESM C (both layouts)
+SaProt (structure-aware records), T5 (ProtT5, Ankh, ProstT5 with amino-acid and 3Di records;
+padded) and ESM C (both layouts)
 under fp32, bf16-mixed and int8-mixed.
 """
 
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedpipe.model.random_hf import make_hf_test_model
-from helpers.embed_helpers import bitwise_differences, embed_store, random_sequences, stored_values
+from helpers.embed_helpers import bitwise_differences, embed_store, random_sequences, stored_values, structure_aware
 
 RECORDS = random_sequences(12, [5, 260, 33, 120, 9, 77, 200, 14, 150, 61, 3, 98], seed=32)
 #: other batch-mates: longer records the reference batch never held
@@ -33,7 +34,7 @@ LAYERS = (0, 1, 2)
 #: what every batching computes: every layer, BOS (where the family has one) and per-residue rows
 WHAT = dict(layers=LAYERS, per_residue=True)
 POOLING = {"esm2-pt": ("mean", "bos"), "esm1b-pt": ("mean", "bos"), "hf-esm": ("mean", "bos"), "prot-t5": ("mean",),
-           "ankh": ("mean",), "esmc": ("mean", "bos"), "prostt5": ("mean", "bos")}
+           "ankh": ("mean",), "esmc": ("mean", "bos"), "prostt5": ("mean", "bos"), "saprot": ("mean", "bos")}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def models(model_factory, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("invariance-models")
     paths = {"esm2-pt": model_factory(layers=2, dim=64, heads=4, seed=32),
              "esm1b-pt": model_factory(layers=2, dim=64, heads=4, seed=32, family="esm1b")}
-    for family in ("hf-esm", "prot-t5", "ankh", "esmc", "prostt5"):
+    for family in ("hf-esm", "prot-t5", "ankh", "esmc", "prostt5", "saprot"):
         paths[family] = make_hf_test_model(root / family, family=family, layers=2, dim=64, heads=4, seed=32)
     return paths
 
@@ -64,6 +65,7 @@ CASES = [
     ("prot-t5", "fp32", "padded"), ("prot-t5", "bf16-mixed", "padded"), ("prot-t5", "int8-mixed", "padded"),
     ("ankh", "fp32", "padded"), ("ankh", "bf16-mixed", "padded"), ("ankh", "int8-mixed", "padded"),
     ("prostt5", "fp32", "padded"), ("prostt5", "bf16-mixed", "padded"),
+    ("saprot", "fp32", "packed"), ("saprot", "bf16-mixed", "padded"),
     ("esmc", "fp32", "packed"), ("esmc", "bf16-mixed", "packed"), ("esmc", "int8-mixed", "packed"),
     ("esmc", "fp32", "padded"), ("esmc", "bf16-mixed", "padded"), ("esmc", "int8-mixed", "padded"),
 ]
@@ -102,11 +104,14 @@ def assert_same(reference: dict, other: dict, what: str) -> None:
     assert set(other) - {rid for rid, _ in MATES} <= set(reference)
 
 
-def records_of(family: str) -> list[tuple[str, str]]:
-    """:data:`RECORDS`; for ProstT5 every third one lower case (3Di: the other direction prefix)."""
+def records_of(family: str, records: Sequence[tuple[str, str]] = RECORDS) -> list[tuple[str, str]]:
+    """``records``; for ProstT5 every third one lower case (3Di: the other direction prefix); for
+    SaProt structure-aware (a 3Di state or ``#`` after each residue)."""
+    if family == "saprot":
+        return structure_aware(records, seed=34)
     if family != "prostt5":
-        return RECORDS
-    return [(rid, seq.lower() if n % 3 == 0 else seq) for n, (rid, seq) in enumerate(RECORDS)]
+        return list(records)
+    return [(rid, seq.lower() if n % 3 == 0 else seq) for n, (rid, seq) in enumerate(records)]
 
 
 @pytest.mark.parametrize(("family", "precision", "layout"), CASES)
@@ -119,7 +124,8 @@ def test_every_batching_gives_bit_identical_records(models, tmp_path, family, pr
         "tokens_per_batch 150, one thread": lambda: embed_values(
             tmp_path, models[family], records, "small", tokens_per_batch=150, threads=1, **options),
         "reversed, longer batch-mates": lambda: embed_values(
-            tmp_path, models[family], MATES + records[::-1], "mates", tokens_per_batch=700, threads=2, **options),
+            tmp_path, models[family], records_of(family, MATES) + records[::-1], "mates", tokens_per_batch=700,
+            threads=2, **options),
         "every other record": lambda: embed_values(
             tmp_path, models[family], records[1::2], "subset", tokens_per_batch=4096, threads=2, **options),
         "one record alone": lambda: embed_values(

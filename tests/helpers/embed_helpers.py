@@ -3,6 +3,8 @@ and edit test checkpoints."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -33,6 +35,14 @@ def random_sequences(count: int, lengths: Sequence[int] | tuple[int, int], seed:
     return [(f"rec{i:03d}", "".join(rng.choice(alphabet, int(n)))) for i, n in enumerate(sizes)]
 
 
+def structure_aware(records: Sequence[tuple[str, str]], seed: int = 0) -> list[tuple[str, str]]:
+    """``records`` as SaProt's structure-aware sequences: after each residue a random 3Di state
+    (lower case) or ``#`` (masked), two characters a residue."""
+    rng = np.random.default_rng(seed)
+    states = np.array(list("acdefghiklmnpqrstvwy#"))
+    return [(rid, "".join(a + s for a, s in zip(seq, rng.choice(states, len(seq))))) for rid, seq in records]
+
+
 def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
     with open(path, "w") as fh:
         for rid, seq in records:
@@ -52,6 +62,35 @@ def embed_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]], name
     with engine_override(**engine):
         embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(**options), quiet=True)
     return out
+
+
+def unmarked_family(directory: Path, whole_marker: bool = False) -> str:
+    """The family ``describe`` gives a copy of ``directory`` whose config.json lacks
+    make-test-model's family (``whole_marker``: its whole marker): what the files alone say."""
+    from embedpipe.model import describe
+
+    config = json.loads((directory / "config.json").read_text())
+    if whole_marker:
+        del config[MARKER_KEY]
+    else:
+        del config[MARKER_KEY]["family"]
+    unmarked = directory.parent / "unmarked"
+    shutil.copytree(directory, unmarked)
+    try:
+        (unmarked / "config.json").write_text(json.dumps(config))
+        return describe(str(unmarked)).family
+    finally:
+        shutil.rmtree(unmarked)
+
+
+def reuse_twins(tmp: Path, model: Path, first: tuple[str, str], twin: str) -> tuple[int, dict, dict]:
+    """Embed ``first`` into ``tmp/earlier.h5``, then ``("other", twin)`` and ``("again", first's
+    sequence)`` with ``--reuse`` of it: (records reused, the earlier store, the next store)."""
+    earlier = embed_store(tmp, model, [first], "earlier", device="cpu", tokens_per_batch=4096)
+    summary = embed_fasta(write_fasta(tmp / "next.fasta", [("other", twin), ("again", first[1])]),
+                          model=str(model), out=tmp / "next.h5", reuse=[earlier], quiet=True,
+                          options=EmbedOptions(device="cpu", tokens_per_batch=4096))
+    return summary.reused, read_store(earlier), read_store(tmp / "next.h5")
 
 
 def embed_and_read(tmp: Path, model: Path, records: Sequence[tuple[str, str]], name: str = "out",

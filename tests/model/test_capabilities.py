@@ -22,11 +22,12 @@ from helpers import fake_family_layout as fake
 #: a test model of every family embedpipe registers: make-test-model's formats (fair-esm's two
 #: .pt layouts and one directory per Hugging Face ``model_type`` or variant it writes; ESM++ in
 #: tests/model/test_esmc.py)
-FAMILY_MODELS = ("esm2", "esm1b", "hf-esm", "hf-esm1b", "prot-t5", "prostt5", "ankh", "esmc")
+FAMILY_MODELS = ("esm2", "esm1b", "hf-esm", "hf-esm1b", "saprot", "prot-t5", "prostt5", "ankh", "esmc")
 #: fair-esm .pt families (make-test-model's default format)
 FAIR_ESM = ("esm2", "esm1b")
 #: model_type of each make-test-model family (the Hugging Face spec it is declared by)
-MODEL_TYPES = {"hf-esm": "esm", "hf-esm1b": "esm", "prot-t5": "t5", "prostt5": "t5", "ankh": "t5", "esmc": "esmc"}
+MODEL_TYPES = {"hf-esm": "esm", "hf-esm1b": "esm", "saprot": "esm", "prot-t5": "t5", "prostt5": "t5", "ankh": "t5",
+               "esmc": "esmc"}
 
 
 def assert_declared_as_loaded(spec: str, facts: ModelFacts | None = None) -> None:
@@ -60,11 +61,13 @@ def test_every_hugging_face_model_type_but_esm_plusplus_is_covered_here() -> Non
 
 
 def test_every_hugging_face_variant_is_covered_here(tmp_path: Path) -> None:
-    """A variant shares its ``model_type`` (ESM-1b/1v: ``esm`` with absolute positions); each
+    """A variant shares its ``model_type`` (ESM-1b/1v: ``esm`` with absolute positions; SaProt:
+    ``esm`` with a vocabulary of pair tokens); each
     make-test-model directory is read as one family, and together they are every variant."""
-    read = {hf_checkpoint.family_for_config(hf_checkpoint.read_config(
-        make_hf_test_model(tmp_path / family, family=family, layers=1, dim=16, heads=2))).label
-        for family in MODEL_TYPES}
+    directories = [make_hf_test_model(tmp_path / family, family=family, layers=1, dim=16, heads=2)
+                   for family in MODEL_TYPES]
+    read = {hf_checkpoint.family_for_config(directory, hf_checkpoint.read_config(directory)).label
+            for directory in directories}
     assert {v.label for v in hf_checkpoint.VARIANTS} <= read
 
 

@@ -26,14 +26,13 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.errors import InputError, ModelError
-from embedpipe.core.options import EmbedOptions, FastaLimits
-from embedpipe.embed.run import embed_fasta
+from embedpipe.core.options import FastaLimits
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.residue_rules import MIXED_CASE, check_sequence
 from embedpipe.model import describe, load_model
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.t5_spec import PROSTT5_LAYOUT
-from helpers.embed_helpers import plain_sequences, read_store, write_fasta
+from helpers.embed_helpers import plain_sequences, reuse_twins, unmarked_family, write_fasta
 
 #: amino acids (upper case, rare residues included) and 3Di (lower case)
 SEQS = ["MKTAYIAKQRQISFVKSHFSRQ", "dvvcvvpddpvrvvvd", "UZOBXMK", "acdefghiklmnpqrstvwy", "W", "w"]
@@ -67,13 +66,7 @@ def test_the_family_is_recognised_and_declares_its_layout(prost: Path) -> None:
     assert (model.family, model.token_layout, model.batch_layouts) == ("prostt5", PROSTT5_LAYOUT, ("padded",))
     for name in ("Rostlab/ProstT5", "Rostlab/ProstT5_fp16"):  # known before they are cached
         assert (describe(name).family, describe(name).token_layout) == ("prostt5", PROSTT5_LAYOUT)
-    config = json.loads((prost / "config.json").read_text())
-    del config["embedpipe"]["family"]  # without make-test-model's family: the vocabulary's prefixes say it
-    unmarked = prost.parent / "unmarked"
-    shutil.copytree(prost, unmarked)
-    (unmarked / "config.json").write_text(json.dumps(config))
-    assert describe(str(unmarked)).family == "prostt5"
-    shutil.rmtree(unmarked)
+    assert unmarked_family(prost) == "prostt5"  # without make-test-model's family: the vocabulary's prefixes say it
 
 
 def test_token_ids_equal_the_model_cards_tokenizer_call(prost: Path) -> None:
@@ -140,14 +133,9 @@ def test_stores_hold_the_residue_rows_only_and_the_case_kept(prost: Path, tmp_pa
 
 def test_a_sequence_in_the_other_case_is_another_sequence_to_reuse(prost: Path, tmp_path: Path) -> None:
     """The sequence's sha256 is the case-kept one: a 3Di record is not copied from its upper-case twin."""
-    earlier = tmp_path / "earlier.h5"
-    embed(prost, tmp_path, [("upper", "ACDW")], "earlier")
-    summary = embed_fasta(write_fasta(tmp_path / "next.fasta", [("lower", "acdw"), ("again", "ACDW")]),
-                          model=str(prost), out=tmp_path / "next.h5", reuse=[earlier], quiet=True,
-                          options=EmbedOptions(device="cpu", tokens_per_batch=4096))
-    assert summary.reused == 1  # "again" only
-    store = read_store(tmp_path / "next.h5")
-    assert np.array_equal(store["mean"][3]["again"], read_store(earlier)["mean"][3]["upper"])
+    reused, earlier, store = reuse_twins(tmp_path, prost, ("upper", "ACDW"), "acdw")
+    assert reused == 1  # "again" only
+    assert np.array_equal(store["mean"][3]["again"], earlier["mean"][3]["upper"])
 
 
 def test_shard_with_the_model_keeps_case_and_records_mixed_case_as_skipped(prost: Path, tmp_path: Path) -> None:

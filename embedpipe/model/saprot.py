@@ -1,0 +1,65 @@
+"""SaProt on ESM-2's forward: its pair alphabet and its tokenizer.
+
+A SaProt directory is an ESM-2 in every weight; only its tokens differ (446 amino-acid x
+Foldseek-3Di pairs, :func:`embedpipe.model.saprot_spec.vocabulary`). So it is an
+:class:`~embedpipe.model.esm2.Esm2Model` (every policy, the packed layout, the fp32 fallback)
+whose alphabet is the pair vocabulary and whose tokenizer reads two characters a residue, as
+SaProt's ``EsmTokenizer`` splits ``MdEvVp`` into ``Md Ev Vp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import esm
+import numpy as np
+import torch
+
+from embedpipe.model import saprot_spec
+from embedpipe.model.base import TokenLayout
+from embedpipe.model.esm2 import Esm2Model
+
+
+def saprot_alphabet() -> esm.data.Alphabet:
+    """fair-esm's ``Alphabet`` with SaProt's tokens: the specials keep ESM-2's ids (``<cls>``
+    0, ``<pad>`` 1, ``<eos>`` 2, ``<unk>`` 3), the pairs follow, ``<mask>`` is last (445)."""
+    alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
+    tokens = saprot_spec.vocabulary()
+    alphabet.standard_toks = tokens[4:-1]
+    alphabet.all_toks = tokens
+    alphabet.tok_to_idx = {token: i for i, token in enumerate(tokens)}
+    alphabet.unique_no_split_tokens = tokens
+    alphabet.unk_idx = alphabet.tok_to_idx["<unk>"]
+    alphabet.padding_idx = alphabet.get_idx("<pad>")
+    alphabet.cls_idx = alphabet.get_idx("<cls>")
+    alphabet.mask_idx = alphabet.get_idx("<mask>")
+    alphabet.eos_idx = alphabet.get_idx("<eos>")
+    return alphabet
+
+
+@dataclass
+class SaProtModel(Esm2Model):
+    """An ESM-2 over SaProt's pair tokens; ``tokenize`` takes structure-aware sequences."""
+
+    family: str = saprot_spec.FAMILY
+    token_layout: TokenLayout = saprot_spec.LAYOUT
+    _pairs: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._pairs = np.full(1 << 16, self.alphabet.unk_idx, dtype=np.int64)  # (byte, byte) -> token
+        for token in self.alphabet.standard_toks:
+            if saprot_spec.is_pair(token):
+                self._pairs[ord(token[0]) << 8 | ord(token[1])] = self.alphabet.get_idx(token)
+
+    def tokenize(self, sequences: Sequence[str]) -> torch.Tensor:
+        """(B, 2 + most residues): <cls>, one pair token a residue, <eos>, then <pad>."""
+        width = max(len(seq) // 2 for seq in sequences) + 2
+        tokens = np.full((len(sequences), width), self.alphabet.padding_idx, dtype=np.int64)
+        for row, seq in enumerate(sequences):
+            chars = np.frombuffer(seq.encode("ascii"), dtype=np.uint8).astype(np.int64).reshape(-1, 2)
+            n = len(chars)
+            tokens[row, 0] = self.alphabet.cls_idx
+            tokens[row, 1 : n + 1] = self._pairs[chars[:, 0] << 8 | chars[:, 1]]
+            tokens[row, n + 1] = self.alphabet.eos_idx
+        return torch.from_numpy(tokens)
