@@ -344,20 +344,6 @@ def validate(store: Path = typer.Argument(..., help="Store to check.")) -> None:
     print(f"{store}: ok")
 
 
-@app.command("fetch-model")
-@user_errors
-def fetch_model(
-    name: str = typer.Argument(..., help="fair-esm name, e.g. esm2_t33_650M_UR50D or esm1b_t33_650M_UR50S "
-                               "(downloaded); a Hugging Face hub name is only looked up in the local hub cache."),
-    dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
-) -> None:
-    """Download a model ahead of time, for compute nodes without internet."""
-    from embedpipe.model.fetch import fetch_model as _fetch
-
-    path = _fetch(name, dest=dest)
-    print(path)
-
-
 @app.command("join-structure")
 @user_errors
 def join_structure(
@@ -373,31 +359,6 @@ def join_structure(
         raise EmbedpipeError(f"--out {out} is one of the inputs; write the structure-aware FASTA elsewhere")
     check_output_path(out)
     print(f"{write_structure_aware(amino, three_di, out)} records -> {out}", file=sys.stderr)
-
-
-@app.command("make-test-model")
-@user_errors
-def make_test_model(
-    out: Path = typer.Argument(..., help="Checkpoint path to write (.pt), or the directory to write for a Hugging Face family."),
-    layers: int = typer.Option(2, "--layers", min=1, help="Transformer layers."),
-    dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads)."),
-    heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
-    family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), or a Hugging Face "
-                               "directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc, saprot (needs the hf "
-                               "extra; docs/models.md)."),
-) -> None:
-    """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
-    format, or a Hugging Face model directory (--family)."""
-    if family not in ("esm2", "esm1b"):
-        from embedpipe.model.random_hf import make_hf_test_model
-
-        print(make_hf_test_model(out, family=family, layers=layers, dim=dim, heads=heads, seed=seed))
-        return
-    from embedpipe.model.random_checkpoint import make_test_model as _make
-
-    path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed, family=family)
-    print(path)
 
 
 @app.command()
@@ -418,80 +379,6 @@ def export(
                            quiet=quiet)
     if not quiet:
         print(summary.render(), file=sys.stderr)
-
-
-@app.command()
-@user_errors
-def index(
-    store: Path = typer.Argument(..., help="Store whose vectors to index."),
-    out: Path = typer.Option(..., "--out", help="The index (FAISS), with OUT.json (what it holds, of which store) "
-                             "and OUT.ids.txt beside it; written atomically."),
-    layer: int = typer.Option(-1, "--layer", help="Stored layer to index (-1 = the highest stored)."),
-    pooling: str = typer.Option("mean", "--pooling", help=f"Pooled vectors to index: {_one_of(options.POOLINGS)} (if stored)."),
-    kind: str = typer.Option("exact", "--kind", help="exact (cosine, every row compared) or hnsw (approximate, for "
-                             "tens of millions of rows; recall in docs/python.md)."),
-) -> None:
-    """Build a nearest-neighbour index over one stored layer and pooling (the search extra: faiss)."""
-    from embedpipe.neighbours.build import build_index
-
-    print(build_index(store, out, layer=layer, pooling=pooling, kind=kind).render(), file=sys.stderr)
-
-
-@app.command()
-@user_errors
-def search(
-    queries: Path = typer.Argument(..., help="Protein FASTA of the queries."),
-    index_path: Path = typer.Option(..., "--index", help="An index built by embedpipe index."),
-    out: Path = typer.Option(..., "--out", help="TSV of hits: query, hit, score (cosine), rank; written atomically."),
-    k: int = typer.Option(10, "--k", min=1, help="Neighbours per query."),
-    model: Optional[str] = typer.Option(None, "--model", help="Default: the model the index's store was embedded with."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Default: the store's policy (another is refused)."),
-    layer: Optional[int] = typer.Option(None, "--layer", help="Default: the index's layer (another is refused)."),
-    storage_dtype: Optional[str] = typer.Option(None, "--storage-dtype", help="Default: the store's."),
-    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
-    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
-    tokens_per_batch: str = typer.Option(str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
-                                         help=TOKENS_PER_BATCH_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
-    max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
-) -> None:
-    """Embed the queries as the index's store was embedded, and write each one's nearest IDs."""
-    from embedpipe.api.querying import search_fasta
-
-    hits = search_fasta(queries, index_path, out, model=model, k=k, quiet=quiet,
-                        limits=options.FastaLimits(max_record_length, max_id_length), precision=precision,
-                        layers=None if layer is None else (layer,), storage_dtype=storage_dtype, device=device,
-                        threads=threads, tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch))
-    if not quiet:
-        print(f"searched {len(hits.queries)} queries in {index_path} -> {out}", file=sys.stderr)
-
-
-@app.command("model-info")
-@user_errors
-def model_info(
-    spec: str = typer.Argument(..., help="Model name or checkpoint path."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
-) -> None:
-    """Facts about a model without loading its weights (the workflow's mem_mb comes from here)."""
-    from embedpipe.model import inspect
-
-    data = inspect(spec).to_dict()
-    if as_json:
-        print(json.dumps(data, sort_keys=True))
-    else:
-        for key, value in data.items():
-            print(f"{key}: {_as_text(value)}")
-
-
-def _as_text(value: object) -> str:
-    """A fact as a person reads it, not a Python repr: unknown, yes/no, ``key=value, ...``."""
-    if value is None:
-        return "unknown"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={'none' if v is None else _as_text(v)}" for k, v in value.items())
-    return str(value)
 
 
 def run() -> None:

@@ -141,8 +141,7 @@ def run_crosscheck(
     thresholds, store_path, out_dir = thresholds or Thresholds(), Path(store), Path(out)
     _check_arguments(thresholds, sample, k, out_dir, labels, store_path, model)
     use_threads(thread_count(threads), quiet=quiet)  # --threads, else the CPUs the job owns (docs/cluster.md, "CPU threads")
-    started = time.perf_counter()
-    notes: list[str] = []
+    started, notes = time.perf_counter(), list[str]()
     with open_store(store_path) as st:
         st.check_sources()  # every source pinned, not only the sampled ones' (docs/store-format.md)
         provenance, layers = st.provenance, st.layers
