@@ -6,13 +6,14 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from embedpipe import embed as _embed_package  # torch-free: its __init__ is a docstring
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from embedpipe.api import Embedder, Result, search
     from embedpipe.store.reader import Store, open_store
 
-__all__ = ["__version__", "open_store", "Store", "Embedder", "Result", "embed", "search"]
+__all__ = ["__version__", "open_store", "Store", "Embedder", "EmbedpipeError", "Result", "embed", "search"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -38,30 +38,38 @@ def query_options(meta: IndexMeta, given: Mapping[str, Any]) -> dict[str, Any]:
     return options | {k: v for k, v in given.items() if v is not None}
 
 
-def search(queries: Sequences, index: str | Path, *, model: str | Path | None = None, k: int = 10,
-           quiet: bool = True, limits: FastaLimits = FASTA_LIMITS, **options: Any) -> Hits:
-    """One call: embed ``queries`` as the index's store was (its model unless ``model`` is given,
-    its options unless named in ``options``) and return each one's ``k`` nearest IDs."""
-    index = Path(index)
+def _embedder(index: Path, model: str | Path | None, quiet: bool, limits: FastaLimits,
+              options: Mapping[str, Any]) -> Embedder:
+    """An Embedder of the queries: the index's model and options unless given; its ``limits``
+    are the family's rules every query is read by (case, pairs), as ``embed`` reads records."""
     meta = read_meta(index)
     spec = str(model) if model is not None else meta.model_source
     if not spec:
         raise EmbedpipeError(f"{index}: records no model; give the model of its store")
-    with Embedder(spec, quiet=quiet, limits=limits, **query_options(meta, options)) as embedder:
+    return Embedder(spec, quiet=quiet, limits=limits, **query_options(meta, options))
+
+
+def search(queries: Sequences, index: str | Path, *, model: str | Path | None = None, k: int = 10,
+           quiet: bool = True, limits: FastaLimits = FASTA_LIMITS, **options: Any) -> Hits:
+    """One call: embed ``queries`` as the index's store was (its model unless ``model`` is given,
+    its options unless named in ``options``) and return each one's ``k`` nearest IDs."""
+    with _embedder(Path(index), model, quiet, limits, options) as embedder:
         return embedder.search(queries, index, k=k)
 
 
 def search_fasta(queries: Path, index: Path, out: Path, *, model: str | None = None, k: int = 10,
                  quiet: bool = False, limits: FastaLimits = FASTA_LIMITS, **options: Any) -> Hits:
-    """``embedpipe search``: the records of the FASTA ``queries`` searched in ``index``, the hits
-    written to the TSV ``out`` (atomically; never over the queries, the index or the model)."""
+    """``embedpipe search``: the records of the FASTA ``queries``, read by the model family's rules
+    as ``embed`` reads them, searched in ``index``, the hits written to the TSV ``out``
+    (atomically; never over the queries, the index or the model)."""
     meta = read_meta(Path(index))
     inputs = [Path(queries), Path(index), meta_path(Path(index)), ids_path(Path(index)),
               *model_files(model or meta.model_source)]
-    with writing_outputs("search", [("--out", Path(out))], inputs):
-        records = list(read_sequences(Path(queries), limits))
+    with writing_outputs("search", [("--out", Path(out))], inputs), \
+            _embedder(Path(index), model, quiet, limits, options) as embedder:
+        records = list(read_sequences(Path(queries), embedder.limits))
         if not records:
             raise EmbedpipeError(f"{queries}: no records to search")
-        hits = search(records, index, model=model, k=k, quiet=quiet, limits=limits, **options)
+        hits = embedder.search(records, index, k=k)
         hits.write_tsv(out)
     return hits

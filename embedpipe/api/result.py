@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.errors import EmbedpipeError, quote
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.store import EmbeddedRecord, StoreWriter, utc_now
@@ -37,6 +37,7 @@ class Result:
     provenance: dict[str, Any]
     model_files: Sequence[Path] = ()
     _cache: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _rows: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)  # ID -> row, built once
 
     @property
     def ids(self) -> list[str]:
@@ -105,10 +106,25 @@ class Result:
     def per_residue(self, i: int | str, layer: int = -1) -> np.ndarray:
         """(length, D) per-residue vectors of record ``i`` (its position or ID; ``per_residue=True``)."""
         absolute = self.layer(layer)
-        record = self.records[self.ids.index(i) if isinstance(i, str) else i]
+        record = self.records[self._position(i)]
         if record.per_residue is None:
             raise EmbedpipeError("per-residue vectors were not embedded; pass per_residue=True to the Embedder")
         return self._cast(record.per_residue[absolute])
+
+    def _position(self, i: int | str) -> int:
+        """The row of record ``i`` (its ID, or its position, negative from the end); one
+        :class:`EmbedpipeError` naming it where there is none."""
+        if isinstance(i, str):
+            if "positions" not in self._rows:
+                self._rows["positions"] = {rid: row for row, rid in enumerate(self.ids)}
+            if (row := self._rows["positions"].get(i)) is None:
+                raise EmbedpipeError(f"no record with ID {quote(i)} in this result ({len(self)} records)")
+            return row
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise EmbedpipeError(f"a record is named by its ID (str) or position (int), not {type(i).__name__}")
+        if not -len(self) <= i < len(self):
+            raise EmbedpipeError(f"record position {i} is out of range: this result holds {len(self)} records")
+        return int(i) % len(self)
 
     def fallback_counts(self) -> dict[str, int]:
         """fp32 fallbacks by reason, as a store's ``fallback_reasons`` counts them."""

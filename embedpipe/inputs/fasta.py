@@ -37,8 +37,9 @@ from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.idtext import bad_id_char
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
 from embedpipe.core.paths import PathLike, display_path, path_text
-from embedpipe.inputs.bounds import check_id, check_pending, check_record, text_cap
-from embedpipe.inputs.residue_rules import WHITESPACE, check_sequence, describe_invalid
+from embedpipe.inputs.bounds import check_id, check_pending
+from embedpipe.inputs.family_rules import check_family_sequence
+from embedpipe.inputs.residue_rules import WHITESPACE
 
 #: Bytes read per block; records spanning blocks are carried over.
 BLOCK_SIZE = 8 * 1024 * 1024
@@ -311,9 +312,7 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
     """Yield every record of ``data[pos:]`` known to be complete (all of them at ``eof``);
     return where the incomplete rest starts and its line number."""
     seen_ids = None if seen is None else seen.ids
-    max_id, cap, keep_case = limits.max_id_length, text_cap(limits), limits.keep_case
-    per_residue = limits.chars_per_residue
-    max_length = limits.max_length * per_residue  # in characters
+    max_id = limits.max_id_length
     while True:
         nxt = data.find(b"\n>", pos)
         if nxt < 0:
@@ -334,16 +333,9 @@ def _complete_records(data: bytes, pos: int, eof: bool, display: str, line: int,
             if rid in seen_ids:
                 raise seen.duplicate(rid, display, line)  # type: ignore[union-attr]
             seen_ids.add(rid)
-        raw = data[hend + 1 : end]
-        seq, kinds, reason, bad = check_sequence(raw, keep_case, per_residue == 2)
-        if len(seq) > max_length or end - pos > cap:
-            check_record(rid, len(seq) // per_residue, end - pos, display, line, limits)
-        record = FastaRecord(rid, header, seq, display, line, file_index, kinds)
-        if reason is not None:
-            err_line, msg = describe_invalid(reason, raw, seq, bad, line)
-            record.invalid = reason
-            record.error = f"{display}:{err_line}: record '{rid}': {msg}"
-        yield record
+        checked = check_family_sequence(rid, data[hend + 1 : end], end - pos, display, line, limits)
+        yield FastaRecord(rid, header, checked.data, display, line, file_index, checked.kinds, checked.invalid,
+                          None if checked.invalid is None else checked.error(display))
         line += data.count(b"\n", pos, end)
         pos = end
         if nxt < 0:

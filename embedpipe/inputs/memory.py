@@ -1,23 +1,25 @@
-"""Sequences held in memory (the Python API's input) checked by the FASTA path's rules.
+"""Sequences held in memory (the Python API's input, ``search``'s queries) checked by the
+FASTA path's rules.
 
 Why its own module: ``embedpipe.Embedder.embed`` takes a list of strings, ``(id, sequence)``
 pairs or a dict, not a file, yet must refuse what ``embed`` refuses, with one line naming the
-record: the ID rules (:mod:`embedpipe.core.idtext`), the limits (:mod:`embedpipe.inputs.bounds`)
-and the residue rules and their normalisation (:mod:`embedpipe.inputs.residue_rules`). A
-record's position is shown as ``sequences:N`` (N counted from 1), where a file shows its line.
+record: the ID rules (:mod:`embedpipe.core.idtext`) and, through the one check every entry point
+shares (:mod:`embedpipe.inputs.family_rules`), the limits and the model family's residue rules
+(case kept, pairs). A record's position is shown as ``sequences:N`` (N counted from 1), where a
+file shows its line. The input must have an order (a set's is arbitrary, and so its IDs would be).
 """
 
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from typing import Union
 
 from embedpipe.core.errors import InputError, quote
 from embedpipe.core.idtext import bad_id_char
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
-from embedpipe.inputs.bounds import check_id, check_record
-from embedpipe.inputs.residue_rules import check_sequence, describe_invalid
+from embedpipe.inputs.bounds import check_id
+from embedpipe.inputs.family_rules import check_family_sequence
 
 __all__ = ["DISPLAY", "Sequences", "check_records"]
 
@@ -34,6 +36,12 @@ def _pairs(sequences: Sequences) -> list[tuple[object, object]]:
         raise InputError(f"{DISPLAY}: give a list of sequences, (id, sequence) pairs or a dict, not one string")
     if isinstance(sequences, Mapping):
         return list(sequences.items())
+    if isinstance(sequences, Set):  # its order, and so the records' order and IDs, would be arbitrary
+        raise InputError(f"{DISPLAY}: a {type(sequences).__name__} has no order; give a list of sequences, "
+                         "(id, sequence) pairs or a dict")
+    if not isinstance(sequences, Iterable):
+        raise InputError(f"{DISPLAY}: give a list of sequences, (id, sequence) pairs or a dict, not "
+                         f"{type(sequences).__name__}")
     pairs: list[tuple[object, object]] = []
     for i, item in enumerate(sequences):
         if isinstance(item, str):
@@ -46,9 +54,11 @@ def _pairs(sequences: Sequences) -> list[tuple[object, object]]:
 
 
 def check_records(sequences: Sequences, limits: FastaLimits = FASTA_LIMITS) -> list[tuple[str, str]]:
-    """``(id, normalised sequence)`` of every record, in input order; one :class:`InputError`
-    naming the first record that ``embed`` would refuse in a FASTA (a bad or duplicate ID, a
-    record over ``limits``, a character that is no residue, an empty sequence), or no records."""
+    """``(id, normalised sequence)`` of every record, in input order, read under the family's
+    rules that ``limits`` carries; one :class:`InputError` naming the first record that ``embed``
+    would refuse in a FASTA (a bad or duplicate ID, a record over ``limits``, a character that is
+    no residue, mixed case or a broken pair where the family reads case or pairs, an empty
+    sequence), or no records."""
     limits.check(InputError)
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
@@ -62,12 +72,10 @@ def check_records(sequences: Sequences, limits: FastaLimits = FASTA_LIMITS) -> l
             raise InputError(f"{DISPLAY}:{line}: duplicate ID {quote(rid)}: every record needs its own ID")
         seen.add(rid)
         raw = seq.encode("utf-8")
-        data, _kinds, reason, bad = check_sequence(raw)
-        check_record(rid, len(data), len(raw), DISPLAY, line, limits)
-        if reason is not None:
-            _, message = describe_invalid(reason, raw, data, bad, line)
-            raise InputError(f"{DISPLAY}:{line}: record {quote(rid)}: {message}")
-        out.append((rid, data.decode("ascii")))
+        checked = check_family_sequence(rid, raw, len(raw), DISPLAY, line, limits)
+        if checked.invalid is not None:  # the FASTA path's words; a held record's place is its position
+            raise InputError(checked.error(DISPLAY, line))
+        out.append((rid, checked.data.decode("ascii")))
     if not out:
         raise InputError(f"{DISPLAY}: no records to embed")
     return out

@@ -224,3 +224,19 @@ def test_the_api_equals_the_store_the_embed_command_writes(tiny_model_path, tmp_
                              device="cpu")
     poolings = ("mean", "bos")
     _assert_bitwise(_store_values(out, [1, 2], poolings, False), _result_values(result, poolings, False))
+
+
+def test_the_apis_errors_are_embedpipe_errors(tiny_model_path):
+    """Bad arguments are one EmbedpipeError (exported as embedpipe.EmbedpipeError), not a
+    TypeError, ValueError or IndexError from inside."""
+    assert embedpipe.EmbedpipeError is EmbedpipeError
+    with pytest.raises(embedpipe.EmbedpipeError, match="not NoneType"):
+        embedpipe.embed(None, tiny_model_path)  # type: ignore[arg-type]
+    with pytest.raises(embedpipe.EmbedpipeError, match="set has no order"):
+        embedpipe.embed({"MKV", "ACD"}, tiny_model_path)  # type: ignore[arg-type]
+    result = embedpipe.embed([("a", "MKV"), ("b", "ACDE")], tiny_model_path, per_residue=True, device="cpu")
+    assert result.per_residue("b").tobytes() == result.per_residue(1).tobytes() == result.per_residue(-1).tobytes()
+    for bad, words in [("zz", "no record with ID 'zz'"), (5, "position 5 is out of range: this result holds 2"),
+                       (-3, "position -3 is out of range"), (1.0, "not float"), (True, "not bool")]:
+        with pytest.raises(embedpipe.EmbedpipeError, match=words):
+            result.per_residue(bad)  # type: ignore[arg-type]

@@ -47,3 +47,28 @@ def test_the_input_forms_give_the_same_records():
     assert check_records(["MKV", "acd"]) == [("0", "MKV"), ("1", "ACD")]
     with pytest.raises(InputError, match=r"sequences:2: 3 is neither a sequence nor an \(id, sequence\) pair"):
         check_records(["MKV", 3])  # type: ignore[list-item]
+
+
+FAMILY_RAW = ["MdEv", "MDEV", "MdE", "M#K#", "mkvl", "MKvl", "acdj", "MK*"]
+
+
+@pytest.mark.parametrize("keep_case,per_residue", [(True, 1), (True, 2)], ids=["prostt5", "saprot"])
+@pytest.mark.parametrize("raw", FAMILY_RAW)
+def test_a_held_sequence_is_read_by_the_family_rules_as_in_a_fasta(raw, keep_case, per_residue, tmp_path):
+    """The family's rules travel in the limits (case kept, pairs): a held record fares as in a file."""
+    limits = FastaLimits(max_length=40, keep_case=keep_case, chars_per_residue=per_residue)
+    assert _memory_outcome(raw, limits) == _fasta_outcome(tmp_path, raw, limits)
+
+
+def test_a_saprot_record_is_bounded_in_residues_not_characters(tmp_path):
+    limits = FastaLimits(max_length=3, keep_case=True, chars_per_residue=2)
+    assert _memory_outcome("MdEvVp", limits) == "MdEvVp"  # 3 residues, 6 characters
+    assert "it has 4" in _memory_outcome("MdEvVpQp", limits)
+
+
+@pytest.mark.parametrize("given,words", [
+    ({"MKV", "ACD"}, "a set has no order"), (frozenset({"MKV"}), "a frozenset has no order"),
+    (None, "not NoneType"), (5, "not int")])
+def test_unordered_or_non_iterable_input_is_one_input_error(given, words):
+    with pytest.raises(InputError, match=words):
+        check_records(given)
