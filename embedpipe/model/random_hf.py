@@ -88,12 +88,17 @@ def hf_esm_files(layers: int, dim: int, heads: int, token_dropout: bool, mark: M
             "special_tokens_map.json": specials}
 
 
-def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int,
-                   absolute: bool = False) -> dict[str, torch.Tensor]:
-    """A fair-esm ``ESM2`` (``absolute``: ESM-1b) state dict under ``EsmForMaskedLM``'s names (tied head left out)."""
+def hf_esm_tensors(fair_state: Mapping[str, torch.Tensor], layers: int, absolute: bool = False, *,
+                   inv_freq: bool = False) -> dict[str, torch.Tensor]:
+    """A fair-esm ``ESM2`` (``absolute``: ESM-1b) state dict under ``EsmForMaskedLM``'s names (tied head left out;
+    ``inv_freq``: each layer's rotary ``inv_freq`` too, under the per-layer name of the released ESM-2
+    directories, which transformers' ``EsmModel.load_hook`` reads; embedpipe recomputes it)."""
     from embedpipe.model.hf_esm import fair_to_hf_names
 
     names = fair_to_hf_names(layers, absolute)
+    if inv_freq:
+        names |= {f"layers.{i}.self_attn.rot_emb.inv_freq": f"encoder.layer.{i}.attention.self.rotary_embeddings.inv_freq"
+                  for i in range(layers)}
     return {(v if v.startswith("lm_head.") else "esm." + v): fair_state[k].detach().clone().float()
             for k, v in names.items() if k in fair_state}
 
@@ -106,7 +111,7 @@ def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: i
     mark = marker("hf-esm1b" if absolute else "hf-esm", -1) if mark is None else mark
     return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, absolute=absolute,
                                              alphabet=alphabet),
-                           hf_esm_tensors(fair_state, layers, absolute))
+                           hf_esm_tensors(fair_state, layers, absolute, inv_freq=not absolute and alphabet is None))
 
 
 # --------------------------------------------------------------------------- ESM C
