@@ -67,7 +67,8 @@ def parameter_count(layers: int, dim: int, heads: int) -> int:
 
 def read_vocabulary(vocab: Path) -> list[str]:
     """``vocab.txt``'s tokens as transformers' ``EsmTokenizer`` reads them: one a line, stripped,
-    the id of a token its line's index (``OSError`` when it cannot be read)."""
+    the id of a token its line's index; a file over :data:`MAX_VOCAB_BYTES` holds none (it is not
+    SaProt's); ``OSError`` when it cannot be read."""
     if vocab.stat().st_size > MAX_VOCAB_BYTES:
         return []
     return [line.strip() for line in vocab.read_text(encoding="utf-8", errors="replace").splitlines()]
@@ -87,8 +88,9 @@ def vocabulary_problem(tokens: list[str]) -> str | None:
     if not missing and not extra:
         return None
 
-    def listed(names: list[str]) -> str:
-        return ", ".join(map(repr, names[:6])) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    def listed(names: list[str]) -> str:  # a line of the file may be long: each shown to 20 characters
+        shown = [repr(n if len(n) <= 20 else n[:20] + "...") for n in names[:6]]
+        return ", ".join(shown) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
     return "; ".join(([f"missing {listed(missing)}"] if missing else []) + ([f"extra {listed(extra)}"] if extra else []))
 
