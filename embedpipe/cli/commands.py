@@ -98,7 +98,8 @@ def shard(
     model: Optional[str] = typer.Option(
         None, "--model", help="The model the shards are for: its family's special tokens count per record "
                               "(default: ESM-2's BOS and EOS), and a family whose case is input (ProstT5) keeps "
-                              "each record's case. Described only, never loaded."),
+                              "each record's case. Its config is read (a .pt's says whether it is SaProt's), "
+                              "its weights never."),
     max_record_length: int = MAX_RECORD_LENGTH,
     max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
@@ -107,9 +108,9 @@ def shard(
 
     per_record, keep_case, per_residue = TOKENS_PER_RECORD, False, 1
     if model is not None:
-        from embedpipe.model import describe
+        from embedpipe.model import inspect
 
-        layout = describe(model).token_layout
+        layout = inspect(model).token_layout
         per_record, keep_case, per_residue = layout.extra_tokens, layout.keeps_case, layout.chars_per_residue
     summary = shard_fasta(inputs, out=out, tokens_per_shard=tokens_per_shard, on_invalid=on_invalid,
                           max_jobs=max_jobs, quiet=quiet, tokens_per_record=per_record,

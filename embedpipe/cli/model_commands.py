@@ -35,13 +35,13 @@ def make_test_model(
     dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads)."),
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
-    family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), or a Hugging Face "
-                               "directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc, saprot (needs the hf "
-                               "extra; docs/models.md)."),
+    family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), saprot-pt (SaProt's "
+                               "esm-format .pt), or a Hugging Face directory: prot-t5, prostt5, ankh, hf-esm, "
+                               "hf-esm1b, esmc, saprot (needs the hf extra; docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
-    format, or a Hugging Face model directory (--family)."""
-    if family not in ("esm2", "esm1b"):
+    format, SaProt's esm-format checkpoint, or a Hugging Face model directory (--family)."""
+    if family not in ("esm2", "esm1b", "saprot-pt"):
         from embedpipe.model.random_hf import make_hf_test_model
 
         print(make_hf_test_model(out, family=family, layers=layers, dim=dim, heads=heads, seed=seed))

@@ -209,15 +209,17 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(int(n) for n in shape) if shape is not None else None
 
 
-def check_cfg_against_weights(state_dict: Mapping[str, Any], layers: int, dim: int, *, where: str) -> None:
+def check_cfg_against_weights(state_dict: Mapping[str, Any], layers: int, dim: int, *, where: str,
+                              fields: tuple[str, str] = ("encoder_layers", "encoder_embed_dim")) -> None:
     """Refuse a cfg that the weights contradict before anything is built from it: a cfg saying
     ``encoder_embed_dim=1000000`` would allocate terabytes, ``encoder_layers=1000000`` build
-    layers for minutes. Only shapes are read (the file is memory-mapped): cheap."""
+    layers for minutes (``fields``: the two as the file names them). Only shapes are read (the
+    file is memory-mapped): cheap."""
     emb = _shape(state_dict.get("embed_tokens.weight"))
     if emb is None or len(emb) != 2:
         raise ModelError(f"{where}: weights do not fit the cfg: missing a 2-D embed_tokens.weight")
     if emb[1] != dim:
-        raise ModelError(f"{where}: weights do not fit the cfg: encoder_embed_dim={dim}, but embed_tokens.weight "
+        raise ModelError(f"{where}: weights do not fit the cfg: {fields[1]}={dim}, but embed_tokens.weight "
                          f"has shape {emb} (dim {emb[1]})")
     found = {int(m[1]) for name in state_dict if (m := _LAYER_KEY.match(name))}
     if found != set(range(layers)):
@@ -226,7 +228,7 @@ def check_cfg_against_weights(state_dict: Mapping[str, Any], layers: int, dim: i
         extra = sorted(found - set(range(layers)))[:3]
         what = "; ".join(([f"missing layers.{', layers.'.join(map(str, missing))}"] if missing else [])
                          + ([f"unexpected layers.{', layers.'.join(map(str, extra))}"] if extra else []))
-        raise ModelError(f"{where}: weights do not fit the cfg: encoder_layers={layers}, but the state dict "
+        raise ModelError(f"{where}: weights do not fit the cfg: {fields[0]}={layers}, but the state dict "
                          f"holds {held} ({what})")
 
 

@@ -20,7 +20,7 @@ from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import ModelError, one_line
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
-from embedpipe.model import esm1b_spec, esm2_spec
+from embedpipe.model import esm1b_spec, esm2_spec, saprot_spec
 from embedpipe.model.identity import ModelIdentity, versioned
 
 #: Same URL scheme as fair-esm's ``esm/pretrained.py``.
@@ -230,18 +230,29 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
 
 def file_identity(spec: str) -> ModelIdentity:
     """The checkpoint's sha256 (its config is inside), whether its family packs, and its family
-    (``esm2 v1``, ``esm1b v1``: a name's from its table, a path's from the checkpoint's layout),
+    (``esm2 v1``, ``esm1b v1``, ``saprot v1``: a name's from its table, a path's from the checkpoint's layout),
     weights unread; both read from the family's spec."""
     path = resolve_checkpoint(spec)
-    esm1b = esm1b_spec.is_model_name(spec) or (not esm2_spec.is_model_name(spec) and _esm1b_layout(path))
-    spec_module = esm1b_spec if esm1b else esm2_spec  # read at call time: the one place each is set
-    family = versioned(spec_module.FAMILY, spec_module.FAMILY_VERSION)
-    return ModelIdentity(checkpoint_sha256(path), spec_module.PACKS, {}, family)
+    if esm1b_spec.is_model_name(spec):
+        family, packs = versioned(esm1b_spec.FAMILY, esm1b_spec.FAMILY_VERSION), esm1b_spec.PACKS
+    elif esm2_spec.is_model_name(spec):
+        family, packs = versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION), esm2_spec.PACKS
+    else:
+        family, packs = _layout_family(path)
+    return ModelIdentity(checkpoint_sha256(path), packs, {}, family)
 
 
-def _esm1b_layout(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` is in ESM-1b's layout (memory-mapped: weights unread,
-    except in a legacy non-zip file, which torch reads whole)."""
+def _layout_family(path: Path) -> tuple[str, bool]:
+    """The versioned family of the checkpoint at ``path`` from its layout (ESM-1b's ``args``,
+    SaProt's ``config``, else ESM-2's ``cfg``; SaProt runs ESM-2's forward, its version) and
+    whether it packs, each read from the family's spec at call time (the one place it is set);
+    memory-mapped: weights unread, except in a legacy non-zip file, which torch reads whole."""
     from embedpipe.model.checkpoint import is_esm1b_layout, load_checkpoint_safely
+    from embedpipe.model.saprot_checkpoint import is_saprot_layout
 
-    return is_esm1b_layout(load_checkpoint_safely(path))
+    data = load_checkpoint_safely(path)
+    if is_esm1b_layout(data):
+        return versioned(esm1b_spec.FAMILY, esm1b_spec.FAMILY_VERSION), esm1b_spec.PACKS
+    if is_saprot_layout(data):
+        return versioned(saprot_spec.FAMILY, esm2_spec.FAMILY_VERSION), saprot_spec.PACKS
+    return versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION), esm2_spec.PACKS

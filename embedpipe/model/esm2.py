@@ -1,6 +1,6 @@
 """ESM-2 through fair-esm: building from a checkpoint, tokens, preparing under a policy.
 
-:func:`load` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
+:func:`from_checkpoint` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
 for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`. A
 checkpoint in ESM-1b's layout (ESM-1b, ESM-1v: :mod:`embedpipe.model.esm1b`) becomes an
 ``Esm2Model`` of family ``esm1b`` around fair-esm's ``ProteinBertModel``, run by the same forward.
@@ -28,7 +28,7 @@ from embedpipe.model import esm1b, esm1b_spec, esm2_spec
 from embedpipe.model.base import EmbeddingModel, TokenLayout
 from embedpipe.model.capabilities import batch_layouts
 from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, is_esm1b_layout, load_checkpoint_safely, upgrade_state_dict
-from embedpipe.model.downloads import checkpoint_sha256, companion_path, one_line, resolve_checkpoint
+from embedpipe.model.downloads import companion_path, one_line
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
 from embedpipe.runtime.precision import Policy
@@ -113,16 +113,14 @@ def any_checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any
     return esm1b.checkpoint_info(data, where=where) if is_esm1b_layout(data) else checkpoint_info(data, where=where)
 
 
-def load(spec: str) -> Esm2Model:
-    """Resolve, checksum and safely load a model spec into a fresh fp32 CPU ``ESM2`` (or, for a
-    checkpoint in ESM-1b's layout, ``ProteinBertModel``).
+def from_checkpoint(spec: str, path: Path, sha: str, data: dict[str, Any]) -> Esm2Model:
+    """A fresh fp32 CPU ``ESM2`` (or, for a checkpoint in ESM-1b's layout, ``ProteinBertModel``)
+    from the fair-esm checkpoint ``data`` read from ``path`` (its bytes' sha256 ``sha``; ``spec``:
+    the model as given), by :mod:`embedpipe.model.pt_checkpoint`.
 
-    Each call returns a new model. The contact-regression companion is loaded (safely)
-    when it sits next to the checkpoint, and is otherwise not needed (ESM-1v has none).
+    The contact-regression companion is loaded (safely) when it sits next to the checkpoint,
+    and is otherwise not needed (ESM-1v has none).
     """
-    path = resolve_checkpoint(spec)
-    sha = checkpoint_sha256(path)
-    data = load_checkpoint_safely(path)
     info = any_checkpoint_info(data, where=str(path))
     state_dict = upgrade_state_dict(data["model"])
     del data
@@ -149,11 +147,9 @@ def from_info(model: ESM2 | ProteinBertModel, alphabet: esm.data.Alphabet, info:
                 attention_heads=info["attention_heads"], **extra)
 
 
-def inspect(facts: ModelFacts) -> ModelFacts:
-    """A checkpoint path's facts completed from its config and parameter count. The file is
-    memory-mapped, so its weights are never read."""
-    path = Path(facts.spec).expanduser()
-    info = any_checkpoint_info(load_checkpoint_safely(path), where=str(path))
+def facts_of(facts: ModelFacts, info: Mapping[str, Any]) -> ModelFacts:
+    """A checkpoint path's facts completed from its ``info`` (ESM-2's or ESM-1b's config) and
+    parameter count (:func:`embedpipe.model.pt_checkpoint.inspect`)."""
     shape = (info["num_layers"], info["embed_dim"], info["attention_heads"])
     if info.get("family") == esm1b_spec.FAMILY:
         window = esm1b_spec.window(info["max_positions"])

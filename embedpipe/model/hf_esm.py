@@ -71,15 +71,36 @@ def fair_to_hf_names(num_layers: int, absolute: bool = False) -> dict[str, str]:
     return names
 
 
-def alphabet_of(kind: HfFamily) -> esm.data.Alphabet:
-    """The tokens a ``model_type: esm`` family embeds: SaProt's pairs, else fair-esm's 33."""
-    return saprot_alphabet() if kind is saprot_spec.HF_SAPROT else esm2_alphabet()
+def alphabet_of(kind: HfFamily, directory: Path) -> esm.data.Alphabet:
+    """The tokens a ``model_type: esm`` directory embeds: SaProt's, with the ids its ``vocab.txt``
+    gives them (:func:`saprot_vocabulary`), else fair-esm's 33 (a ``vocab.txt`` must list them in
+    fair-esm's order: :func:`check_vocabulary`)."""
+    if kind is saprot_spec.HF_SAPROT:
+        return saprot_alphabet(saprot_vocabulary(directory))
+    alphabet = esm2_alphabet()
+    check_vocabulary(directory, list(alphabet.all_toks), kind.label)
+    return alphabet
 
 
-def check_config(config: Mapping[str, Any], where: str, kind: HfFamily) -> dict[str, Any]:
+def saprot_vocabulary(directory: Path) -> list[str]:
+    """A SaProt directory's ``vocab.txt`` as ``EsmTokenizer`` reads it (a token a line, its id the
+    line's index), refused in one line unless it holds SaProt's 446 tokens, in any order."""
+    vocab = directory / "vocab.txt"
+    try:
+        tokens = saprot_spec.read_vocabulary(vocab)
+    except OSError as exc:
+        raise ModelError(f"cannot read {vocab}: {exc.strerror or exc}") from None
+    problem = saprot_spec.vocabulary_problem(tokens)
+    if problem is not None:
+        raise ModelError(f"{vocab}: not SaProt's vocabulary (SaProt's 446 tokens, in any order): {problem}")
+    return tokens
+
+
+def check_config(config: Mapping[str, Any], where: str, kind: HfFamily,
+                 alphabet: esm.data.Alphabet) -> dict[str, Any]:
     """fair-esm's ESM-2 cfg (or ESM-1b args: absolute positions) from an ``EsmConfig``
-    (``where``: its config.json; ``kind``: the family its directory is, ESM-2, SaProt or ESM-1b);
-    every size bounded first (the family's ``sizes``, built on
+    (``where``: its config.json; ``kind``: the family its directory is, ESM-2, SaProt or ESM-1b;
+    ``alphabet``: the tokens it embeds, from its vocab.txt for SaProt); every size bounded first (the family's ``sizes``, built on
     :func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
     ESM2 (ProteinBertModel) cannot be, or for a vocabulary size that is not the family's."""
     bounded = kind.sizes(config, where)
@@ -91,7 +112,7 @@ def check_config(config: Mapping[str, Any], where: str, kind: HfFamily) -> dict[
             raise ModelError(f"{where}: {field} must be true or false, got {value!r}")
     absolute = kind is esm1b_spec.HF_ESM1B
     label, network = ("ESM-1b", "ProteinBertModel") if absolute else (kind.label, "ESM2")
-    vocabulary = len(alphabet_of(kind).all_toks)
+    vocabulary = len(alphabet.all_toks)
     checks = [
         (absolute or bounded["position_embedding_type"] == "rotary",
          "position_embedding_type is not 'rotary'" if kind is saprot_spec.HF_SAPROT
@@ -99,8 +120,9 @@ def check_config(config: Mapping[str, Any], where: str, kind: HfFamily) -> dict[
         (absolute or not norm_before, "emb_layer_norm_before is set with rotary positions"),
         (absolute or bounded["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
         (bounded["vocab_size"] == vocabulary, f"vocab_size is not {label}'s {vocabulary}"),
-        (config.get("pad_token_id", esm1b_spec.PADDING_IDX) == esm1b_spec.PADDING_IDX,
-         f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"),
+        (config.get("pad_token_id", alphabet.padding_idx) == alphabet.padding_idx,
+         f"pad_token_id is not vocab.txt's <pad> ({alphabet.padding_idx})" if kind is saprot_spec.HF_SAPROT
+         else f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"),
         (abs(bounded["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
         (config.get("hidden_act", "gelu") == "gelu", "hidden_act is not gelu"),
     ]
@@ -168,12 +190,12 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm
     """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already read)."""
     where = str(directory)
     kind = hf.family_for_config(directory, config)
-    info = check_config(config, str(directory / "config.json"), kind)
-    check_vocabulary(directory, list(alphabet_of(kind).all_toks), kind.label)
+    alphabet = alphabet_of(kind, directory)
+    info = check_config(config, str(directory / "config.json"), kind, alphabet)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     state = to_fair(hf.read_state_dict(files), info, where)
-    model, alphabet = build_model(info, state, where=where, alphabet=alphabet_of(kind))
+    model, alphabet = build_model(info, state, where=where, alphabet=alphabet)
     return from_info(model, alphabet, info, name=spec if hf.is_model_name(spec) else directory.name,
                      source=where, sha256=sha, provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
                                                            "model_format": "huggingface-esm"},

@@ -1,4 +1,5 @@
-"""Random-weight (untrained) ESM-2 and ESM-1b checkpoints in fair-esm's format, for tests and demos.
+"""Random-weight (untrained) ESM-2 and ESM-1b checkpoints in fair-esm's format, and SaProt's
+esm-format checkpoint, for tests and demos.
 
 ``embedpipe make-test-model`` and the offline demo write them; the checkpoint carries the
 untrained marker (see :mod:`embedpipe.model.checkpoint`), so stores made with it say
@@ -26,11 +27,16 @@ from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.esm2 import esm2_alphabet
 from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.model.saprot import saprot_alphabet
 
 #: State-dict key prefix of fair-esm's released checkpoints.
 KEY_PREFIX = "encoder.sentence_encoder."
 #: what the untrained marker's ``created_by`` says (the one kind of file make-test-model replaces)
 CREATED_BY = "embedpipe make-test-model"
+#: ``make-test-model --family`` of SaProt's esm-format ``.pt``
+SAPROT_PT = "saprot-pt"
+#: the families make-test-model writes as one ``.pt``
+PT_FAMILIES = ("esm2", esm1b_spec.FAMILY, SAPROT_PT)
 #: first bytes of a zip file: torch.save's format (a legacy pickle or an HDF5 store is never ours)
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -48,7 +54,12 @@ def make_test_model(
     family: str = "esm2",
 ) -> Path:
     """Write a random-weight (untrained) ESM-2 (``family`` esm1b: an ESM-1b) in fair-esm's
-    checkpoint format.
+    checkpoint format (``family`` saprot-pt: a SaProt in SaProt's esm format).
+
+    SaProt's is the file westlake-repl/SaProt's ``load_esm_saprot`` reads: ``{"model": fair-esm
+    ESM2's own state dict over SaProt's 446 tokens, "config": {"num_layers", "embed_dim",
+    "attention_heads", "token_dropout"}}`` plus the untrained marker (which SaProt's loader
+    ignores); no companion (its contact head is in the state dict).
 
     ESM-1b's is the released layout: ``{"model": ..., "args": Namespace(arch="roberta_large",
     encoder_layers=, ...)}``, the LM head under ``encoder.``, the rest under
@@ -69,11 +80,12 @@ def make_test_model(
     """
     out = Path(out)
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    companion = companion and family != SAPROT_PT
     outputs = [("checkpoint", out), *([("companion", companion_path(out))] if companion else [])]
     with writing_outputs("make-test-model", outputs):
         refuse_foreign(out, companion_path(out) if companion else None)
-        if family not in ("esm2", esm1b_spec.FAMILY):
-            raise ModelError(f"make-test-model: unknown fair-esm family {family!r}; choose esm2 or esm1b")
+        if family not in PT_FAMILIES:
+            raise ModelError(f"make-test-model: unknown .pt family {family!r}; choose {', '.join(PT_FAMILIES)}")
         _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion, family)
     return out
 
@@ -109,9 +121,15 @@ def _write(out: Path, layers: int, dim: int, heads: int, seed: int, token_dropou
     if companion:
         check_output_path(companion_path(out))
     args = _args(family, layers, dim, heads, token_dropout)
-    state = _storage_cast(random_fair_esm(family, layers, dim, heads, seed, token_dropout).state_dict(), storage_dtype)
+    alphabet = saprot_alphabet() if family == SAPROT_PT else None
+    network = esm1b_spec.FAMILY if family == esm1b_spec.FAMILY else "esm2"
+    state = _storage_cast(random_fair_esm(network, layers, dim, heads, seed, token_dropout, alphabet).state_dict(),
+                          storage_dtype)
     checkpoint: dict[str, Any] = {MARKER_KEY: _untrained_marker(seed)}
-    if family == "esm2":
+    if family == SAPROT_PT:  # ESM2's names as they are, and SaProt's config dict (load_esm_saprot)
+        checkpoint |= {"model": state, "config": {"num_layers": layers, "embed_dim": dim, "attention_heads": heads,
+                                                  "token_dropout": token_dropout}}
+    elif family == "esm2":
         checkpoint |= {"model": {KEY_PREFIX + k: v for k, v in state.items() if k not in CONTACT_KEYS},
                        "cfg": {"model": args}}
     else:  # released ESM-1b: the LM head under "encoder.", the rest under "encoder.sentence_encoder."

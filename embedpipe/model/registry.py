@@ -57,11 +57,11 @@ FAMILIES: list[Family] = [
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
            "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity,
            hf_sources.model_files),
-    # fair-esm's ESM-1b / ESM-1v names; their checkpoint paths, like ESM-2's, go to the esm2
-    # entry, whose loader reads either layout (embedpipe.model.esm1b)
-    Family("esm1b", esm1b_spec.is_model_name, esm1b_spec.describe, esm1b_spec.is_model_name, "embedpipe.model.esm2",
+    # fair-esm's ESM-1b / ESM-1v names; their checkpoint paths, like ESM-2's and SaProt's esm-format
+    # .pt, go to the esm2 entry, whose loader reads each layout (embedpipe.model.pt_checkpoint)
+    Family("esm1b", esm1b_spec.is_model_name, esm1b_spec.describe, esm1b_spec.is_model_name, "embedpipe.model.pt_checkpoint",
            "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
-    Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.esm2",
+    Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.pt_checkpoint",
            "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
 ]
 

@@ -1,7 +1,9 @@
 """SaProt on ESM-2's forward: its pair alphabet and its tokenizer.
 
-A SaProt directory is an ESM-2 in every weight; only its tokens differ (446 amino-acid x
-Foldseek-3Di pairs, :func:`embedpipe.model.saprot_spec.vocabulary`). So it is an
+A SaProt model (a Hugging Face directory, or SaProt's esm-format ``.pt``:
+:mod:`embedpipe.model.saprot_checkpoint`) is an ESM-2 in every weight; only its tokens differ
+(446: five specials and the amino-acid x Foldseek-3Di pairs, :func:`embedpipe.model.saprot_spec.vocabulary`).
+So it is an
 :class:`~embedpipe.model.esm2.Esm2Model` (every policy, the packed layout, the fp32 fallback)
 whose alphabet is the pair vocabulary and whose tokenizer reads two characters a residue, as
 SaProt's ``EsmTokenizer`` splits ``MdEvVp`` into ``Md Ev Vp``.
@@ -21,20 +23,18 @@ from embedpipe.model.base import TokenLayout
 from embedpipe.model.esm2 import Esm2Model
 
 
-def saprot_alphabet() -> esm.data.Alphabet:
-    """fair-esm's ``Alphabet`` with SaProt's tokens: the specials keep ESM-2's ids (``<cls>``
-    0, ``<pad>`` 1, ``<eos>`` 2, ``<unk>`` 3), the pairs follow, ``<mask>`` is last (445)."""
-    alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
-    tokens = saprot_spec.vocabulary()
-    alphabet.standard_toks = tokens[4:-1]
-    alphabet.all_toks = tokens
-    alphabet.tok_to_idx = {token: i for i, token in enumerate(tokens)}
-    alphabet.unique_no_split_tokens = tokens
-    alphabet.unk_idx = alphabet.tok_to_idx["<unk>"]
-    alphabet.padding_idx = alphabet.get_idx("<pad>")
-    alphabet.cls_idx = alphabet.get_idx("<cls>")
-    alphabet.mask_idx = alphabet.get_idx("<mask>")
-    alphabet.eos_idx = alphabet.get_idx("<eos>")
+def saprot_alphabet(tokens: Sequence[str] | None = None) -> esm.data.Alphabet:
+    """fair-esm's ``Alphabet`` over ``tokens`` (a vocab.txt's, in its order; SaProt's own order
+    unless given), built as SaProt's ``load_esm_saprot`` builds it: no prepended or appended
+    tokens, BOS and EOS added, the ``<null_k>`` padding to a multiple of 8 dropped again. Every id
+    is the token's index in ``tokens`` (SaProt's order: ``<cls>`` 0, ``<pad>`` 1, ``<eos>`` 2,
+    ``<unk>`` 3, ``<mask>`` 4, the pairs from 5)."""
+    tokens = list(saprot_spec.vocabulary() if tokens is None else tokens)
+    alphabet = esm.data.Alphabet(standard_toks=tokens, prepend_toks=[], append_toks=[], prepend_bos=True,
+                                 append_eos=True, use_msa=False)
+    alphabet.all_toks = alphabet.all_toks[: len(tokens)]  # padding after the tokens: their ids stand
+    alphabet.unique_no_split_tokens = alphabet.all_toks
+    alphabet.tok_to_idx = {token: i for i, token in enumerate(alphabet.all_toks)}
     return alphabet
 
 
@@ -48,7 +48,7 @@ class SaProtModel(Esm2Model):
 
     def __post_init__(self) -> None:
         self._pairs = np.full(1 << 16, self.alphabet.unk_idx, dtype=np.int64)  # (byte, byte) -> token
-        for token in self.alphabet.standard_toks:
+        for token in self.alphabet.all_toks:
             if saprot_spec.is_pair(token):
                 self._pairs[ord(token[0]) << 8 | ord(token[1])] = self.alphabet.get_idx(token)
 

@@ -5,6 +5,13 @@ SaProt (westlake-repl) is an ESM-2 whose tokens are amino-acid x Foldseek-3Di pa
 ``Ap``). Its input is a structure-aware sequence, two characters a residue (``MdEvVp``: upper
 case the amino acid, lower case its 3Di state, ``#`` a masked one), so its layout says
 ``chars_per_residue=2`` and keeps case. It runs on ESM-2's forward (:mod:`embedpipe.model.saprot`).
+
+Its tokens are SaProt's own (westlake-repl/SaProt ``utils/esm_loader.py``, ``load_esm_saprot``;
+``utils/constants.py``): ``<cls> <pad> <eos> <unk> <mask>``, then every amino acid of
+``foldseek_seq_vocab`` with every 3Di state of ``foldseek_struc_vocab`` (amino acid outer), 446
+in all. A directory's ``vocab.txt`` is read as transformers' ``EsmTokenizer`` reads it (a token a
+line, its id the line's index): the directory is SaProt's when the file holds that set of tokens,
+in whatever order, and every id comes from the file.
 """
 
 from __future__ import annotations
@@ -33,13 +40,59 @@ LAYOUT = TokenLayout(bos=True, eos=True, window=1022, keeps_case=True, chars_per
 #: hub names of the released checkpoints
 HUB_NAMES = ("westlake-repl/SaProt_650M_AF2", "westlake-repl/SaProt_35M_AF2", "westlake-repl/SaProt_650M_PDB")
 
-#: a vocab.txt larger than this is not read for recognition (SaProt's is about 1.5 KB)
+#: a vocab.txt larger than this is not read (SaProt's is about 1.5 KB)
 MAX_VOCAB_BYTES = 1 << 20
+
+#: the special tokens ``load_esm_saprot`` puts before the pairs, in its order
+SPECIALS = ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>")
+
+#: SaProt's esm-format ``.pt``: ``{"model": ESM2 state dict, "config": {these keys}}``
+CONFIG_KEYS = ("num_layers", "embed_dim", "attention_heads", "token_dropout")
 
 
 def vocabulary() -> list[str]:
-    """SaProt's 446 tokens in ``vocab.txt`` order: the specials, every pair, ``<mask>``."""
-    return ["<cls>", "<pad>", "<eos>", "<unk>", *(a + s for a in AMINO_ACIDS for s in THREE_DI), "<mask>"]
+    """SaProt's 446 tokens in its order (``load_esm_saprot``'s): the specials, then every pair."""
+    return [*SPECIALS, *(a + s for a in AMINO_ACIDS for s in THREE_DI)]
+
+
+#: how many tokens SaProt has (its embedding's rows)
+VOCABULARY_SIZE = len(vocabulary())
+
+
+def parameter_count(layers: int, dim: int, heads: int) -> int:
+    """Parameters of fair-esm's ``ESM2`` over SaProt's tokens: ESM-2's, with 446 embedding rows
+    and LM-head biases instead of 33."""
+    return esm2_spec.parameter_count(layers, dim, heads) + (VOCABULARY_SIZE - esm2_spec.VOCABULARY_SIZE) * (dim + 1)
+
+
+def read_vocabulary(vocab: Path) -> list[str]:
+    """``vocab.txt``'s tokens as transformers' ``EsmTokenizer`` reads them: one a line, stripped,
+    the id of a token its line's index; a file over :data:`MAX_VOCAB_BYTES` holds none (it is not
+    SaProt's); ``OSError`` when it cannot be read."""
+    if vocab.stat().st_size > MAX_VOCAB_BYTES:
+        return []
+    return [line.strip() for line in vocab.read_text(encoding="utf-8", errors="replace").splitlines()]
+
+
+def vocabulary_problem(tokens: list[str]) -> str | None:
+    """Why ``tokens`` (a vocab.txt's, in its order) are not SaProt's set: what is missing, extra,
+    or on two lines; None when they are SaProt's 446 tokens in any order."""
+    want = set(vocabulary())
+    seen: dict[str, int] = {}
+    for line, token in enumerate(tokens, 1):
+        if token in seen:
+            return f"{token!r} is on lines {seen[token]} and {line}"
+        seen[token] = line
+    missing = [t for t in vocabulary() if t not in seen]
+    extra = [t for t in tokens if t not in want]
+    if not missing and not extra:
+        return None
+
+    def listed(names: list[str]) -> str:  # a line of the file may be long: each shown to 20 characters
+        shown = [repr(n if len(n) <= 20 else n[:20] + "...") for n in names[:6]]
+        return ", ".join(shown) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+    return "; ".join(([f"missing {listed(missing)}"] if missing else []) + ([f"extra {listed(extra)}"] if extra else []))
 
 
 def is_pair(token: str) -> bool:
@@ -51,9 +104,7 @@ def has_pair_vocabulary(directory: Path) -> bool:
     """Whether ``directory``'s ``vocab.txt`` holds pair tokens (SaProt's, not ESM-2's letters)."""
     vocab = directory / "vocab.txt"
     try:
-        if not vocab.is_file() or vocab.stat().st_size > MAX_VOCAB_BYTES:
-            return False
-        return any(is_pair(token) for token in vocab.read_text(errors="replace").split())
+        return vocab.is_file() and any(is_pair(token) for token in read_vocabulary(vocab))
     except OSError:
         return False
 

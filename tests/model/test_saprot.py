@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_saprot_checkpoint import load_esm_saprot_alphabet
 from test_t5_pipeline import close, embed
 from transformers import EsmModel, EsmTokenizer
 from typer.testing import CliRunner
@@ -45,11 +46,6 @@ RECORDS = structure_aware(random_sequences(6, [5, 40, 1, 17, 60, 9], seed=5), se
     ("masked", "M#K#T#"), ("hand", "MdEvVpQp")]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
-#: SaProt's vocab.txt, written out by hand from its repository's constants: the specials,
-#: then foldseek_seq_vocab x foldseek_struc_vocab, then <mask>
-SEQ_VOCAB, STRUC_VOCAB = "ACDEFGHIKLMNPQRSTVWY#", "pynwrqhgdlvtmfsaeikc#"
-
-
 @pytest.fixture(scope="module")
 def saprot(tmp_path_factory) -> Path:
     return make_hf_test_model(tmp_path_factory.mktemp("saprot") / "s", family="saprot", layers=2, dim=32,
@@ -65,12 +61,13 @@ def reference(directory: Path, seqs: list[str]) -> list[torch.Tensor]:
     return [*out.hidden_states[:-1], out.last_hidden_state]
 
 
-def test_the_vocabulary_is_saprots_446_pair_tokens(saprot: Path) -> None:
-    tokens = (saprot / "vocab.txt").read_text().split()
-    want = ["<cls>", "<pad>", "<eos>", "<unk>"] + [a + s for a in SEQ_VOCAB for s in STRUC_VOCAB] + ["<mask>"]
-    assert tokens == want and len(tokens) == 446
-    assert (tokens.index("Ap"), tokens.index("A#"), tokens.index("#p"), tokens.index("<mask>")) == (4, 24, 424, 445)
-    assert json.loads((saprot / "config.json").read_text())["vocab_size"] == 446
+def test_the_vocabulary_is_saprots_446_tokens_in_its_order(saprot: Path) -> None:
+    """vocab.txt as SaProt's own loader orders its alphabet (test_saprot_checkpoint.py transcribes it)."""
+    tokens = (saprot / "vocab.txt").read_text().splitlines()
+    assert tokens == load_esm_saprot_alphabet().all_toks and len(tokens) == 446
+    assert (tokens.index("<mask>"), tokens.index("Ap"), tokens.index("A#"), tokens.index("#p")) == (4, 5, 25, 425)
+    config = json.loads((saprot / "config.json").read_text())
+    assert (config["vocab_size"], config["mask_token_id"], config["pad_token_id"]) == (446, 4, 1)
 
 
 def test_the_family_is_recognised_from_its_vocabulary(saprot: Path) -> None:
@@ -85,10 +82,61 @@ def test_the_family_is_recognised_from_its_vocabulary(saprot: Path) -> None:
     assert unmarked_family(saprot, whole_marker=True) == "saprot"  # no marker at all: the vocabulary says it
 
 
-def test_token_ids_equal_esm_tokenizer_on_the_pair_vocabulary(saprot: Path) -> None:
+def test_saprots_own_vocab_txt_gives_esm_tokenizers_ids(saprot: Path, tmp_path: Path) -> None:
+    """A vocab.txt written in SaProt's order (from its loader, not from the test model) is accepted,
+    and every token id is EsmTokenizer's over that file."""
+    directory = _edited(saprot, tmp_path, {"mask_token_id": 4}, "\n".join(load_esm_saprot_alphabet().all_toks) + "\n")
     seqs = [s for _, s in RECORDS]
-    want = EsmTokenizer(str(saprot / "vocab.txt"))(seqs, padding="longest", return_tensors="pt")["input_ids"]
-    assert torch.equal(load_model(str(saprot)).tokenize(seqs), want)
+    want = EsmTokenizer(str(directory / "vocab.txt"))(seqs, padding="longest", return_tensors="pt")["input_ids"]
+    assert torch.equal(load_model(str(directory)).tokenize(seqs), want)
+    assert want[RECORDS.index(("hand", "MdEvVpQp")), :6].tolist() == [0, 5 + 10 * 21 + 8, 5 + 3 * 21 + 10,
+                                                                       5 + 17 * 21 + 0, 5 + 13 * 21 + 0, 2]
+
+
+def _shuffled(saprot: Path, tmp_path: Path, seed: int) -> Path:
+    """A copy of ``saprot`` whose vocab.txt holds SaProt's tokens in another order (the weights
+    as they are: another model, whose ids are its file's), config.json's ids following it."""
+    tokens = list(np.random.default_rng(seed).permutation(load_esm_saprot_alphabet().all_toks))
+    return _edited(saprot, tmp_path, {"pad_token_id": tokens.index("<pad>"), "mask_token_id": tokens.index("<mask>")},
+                   "\n".join(tokens) + "\n")
+
+
+def test_another_order_of_the_same_tokens_reads_every_id_from_the_file(saprot: Path, tmp_path: Path) -> None:
+    directory = _shuffled(saprot, tmp_path, seed=4)
+    tokens = (directory / "vocab.txt").read_text().splitlines()
+    assert [tokens.index(t) for t in ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>")] != [0, 1, 2, 3, 4]
+    seqs = [s for _, s in RECORDS]
+    tokenizer = EsmTokenizer(str(directory / "vocab.txt"))
+    want = tokenizer(seqs, padding="longest", return_tensors="pt")["input_ids"]
+    model = load_model(str(directory))
+    assert torch.equal(model.tokenize(seqs), want)
+    alphabet = model.alphabet
+    assert (alphabet.cls_idx, alphabet.padding_idx, alphabet.eos_idx, alphabet.unk_idx, alphabet.mask_idx) == (
+        tokenizer.cls_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id,
+        tokenizer.mask_token_id)
+    store = embed(directory, tmp_path, RECORDS, "shuffled", per_residue=True, layers=(0, 1, 2))
+    theirs = reference(directory, seqs)
+    for row, (rid, seq) in enumerate(RECORDS):
+        n = len(seq) // 2
+        for layer in range(3):
+            close(store["per_residue"][layer][rid], theirs[layer][row, 1 : n + 1].numpy())
+
+
+@pytest.mark.parametrize(("vocab", "message"), [
+    (lambda t: [x for x in t if x != "Ap"], r"missing 'Ap'$"),
+    (lambda t: [x if x != "<mask>" else "<sep>" for x in t], r"missing '<mask>'; extra '<sep>'$"),
+    (lambda t: [*t, "Ab"], r"extra 'Ab'$"),
+    (lambda t: [*t[:100], "", *t[100:]], r"extra ''$"),
+    (lambda t: [*t, "Ap"], r"'Ap' is on lines 6 and 447$"),
+    (lambda t: t[:7], r"missing 'An', 'Aw', 'Ar', 'Aq', 'Ah', 'Ag' and 433 more$"),
+])
+def test_a_vocabulary_that_is_not_saprots_set_is_refused_in_one_line(saprot: Path, tmp_path: Path, vocab,
+                                                                     message: str) -> None:
+    directory = _edited(saprot, tmp_path, None, "\n".join(vocab(load_esm_saprot_alphabet().all_toks)) + "\n")
+    with pytest.raises(ModelError, match=r"vocab.txt: not SaProt's vocabulary \(SaProt's 446 tokens, in any "
+                                         r"order\): " + message) as caught:
+        load_model(str(directory))
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -181,7 +229,8 @@ def _edited(saprot: Path, tmp_path: Path, config: dict | None = None, vocab: str
     # a pair vocabulary with ESM-1b's absolute positions: SaProt's (its vocabulary decides), refused
     ({"position_embedding_type": "absolute", "emb_layer_norm_before": True}, None,
      r"not a SaProt that fair-esm's ESM2 can run \(position_embedding_type is not 'rotary'\)"),
-    (None, "<cls>\n<pad>\n<eos>\n<unk>\nAp\nAy\n<mask>\n", r"vocab.txt: not SaProt's vocabulary"),
+    (None, "<cls>\n<pad>\n<eos>\n<unk>\nAp\nAy\n<mask>\n", r"vocab.txt: not SaProt's vocabulary .*: missing 'An'"),
+    ({"pad_token_id": 0}, None, r"not a SaProt that fair-esm's ESM2 can run \(pad_token_id is not vocab.txt's <pad> \(1\)\)"),
 ])
 def test_a_hostile_or_inconsistent_directory_is_refused_in_one_line(saprot: Path, tmp_path: Path, config, vocab,
                                                                     message: str) -> None:
@@ -194,7 +243,7 @@ def test_an_overflowing_saprot_falls_back_to_fp32_values(saprot: Path, tmp_path:
     big = tmp_path / "big"
     shutil.copytree(saprot, big)
     state = load_file(str(big / "model.safetensors"))
-    state["esm.encoder.layer.1.output.dense.weight"] *= 1e5  # the last feed-forward's output
+    state["esm.encoder.layer.1.output.dense.weight"] *= 1e6  # the last feed-forward's output
     save_file(state, str(big / "model.safetensors"))
     reference_store = embed(big, tmp_path, RECORDS, "fp32", per_residue=True)
     store = embed(big, tmp_path, RECORDS, "fp16", per_residue=True, precision="fp16")
