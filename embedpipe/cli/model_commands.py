@@ -17,7 +17,8 @@ from embedpipe.cli.exit import user_errors
 @user_errors
 def fetch_model(
     name: str = typer.Argument(..., help="fair-esm name, e.g. esm2_t33_650M_UR50D or esm1b_t33_650M_UR50S "
-                               "(downloaded); a Hugging Face hub name is only looked up in the local hub cache."),
+                               "(downloaded); a Hugging Face hub name, or esmc_300m / esmc_600m, is only looked up "
+                               "in the local hub cache."),
     dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
 ) -> None:
     """Download a model ahead of time, for compute nodes without internet."""

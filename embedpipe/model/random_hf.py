@@ -1,4 +1,5 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``
+(``esmc-pth``, the esm package's layout of ``random_esmc``'s weights: :mod:`embedpipe.model.esmc_pth`).
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a

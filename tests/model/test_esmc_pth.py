@@ -192,7 +192,7 @@ def test_a_malformed_pth_is_refused_in_one_line(tmp_path: Path, edit, message: s
 def test_a_pth_that_is_no_torch_file_or_pickles_code_is_refused_in_one_line(tmp_path: Path) -> None:
     junk = tmp_path / "junk.pth"
     junk.write_bytes(b"not a torch file at all")
-    with pytest.raises(ModelError, match=r"^cannot read ESM C state dict .*junk\.pth: not a weights-only torch file \(.*\); nothing in"):
+    with pytest.raises(ModelError, match=r"^cannot read ESM C state dict .*junk\.pth: not a weights-only torch file"):
         load_model(str(junk))
     evil = tmp_path / "evil.pth"
     torch.save({"embed.weight": torch.zeros(64, 128), "x": MakesADirectory(str(tmp_path / "ran"))}, evil)
