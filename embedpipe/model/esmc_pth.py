@@ -26,7 +26,7 @@ from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.model import esmc_pth_spec as spec_module
 from embedpipe.model import esmc_spec
-from embedpipe.model.checkpoint import HF_WEIGHTS, FileRole, load_checkpoint_safely, validate_shape
+from embedpipe.model.checkpoint import FileRole, load_checkpoint_safely, validate_shape
 from embedpipe.model.downloads import checkpoint_sha256
 from embedpipe.model.esmc import ESM_PLUSPLUS, TRANSFORMERS, EsmcModel, esmc_weights
 from embedpipe.model.esmc_forward import EsmcShape
@@ -42,6 +42,8 @@ def read_state(path: Path) -> dict[str, Any]:
     """The state dict (weights-only, memory-mapped), every value a tensor; one line otherwise."""
     state = load_checkpoint_safely(path, ESM_PTH)
     for key, value in state.items():
+        if not isinstance(key, str):
+            raise ModelError(f"{path} is not {ESM_PTH.article}: a key {key!r} that is not a weight's name")
         if not isinstance(value, torch.Tensor):
             raise ModelError(f"{path} is not {ESM_PTH.article}: {key!r} holds a {type(value).__name__}, not a tensor")
     return state
@@ -136,7 +138,7 @@ def sequence_head(dim: int, seed: int) -> dict[str, torch.Tensor]:
 
 def _is_test_file(path: Path) -> bool:
     try:
-        mark = untrained_marker(load_checkpoint_safely(path, HF_WEIGHTS))
+        mark = untrained_marker(load_checkpoint_safely(path, ESM_PTH))
     except (OSError, ModelError):
         return False
     return isinstance(mark, Mapping) and mark.get("created_by") == "embedpipe make-test-model"
@@ -145,9 +147,11 @@ def _is_test_file(path: Path) -> bool:
 def make_test_model(out: Path, *, layers: int = 2, dim: int = 128, heads: int | None = None, seed: int = 0) -> Path:
     """A random-weight ESM C ``.pth`` in the esm package's layout, with the untrained marker.
 
-    Its weights are :func:`~embedpipe.model.random_hf.random_esmc`'s for ``seed`` (SwiGLU width
-    ESM C's rule), the weights ``make-test-model --family esmc --dim D --heads D/64`` with that
-    ``d_ff`` writes as an ``EsmcModel``; the sequence head is drawn besides them."""
+    Its weights are :func:`~embedpipe.model.random_hf.random_esmc`'s for ``seed`` at ESM C's SwiGLU
+    width: the weights ``make_hf_test_model(..., family="esmc", d_ff=swiglu_width(dim))`` writes as
+    an ``EsmcModel`` (a test compares the two stores); the sequence head is drawn besides them.
+    ``heads``: width / 64 when None, and refused otherwise (every release's rule).
+    """
     from embedpipe.model.random_checkpoint import save
     from embedpipe.model.random_hf import marker, random_esmc
 

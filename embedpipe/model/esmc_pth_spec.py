@@ -29,8 +29,9 @@ HEAD_DIM = 64
 EMBED_ROWS = 64
 #: rotary base (the esm package's ``RotaryEmbedding`` default)
 ROPE_THETA = 10000.0
-#: bytes of a pickle read to tell a fair-esm checkpoint named ``.pth`` from an esm state dict
-SNIFF_BYTES = 64 * 2**20
+#: bytes of a pickle read to tell a fair-esm checkpoint named ``.pth`` from an esm state dict (its
+#: names come before any tensor's bytes; a 36-layer state dict's whole pickle is some 50 KiB)
+SNIFF_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)

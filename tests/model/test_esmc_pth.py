@@ -179,8 +179,10 @@ def _set(key: str, value):
     (_set("transformer.blocks.5000.ffn.3.weight", torch.zeros(1)),
      ": transformer.blocks must be a positive integer no larger than 1024, got 5001"),
     (_set("step", 3), " is not an ESM C state dict as the esm package saves it: 'step' holds a int, not a tensor"),
+    (_set(7, torch.zeros(1)), " is not an ESM C state dict as the esm package saves it: a key 7 that is not a weight's"),
     (lambda s: s["transformer.blocks.1.attn.out_proj.weight"].fill_(float("nan")), ": weights for 1.o hold NaN or inf"),
-], ids=["missing", "extra", "mis-shaped", "width", "rows", "no-embed", "layers", "not-a-tensor", "nan"])
+], ids=["missing", "extra", "mis-shaped", "width", "rows", "no-embed", "layers", "not-a-tensor", "int-key",
+                                "nan"])
 def test_a_malformed_pth_is_refused_in_one_line(tmp_path: Path, edit, message: str) -> None:
     bad = _edited(tmp_path, edit)
     with pytest.raises(ModelError) as refused:
