@@ -113,6 +113,8 @@ def test_a_release_resolves_by_its_name_and_its_hub_name_from_the_cache(tmp_path
         assert identity is not None and (identity.sha256, identity.family, identity.packs) == (sha256(pth), "esmc v1",
                                                                                                 True)
         assert fetch.download_problem(spec) is None and fetch.fetch_model(spec) == cached
+        with pytest.raises(ModelError, match=r"--dest is for fair-esm checkpoints; an ESM C release lives in the hub"):
+            fetch.fetch_model(spec, tmp_path / "elsewhere")
         facts = describe(spec)
         assert (facts.kind, facts.num_layers, facts.embed_dim, facts.attention_heads) == ("name", 2, 128, 2)
         assert facts.weights_bytes == pth.stat().st_size
