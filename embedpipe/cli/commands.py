@@ -140,8 +140,9 @@ LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of
 @user_errors
 def embed(
     fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
-    model: str = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), a Hugging Face "
-                              "model directory, or a hub name in the local hub cache (docs/models.md)."),
+    model: str = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), an ESM C "
+                              "release of the esm package (esmc_300m, esmc_600m) or its .pth, a Hugging Face model "
+                              "directory, or a hub name in the local hub cache (docs/models.md)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
     out_dir: Optional[Path] = typer.Option(
         None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "

@@ -17,7 +17,8 @@ from embedpipe.cli.exit import user_errors
 @user_errors
 def fetch_model(
     name: str = typer.Argument(..., help="fair-esm name, e.g. esm2_t33_650M_UR50D or esm1b_t33_650M_UR50S "
-                               "(downloaded); a Hugging Face hub name is only looked up in the local hub cache."),
+                               "(downloaded); a Hugging Face hub name, or esmc_300m / esmc_600m, is only looked up "
+                               "in the local hub cache."),
     dest: Optional[Path] = typer.Option(None, "--dest", help="Directory (default: the torch hub cache; fair-esm only)."),
 ) -> None:
     """Download a model ahead of time, for compute nodes without internet."""
@@ -30,17 +31,30 @@ def fetch_model(
 @app.command("make-test-model")
 @user_errors
 def make_test_model(
-    out: Path = typer.Argument(..., help="Checkpoint path to write (.pt), or the directory to write for a Hugging Face family."),
+    ctx: typer.Context,
+    out: Path = typer.Argument(..., help="Checkpoint path to write (.pt; .pth for esmc-pth), or the directory to "
+                               "write for a Hugging Face family."),
     layers: int = typer.Option(2, "--layers", min=1, help="Transformer layers."),
-    dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads)."),
-    heads: int = typer.Option(4, "--heads", min=1, help="Attention heads."),
+    dim: int = typer.Option(32, "--dim", min=2, help="Embedding width (a multiple of --heads; esmc-pth: of 64, "
+                            "default 128)."),
+    heads: int = typer.Option(4, "--heads", min=1, help="Attention heads (esmc-pth: --dim / 64, the default)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
     family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), saprot-pt (SaProt's "
-                               "esm-format .pt), or a Hugging Face directory: prot-t5, prostt5, ankh, hf-esm, "
-                               "hf-esm1b, esmc, saprot (needs the hf extra; docs/models.md)."),
+                               "esm-format .pt), esmc-pth (ESM C as the esm package saves it, a .pth), or a Hugging "
+                               "Face directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc, saprot (needs the hf "
+                               "extra; docs/models.md)."),
 ) -> None:
     """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
-    format, SaProt's esm-format checkpoint, or a Hugging Face model directory (--family)."""
+    format, SaProt's esm-format checkpoint, an ESM C state dict in the esm package's, or a Hugging
+    Face model directory (--family)."""
+    if family == "esmc-pth":
+        from embedpipe.model.esmc_pth import make_test_model as _make_pth
+
+        # typer carries its own click: its ParameterSource is told by name
+        given = {name: getattr(ctx.get_parameter_source(name), "name", "") != "DEFAULT" for name in ("dim", "heads")}
+        print(_make_pth(out, layers=layers, dim=dim if given["dim"] else 128, heads=heads if given["heads"] else None,
+                        seed=seed))
+        return
     if family not in ("esm2", "esm1b", "saprot-pt"):
         from embedpipe.model.random_hf import make_hf_test_model
 

@@ -146,10 +146,13 @@ def expected_shapes(s: EsmcShape, vocab: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def esmc_weights(state: Mapping[str, torch.Tensor], shape: EsmcShape, vocab: int, where: str) -> dict[str, torch.Tensor]:
+def esmc_weights(state: Mapping[str, torch.Tensor], shape: EsmcShape, vocab: int, where: str,
+                 keys: KeyMap | None = None, sized_by: str = "config") -> dict[str, torch.Tensor]:
     """The model's tensors under embedpipe's names (q/k/v and gate/up fused), fp32, checked for
-    missing and unexpected names, shape and finiteness."""
-    keys = ESM_PLUSPLUS if "transformer.norm.weight" in state else TRANSFORMERS
+    missing and unexpected names, shape and finiteness; ``keys``: the layout (default: ESM++'s
+    names when the final norm is under them, else transformers'); ``sized_by``: what gave
+    ``shape``, as a refusal names it."""
+    keys = keys or (ESM_PLUSPLUS if "transformer.norm.weight" in state else TRANSFORMERS)
     prefix = "esmc." if any(k.startswith("esmc.") for k in state) else ""
     names = dict(keys.outside)
     for i in range(shape.num_layers):
@@ -169,7 +172,7 @@ def esmc_weights(state: Mapping[str, torch.Tensor], shape: EsmcShape, vocab: int
             raise ModelError(f"{where} does not match an ESM C with {shape.num_layers} layers: missing {missing[0]}")
         tensor = torch.cat([state[prefix + t].detach() for t in theirs]) if len(theirs) > 1 else state[prefix + theirs[0]]
         if tuple(tensor.shape) != expected[ours]:
-            raise ModelError(f"{where}: weight for {ours} has shape {tuple(tensor.shape)}, config says {expected[ours]}")
+            raise ModelError(f"{where}: weight for {ours} has shape {tuple(tensor.shape)}, {sized_by} says {expected[ours]}")
         if not torch.isfinite(tensor).all():
             raise ModelError(f"{where}: weights for {ours} hold NaN or inf")
         weights[ours] = tensor.detach().to(torch.float32).contiguous()

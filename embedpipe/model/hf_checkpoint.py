@@ -61,14 +61,15 @@ def hub_cache() -> Path:
     return (Path(home).expanduser() if home else Path.home() / ".cache" / "huggingface") / "hub"
 
 
-def hub_snapshot(name: str) -> Path | None:
-    """The cached snapshot directory of hub model ``name`` (``refs/main``), or None."""
+def hub_snapshot(name: str, holding: str = "config.json") -> Path | None:
+    """The cached snapshot directory of hub model ``name`` (``refs/main``) that holds the file
+    ``holding`` (a path inside the snapshot: an ``esm`` package release holds no config.json), or None."""
     repo = hub_cache() / ("models--" + name.replace("/", "--"))
     ref = repo / "refs" / "main"
     if ref.is_file():
         snapshot = repo / "snapshots" / ref.read_text().strip()
-        return snapshot if (snapshot / "config.json").is_file() else None
-    snapshots = sorted(p for p in (repo / "snapshots").glob("*") if (p / "config.json").is_file()) \
+        return snapshot if (snapshot / holding).is_file() else None
+    snapshots = sorted(p for p in (repo / "snapshots").glob("*") if (p / holding).is_file()) \
         if (repo / "snapshots").is_dir() else []
     return snapshots[-1] if len(snapshots) == 1 else None
 

@@ -1,4 +1,5 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``.
+"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``
+(``esmc-pth``, the esm package's layout of ``random_esmc``'s weights: :mod:`embedpipe.model.esmc_pth`).
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
 files that transformers' ``AutoTokenizer`` loads), so the same loader reads it as it reads a
@@ -226,7 +227,7 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
     ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
     if family not in HF_FAMILIES:
-        raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, esm1b, saprot-pt, {', '.join(HF_FAMILIES)}")
+        raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, esm1b, saprot-pt, esmc-pth, {', '.join(HF_FAMILIES)}")
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
     if family == "esmc":
         return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),

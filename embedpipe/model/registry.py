@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import downloads, esm1b_spec, esm2_spec, hf_checkpoint, hf_sources, plugins
+from embedpipe.model import downloads, esm1b_spec, esm2_spec, esmc_pth_spec, hf_checkpoint, hf_sources, plugins
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity
 
@@ -53,6 +53,11 @@ class Family:
 
 
 FAMILIES: list[Family] = [
+    # the esm package's ESM C releases (esmc_300m, their hub names) and .pth state dicts: asked
+    # before the hub names, a fair-esm checkpoint named .pth stays ESM-2's (embedpipe.model.esmc_pth_spec)
+    Family("esmc-pth", esmc_pth_spec.claims, esmc_pth_spec.describe, esmc_pth_spec.is_model_name,
+           "embedpipe.model.esmc_pth", "embedpipe.model.esmc_pth_spec", esmc_pth_spec.file_identity,
+           esmc_pth_spec.model_files),
     # Hugging Face directories and hub names (ESM-2, ProtT5, Ankh: config.json's model_type)
     Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
            "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity,
