@@ -221,17 +221,18 @@ def test_make_test_model_does_not_replace_a_file_it_did_not_write(tmp_path, tiny
     if kind == "store":
         fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (8, 20), seed=3))
         embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "a.h5", options=OPTIONS, quiet=True)
-        name, victim = "a.h5", tmp_path / "a.h5"
+        name, victim, label, what = "a.h5", tmp_path / "a.h5", "checkpoint", "an embedpipe store"
     elif kind == "text":
-        name, victim = "a.pt", tmp_path / "a.pt"
+        name, victim, label, what = "a.pt", tmp_path / "a.pt", "checkpoint", "a text file"
         victim.write_text("my notes\n")
     else:  # a companion beside no test model of ours
-        name, victim = "a.pt", tmp_path / "a-contact-regression.pt"
+        name, victim, label, what = "a.pt", tmp_path / "a-contact-regression.pt", "companion", "a text file"
         victim.write_text("someone else's contact head\n")
     before = victim.read_bytes()
     line = _error(_cli("make-test-model", name, cwd=tmp_path))
-    assert line == (f"embedpipe: error: make-test-model: {victim.name} exists and is not a test model "
-                    "make-test-model wrote; refusing to replace it (remove it or choose another path)")
+    ours = "a test model make-test-model wrote"
+    assert line == (f"embedpipe: error: {label} {victim.name} exists and is {what}, not {ours}; make-test-model "
+                    f"replaces only {ours}: remove the file or choose another output path")
     assert victim.read_bytes() == before
 
 

@@ -42,7 +42,7 @@ def test_the_joined_fasta_embeds_as_the_hand_written_one(tmp_path: Path) -> None
     assert joined.exit_code == 0, joined.output
     assert (tmp_path / "sa.fasta").read_text() == ">p1\nMdEvVpQqKa\n>p2\nApCvY#\n"
     refused = runner.invoke(app, ["join-structure", str(amino), str(three_di), "--out", str(amino)])
-    assert refused.exit_code == 1 and "is one of the inputs" in refused.stderr
+    assert refused.exit_code == 1 and f"--out {amino} is the input {amino}" in refused.stderr
     by_hand = write_fasta(tmp_path / "hand.fasta", [("p1", "MdEvVpQqKa"), ("p2", "ApCvY#")])
     stores = []
     for fasta in (tmp_path / "sa.fasta", by_hand):
