@@ -138,9 +138,11 @@ def what_is(path: Path) -> str:
 
 def refuse_foreign(command: str, label: str, out: Path, kind: OutputKind) -> None:
     """Refuse, in one line naming ``out`` and what it is, to replace an existing regular file
-    that ``kind`` does not recognise; the file is kept. What is not a regular file (a
-    directory, a FIFO) is :func:`embedpipe.core.atomic.check_output_path`'s to refuse."""
-    if not Path(out).is_file() or kind.test(Path(out)):
+    that ``kind`` does not recognise; the file is kept. An empty file holds nothing to lose
+    (``--out "$(mktemp)"``) and is replaced. What is not a regular file (a directory, a FIFO)
+    is :func:`embedpipe.core.atomic.check_output_path`'s to refuse."""
+    path = Path(out)
+    if not path.is_file() or path.stat().st_size == 0 or kind.test(path):
         return
     raise EmbedpipeError(f"{label} {_d(out)} exists and is {what_is(Path(out))}, not {kind.what}; {command} "
                          f"replaces only {kind.what}: remove the file or choose another output path")

@@ -204,3 +204,13 @@ def test_an_index_output_whose_description_is_a_users_json_is_refused(indexed, t
         build_index(store, tmp_path / "idx")
     assert str(caught.value) == _refusal("--out", mine, "a JSON file", "an embedpipe index", "index")
     assert mine.read_text() == '{"format": "my-notes"}\n' and not (tmp_path / "idx").exists()
+
+
+@pytest.mark.parametrize(("command", "run", "name", "label", "kind"), WRITERS, ids=IDS)
+def test_an_empty_file_is_replaced(indexed, tmp_path, tiny_model_path, command, run, name, label, kind):
+    """An empty file holds nothing to lose (``--out "$(mktemp)"``): every command writes over it."""
+    _, store, index = indexed
+    out = tmp_path / name
+    out.write_bytes(b"")
+    run(out, tmp_path, tiny_model_path, store, index)
+    assert out.stat().st_size > 0
