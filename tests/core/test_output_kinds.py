@@ -7,6 +7,7 @@ is, and kept byte for byte; output paths are resolved first (``..``, symlinks)."
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import embedpipe
 from embedpipe.api.querying import search_fasta
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.export import export_store
 from embedpipe.neighbours.build import build_index
 from embedpipe.store import open_store
@@ -214,3 +215,21 @@ def test_an_empty_file_is_replaced(indexed, tmp_path, tiny_model_path, command, 
     out.write_bytes(b"")
     run(out, tmp_path, tiny_model_path, store, index)
     assert out.stat().st_size > 0
+
+
+def test_a_groups_done_marker_replaces_only_a_group_marker(tmp_path, tiny_model_path):
+    """``--done`` over a FASTA is refused before any shard is embedded; over the group's own
+    earlier marker the rerun writes it again."""
+    shard = write_fasta(tmp_path / "shard-0.fasta", RECORDS[:2])
+    victim = write_fasta(tmp_path / "done.json", RECORDS)
+    before = victim.read_bytes()
+    with pytest.raises(EmbedpipeError) as caught:
+        embed_shards([shard], model=str(tiny_model_path), out_dir=tmp_path / "st", done=victim, options=OPTIONS,
+                     quiet=True)
+    assert str(caught.value) == _refusal("--done", victim, "a FASTA file", "an embedpipe group marker", "embed")
+    assert victim.read_bytes() == before and not (tmp_path / "st" / "shard-0.h5").exists()
+    done = tmp_path / "group.json"
+    for _ in range(2):
+        embed_shards([shard], model=str(tiny_model_path), out_dir=tmp_path / "st", done=done, options=OPTIONS,
+                     quiet=True)
+        assert json.loads(done.read_text())["stores"][0]["store"] == str(tmp_path / "st" / "shard-0.h5")
