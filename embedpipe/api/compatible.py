@@ -25,8 +25,9 @@ __all__ = ["NOT_COMPARED", "STORE_OPTIONS", "check_compatible"]
 NOT_COMPARED = ("layers", "pooling", "per_residue", PLATFORM, "computed_as.device_type", "computed_as.batch_layout",
                 "computed_as.attention_inputs", "computed_as.compiled")
 #: the store's options that decide what its numbers are, given to the queries' run unless named
-STORE_OPTIONS = ("storage_dtype", "long_sequences", "attention", "overflow_margin", "int8_smoothing",
-                 "int8_calibration")
+#: (not the options an older embedpipe recorded, :data:`~embedpipe.core.options.REMOVED_OPTIONS`:
+#: the queries' run derives the attention kernel as the store's did, and the identity compares it)
+STORE_OPTIONS = ("storage_dtype", "long_sequences", "overflow_margin", "int8_smoothing", "int8_calibration")
 
 
 def check_compatible(run: ResolvedRun, meta: IndexMeta, index: Path) -> None:

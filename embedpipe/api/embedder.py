@@ -18,7 +18,7 @@ from typing import Any
 from embedpipe.api.compatible import check_compatible
 from embedpipe.api.result import Result
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
+from embedpipe.core.options import FASTA_LIMITS, REMOVED_OPTIONS, EmbedOptions, FastaLimits
 from embedpipe.embed.engine import Embedder as Engine
 from embedpipe.embed.job import JobInput, open_job
 from embedpipe.embed.provenance import provenance
@@ -36,6 +36,10 @@ __all__ = ["Embedder", "embed"]
 def _options(given: dict[str, Any]) -> EmbedOptions:
     """``EmbedOptions`` from keyword arguments; an unknown one is one line naming it."""
     known = set(EmbedOptions.__dataclass_fields__)
+    removed = sorted(set(given) & set(REMOVED_OPTIONS))
+    if removed:
+        raise EmbedpipeError(f"Embedder: option {removed[0]!r} was removed: the run derives the engine's choices "
+                             "(EMBEDPIPE_ENGINE overrides them: docs/precision.md, \"Engine choices\"); leave it out")
     unknown = sorted(set(given) - known)
     if unknown:
         raise EmbedpipeError(f"Embedder: unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")

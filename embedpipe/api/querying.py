@@ -15,11 +15,11 @@ from embedpipe.api.compatible import STORE_OPTIONS
 from embedpipe.api.embedder import Embedder
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import headed, writing_outputs
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.memory import Sequences
 from embedpipe.model.registry import model_files
-from embedpipe.neighbours.hits import Hits
+from embedpipe.neighbours.hits import HEADER, Hits
 from embedpipe.neighbours.index_file import IndexMeta, ids_path, meta_path, read_meta
 
 __all__ = ["query_options", "search", "search_fasta"]
@@ -61,11 +61,13 @@ def search_fasta(queries: Path, index: Path, out: Path, *, model: str | None = N
                  quiet: bool = False, limits: FastaLimits = FASTA_LIMITS, **options: Any) -> Hits:
     """``embedpipe search``: the records of the FASTA ``queries``, read by the model family's rules
     as ``embed`` reads them, searched in ``index``, the hits written to the TSV ``out``
-    (atomically; never over the queries, the index or the model)."""
+    (atomically; never over the queries, the index, its store or the model, and only over an
+    earlier search's TSV)."""
     meta = read_meta(Path(index))
     inputs = [Path(queries), Path(index), meta_path(Path(index)), ids_path(Path(index)),
+              *([Path(meta.store)] if meta.store else []),
               *model_files(model or meta.model_source)]
-    with writing_outputs("search", [("--out", Path(out))], inputs), \
+    with writing_outputs("search", [("--out", Path(out), headed("a search TSV", "\t".join(HEADER)))], inputs), \
             _embedder(Path(index), model, quiet, limits, options) as embedder:
         records = list(read_sequences(Path(queries), embedder.limits))
         if not records:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe.core.errors import EmbedpipeError, quote
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import STORE, writing_outputs
 from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.store import EmbeddedRecord, StoreWriter, utc_now
 
@@ -132,12 +132,12 @@ class Result:
 
     def save(self, path: str | Path) -> Path:
         """Write the records as a store (atomically, the format and checks of ``embed --out``:
-        the output guarded and locked, never one of the model's files)."""
+        the output guarded and locked, never one of the model's files, and replacing only a store)."""
         out = Path(path)
         fallback = self.fallback_counts()
         residue_rows = ([len(r.per_residue[self.layers[0]]) for r in self.records]
                         if self.run.options.per_residue else None)
-        with writing_outputs("save", [("path", out)], self.model_files), StoreWriter(
+        with writing_outputs("save", [("path", out, STORE)], self.model_files), StoreWriter(
             out, ids=self.ids, sequences=[r.sequence for r in self.records], residue_rows=residue_rows,
             layers=self.layers, dim=int(self.mean().shape[1]), storage_dtype=self.storage_dtype,
             attrs=self.provenance | self.run.precision_attrs | {"embed_identity": self.identity},

@@ -354,12 +354,8 @@ def join_structure(
     out: Path = typer.Option(..., "--out", help="Structure-aware FASTA to write (SaProt's input), atomically."),
 ) -> None:
     """Pair an amino-acid FASTA and a 3Di FASTA by ID into SaProt's structure-aware sequences."""
-    from embedpipe.core.atomic import check_output_path
     from embedpipe.shard.structure import write_structure_aware
 
-    if Path(out).resolve() in (Path(amino).resolve(), Path(three_di).resolve()):
-        raise EmbedpipeError(f"--out {out} is one of the inputs; write the structure-aware FASTA elsewhere")
-    check_output_path(out)
     print(f"{write_structure_aware(amino, three_di, out)} records -> {out}", file=sys.stderr)
 
 

@@ -4,9 +4,10 @@ Plain data in ``core/`` (no numpy, h5py or pyarrow, nothing of ``export/``): ``c
 takes the names from here, and the workflow (``workflows/rules/common.smk``, ``export.smk``)
 derives its file names and its wildcard constraint from it at start-up. ``embedpipe export``
 (:func:`embedpipe.export.run.writer`) imports a format's module by its name only when it is
-used; the module provides ``export(out, store, blocks, attrs, per_residue, on_block)``, and,
-when it writes more than ``out``, ``companions(out, per_residue) -> {role: path}`` (checked as
-outputs too).
+used; the module provides ``export(out, store, blocks, attrs, per_residue, on_block)``,
+``ours(out) -> OutputKind`` (the existing files it may replace: an earlier export of its
+format, embedpipe.core.output_guard), and, when it writes more than ``out``,
+``companions(out, per_residue) -> {role: path}`` (checked as outputs too).
 """
 
 from __future__ import annotations

@@ -113,6 +113,10 @@ CPU_TOKENS_PER_BATCH = 4096
 PRECISION_CHOICES = (*POLICY_NAMES, AUTO)
 #: ``auto`` = CUDA when available, else the CPU
 DEFAULT_DEVICE = "auto"
+#: options an older embedpipe had and recorded in a store's ``config``: the engine choices the
+#: run now derives (``EMBEDPIPE_ENGINE`` overrides them) and the compiled path, gone. A store
+#: holding them is read as any other (docs/store-format.md); they are never an option now.
+REMOVED_OPTIONS = ("attention", "batch_layout", "attention_inputs", "fallback_device", "compile", "compile_cache")
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,7 @@ def parse_tokens_per_batch(text: str) -> int | str:
 
 __all__ = [
     "AUTO",
+    "REMOVED_OPTIONS",
     "CPU_TOKENS_PER_BATCH",
     "CROSSCHECK_BOOTSTRAP",
     "CROSSCHECK_FOLDS",

@@ -25,11 +25,11 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.interrupts import telling_progress
 from embedpipe.core.locks import lock_path_for
 from embedpipe.core.options import AUTO, FASTA_LIMITS, EmbedOptions, FastaLimits
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import STORE, Output, described_by, writing_outputs
 from embedpipe.core.progress import say
 from embedpipe.embed.combinations import check_embed
 from embedpipe.embed.engine import Embedder
-from embedpipe.embed.group_marker import write_marker
+from embedpipe.embed.group_marker import GROUP_FORMAT, write_marker
 from embedpipe.embed.identity import describe_difference, ignored
 from embedpipe.embed.job import Job, JobInput, open_job
 from embedpipe.embed.provenance import batching_attrs, provenance
@@ -80,7 +80,7 @@ class EmbedSummary:
         return "\n".join(lines)
 
 
-def _writing(outputs: list[tuple[str, Path]], fastas: Sequence[Path], model: str,
+def _writing(outputs: list[Output], fastas: Sequence[Path], model: str,
              reuse: Sequence[Path]) -> contextlib.AbstractContextManager[None]:
     """The guard and the output locks of an embed run (embedpipe.core.output_guard): the
     FASTAs, the model's files and the reuse stores are read (a reuse index: the store it
@@ -132,7 +132,7 @@ def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reus
 
 @contextlib.contextmanager
 def _job(fastas: Sequence[Path], model: str, options: EmbedOptions, policy: Policy | None, reuse: Sequence[Path],
-         limits: FastaLimits, outputs: list[tuple[str, Path]], quiet: bool) -> Iterator[Job]:
+         limits: FastaLimits, outputs: list[Output], quiet: bool) -> Iterator[Job]:
     """The job of an embed run (one FASTA or a group): its outputs guarded and locked, then its
     threads, reuse stores and model (embed/job.py)."""
     with _writing(outputs, fastas, model, reuse), \
@@ -154,7 +154,7 @@ def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, qu
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
     policy, limits = start_checks([fasta], model, options, reuse, limits)
     started = time.perf_counter()
-    with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out))], quiet) as job:
+    with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out), STORE)], quiet) as job:
         records = _read_records(fasta, limits)
         check_output_path(Path(out))
         return _embed_records(job, records, Path(fasta), Path(out), started,
@@ -315,7 +315,9 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     _check_group(fastas, done, limits)
     digests = [file_sha256(Path(f)) for f in fastas]
     summary = GroupSummary(out_dir=out_dir)
-    outputs = [("store", s) for s in stores] + ([("--done", Path(done))] if done is not None else [])
+    outputs: list[Output] = [("store", s, STORE) for s in stores]
+    if done is not None:
+        outputs.append(("--done", Path(done), described_by("an embedpipe group marker", Path(done), "format", GROUP_FORMAT)))
     with telling_progress(lambda: summary.progress(fastas, stores)), \
             _job(fastas, model, options, policy, reuse, limits, outputs, quiet) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse

@@ -10,6 +10,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from embedpipe.core.output_guard import OutputKind, hdf5_kind
 from embedpipe.export.blocks import ExportBlock
 from embedpipe.export.keys import encode_key
 from embedpipe.store.format import write_root_attrs
@@ -68,6 +69,11 @@ def write_h5_per_id(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str
                 if block.alias_of[j]:
                     writer.attr(d, "alias_of", block.alias_of[j])
             on_block(block)
+
+
+def ours(out: Path) -> OutputKind:
+    """What an h5-per-id export may replace: an earlier one (its root ``export_format``)."""
+    return hdf5_kind("an h5-per-id export", "export_format", "h5-per-id")
 
 
 def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,

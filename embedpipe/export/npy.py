@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe.core.atomic import atomic_paths
+from embedpipe.core.output_guard import OutputKind, described_by
 from embedpipe.export.blocks import ExportBlock
 
 
@@ -26,6 +27,12 @@ def companions(out: Path, per_residue: bool) -> dict[str, Path]:
     if per_residue:
         names["offsets"] = stem.with_name(stem.name + ".offsets.npy")
     return names
+
+
+def ours(out: Path) -> OutputKind:
+    """What an npy export's files may replace: those of an earlier npy export, as its
+    ``OUT.provenance.json`` (``export_format``) says."""
+    return described_by("an npy export", companions(out, False)["provenance"], "export_format", "npy")
 
 
 def write_npy(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], *, rows: int, dim: int,

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from embedpipe.core.atomic import atomic_path
+from embedpipe.core.output_guard import OutputKind
 from embedpipe.export.blocks import ExportBlock
 
 _ARROW_TYPES = {np.dtype(np.float32): pa.float32(), np.dtype(np.float16): pa.float16()}
@@ -63,6 +64,23 @@ def write_parquet(out: Path, blocks: Iterable[ExportBlock], attrs: Mapping[str, 
             for block in blocks:
                 writer.write_table(_table(block, schema_, dim))
                 on_block(block)
+
+
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` is a Parquet file whose ``embedpipe`` metadata says parquet export."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"PAR1":
+                return False
+        metadata = pq.read_schema(path).metadata or {}
+        return bool(json.loads(metadata.get(METADATA_KEY, b"{}")).get("export_format") == "parquet")
+    except Exception:  # noqa: BLE001 - a file pyarrow cannot read is no export of ours
+        return False
+
+
+def ours(out: Path) -> OutputKind:
+    """What a parquet export may replace: an earlier one (its ``embedpipe`` metadata)."""
+    return OutputKind("a parquet export", _is_export)
 
 
 def export(out: Path, store: Any, blocks: Iterable[ExportBlock], attrs: Mapping[str, Any], per_residue: bool,

@@ -20,7 +20,7 @@ from typing import Any
 
 from embedpipe.core import export_formats as formats
 from embedpipe.core.errors import EmbedpipeError, StoreError
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import Output, writing_outputs
 from embedpipe.core.progress import progress_bar
 from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
 from embedpipe.store import Store, open_store
@@ -79,9 +79,12 @@ def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str)
         raise EmbedpipeError(f"{store.path}: has no per-residue vectors (embedded without --per-residue)")
     if Path(out).resolve() == store.path.resolve():
         raise EmbedpipeError(f"{out}: the export would overwrite the store it reads")
-    companions = getattr(writer(formats.BY_NAME[fmt]), "companions", None)
-    extra = [(f"the {role} file", p) for role, p in companions(out, per_residue).items()] if companions else []
-    with writing_outputs("export", [("--out", out), *extra], [store.path], pinned=pinned_by([store.path])):
+    module = writer(formats.BY_NAME[fmt])
+    ours = module.ours(out)  # an export replaces only an export of its format
+    companions = getattr(module, "companions", None)
+    extra: list[Output] = ([(f"the {role} file", p, ours) for role, p in companions(out, per_residue).items()]
+                           if companions else [])
+    with writing_outputs("export", [("--out", out, ours), *extra], [store.path], pinned=pinned_by([store.path])):
         yield
 
 

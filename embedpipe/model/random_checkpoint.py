@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from esm.model.esm2 import ESM2
 
 from embedpipe.core.atomic import atomic_paths, check_output_path
 from embedpipe.core.errors import ModelError
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import Output, OutputKind, writing_outputs
 from embedpipe.core.version import __version__
 from embedpipe.model import esm1b, esm1b_spec
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, validate_shape
@@ -81,37 +80,45 @@ def make_test_model(
     out = Path(out)
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
     companion = companion and family != SAPROT_PT
-    outputs = [("checkpoint", out), *([("companion", companion_path(out))] if companion else [])]
+    checkpoint, beside = _kinds(out)
+    outputs: list[Output] = [("checkpoint", out, checkpoint)]
+    if companion:
+        outputs.append(("companion", companion_path(out), beside))
     with writing_outputs("make-test-model", outputs):
-        refuse_foreign(out, companion_path(out) if companion else None)
         if family not in PT_FAMILIES:
             raise ModelError(f"make-test-model: unknown .pt family {family!r}; choose {', '.join(PT_FAMILIES)}")
         _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion, family)
     return out
 
 
-def _is_test_model(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint make-test-model wrote (its untrained marker says so);
-    read memory-mapped, and only for a torch zip file (a large legacy file is never read)."""
+def _written_by_us(path: Path) -> dict[str, object] | None:
+    """The untrained marker of ``path`` when make-test-model wrote it (a test model, or since
+    it says so too, a companion: ``companion_of``), else None; read memory-mapped, and only for
+    a torch zip file (a large legacy file is never read)."""
     try:
         with open(path, "rb") as fh:
             if fh.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-                return False
+                return None
         marker = load_checkpoint_safely(path).get(MARKER_KEY)
     except (OSError, ModelError):
-        return False
-    return isinstance(marker, dict) and marker.get("created_by") == CREATED_BY
+        return None
+    return marker if isinstance(marker, dict) and marker.get("created_by") == CREATED_BY else None
 
 
-def refuse_foreign(out: Path, companion: Path | None) -> None:
-    """Refuse to replace an existing file that is not a test model make-test-model wrote (a
-    store, a real checkpoint); its companion only beside such a test model. Why: the command
-    makes throw-away models, and ``make-test-model a.h5`` must not destroy a store."""
-    ours = out.is_file() and _is_test_model(out)
-    for path in (out, companion):
-        if path is not None and os.path.lexists(path) and not path.is_dir() and not ours:
-            raise ModelError(f"make-test-model: {path} exists and is not a test model make-test-model wrote; "
-                             "refusing to replace it (remove it or choose another path)")
+def _kinds(out: Path) -> tuple[OutputKind, OutputKind]:
+    """What the checkpoint and its companion may replace (embedpipe.core.output_guard): a file
+    make-test-model wrote; a companion also beside a test model of ours. A companion says it is
+    ours too, so one left by a removed test model, or written for ``OUT`` without ``.pt``, is
+    replaced. Why: the command makes throw-away models; ``make-test-model a.h5`` must not
+    destroy a store, nor a real model's companion."""
+
+    def test_model() -> bool:
+        marker = _written_by_us(out) if out.is_file() else None
+        return marker is not None and "companion_of" not in marker
+
+    what = "a test model make-test-model wrote"
+    return (OutputKind(what, lambda path: _written_by_us(path) is not None),
+            OutputKind(what, lambda path: test_model() or _written_by_us(path) is not None))
 
 
 def _write(out: Path, layers: int, dim: int, heads: int, seed: int, token_dropout: bool,
@@ -135,7 +142,9 @@ def _write(out: Path, layers: int, dim: int, heads: int, seed: int, token_dropou
     else:  # released ESM-1b: the LM head under "encoder.", the rest under "encoder.sentence_encoder."
         checkpoint |= {"model": {("encoder." if k.startswith("lm_head.") else KEY_PREFIX) + k: v
                                  for k, v in state.items() if k not in CONTACT_KEYS}, "args": args}
-    regression = {"model": {k: v.clone() for k, v in state.items() if k in CONTACT_KEYS}}
+    # the companion says whose it is too (fair-esm and embedpipe read only its "model")
+    regression = {"model": {k: v.clone() for k, v in state.items() if k in CONTACT_KEYS},
+                  MARKER_KEY: {"created_by": CREATED_BY, "companion_of": out.name}}
     if companion:
         # both written before either is renamed into place: a failure leaves neither behind
         with atomic_paths(companion_path(out), out) as (tmp_companion, tmp):

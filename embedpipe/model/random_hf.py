@@ -227,7 +227,8 @@ def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32
     ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
     if family not in HF_FAMILIES:
-        raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, esm1b, saprot-pt, esmc-pth, {', '.join(HF_FAMILIES)}")
+        raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, esm1b, saprot-pt, esmc-pth, "
+                         f"{', '.join(HF_FAMILIES)}")
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
     if family == "esmc":
         return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),

@@ -19,9 +19,9 @@ from embedpipe.core.atomic import atomic_paths
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POOLINGS, check_choice
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import described_by, writing_outputs
 from embedpipe.export.blocks import iter_blocks
-from embedpipe.neighbours.index_file import KINDS, IndexMeta, faiss_module, ids_path, meta_path
+from embedpipe.neighbours.index_file import FORMAT, KINDS, IndexMeta, faiss_module, ids_path, meta_path
 from embedpipe.store import open_store
 
 __all__ = ["HNSW_M", "IndexSummary", "build_index", "unit_rows"]
@@ -65,7 +65,8 @@ def build_index(store_path: Path, out: Path, *, layer: int = -1, pooling: str = 
     check_choice("--kind", kind, KINDS)
     store_path, out = Path(store_path), Path(out)
     faiss = faiss_module()
-    outputs = [("--out", out), ("--out", meta_path(out)), ("--out", ids_path(out))]
+    ours = described_by("an embedpipe index", meta_path(out), "format", FORMAT)  # replaces only an index
+    outputs = [("--out", out, ours), ("--out", meta_path(out), ours), ("--out", ids_path(out), ours)]
     with writing_outputs("index", outputs, [store_path]), open_store(store_path) as store:
         absolute = store.layer(layer)
         if pooling not in store.pooling:

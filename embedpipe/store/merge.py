@@ -36,7 +36,7 @@ from embedpipe.core.atomic import check_output_path
 from embedpipe.core.errors import StoreError
 from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.interrupts import checkpoint, deferred
-from embedpipe.core.output_guard import writing_outputs
+from embedpipe.core.output_guard import STORE, writing_outputs
 from embedpipe.core.units import human_bytes
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
@@ -389,7 +389,7 @@ def merge_stores(stores: Sequence[Path], *, out: Path, manifest: Path | None = N
 def _merge_stores(stores: Sequence[Path], out: Path, manifest: Path | None) -> MergeSummary:
     paths = _check_paths(stores, out, manifest)
     out_dir = out.parent if str(out.parent) else Path(".")
-    with writing_outputs("merge", [("--out", out)], [*paths, *([Path(manifest)] if manifest else [])],
+    with writing_outputs("merge", [("--out", out, STORE)], [*paths, *([Path(manifest)] if manifest else [])],
                          pinned=pinned_by(paths)):
         shards = [_read_shard(p, out_dir) for p in paths]
         check_agreement([(s.path, s.attrs) for s in shards])

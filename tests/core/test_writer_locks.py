@@ -15,6 +15,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+import torch
 
 import embedpipe.embed.run as embed_module
 from embedpipe.core import locks
@@ -22,6 +23,7 @@ from embedpipe.core.checksums import file_sha256
 from embedpipe.core.locks import holding
 from embedpipe.core.options import EmbedOptions
 from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.model.downloads import companion_path
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.store import merge_stores
 from embedpipe.store.validate import validate_store
@@ -221,17 +223,18 @@ def test_make_test_model_does_not_replace_a_file_it_did_not_write(tmp_path, tiny
     if kind == "store":
         fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (8, 20), seed=3))
         embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "a.h5", options=OPTIONS, quiet=True)
-        name, victim = "a.h5", tmp_path / "a.h5"
+        name, victim, label, what = "a.h5", tmp_path / "a.h5", "checkpoint", "an embedpipe store"
     elif kind == "text":
-        name, victim = "a.pt", tmp_path / "a.pt"
+        name, victim, label, what = "a.pt", tmp_path / "a.pt", "checkpoint", "a text file"
         victim.write_text("my notes\n")
     else:  # a companion beside no test model of ours
-        name, victim = "a.pt", tmp_path / "a-contact-regression.pt"
+        name, victim, label, what = "a.pt", tmp_path / "a-contact-regression.pt", "companion", "a text file"
         victim.write_text("someone else's contact head\n")
     before = victim.read_bytes()
     line = _error(_cli("make-test-model", name, cwd=tmp_path))
-    assert line == (f"embedpipe: error: make-test-model: {victim.name} exists and is not a test model "
-                    "make-test-model wrote; refusing to replace it (remove it or choose another path)")
+    ours = "a test model make-test-model wrote"
+    assert line == (f"embedpipe: error: {label} {victim.name} exists and is {what}, not {ours}; make-test-model "
+                    f"replaces only {ours}: remove the file or choose another output path")
     assert victim.read_bytes() == before
 
 
@@ -242,6 +245,27 @@ def test_make_test_model_still_replaces_its_own_test_model(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m.pt").read_bytes() != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m-contact-regression.pt", "m.pt"]  # no lock file left
+
+
+@pytest.mark.parametrize("earlier", ["model removed", "written without .pt"])
+def test_make_test_model_recreates_a_model_over_its_own_companion(tmp_path, fair_esm_reference, earlier):
+    """The companion a test model left (its checkpoint removed since), or the one of ``OUT``
+    without ``.pt`` (the same ``OUT-contact-regression.pt``), is make-test-model's own output."""
+    if earlier == "model removed":
+        make_test_model(tmp_path / "esm2_m.pt", seed=0)
+        (tmp_path / "esm2_m.pt").unlink()
+    else:
+        make_test_model(tmp_path / "esm2_m", seed=0)
+    companion = tmp_path / "esm2_m-contact-regression.pt"
+    before = companion.read_bytes()
+    result = _cli("make-test-model", "esm2_m.pt", "--seed", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert companion.read_bytes() != before  # seed 1's contact head
+    model, _ = fair_esm_reference(tmp_path / "esm2_m.pt")  # fair-esm's own loader reads the pair
+    fresh = make_test_model(tmp_path / "fresh" / "esm2_m.pt", seed=1)
+    expected = torch.load(companion_path(fresh), weights_only=True)["model"]
+    for key, value in expected.items():
+        assert torch.equal(model.state_dict()[key], value), key
 
 
 def test_a_lock_file_removed_as_it_was_opened_is_opened_again(tmp_path, monkeypatch):

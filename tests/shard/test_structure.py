@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_the_joined_fasta_embeds_as_the_hand_written_one(tmp_path: Path) -> None
     assert joined.exit_code == 0, joined.output
     assert (tmp_path / "sa.fasta").read_text() == ">p1\nMdEvVpQqKa\n>p2\nApCvY#\n"
     refused = runner.invoke(app, ["join-structure", str(amino), str(three_di), "--out", str(amino)])
-    assert refused.exit_code == 1 and "is one of the inputs" in refused.stderr
+    assert refused.exit_code == 1 and f"--out {amino} is the input {amino}" in refused.stderr
     by_hand = write_fasta(tmp_path / "hand.fasta", [("p1", "MdEvVpQqKa"), ("p2", "ApCvY#")])
     stores = []
     for fasta in (tmp_path / "sa.fasta", by_hand):
@@ -53,3 +54,40 @@ def test_the_joined_fasta_embeds_as_the_hand_written_one(tmp_path: Path) -> None
         stores.append(read_store(out))
     for rid in ("p1", "p2"):
         assert (stores[0]["mean"][2][rid] == stores[1]["mean"][2][rid]).all()
+
+
+def test_a_masked_state_in_the_3di_fasta_is_kept(tmp_path: Path) -> None:
+    """SaProt reads ``#`` as a masked 3Di state (its vocabulary pairs every amino acid with
+    ``#``: westlake-repl/SaProt utils/foldseek_util.py masks low-pLDDT states as '#'), so a 3Di
+    FASTA holding one joins as if it were Foldseek's ``X``."""
+    amino = write_fasta(tmp_path / "aa.fasta", [("p1", "MEVQ")])
+    three_di = write_fasta(tmp_path / "3di.fasta", [("p1", "d#px")])  # lower case, as SaProt writes 3Di
+    by_hand = "M" + "d" + "E" + "#" + "V" + "p" + "Q" + "#"
+    assert join_structure(amino, three_di) == [("p1", by_hand)]
+
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link"])
+def test_one_file_given_as_both_inputs_is_refused_and_nothing_written(tmp_path: Path, how: str) -> None:
+    amino = write_fasta(tmp_path / "aa.fasta", [("p1", "MEVQ")])  # letters that are 3Di states too
+    other = {"same path": lambda: amino, "symlink": lambda: _linked(amino, tmp_path / "l.fasta", os.symlink),
+             "hard link": lambda: _linked(amino, tmp_path / "h.fasta", os.link)}[how]()
+    result = CliRunner().invoke(app, ["join-structure", str(amino), str(other), "--out", str(tmp_path / "sa.fasta")])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"embedpipe: error: {amino} and {other} are one file; give the amino-acid FASTA " \
+                                    "and the 3Di FASTA"
+    assert not (tmp_path / "sa.fasta").exists()
+
+
+def _linked(target: Path, link: Path, make) -> Path:
+    make(target, link)
+    return link
+
+
+def test_two_inputs_without_records_are_refused_and_nothing_written(tmp_path: Path) -> None:
+    amino, three_di = tmp_path / "aa.fasta", tmp_path / "3di.fasta"
+    amino.write_text("")
+    three_di.write_text("\n")
+    result = CliRunner().invoke(app, ["join-structure", str(amino), str(three_di), "--out", str(tmp_path / "sa.fasta")])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"embedpipe: error: {amino} and {three_di} hold no records; nothing to join"
+    assert not (tmp_path / "sa.fasta").exists()
