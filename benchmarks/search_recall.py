@@ -19,7 +19,7 @@ import numpy as np
 
 from embedpipe.neighbours.build import build_index
 from embedpipe.neighbours.hits import search_index
-from embedpipe.neighbours.index_file import read_meta
+from embedpipe.neighbours.index_file import open_index
 from embedpipe.store import EmbeddedRecord, StoreWriter
 
 LAYER = 6
@@ -58,7 +58,7 @@ def measure(rows: int, dim: int, queries: int, k: int, clusters: int = 50, seed:
             index = Path(work) / kind
             build_index(store, index, layer=LAYER, kind=kind)
             ids = [f"q{i}" for i in range(queries)]
-            found[kind] = search_index(index, read_meta(index), ids, vectors[rows:], k).hits
+            found[kind] = search_index(open_index(index), ids, vectors[rows:], k).hits
     hits = sum(len(set(a) & set(b)) for a, b in zip(found["exact"], found["hnsw"]))
     return hits / (queries * k)
 

@@ -27,7 +27,7 @@ from embedpipe.embed.run import run_attrs, start_checks  # the checks and root a
 from embedpipe.inputs.memory import Sequences, check_records
 from embedpipe.model.registry import model_files
 from embedpipe.neighbours.hits import Hits, search_index
-from embedpipe.neighbours.index_file import read_meta
+from embedpipe.neighbours.index_file import LoadedIndex, open_index
 from embedpipe.store import EmbeddedRecord
 
 __all__ = ["Embedder", "embed"]
@@ -107,16 +107,16 @@ class Embedder:
         attrs = provenance(engine.loaded, engine.run, None) | run_attrs(engine, plan)
         return Result([r for r in done if r is not None], engine.run, attrs, self.model_files)
 
-    def search(self, queries: Sequences, index: str | Path, *, k: int = 10) -> Hits:
+    def search(self, queries: Sequences, index: str | Path | LoadedIndex, *, k: int = 10) -> Hits:
         """The ``k`` nearest neighbours in ``index`` of every query (:mod:`embedpipe.neighbours`),
         embedded by this Embedder; refused, before anything is embedded, in one line naming what
-        differs when its run is not the index's store's (:mod:`embedpipe.api.compatible`)."""
-        path = Path(index)
-        meta = read_meta(path)
+        differs when its run is not the index's store's (:mod:`embedpipe.api.compatible`), or
+        naming the index's file that is damaged or was changed (every file is checked first)."""
+        loaded = index if isinstance(index, LoadedIndex) else open_index(Path(index))
         records = check_records(queries, self.limits)
-        check_compatible(self._engine_for(records).run, meta, path)
+        check_compatible(self._engine_for(records).run, loaded.meta, loaded.path)
         result = self._embed(records)
-        return search_index(path, meta, result.ids, result.pooled(meta.layer, meta.pooling), k)
+        return search_index(loaded, result.ids, result.pooled(loaded.meta.layer, loaded.meta.pooling), k)
 
     def close(self) -> None:
         """Release the model (and the device it holds)."""

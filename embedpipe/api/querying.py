@@ -20,7 +20,7 @@ from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.memory import Sequences
 from embedpipe.model.registry import model_files
 from embedpipe.neighbours.hits import HEADER, Hits
-from embedpipe.neighbours.index_file import IndexMeta, ids_path, meta_path, read_meta
+from embedpipe.neighbours.index_file import IndexMeta, LoadedIndex, ids_path, meta_path, open_index, read_meta
 
 __all__ = ["query_options", "search", "search_fasta"]
 
@@ -38,23 +38,25 @@ def query_options(meta: IndexMeta, given: Mapping[str, Any]) -> dict[str, Any]:
     return options | {k: v for k, v in given.items() if v is not None}
 
 
-def _embedder(index: Path, model: str | Path | None, quiet: bool, limits: FastaLimits,
+def _embedder(loaded: LoadedIndex, model: str | Path | None, quiet: bool, limits: FastaLimits,
               options: Mapping[str, Any]) -> Embedder:
     """An Embedder of the queries: the index's model and options unless given; its ``limits``
     are the family's rules every query is read by (case, pairs), as ``embed`` reads records."""
-    meta = read_meta(index)
-    spec = str(model) if model is not None else meta.model_source
+    spec = str(model) if model is not None else loaded.meta.model_source
     if not spec:
-        raise EmbedpipeError(f"{index}: records no model; give the model of its store")
-    return Embedder(spec, quiet=quiet, limits=limits, **query_options(meta, options))
+        raise EmbedpipeError(f"{loaded.path}: records no model; give the model of its store")
+    return Embedder(spec, quiet=quiet, limits=limits, **query_options(loaded.meta, options))
 
 
-def search(queries: Sequences, index: str | Path, *, model: str | Path | None = None, k: int = 10,
+def search(queries: Sequences, index: str | Path | LoadedIndex, *, model: str | Path | None = None, k: int = 10,
            quiet: bool = True, limits: FastaLimits = FASTA_LIMITS, **options: Any) -> Hits:
     """One call: embed ``queries`` as the index's store was (its model unless ``model`` is given,
-    its options unless named in ``options``) and return each one's ``k`` nearest IDs."""
-    with _embedder(Path(index), model, quiet, limits, options) as embedder:
-        return embedder.search(queries, index, k=k)
+    its options unless named in ``options``) and return each one's ``k`` nearest IDs. The index's
+    files are checked whole (:func:`~embedpipe.neighbours.index_file.open_index`) before the
+    model loads."""
+    loaded = index if isinstance(index, LoadedIndex) else open_index(Path(index))
+    with _embedder(loaded, model, quiet, limits, options) as embedder:
+        return embedder.search(queries, loaded, k=k)
 
 
 def search_fasta(queries: Path, index: Path, out: Path, *, model: str | None = None, k: int = 10,
@@ -67,11 +69,12 @@ def search_fasta(queries: Path, index: Path, out: Path, *, model: str | None = N
     inputs = [Path(queries), Path(index), meta_path(Path(index)), ids_path(Path(index)),
               *([Path(meta.store)] if meta.store else []),
               *model_files(model or meta.model_source)]
-    with writing_outputs("search", [("--out", Path(out), headed("a search TSV", "\t".join(HEADER)))], inputs), \
-            _embedder(Path(index), model, quiet, limits, options) as embedder:
-        records = list(read_sequences(Path(queries), embedder.limits))
-        if not records:
-            raise EmbedpipeError(f"{queries}: no records to search")
-        hits = embedder.search(records, index, k=k)
+    with writing_outputs("search", [("--out", Path(out), headed("a search TSV", "\t".join(HEADER)))], inputs):
+        loaded = open_index(Path(index))  # every file checked before the queries are read or embedded
+        with _embedder(loaded, model, quiet, limits, options) as embedder:
+            records = list(read_sequences(Path(queries), embedder.limits))
+            if not records:
+                raise EmbedpipeError(f"{queries}: no records to search")
+            hits = embedder.search(records, loaded, k=k)
         hits.write_tsv(out)
     return hits

@@ -1,7 +1,7 @@
 """``--precision auto`` measured where the job runs: each candidate policy timed on the loaded
 model and records drawn from the job's own input, checked against fp32, the fastest that
-passes chosen (docs/precision.md, "precision: auto"); the rules and the node's cache are
-:mod:`embedpipe.runtime.auto_precision`.
+passes chosen (docs/precision.md, "precision: auto"); the rules are
+:mod:`embedpipe.runtime.auto_precision`, the node's cache (its one reader) :mod:`embedpipe.runtime.auto_cache`.
 
 Why through the :class:`~embedpipe.embed.engine.Embedder`: the probe then times exactly what
 the job will run (the batch layout, the int8 kernels, the fallback of records that fail), not
@@ -32,7 +32,7 @@ from embedpipe.model import capabilities
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
-from embedpipe.runtime import auto_precision
+from embedpipe.runtime import auto_cache, auto_precision
 from embedpipe.runtime.auto_precision import AutoChoice, Timing
 from embedpipe.runtime.engine_override import EngineChoice
 
@@ -74,32 +74,36 @@ def _cache_options(options: EmbedOptions, engine: EngineChoice) -> dict[str, obj
 
 
 def _key(options: EmbedOptions, engine: EngineChoice, device: torch.device, model: ModelIdentity) -> dict[str, object]:
-    return auto_precision.cache_key(device, json.dumps(model.fields(), sort_keys=True), torch.get_num_threads(),
+    return auto_cache.cache_key(device, json.dumps(model.fields(), sort_keys=True), torch.get_num_threads(),
                                     _cache_options(options, engine))
 
 
-def _from_cache(timings: dict[str, Timing], when: str, usable: Sequence[str], directory: Path) -> AutoChoice:
-    chosen = auto_precision.pick({k: v for k, v in timings.items() if k in usable})
-    return AutoChoice(chosen, f"auto -> {chosen}: measured on this node at {when} (cache {directory}): "
-                                f"{auto_precision.describe(timings)}")
+def _from_cache(found: auto_cache.Cached, usable: Sequence[str], directory: Path) -> AutoChoice:
+    chosen = auto_precision.pick({k: v for k, v in found.timings.items() if k in usable})
+    return AutoChoice(chosen, f"auto -> {chosen}: measured on this node at {found.measured_utc} (cache {directory}): "
+                                f"{auto_precision.describe(found.timings)}")
 
 
 def cached(options: EmbedOptions, engine: EngineChoice, device: torch.device, model: ModelIdentity,
            directory: Path) -> AutoChoice | None:
     """The decision a measurement already cached on this node gives, without the model loaded
-    (``--reuse`` predicts a job's identity so); None when nothing is cached for this key."""
-    found = auto_precision.read_cached(directory, _key(options, engine, device, model))
-    return None if found is None else _from_cache(*found, usable_candidates(engine, device), directory)
+    (``--reuse`` predicts a job's identity so); None when nothing usable is cached for this key
+    (the job then decides with its model loaded, and warns there of a bad entry)."""
+    found = auto_cache.read_cached(directory, _key(options, engine, device, model)).found
+    return None if found is None else _from_cache(found, usable_candidates(engine, device), directory)
 
 
 def notes(run: ResolvedRun, model: ModelIdentity, directory: Path, table_notes: Sequence[str]) -> list[str]:
     """The warnings for running ``run``'s policy: from this node's measurement when one is cached
-    for the model (it overrules the table), else the table's (``table_notes``)."""
+    for the model (it overrules the table), else the table's (``table_notes``); a named policy's
+    run says once why a cache entry or directory was not used (auto's said so when it decided)."""
     policy = run.policy.name
-    found = auto_precision.read_cached(directory, _key(run.options, run.engine, run.device, model))
-    if found is None:
-        return list(table_notes)
-    return [note for note in (auto_precision.measured_note(policy, *found),) if note]
+    read = auto_cache.read_cached(directory, _key(run.options, run.engine, run.device, model))
+    if read.found is None:
+        unused = [f"{read.problem}: not used"] if read.problem and not run.precision_requested else []
+        return unused + list(table_notes)
+    return [note for note in (auto_precision.measured_note(policy, read.found.timings, read.found.measured_utc),)
+            if note]
 
 
 def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
@@ -108,34 +112,60 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, 
     """``auto`` for this job (asked by :func:`~embedpipe.embed.resolved.resolve_run`, with the
     engine choices it read): a cached measurement, a new one (timed here, then cached), or the
     table's prior where the job is too small to pay for measuring. Each candidate runs with the
-    same ``engine`` and ``threads`` as the job."""
+    same ``engine`` and ``threads`` as the job. A cache directory other users can write to is
+    not used, and an unusable entry is measured anew, each with one warning."""
     usable = usable_candidates(engine, device)
     if not usable:
         raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
     key = _key(options, engine, device, model)
     sample = probe_records(records, layout=capabilities.layout_of(loaded))
     cost = len(usable) * (1 + auto_precision.TIMED_PASSES) * sum(len(s) for _, s in sample)
-    with auto_precision.measuring(directory, key):
-        found = auto_precision.read_cached(directory, key)
-        if found is not None:
-            return _from_cache(*found, usable, directory)
-        if len(usable) == 1 or cost > auto_precision.PROBE_SHARE * job_residues:
+    small = len(usable) == 1 or cost > auto_precision.PROBE_SHARE * job_residues
+    if (unsafe := auto_cache.unsafe_directory(directory)) is not None:
+        say(f"warning: {unsafe}: not used (nothing read from it or written to it)", quiet=quiet)
+        if small:
             return _prior(device, usable, cost, job_residues)
-        say(f"precision auto: measuring {', '.join(usable)} on {len(sample)} records of this job", quiet=quiet)
-        timings: dict[str, Timing] = {}
-        means: dict[str, list[dict[int, np.ndarray]]] = {}
-        for name in usable:
-            chosen = dataclasses.replace(options, precision=name)
-            run = resolve_run(chosen, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
-                              model=model, width=loaded.embed_dim, loaded=loaded, threads=threads, engine=engine)
-            seconds, means[name] = _time(loaded, run, sample)
-            residues = max(1, sum(len(s) for _, s in sample))
-            timings[name] = Timing(seconds * 1e6 / residues,  # ms per 1,000 residues
-                                   1.0 if name == "fp32" else _min_cosine(means[name], means["fp32"]))
-        path = auto_precision.write_cached(directory, key, timings)
+        timings = _measure(loaded, options, engine, device, model, sample, usable, threads, quiet)
+        return _measured(timings, "not cached")
+    with auto_cache.measuring(directory, key):
+        read = auto_cache.read_cached(directory, key)
+        if read.found is not None:
+            return _from_cache(read.found, usable, directory)
+        if read.problem is not None:
+            say(f"warning: {read.problem}: not used{'' if small else '; measured anew'}", quiet=quiet)
+        if small:
+            return _prior(device, usable, cost, job_residues)
+        timings = _measure(loaded, options, engine, device, model, sample, usable, threads, quiet)
+        written = auto_cache.write_cached(directory, key, timings)
+    if isinstance(written, str):
+        if read.problem is None:  # else its one warning was said
+            say(f"warning: {written}", quiet=quiet)
+        return _measured(timings, "not cached")
+    return _measured(timings, f"cache {written}")
+
+
+def _measured(timings: dict[str, Timing], where: str) -> AutoChoice:
     policy = auto_precision.pick(timings)
-    return AutoChoice(policy, f"auto -> {policy}: measured on this node now (cache {path}): "
-                                f"{auto_precision.describe(timings)}")
+    return AutoChoice(policy, f"auto -> {policy}: measured on this node now ({where}): "
+                              f"{auto_precision.describe(timings)}")
+
+
+def _measure(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
+             model: ModelIdentity, sample: Records, usable: Sequence[str], threads: CpuAllocation,
+             quiet: bool) -> dict[str, Timing]:
+    """Each usable candidate timed on ``sample`` and its pooled cosine to fp32."""
+    say(f"precision auto: measuring {', '.join(usable)} on {len(sample)} records of this job", quiet=quiet)
+    timings: dict[str, Timing] = {}
+    means: dict[str, list[dict[int, np.ndarray]]] = {}
+    for name in usable:
+        chosen = dataclasses.replace(options, precision=name)
+        run = resolve_run(chosen, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
+                          model=model, width=loaded.embed_dim, loaded=loaded, threads=threads, engine=engine)
+        seconds, means[name] = _time(loaded, run, sample)
+        residues = max(1, sum(len(s) for _, s in sample))
+        timings[name] = Timing(seconds * 1e6 / residues,  # ms per 1,000 residues
+                               1.0 if name == "fp32" else _min_cosine(means[name], means["fp32"]))
+    return timings
 
 
 def _prior(device: torch.device, usable: Sequence[str], cost: int, job_residues: int) -> AutoChoice:

@@ -32,7 +32,7 @@ from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
-from embedpipe.runtime import auto_precision
+from embedpipe.runtime.auto_cache import default_cache_dir
 from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.precision import Policy
@@ -165,7 +165,7 @@ def open_job(model: str, options: EmbedOptions, policy: Policy | None, reuse: Se
 
 def auto_cache(options: EmbedOptions) -> Path:
     """Where ``--precision auto``'s measurements are kept (``--auto-cache``, else the user's cache)."""
-    return Path(options.auto_cache) if options.auto_cache else auto_precision.default_cache_dir()
+    return Path(options.auto_cache) if options.auto_cache else default_cache_dir()
 
 
 def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy | None,

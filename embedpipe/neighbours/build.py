@@ -21,7 +21,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POOLINGS, check_choice
 from embedpipe.core.output_guard import described_by, writing_outputs
 from embedpipe.export.blocks import iter_blocks
-from embedpipe.neighbours.index_file import FORMAT, KINDS, IndexMeta, faiss_module, ids_path, meta_path
+from embedpipe.neighbours.index_file import FORMAT, KINDS, IndexMeta, check_id, faiss_module, ids_path, meta_path
 from embedpipe.store import open_store
 
 __all__ = ["HNSW_M", "IndexSummary", "build_index", "unit_rows"]
@@ -81,9 +81,12 @@ def build_index(store_path: Path, out: Path, *, layer: int = -1, pooling: str = 
         with atomic_paths(ids_path(out), meta_path(out), out) as (tmp_ids, tmp_meta, tmp_index):
             with open(tmp_ids, "w", encoding="utf-8", newline="\n") as ids:
                 for block in iter_blocks(store, layer=absolute, per_residue=False, pooling=pooling):
+                    for record_id in block.ids:
+                        check_id(record_id, store_path)
                     index.add(unit_rows(block.vectors[block.source]))  # type: ignore[index]
                     ids.writelines(f"{i}\n" for i in block.ids)
                     rows += len(block.ids)
+            faiss.write_index(index, str(tmp_index))
             config = attrs.get("config")
             meta = IndexMeta(
                 store=str(store_path.resolve()), store_uuid=str(attrs.get("store_uuid", "")),
@@ -91,7 +94,8 @@ def build_index(store_path: Path, out: Path, *, layer: int = -1, pooling: str = 
                 rows=rows, dim=store.dim, model_source=str(attrs.get("model_source", "")),
                 model_sha256=str(attrs.get("model_sha256", "")),
                 precision_policy=str(attrs.get("precision_policy", "")), storage_dtype=store.dtype.name,
-                embed_identity=identity, options=config if isinstance(config, dict) else json.loads(str(config)))
+                embed_identity=identity, options=config if isinstance(config, dict) else json.loads(str(config)),
+                faiss_bytes=tmp_index.stat().st_size, faiss_sha256=file_sha256(tmp_index),
+                ids_bytes=tmp_ids.stat().st_size, ids_sha256=file_sha256(tmp_ids))
             tmp_meta.write_text(meta.to_json() + "\n", encoding="utf-8")
-            faiss.write_index(index, str(tmp_index))
     return IndexSummary(out, meta)

@@ -14,7 +14,7 @@ import numpy as np
 from embedpipe.core.atomic import write_text_atomic
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.neighbours.build import unit_rows
-from embedpipe.neighbours.index_file import IndexMeta, faiss_module, read_ids
+from embedpipe.neighbours.index_file import LoadedIndex
 
 __all__ = ["HEADER", "Hits", "search_index"]
 
@@ -24,11 +24,12 @@ HEADER = ("query", "hit", "score", "rank")
 
 @dataclass
 class Hits:
-    """Per query, its ``k`` nearest IDs (best first) and their scores (cosine, or ``metric``)."""
+    """Per query, its ``k`` nearest IDs (best first) and their scores (cosine, or ``metric``);
+    fewer than ``k`` where the index found fewer (HNSW may), the rest of their row of scores NaN."""
 
     queries: list[str]
     hits: list[list[str]]
-    scores: np.ndarray  # (Q, k) float32
+    scores: np.ndarray  # (Q, k) float32; NaN past a row's hits
     metric: str = "cosine"
 
     def rows(self) -> list[tuple[str, str, float, int]]:
@@ -46,20 +47,21 @@ class Hits:
         return Path(path)
 
 
-def search_index(index: Path, meta: IndexMeta, queries: list[str], vectors: np.ndarray, k: int) -> Hits:
-    """The ``k`` nearest rows of ``index`` to each of ``vectors`` (rows of ``queries``; as the
-    store holds them, in its storage dtype) by cosine; fewer when the index holds fewer rows."""
+def search_index(index: LoadedIndex, queries: list[str], vectors: np.ndarray, k: int) -> Hits:
+    """The ``k`` nearest rows of ``index`` (opened by
+    :func:`~embedpipe.neighbours.index_file.open_index`) to each of ``vectors`` (rows of
+    ``queries``; as the store holds them, in its storage dtype) by cosine; fewer when the index
+    holds fewer rows, or finds fewer (FAISS's label -1: no hit, never an ID)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise EmbedpipeError(f"--k must be a positive whole number, not {k!r}")
-    faiss = faiss_module()
-    loaded = faiss.read_index(str(index))
-    if loaded.ntotal != meta.rows or loaded.d != meta.dim:
-        raise EmbedpipeError(f"{index}: holds {loaded.ntotal} rows of {loaded.d} values, its description says "
-                             f"{meta.rows} of {meta.dim}; rebuild it with embedpipe index")
-    ids = read_ids(index, meta.rows)
-    k = min(k, meta.rows)
+    meta, ids = index.meta, index.ids
+    k = max(1, min(k, meta.rows))
     if meta.kind == "hnsw":
-        loaded.hnsw.efSearch = max(loaded.hnsw.efSearch, k)
-    scores, found = loaded.search(unit_rows(vectors), k)
-    return Hits(list(queries), [[ids[j] for j in row] for row in found.tolist()], scores, meta.metric)
-
+        index.index.hnsw.efSearch = max(index.index.hnsw.efSearch, k)
+    scores, found = index.index.search(unit_rows(vectors), k)
+    kept = (found >= 0) & (found < len(ids))
+    hits = [[ids[int(j)] for j in row[ok]] for row, ok in zip(found, kept)]
+    packed = np.full(scores.shape, np.nan, dtype=np.float32)  # each row's scores first, as its hits
+    for i, ok in enumerate(kept):
+        packed[i, : int(ok.sum())] = scores[i, ok]
+    return Hits(list(queries), hits, packed, meta.metric)

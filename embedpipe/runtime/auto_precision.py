@@ -9,27 +9,17 @@ The embed job times each candidate on its own loaded model and records
 (:mod:`embedpipe.embed.auto_probe`), checks each one's pooled cosine to fp32 against the
 cross-check's pass threshold, and runs the fastest that passes. The result is cached per node,
 CPU model and flags, torch version, model, threads and device, in a directory the workflow's
-jobs share, so a node measures once. A job too small to pay for the measurement takes the
+jobs share, so a node measures once (:mod:`embedpipe.runtime.auto_cache`). A job too small to pay for the measurement takes the
 table's prior (:mod:`embedpipe.runtime.advice`), and says so.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import os
-import socket
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from embedpipe.core.atomic import write_text_atomic
-from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import Thresholds
 from embedpipe.runtime import advice, cpu_features
 from embedpipe.runtime.precision import CUDA_CAPABILITY
@@ -44,10 +34,6 @@ PROBE_RESIDUES = 2048
 TIMED_PASSES = 2
 #: the probe may cost at most this share of the job's residues; a smaller job takes the table's prior
 PROBE_SHARE = 0.10
-#: the cache's format; a change of what is measured or how bumps it (older entries are measured again)
-CACHE_VERSION = 1
-#: how long a job waits for another job on the same node that is measuring the same key
-WAIT_FOR_PROBE_S = 1800.0
 
 
 def candidates(device: torch.device) -> tuple[str, ...]:
@@ -124,97 +110,3 @@ def measured_note(policy: str, timings: Mapping[str, Timing], when: str) -> str:
     return (f"precision {policy!r} ran {ours:.1f} ms per 1,000 residues when measured on this node at {when}; "
             f"{fastest} ran {theirs:.1f} ({ours / theirs:.2f}x faster) and passed the cross-check's cosine: "
             "--precision auto would choose it")
-
-
-# ------------------------------------------------------------------------------ the node's cache
-
-
-def default_cache_dir() -> Path:
-    """Where ``embed`` keeps the measurements without ``--auto-cache``: the user's cache directory."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "embedpipe" / "auto-precision"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip().lower() in ("model name", "cpu model", "hardware"):
-                return value.strip()
-    except OSError:
-        pass
-    return cpu_features.detect().machine
-
-
-def cache_key(device: torch.device, model: str, threads: int, options: Mapping[str, object]) -> dict[str, object]:
-    """What decides a measurement: the node, its CPU model and flags, torch, the model's identity
-    (``model``: its identity fields as JSON), the threads, the device, the candidates and the
-    options that change a candidate's work (layers, pooling, per-residue, storage)."""
-    cpu = cpu_features.detect()
-    key: dict[str, object] = {
-        "version": CACHE_VERSION, "node": socket.gethostname(), "cpu_model": _cpu_model(),
-        "cpu_flags": hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:16],
-        "torch": torch.__version__, "model": hashlib.sha256(model.encode()).hexdigest(),
-        "threads": int(threads), "device": device.type, "candidates": list(candidates(device)),
-        "options": dict(sorted(options.items())),
-    }
-    if device.type == "cuda":
-        key["gpu"] = f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}"
-    return key
-
-
-def _entry(directory: Path, key: Mapping[str, object]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return directory / f"{digest}.json"
-
-
-def read_cached(directory: Path, key: Mapping[str, object]) -> tuple[dict[str, Timing], str] | None:
-    """(timings, when measured) cached for exactly ``key``, or None (missing, another key, unreadable)."""
-    path = _entry(directory, key)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.loads(f.read(1 << 20))
-        if data.get("key") != json.loads(json.dumps(key)):
-            return None
-        timings = {str(k): Timing(float(v["ms_per_1k_residues"]), float(v["min_cosine"]))
-                   for k, v in data["timings"].items()}
-        return (timings, str(data["measured_utc"])) if timings and "fp32" in timings else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return None
-
-
-def write_cached(directory: Path, key: Mapping[str, object], timings: Mapping[str, Timing]) -> Path:
-    """Record a measurement (atomically: a reader sees the old entry or the whole new one)."""
-    path = _entry(directory, key)
-    body = {"key": key, "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "timings": {k: {"ms_per_1k_residues": t.ms_per_1k_residues, "min_cosine": t.min_cosine}
-                        for k, t in timings.items()}}
-    write_text_atomic(path, json.dumps(body, indent=1, sort_keys=True))
-    return path
-
-
-@contextlib.contextmanager
-def measuring(directory: Path, key: Mapping[str, object]) -> Iterator[None]:
-    """Held while one job measures ``key``: a second job on the node waits for its result
-    instead of measuring beside it (two probes at once would time each other's load). The lock
-    file is opened without following links and never chmod'ed."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(_entry(directory, key).with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise EmbedpipeError(f"--auto-cache {directory}: cannot use it ({exc.strerror or exc}); "
-                             "give a writable directory") from None
-    try:
-        deadline = time.monotonic() + WAIT_FOR_PROBE_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise EmbedpipeError(f"--auto-cache {directory}: another job has measured for "
-                                         f"{WAIT_FOR_PROBE_S:.0f} s without a result; name a policy") from None
-                time.sleep(0.5)
-        yield
-    finally:
-        os.close(fd)

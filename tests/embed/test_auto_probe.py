@@ -20,7 +20,7 @@ from embedpipe.core.options import EmbedOptions
 from embedpipe.embed import auto_probe
 from embedpipe.model import load_model
 from embedpipe.model.identity import ModelIdentity
-from embedpipe.runtime import advice, auto_precision, cpu_features
+from embedpipe.runtime import advice, auto_cache, auto_precision, cpu_features
 from embedpipe.runtime.engine_override import EngineChoice
 from helpers.embed_helpers import embed_store, random_sequences
 
@@ -97,7 +97,7 @@ def test_the_cache_is_reused_by_the_next_job_and_measured_again_when_a_key_chang
         torch.set_num_threads(saved)
     entries = list((tmp_path / "cache").glob("*.json"))
     assert len(entries) == 1 + len(changes)
-    assert {json.loads(p.read_text())["key"]["version"] for p in entries} == {auto_precision.CACHE_VERSION}
+    assert {json.loads(p.read_text())["key"]["version"] for p in entries} == {auto_cache.CACHE_VERSION}
 
 
 def test_a_job_too_small_for_the_probe_takes_the_table_prior(loaded, tmp_path, monkeypatch) -> None:
