@@ -70,7 +70,7 @@ def test_the_api_equals_the_embed_store_for_every_family(family: str, models, tm
         else:
             assert value == api[key], f"{family}: {key}"
     # the stored sequence is the record as the family reads it: case kept where case is input
-    expected = {rid: seq if family in ("saprot", "prostt5") else seq.upper() for rid, seq in records}
+    expected = {rid: seq if family in ("saprot", "saprot-pt", "prostt5") else seq.upper() for rid, seq in records}
     assert dict(zip(store["ids"], store["sequence"])) == expected
 
 
@@ -111,7 +111,7 @@ def test_the_api_refuses_what_embed_refuses_in_the_same_words(family, records, m
     assert str(as_query.value) == str(in_memory.value)
 
 
-@pytest.mark.parametrize("family", ["saprot", "prostt5"])
+@pytest.mark.parametrize("family", ["saprot", "saprot-pt", "prostt5"])
 def test_the_search_command_reads_queries_by_the_family_rules(family: str, models, tmp_path: Path) -> None:
     """``embedpipe search QUERIES.fasta``: the queries keep their case and pairs, as the store's
     records did, so each finds itself first, and the TSV holds what ``embedpipe.search`` finds."""

@@ -2,7 +2,7 @@
 tests that must hold for every family (the entry points' parity, search's self-hits).
 
 Each builder writes what ``embedpipe make-test-model`` writes (or, for ESM++, which it does not
-write, transformers' ``EsmcModel`` weights under ESM++'s names), with records the family reads:
+write, the ``esm`` package's weights as ESM++ names them), with records the family reads:
 amino acids, SaProt's structure-aware pairs, ProstT5's amino acids and 3Di."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embedpipe.model.esmc_pth import make_test_model as make_esmc_pth
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.model.random_hf import make_hf_test_model
 from helpers.embed_helpers import random_sequences, structure_aware
@@ -28,34 +29,20 @@ PROSTT5_RECORDS = random_sequences(3, [6, 31, 12], seed=24) + [
     (f"3di{i}", rid) for i, (_, rid) in enumerate(random_sequences(3, [5, 29, 13], seed=25, alphabet=THREE_DI))]
 
 
-def esm_plusplus_directory(out: Path, *, layers: int = 2, dim: int = 64, heads: int = 4, seed: int = 4) -> Path:
-    """An ESM++ directory (``model_type: ESMplusplus``): transformers' ``EsmcModel`` random
-    weights under ESM++'s names (Synthyra's modeling file, as tests/model/test_esmc.py checks)."""
-    import transformers
+def esm_plusplus_directory(out: Path, *, layers: int = 2, dim: int = 128, seed: int = 4) -> Path:
+    """An ESM++ directory (``model_type: ESMplusplus``, Synthyra's port): the ``esm`` package's
+    weight names, which ESM++ keeps (tests/model/test_esmc.py), from the random ``.pth`` that
+    ``make-test-model --family esmc-pth`` writes, as ``model.safetensors`` beside a config.json
+    of the width, heads, layers and vocabulary."""
     from safetensors.torch import save_file
 
-    config = transformers.EsmcConfig(hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
-                                     intermediate_size=256)
-    torch.manual_seed(seed)
-    state = transformers.EsmcModel(config).state_dict()
-    plus = {"embed.weight": state["embed_tokens.weight"], "transformer.norm.weight": state["norm.weight"]}
-    for i in range(layers):
-        a, b = f"layers.{i}.", f"transformer.blocks.{i}."
-        plus |= {b + "attn.layernorm_qkv.0.weight": state[a + "input_layernorm.weight"],
-                 b + "attn.layernorm_qkv.0.bias": state[a + "input_layernorm.bias"],
-                 b + "attn.layernorm_qkv.1.weight": torch.cat([state[a + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                 b + "attn.q_ln.weight": state[a + "self_attn.q_norm.weight"],
-                 b + "attn.k_ln.weight": state[a + "self_attn.k_norm.weight"],
-                 b + "attn.out_proj.weight": state[a + "self_attn.o_proj.weight"],
-                 b + "ffn.0.weight": state[a + "post_attention_layernorm.weight"],
-                 b + "ffn.0.bias": state[a + "post_attention_layernorm.bias"],
-                 b + "ffn.1.weight": torch.cat([state[a + "mlp.gate_proj.weight"], state[a + "mlp.up_proj.weight"]]),
-                 b + "ffn.3.weight": state[a + "mlp.down_proj.weight"]}
+    pth = make_esmc_pth(out.with_suffix(".pth"), layers=layers, dim=dim, seed=seed)
+    state = torch.load(pth, weights_only=True)
     out.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in plus.items()}, str(out / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps({
         "model_type": "ESMplusplus", "architectures": ["ESMplusplusForMaskedLM"], "vocab_size": 64,
-        "hidden_size": dim, "num_attention_heads": heads, "num_hidden_layers": layers}))
+        "hidden_size": dim, "num_attention_heads": dim // 64, "num_hidden_layers": layers}))
     return out
 
 
@@ -73,9 +60,12 @@ FAMILIES: dict[str, tuple[Callable[[Path], Path], list[tuple[str, str]]]] = {
     "hf-esm": (_hf("hf-esm"), AMINO_RECORDS),
     "hf-esm1b": (_hf("hf-esm1b"), AMINO_RECORDS),
     "saprot": (_hf("saprot"), SAPROT_RECORDS),
+    "saprot-pt": (lambda out: make_test_model(out.with_suffix(".pt"), family="saprot-pt", layers=2, dim=32, heads=4,
+                                              seed=5), SAPROT_RECORDS),
     "prot-t5": (_hf("prot-t5"), AMINO_RECORDS),
     "prostt5": (_hf("prostt5"), PROSTT5_RECORDS),
     "ankh": (_hf("ankh"), AMINO_RECORDS),
     "esmc": (_hf("esmc"), AMINO_RECORDS),
+    "esmc-pth": (lambda out: make_esmc_pth(out.with_suffix(".pth"), layers=2, dim=128, seed=5), AMINO_RECORDS),
     "esm++": (esm_plusplus_directory, AMINO_RECORDS),
 }
