@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -65,14 +65,14 @@ def vectors_only() -> AbstractContextManager[object]:
     return mock.patch.object(writer, "record_part", lambda values, columns=None: "")
 
 
-def without_digests() -> AbstractContextManager[object]:
-    """The writer stores no digest (nothing hashed): a store less its column's bytes."""
+@contextmanager
+def without_digests() -> Iterator[None]:
+    """The writer stores no digest (nothing hashed): a store less its column's bytes (entered
+    when the arm runs, not when it is listed)."""
     import embedpipe.store.writer as writer
 
-    stack = ExitStack()
-    stack.enter_context(vectors_only())
-    stack.enter_context(mock.patch.object(writer, "record_digest", lambda parts: ""))
-    return stack
+    with vectors_only(), mock.patch.object(writer, "record_digest", lambda parts: ""):
+        yield
 
 
 def vectors_check() -> AbstractContextManager[object]:
@@ -82,14 +82,13 @@ def vectors_check() -> AbstractContextManager[object]:
     return mock.patch.object(validate, "coverage_problems", lambda *args, **kwargs: [])
 
 
-def without_check() -> AbstractContextManager[object]:
+@contextmanager
+def without_check() -> Iterator[None]:
     """validate with no digest check (its checksum, finiteness and mean checks as before)."""
     from embedpipe.store.validate import _Validation
 
-    stack = ExitStack()
-    stack.enter_context(vectors_check())
-    stack.enter_context(mock.patch.object(_Validation, "digest_checks", lambda self: {}))
-    return stack
+    with vectors_check(), mock.patch.object(_Validation, "digest_checks", lambda self: {}):
+        yield
 
 
 def seconds(run: Callable[[], object], context: AbstractContextManager[object]) -> float:
