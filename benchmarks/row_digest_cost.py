@@ -1,12 +1,15 @@
 """What row digests cost (docs/store-format.md, "Row digests"): writing a store with and
-without them, and ``embedpipe validate`` with and without their check, side by side.
+without them, and ``embedpipe validate`` with and without their check, side by side; and
+what format 3's wider coverage adds (the record part over each record's ID, sequence and
+columns, and ``attr_digests``) against format 2's digests of the vectors alone.
 
     python benchmarks/row_digest_cost.py [--records 20000] [--length 300] [--dim 1280] [--dtype float16]
                                          [--layers 2] [--bos] [--pooled-only] [--repeat 3]
 
-Writes N synthetic records (L residues, D wide) through the real writer, once as it is and
-once with the digest replaced by an empty one (what a store without digests costs: no
-hashing), then validates the first store as it is and with the digest check left out. The
+Writes N synthetic records (L residues, D wide) through the real writer, as it is (``with``),
+with the record part left out (``vectors``: format 2's hashing) and with no digest at all
+(``without``: no hashing), then validates the first store as it is, with the record and
+attribute check left out (``vectors``) and with every digest check left out (``without``). The
 arms alternate within each round (best of ``--repeat``, page cache warm), for a store with
 per-residue rows and for a pooled-only one. Prints one JSON line per store kind with the
 seconds of each arm and the ratios with/without.
@@ -17,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -55,18 +58,37 @@ def write_store(path: Path, args: argparse.Namespace, per_residue: bool) -> None
                                            embedded_length=args.length))
 
 
-def without_digests() -> AbstractContextManager[object]:
-    """The writer stores no digest (nothing hashed): the store main wrote, less its column's bytes."""
+def vectors_only() -> AbstractContextManager[object]:
+    """The writer hashes the vectors alone (format 2's digests): no record part."""
     import embedpipe.store.writer as writer
 
-    return mock.patch.object(writer, "record_digest", lambda parts: "")
+    return mock.patch.object(writer, "record_part", lambda values, columns=None: "")
 
 
-def without_check() -> AbstractContextManager[object]:
+@contextmanager
+def without_digests() -> Iterator[None]:
+    """The writer stores no digest (nothing hashed): a store less its column's bytes (entered
+    when the arm runs, not when it is listed)."""
+    import embedpipe.store.writer as writer
+
+    with vectors_only(), mock.patch.object(writer, "record_digest", lambda parts: ""):
+        yield
+
+
+def vectors_check() -> AbstractContextManager[object]:
+    """validate without the record part and root attribute check (format 2's digest check)."""
+    import embedpipe.store.validate as validate
+
+    return mock.patch.object(validate, "coverage_problems", lambda *args, **kwargs: [])
+
+
+@contextmanager
+def without_check() -> Iterator[None]:
     """validate with no digest check (its checksum, finiteness and mean checks as before)."""
     from embedpipe.store.validate import _Validation
 
-    return mock.patch.object(_Validation, "digest_checks", lambda self: {})
+    with vectors_check(), mock.patch.object(_Validation, "digest_checks", lambda self: {}):
+        yield
 
 
 def seconds(run: Callable[[], object], context: AbstractContextManager[object]) -> float:
@@ -78,8 +100,8 @@ def measure(scratch: Path, args: argparse.Namespace, per_residue: bool) -> dict[
     from embedpipe.store.validate import validate_store
 
     with_path, without_path = scratch / f"with-{per_residue}.h5", scratch / f"without-{per_residue}.h5"
-    best = {"write_with": float("inf"), "write_without": float("inf"), "validate_with": float("inf"),
-            "validate_without": float("inf")}
+    vectors_path = scratch / f"vectors-{per_residue}.h5"
+    best = {f"{step}_{arm}": float("inf") for step in ("write", "validate") for arm in ("with", "vectors", "without")}
 
     def check(path: Path) -> None:
         problems = validate_store(path)
@@ -87,10 +109,12 @@ def measure(scratch: Path, args: argparse.Namespace, per_residue: bool) -> dict[
 
     for _ in range(args.repeat):
         for arm, path, context in (("write_with", with_path, nullcontext()),
+                                   ("write_vectors", vectors_path, vectors_only()),
                                    ("write_without", without_path, without_digests())):
             path.unlink(missing_ok=True)
             best[arm] = min(best[arm], seconds(lambda p=path: write_store(p, args, per_residue), context))
-        for arm, context in (("validate_with", nullcontext()), ("validate_without", without_check())):
+        for arm, context in (("validate_with", nullcontext()), ("validate_vectors", vectors_check()),
+                             ("validate_without", without_check())):
             best[arm] = min(best[arm], seconds(lambda: check(with_path), context))
     out: dict[str, object] = {"per_residue": per_residue, "records": args.records, "length": args.length,
                               "dim": args.dim, "dtype": args.dtype, "layers": args.layers, "bos": args.bos,
@@ -98,6 +122,9 @@ def measure(scratch: Path, args: argparse.Namespace, per_residue: bool) -> dict[
     out |= {k: round(v, 3) for k, v in best.items()}
     out["write_ratio"] = round(best["write_with"] / best["write_without"], 3)
     out["validate_ratio"] = round(best["validate_with"] / best["validate_without"], 3)
+    # what format 3's record part and attr_digests add to format 2's digests of the vectors
+    out["write_ratio_vs_vectors"] = round(best["write_with"] / best["write_vectors"], 3)
+    out["validate_ratio_vs_vectors"] = round(best["validate_with"] / best["validate_vectors"], 3)
     return out
 
 

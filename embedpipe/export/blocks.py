@@ -17,6 +17,7 @@ import numpy as np
 from embedpipe.core.errors import StoreError, quote
 from embedpipe.store import Store
 from embedpipe.store.checks import nonfinite_rows
+from embedpipe.store.validate import export_problems
 
 #: vector bytes read per block
 BLOCK_BYTES = 64 << 20
@@ -133,6 +134,16 @@ def iter_blocks(store: Store, *, layer: int, per_residue: bool, pooling: str = "
         # the bytes the writer stored (docs/store-format.md, "Row digests"): an edit in place is refused
         store.check_digests(name, slice(lo, hi), values, offsets, refusal="export refuses them")
         yield block
+
+
+def check_ids(store: Store, command: str) -> None:
+    """validate's ID checks before a block is read (``export``, ``index``): IDs unique, UTF-8,
+    without control characters, and ``id_index`` the index they give (a swapped index entry)."""
+    problems = export_problems(store.path)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise StoreError(f"{store.path}: {problems[0]}{more}: {command} refuses a store embedpipe validate rejects; "
+                         f"run embedpipe validate {store.path}")
 
 
 def require_finite(store: Store, values: np.ndarray, lo: int, record_ids: list[str], name: str,

@@ -19,13 +19,12 @@ from types import ModuleType
 from typing import Any
 
 from embedpipe.core import export_formats as formats
-from embedpipe.core.errors import EmbedpipeError, StoreError
+from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.output_guard import Output, writing_outputs
 from embedpipe.core.progress import progress_bar
-from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, iter_blocks
+from embedpipe.export.blocks import BLOCK_BYTES, ExportBlock, check_ids, iter_blocks
 from embedpipe.store import Store, open_store
 from embedpipe.store.sources import pinned_by
-from embedpipe.store.validate import export_problems
 
 
 def writer(fmt: formats.ExportFormat) -> ModuleType:
@@ -91,11 +90,7 @@ def _checked(store: Store, fmt: str, out: Path, per_residue: bool, pooling: str)
 def _check_ids(store: Store) -> None:
     """validate's ID and count checks before anything is written (docs/exports.md): an ID with
     a newline gave ids.txt more lines than rows, a duplicate ID a traceback in h5-per-id."""
-    problems = export_problems(store.path)
-    if problems:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise StoreError(f"{store.path}: {problems[0]}{more}: export refuses a store embedpipe validate rejects; "
-                         f"run embedpipe validate {store.path}")
+    check_ids(store, "export")
 
 
 def export_store(store_path: Path, *, fmt: str, out: Path, layer: int = -1, per_residue: bool = False,

@@ -20,7 +20,7 @@ from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POOLINGS, check_choice
 from embedpipe.core.output_guard import described_by, writing_outputs
-from embedpipe.export.blocks import iter_blocks
+from embedpipe.export.blocks import check_ids, iter_blocks
 from embedpipe.neighbours.index_file import FORMAT, KINDS, IndexMeta, check_id, faiss_module, ids_path, meta_path
 from embedpipe.store import open_store
 
@@ -76,6 +76,7 @@ def build_index(store_path: Path, out: Path, *, layer: int = -1, pooling: str = 
         if not isinstance(identity, str):
             raise EmbedpipeError(f"{store_path}: records no embed_identity (written by an older embedpipe); "
                                  "embed it again to index it")
+        check_ids(store, "index")  # IDs and id_index as validate checks them (embedpipe.export.blocks)
         index = _new_index(kind, store.dim)
         rows = 0
         with atomic_paths(ids_path(out), meta_path(out), out) as (tmp_ids, tmp_meta, tmp_index):

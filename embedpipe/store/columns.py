@@ -122,8 +122,8 @@ COLUMNS: dict[str, Column] = {
         Column("long_handling", STR, "none"),
         Column("embedded_length", "int64", 0),
         Column("windows", "int64", 1),
-        Column("reused_from", STR, "", required_since=None),  # embed --reuse (docs/store-format.md)
-        Column("row_digest", STR, "", required_since=None),  # the writer's digests of the stored vectors
+        Column("reused_from", STR, "", required_since=3),  # embed --reuse (docs/store-format.md); optional before 3
+        Column("row_digest", STR, "", required_since=3),  # the writer's digests (vectors; from 3 the record too)
     )
 }
 

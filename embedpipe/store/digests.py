@@ -31,13 +31,20 @@ DIGEST_SIZE = 16
 HEX = 2 * DIGEST_SIZE
 #: ``row_digest`` rows validate reads at a time (32 B each, decoded: ~100 B)
 RECORDED_ROWS = 1 << 16
+#: the part after every vector dataset's (format 3): the record's ID, sequence and per-record
+#: columns (embedpipe.store.record_digest)
+RECORD_PART = "record"
+#: the first format whose ``row_digest`` ends with the record part and whose root attributes
+#: carry ``attr_digests``: a store of it without them is refused, not excused
+COVERED_SINCE = 3
 
 
-def digest_parts(poolings: Sequence[str], layers: Sequence[int], per_residue: bool) -> list[str]:
-    """The vector datasets a record's digest covers, in its order: each pooling's layers
-    ascending (``mean`` first), then ``per_residue/layer_k`` ascending."""
+def digest_parts(poolings: Sequence[str], layers: Sequence[int], per_residue: bool, version: int = COVERED_SINCE) -> list[str]:
+    """What a record's digest covers, in its order: each pooling's layers ascending (``mean``
+    first), then ``per_residue/layer_k`` ascending, then (format >= 3) :data:`RECORD_PART`."""
     ks = sorted(int(k) for k in layers)
-    return [f"{p}/layer_{k}" for p in poolings for k in ks] + [f"per_residue/layer_{k}" for k in ks if per_residue]
+    return ([f"{p}/layer_{k}" for p in poolings for k in ks] + [f"per_residue/layer_{k}" for k in ks if per_residue]
+            + ([RECORD_PART] if version >= COVERED_SINCE else []))
 
 
 def _hasher() -> hashlib.blake2b:
@@ -75,8 +82,10 @@ def record_digest(parts: Sequence[np.ndarray]) -> str:
 def _compare(name: str, parts: Sequence[str], recorded: str, got: str, row: int, where: str,
              id_of: Callable[[int], str]) -> str | None:
     """One record's digest of dataset ``name`` against what its ``row_digest`` records (empty:
-    not recorded, nothing to compare)."""
+    not recorded, nothing to compare; in format 3, whose every record has one, a problem)."""
     if not recorded:
+        if RECORD_PART in parts:
+            return f"record {id_of(row)!r} (row {row}): row_digest is empty; every record of this format has one"
         return None
     p = parts.index(name)
     want = recorded[p * HEX : (p + 1) * HEX]
@@ -86,7 +95,10 @@ def _compare(name: str, parts: Sequence[str], recorded: str, got: str, row: int,
     if len(recorded) != HEX * len(parts) or any(c not in "0123456789abcdef" for c in recorded):
         shown = recorded if len(recorded) <= 2 * HEX else recorded[: 2 * HEX] + "..."
         return (f"record {record!r} (row {row}): row_digest {shown!r} is not {len(parts)} blake2b-128 hex digest(s), "
-                f"one per vector dataset ({', '.join(parts)})")
+                f"one per part ({', '.join(parts)})")
+    if name == RECORD_PART:
+        return (f"record {record!r} (row {row}): its ID, sequence or per-record columns hold other bytes than were "
+                f"written (blake2b-128 {got}, row_digest records {want}): edited after the store was written")
     return (f"record {record!r} (row {row}): dataset {name}{where} holds other bytes than were written (blake2b-128 "
             f"{got}, row_digest records {want}): edited after the store was written")
 
@@ -182,3 +194,17 @@ class DigestCheck(ResidueStream):
             return None
         more = f"; {self.failed} record(s) of this dataset differ" if self.failed > 1 else ""
         return self.first + more
+
+
+def record_mismatches(parts: Sequence[str], recorded: Sequence[str], got: Sequence[str], lo: int,
+                      id_of: Callable[[int], str]) -> tuple[int, str | None]:
+    """The record part (:data:`RECORD_PART`) of rows ``lo:lo+len(got)`` computed from the stored
+    bytes (``got``) against ``row_digest`` (``recorded``): (how many differ, the first as one line)."""
+    if RECORD_PART not in parts:
+        return 0, None
+    failed, first = 0, None
+    for i, (want, have) in enumerate(zip(recorded, got)):
+        if (problem := _compare(RECORD_PART, parts, str(want), have, lo + i, "", id_of)) is not None:
+            failed += 1
+            first = first or problem
+    return failed, first

@@ -35,7 +35,7 @@ from embedpipe.store import filters
 from embedpipe.store.attrjson import check_attr_text, load_json_attr
 
 FORMAT = "embedpipe.store"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 #: values of the ``long_handling`` column, from the long-sequence modes (core/long_sequences.py)
 LONG_HANDLING = long_sequences.HANDLING
@@ -67,7 +67,8 @@ def chars_attr(per_residue: int) -> dict[str, int]:
 STORE_UUID_ATTR = "store_uuid"
 #: root attributes the writer owns; callers may not set them through ``attrs``/``set_attrs``
 RESERVED_ATTRS = frozenset(
-    {"format", "format_version", "complete", "json_attrs", "encoding-type", "encoding-version", STORE_UUID_ATTR}
+    {"format", "format_version", "complete", "json_attrs", "encoding-type", "encoding-version", STORE_UUID_ATTR,
+     "attr_digests"}
 )
 
 # encoding-type of each kind of object (docs/store-format.md, "File level")

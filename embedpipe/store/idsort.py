@@ -220,6 +220,17 @@ def index_problems_sorted(f: h5py.File, n: int, *, compare: bool, work: Path | N
     return problems + mismatch
 
 
+def _first_difference(keys_ds: h5py.Dataset, rows_ds: h5py.Dataset, at: int, keys: np.ndarray, rows: np.ndarray) -> str:
+    """The first entry of an expected block the stored index holds otherwise, as words (the ID
+    and its row: what an edited ``ids`` or ``id_index`` entry changed)."""
+    if at + len(keys) > keys_ds.shape[0]:
+        return ""
+    stored, stored_rows = np.asarray(keys_ds[at : at + len(keys)]), np.asarray(rows_ds[at : at + len(keys)])
+    j = int(np.argmax((stored != keys) | (stored_rows != rows)))
+    said = f"row {int(stored_rows[j])}" if stored[j] == keys[j] else f"{stored[j].decode('utf-8', 'replace')!r}"
+    return f"; first: id {keys[j].decode('utf-8', 'replace')!r} is in row {int(rows[j])}, the index says {said}"
+
+
 def _compare(f: h5py.File, blocks: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]], compare: bool) -> list[str]:
     """The expected index blocks against the stored ``id_index`` (read in step)."""
     g = f.get(GROUP)
@@ -229,7 +240,7 @@ def _compare(f: h5py.File, blocks: Iterator[tuple[np.ndarray, np.ndarray, np.nda
         return []
     keys_ds, rows_ds = g["keys"], g["rows"]
     block = int(g.attrs.get("block_rows", BLOCK_ROWS))
-    at, same, fences = 0, True, []
+    at, same, fences, first = 0, True, [], ""
     try:
         for keys, rows, _ in blocks:
             fences.append(keys[-at % block :: block].copy())  # a view would keep every block alive
@@ -237,13 +248,14 @@ def _compare(f: h5py.File, blocks: Iterator[tuple[np.ndarray, np.ndarray, np.nda
             if same and (hi > keys_ds.shape[0] or not np.array_equal(np.asarray(keys_ds[at:hi]), keys)
                          or not np.array_equal(np.asarray(rows_ds[at:hi]), rows)):
                 same = False
+                first = _first_difference(keys_ds, rows_ds, at, keys, rows)
             at = hi
         stored_fences = np.asarray(g["fences"][:])
     except OSError as exc:
         return [f"{GROUP}: checksum mismatch or read error ({exc})"]
     if not same or at != keys_ds.shape[0]:
         return [f"{GROUP} does not match the store's ids, aliases and skipped ids ({keys_ds.shape[0]} keys, "
-                f"expected {at}): ID lookups would give wrong rows"]
+                f"expected {at}{first}): ID lookups would give wrong rows"]
     expected = np.concatenate(fences) if fences else np.zeros(0, "S1")
     if not np.array_equal(stored_fences, expected):
         return [f"{GROUP}/fences is not the first key of every {block}-key block"]

@@ -39,8 +39,11 @@ from embedpipe.core.interrupts import checkpoint, deferred
 from embedpipe.core.output_guard import STORE, writing_outputs
 from embedpipe.core.units import human_bytes
 from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
+from embedpipe.store.attr_digests import ATTR_DIGESTS, check_attrs
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
+from embedpipe.store.digests import COVERED_SINCE, HEX, digest_parts
+from embedpipe.store.digests import ROW_DIGEST as ROW_DIGEST_NAME
 from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (
     ALIASES,
@@ -66,6 +69,7 @@ from embedpipe.store.format import (
 from embedpipe.store.h5write import atomic_h5
 from embedpipe.store.idsort import STORED, IndexWriter, entries, index_sort, sorted_index
 from embedpipe.store.merged_provenance import MUST_AGREE, check_agreement, common_provenance
+from embedpipe.store.record_digest import describe, store_mismatches
 from embedpipe.store.reuse_index import reused_totals
 from embedpipe.store.sequences import SequenceSink, iter_sequence_blocks
 from embedpipe.store.sources import pinned_by, source_identity
@@ -122,6 +126,7 @@ class _Shard:
     rows: int  # per-residue rows
     widths: dict[str, int]  # item size of each column the shard has
     identity: dict[str, Any]  # what merged_sources records about this file
+    version: int  # its format_version
 
 
 def _open_shard(f: h5py.File, path: Path) -> int:
@@ -162,13 +167,28 @@ def _read_shard(path: Path, out_dir: Path) -> _Shard:
             raise StoreError(f"{path}: missing dataset(s) {', '.join(missing)}")
         if (bad := bad_id_message(ids, "record id")) is not None:
             raise StoreError(f"{path}: dataset ids: {bad}")
+        attrs.pop(ATTR_DIGESTS, None)
+        if version >= COVERED_SINCE:  # read through the digests (docs/store-format.md, "Row digests")
+            _check_digests(f, path, len(ids), ids, attrs)
     rel = os.path.relpath(path.resolve(), out_dir.resolve())
     uuid = attrs.get(STORE_UUID_ATTR)
     return _Shard(
         path=path, rel=rel, attrs=attrs, layers=layers, dim=dim, per_residue=per_residue, count=len(ids),
         rows=int(offsets[-1]) if offsets is not None else 0, widths=widths,
-        identity=source_identity(path, rel, str(uuid) if uuid else None),
+        identity=source_identity(path, rel, str(uuid) if uuid else None), version=version,
     )
+
+
+def _check_digests(f: h5py.File, path: Path, n: int, ids: list[str], attrs: dict[str, Any]) -> None:
+    """A format-3 shard's root attributes and every record's ID, sequence and columns are the
+    bytes written (its vectors are checked by validate and by readers as they read them)."""
+    check_attrs(f, path, "refusing to merge it")
+    if ROW_DIGEST_NAME not in f:
+        raise StoreError(f"{path}: dataset {ROW_DIGEST_NAME} is missing; a store of format {COVERED_SINCE} has one: "
+                         f"refusing to merge it; run embedpipe validate {path}")
+    parts = digest_parts(attrs["pooling"], attrs["layers"], bool(attrs["per_residue"]))
+    if (problem := describe(*store_mismatches(f, n, parts, ids.__getitem__, path))) is not None:
+        raise StoreError(f"{path}: {problem}: refusing to merge it; run embedpipe validate {path}")
 
 
 def _shard_offsets(f: h5py.File, path: Path) -> np.ndarray:
@@ -221,6 +241,8 @@ class _Merge:
         self.residue_rows = _starts([s.rows for s in self.shards])
         self.n = int(self.record_rows[-1])
         self.common, self.varying, self.config_varying = common_provenance([s.attrs for s in self.shards])
+        # format 3 over format-3 shards; over older ones format 2, whose row_digest it copies
+        self.version = min(COVERED_SINCE, *(max(2, s.version) for s in self.shards))
 
     def header(self) -> dict[str, Any]:
         """Root attributes: those all shards share, the layout, and where each row came from."""
@@ -245,7 +267,7 @@ class _Merge:
 
     def write(self, f: h5py.File, work: Path) -> None:
         self.write_ids(f, work)  # first: a duplicate ID or a manifest problem stops the merge early
-        write_header(f, self.header())
+        write_header(f, self.header(), self.version)
         self.write_records(f)
         for pooling in self.pooling:
             g = create_pooled_group(f, pooling)
@@ -275,7 +297,11 @@ class _Merge:
             with h5py.File(shard.path, "r") as g:
                 for column in columns:
                     dst, cast = dsts[column.name]
-                    if column.name in shard.widths:
+                    if column.name == ROW_DIGEST_NAME and shard.version > self.version:
+                        # format 2 over older shards: a format-3 shard's digests without their record part
+                        digests = np.array([d[:-HEX] for d in g[column.name][:].tolist()], dtype=cast)
+                        dst[start : start + shard.count] = digests
+                    elif column.name in shard.widths:
                         _copy_rows(g, shard.path, column.name, dst, start, cast, check_finite=False)
                     elif shard.count:
                         values = column.buffer(shard.count)

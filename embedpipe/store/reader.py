@@ -28,9 +28,10 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
+from embedpipe.store.attr_digests import check_attrs
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
-from embedpipe.store.digests import ROW_DIGEST, digest_parts, digest_problem
+from embedpipe.store.digests import COVERED_SINCE, RECORD_PART, ROW_DIGEST, digest_parts, digest_problem
 from embedpipe.store.encoding import check_encodings
 from embedpipe.store.format import (
     PER_SOURCE_ATTRS,
@@ -44,6 +45,7 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.idindex import IdIndex, LazyIds, UnknownIdError
 from embedpipe.store.readio import H5Rows, dask_array, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
+from embedpipe.store.record_digest import block_mismatches, describe
 from embedpipe.store.residues import ShardRows, read_from_sources
 from embedpipe.store.sequences import read_sequences
 from embedpipe.store.sources import require_sources, require_sources_present
@@ -101,9 +103,16 @@ class Store:
             first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
             self._dim = int(first.shape[1])
             self._dtype = np.dtype(first.dtype)
-            # row_digest (embedpipe.store.digests): absent from stores written before it existed
-            self._parts = digest_parts(self._pooling, self._layers, self._offsets_ds is not None) \
+            # row_digest (embedpipe.store.digests): absent from stores written before it existed;
+            # from format 3 it also covers each record's ID, sequence and columns, and the root
+            # attributes have theirs (embedpipe.store.attr_digests): both required
+            self._parts = digest_parts(self._pooling, self._layers, self._offsets_ds is not None, self._version) \
                 if ROW_DIGEST in f else []
+            if self._version >= COVERED_SINCE:
+                if ROW_DIGEST not in f:
+                    raise StoreError(f"{self.path}: dataset {ROW_DIGEST} is missing; a store of format {self._version} "
+                                     f"records one: refusing to read it; run embedpipe validate {self.path}")
+                check_attrs(f, self.path)
         except StoreError:
             f.close()
             raise
@@ -340,7 +349,9 @@ class Store:
     def mean_vector(self, record_id: str, layer: int = -1, *, dtype: Any = None, pooling: str = "mean") -> np.ndarray:
         """One record's mean vector (D,) as numpy (its BOS vector with ``pooling="bos"``)."""
         row = self.index(record_id)
-        vec = self._read(self._pooled_name(pooling, layer), row)
+        name = self._pooled_name(pooling, layer)
+        vec = self._read(name, row)
+        self.check_digests(name, slice(row, row + 1), vec[None])
         return vec if dtype is None else vec.astype(dtype)
 
     def _require_per_residue(self) -> h5py.Dataset:
@@ -356,6 +367,7 @@ class Store:
         k = self.layer(layer)
         start, stop = (int(v) for v in self._checked_offsets(row, row + 1))
         out = self._residues(f"per_residue/layer_{k}", start, stop)
+        self.check_digests(f"per_residue/layer_{k}", slice(row, row + 1), out, np.array([0, stop - start]))
         return out if dtype is None else out.astype(dtype)
 
     def per_residue_array(self, layer: int = -1, *, dtype: Any = None) -> Any:
@@ -417,7 +429,24 @@ class Store:
                 out[name] = column.default
         for pooling in self._pooling:
             out[pooling] = {k: self._read(f"{pooling}/layer_{k}", row) for k in self._layers}
+            for k, vec in out[pooling].items():
+                self.check_digests(f"{pooling}/layer_{k}", slice(row, row + 1), vec[None])
+        self.check_records(row, row + 1)
         return out
+
+    def check_records(self, lo: int, hi: int) -> None:
+        """Rows ``lo:hi``: each record's ID, sequence and per-record columns are the bytes
+        written (format 3: the record part of ``row_digest``), else one StoreError naming the
+        first record that differs. Every read of those fields comes through here."""
+        if RECORD_PART not in self._parts or hi <= lo:
+            return
+        try:
+            problem = describe(*block_mismatches(self._h5, self._parts, lo, hi, self._ids.one, self.path))
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot read rows {lo}:{hi}: checksum mismatch or read error ({exc}); "
+                             f"run embedpipe validate {self.path}") from None
+        if problem is not None:
+            raise StoreError(f"{self.path}: {problem}: refusing to use them; run embedpipe validate {self.path}")
 
     def records(self, *, sequence: bool = False, rows: slice | None = None) -> dict[str, np.ndarray]:
         """Per-record table, one array per column in row order (pass to ``pandas.DataFrame``):
@@ -436,6 +465,7 @@ class Store:
                 table[name] = column.to_table(self._column(name, key), f"{self.path}: dataset {name}", lo)
             elif not column.required_in(self._version):
                 table[name] = column.default_table(hi - lo)
+        self.check_records(lo, hi)  # after the reads, whose failures name the dataset
         return table
 
     def mean_rows(self, rows: slice, layer: int = -1, *, pooling: str = "mean") -> np.ndarray:

@@ -15,7 +15,7 @@ from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.checks import count_problems, layout_problems, nonfinite_rows
 from embedpipe.store.columns import COLUMNS, STR, required_columns
-from embedpipe.store.digests import ROW_DIGEST, DigestCheck, RecordedDigests, digest_parts
+from embedpipe.store.digests import COVERED_SINCE, ROW_DIGEST, DigestCheck, RecordedDigests, digest_parts
 from embedpipe.store.encoding import encoding_problems
 from embedpipe.store.format import (
     POOLINGS,
@@ -37,6 +37,7 @@ from embedpipe.store.idindex import LazyIds
 from embedpipe.store.idsort import index_problems_sorted
 from embedpipe.store.meancheck import MeanCheck, mean_checks
 from embedpipe.store.merged_provenance import platform_lines, platforms
+from embedpipe.store.record_digest import coverage_problems
 from embedpipe.store.residues import ShardRows
 from embedpipe.store.row_checks import record_problem, unknown_long_handling
 from embedpipe.store.sequences import iter_sequence_blocks, sequence_count
@@ -109,15 +110,16 @@ def id_text_problems(f: h5py.File) -> tuple[list[str], bool]:
 
 def export_problems(path: Path) -> list[str]:
     """What ``embedpipe export`` checks before it writes anything (docs/exports.md): validate's
-    ID checks (characters, empty, duplicates across records, aliases and skipped IDs, by an
-    external sort: memory independent of N). The layout is checked at open (``open_store``),
+    ID checks (characters, empty, duplicates across records, aliases and skipped IDs, and
+    ``id_index`` exactly the index they give, by an external sort: memory independent of N).
+    ``embedpipe index`` makes them too (embedpipe.export.blocks). The layout is checked at open (``open_store``),
     non-finite vectors while streaming (embedpipe.export.blocks); the count attributes are not
     what export writes (its counts are the rows)."""
     with open_h5(path) as f:
         n = int(f["ids"].shape[0])
         problems, readable = id_text_problems(f)
         if readable:
-            problems += index_problems_sorted(f, n, compare=False)
+            problems += index_problems_sorted(f, n, compare=True)  # id_index: what ids give
     return problems
 
 
@@ -169,6 +171,9 @@ class _Validation:
                 compare = False
             problems.extend(index_problems_sorted(f, self.n, compare=compare))
         self.data()
+        if self.version >= COVERED_SINCE:  # each record's ID, sequence and columns; the root attributes
+            trusted = self._usable(ROW_DIGEST) and ROW_DIGEST not in self.untrusted and self.ids is not None
+            problems.extend(coverage_problems(f, self.n, self.layers, self.ids if trusted else None, self.path))
 
     def layout(self) -> None:
         """The checks readers make at open (embedpipe.store.checks): those validate has no words
@@ -407,7 +412,7 @@ class _Validation:
         if ROW_DIGEST not in self.f or not self._usable(ROW_DIGEST) or ROW_DIGEST in self.untrusted or not self.ids:
             return {}
         per_residue = isinstance(self.f.get("per_residue"), h5py.Group)
-        parts = digest_parts(poolings_of(self.f), self.layers, per_residue)
+        parts = digest_parts(poolings_of(self.f), self.layers, per_residue, self.version)
         offsets = self.f.get("per_residue/offsets")
         offsets_ok = (isinstance(offsets, h5py.Dataset) and offsets.shape == (self.n + 1,)
                       and not any(p.dataset == "per_residue/offsets" for p in self.structural))
@@ -417,10 +422,10 @@ class _Validation:
 
     def digest_notes(self, digests: dict[str, DigestCheck]) -> None:
         """What validate could not check, said but not a problem (docs/store-format.md, "Row digests")."""
-        if ROW_DIGEST not in self.f:
+        if ROW_DIGEST not in self.f and self.version < COVERED_SINCE:  # format 3: a problem (columns)
             self.notes.append("row digests are not recorded (a store written before embedpipe recorded them): "
                               "vectors edited in place cannot be detected; embed or merge it again to add them")
-        elif digests and (unrecorded := next(iter(digests.values())).unrecorded):
+        elif digests and self.version < COVERED_SINCE and (unrecorded := next(iter(digests.values())).unrecorded):
             self.notes.append(f"{unrecorded} of {self.n} record(s) carry no row digest (copied from stores written "
                               "before embedpipe recorded them): their vectors edited in place cannot be detected")
 

@@ -19,8 +19,9 @@ import numpy as np
 from embedpipe.core.errors import StoreError
 from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
+from embedpipe.store.attr_digests import write_attr_digests
 from embedpipe.store.columns import COLUMNS, EmbeddedRecord, write_column
-from embedpipe.store.digests import digest_parts, record_digest
+from embedpipe.store.digests import COVERED_SINCE, digest_parts, record_digest
 from embedpipe.store.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -40,6 +41,7 @@ from embedpipe.store.format import (
 )
 from embedpipe.store.h5write import H5Target, check_free_space
 from embedpipe.store.idindex import encode_ids, index_keys, write_id_index
+from embedpipe.store.record_digest import covered_columns, record_part
 from embedpipe.store.sequences import write_sequences
 
 #: root attributes the writer derives from its arguments; callers may repeat them only unchanged
@@ -51,12 +53,13 @@ DERIVED_ATTRS = frozenset({"storage_dtype", "layers", "dim", "per_residue", "poo
 WRITE_OPTIONS: dict[str, Any] = {"libver": LIBVER, "rdcc_nbytes": 32 << 20, "rdcc_w0": 1.0, "rdcc_nslots": 10_007}
 
 
-def write_header(f: h5py.File, attrs: Mapping[str, Any]) -> None:
+def write_header(f: h5py.File, attrs: Mapping[str, Any], version: int = FORMAT_VERSION) -> None:
     """Format tags, a new ``store_uuid`` (a rewrite gets a new one) and the root attributes;
-    ``created_utc`` defaults to now."""
+    ``created_utc`` defaults to now. ``version``: merge writes format 2 over older shards,
+    whose ``row_digest`` it copies (docs/store-format.md, "Version rule")."""
     tag(f, FORMAT)
     f.attrs["format"] = FORMAT
-    f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+    f.attrs["format_version"] = np.int64(version)
     f.attrs[STORE_UUID_ATTR] = new_store_uuid()
     root = dict(attrs)
     root.setdefault("created_utc", utc_now())
@@ -64,7 +67,10 @@ def write_header(f: h5py.File, attrs: Mapping[str, Any]) -> None:
 
 
 def mark_complete(f: h5py.File) -> None:
-    """The last step of every store: everything else is on disk, then ``complete = True``."""
+    """The last step of every store: everything else is on disk, the root attributes'
+    digests (format 3: embedpipe.store.attr_digests), then ``complete = True``."""
+    if int(f.attrs["format_version"]) >= COVERED_SINCE:
+        write_attr_digests(f)
     f.flush()
     f.attrs["complete"] = np.bool_(True)
 
@@ -142,6 +148,7 @@ class StoreWriter:
         self.offsets = _offsets(self.path, self.ids, residue_rows)
         self.residue_rows = None if self.offsets is None else np.diff(self.offsets)
         self._parts = digest_parts(self.pooling, self.layers, self.offsets is not None)  # row_digest's order
+        self._covered = covered_columns()
         attrs = dict(attrs)
         self._check_attr_names(attrs)
         #: characters of a sequence one residue takes (the family's layout; SaProt: 2), which
@@ -341,8 +348,11 @@ class StoreWriter:
         # the digest of the bytes just written, dataset by dataset (embedpipe.store.digests)
         values = {f"{p}/layer_{k}": v for p, vectors in pooled.items() for k, v in vectors.items()}
         values |= {f"per_residue/layer_{k}": v for k, v in residues.items()}
-        digest = record_digest([values[name] for name in self._parts])
-        stored = dataclasses.replace(record, embedded_length=embedded, row_digest=digest)
+        stored = dataclasses.replace(record, embedded_length=embedded, chars_per_residue=self.chars_per_residue)
+        # then the record part: its ID, sequence and every other column as stored (embedpipe.store.record_digest)
+        digest = record_digest([values[name] for name in self._parts[:-1]])
+        digest += record_part([c.value(stored) for c in self._covered], self._covered)
+        stored.row_digest = digest
         for name, buffer in self._columns.items():
             COLUMNS[name].fill(buffer, index, stored)
         self._written[index] = True

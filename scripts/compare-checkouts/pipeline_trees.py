@@ -10,7 +10,7 @@ import numpy as np
 
 IGNORE = {"store_uuid", "created_utc", "source_store_uuids", "export_source", "store_path", "seconds",
           "source", "model_path", "fasta", "input", "wall_seconds", "merged_from", "shard_stores", "sources",
-          "embedpipe_version_commit"}
+          "embedpipe_version_commit", "attr_digests"}  # attr_digests: of store_uuid and created_utc too
 VOLATILE_WORDS = ("uuid", "utc", "seconds", "path", "time", "rate", "per_s", "hostname", "host", "pid")
 
 def volatile(key):

@@ -11,7 +11,9 @@ import sys
 import h5py
 import numpy as np
 
-IGNORE = {"store_uuid", "created_utc", "finished_utc", "input", "model_source", "reused_sources", "store_path"}
+# attr_digests: the root attributes' digests, store_uuid and created_utc among them (format 3)
+IGNORE = {"store_uuid", "created_utc", "finished_utc", "input", "model_source", "reused_sources", "store_path",
+          "attr_digests"}
 PATHY = ("input", "model", "int8_calibration", "path")
 
 REMOVED: set[str] = set()  # attributes and config keys of options the newer checkout removed
@@ -41,6 +43,11 @@ def walk(f):
     out = {"/": f}
     f.visititems(lambda n, o: out.__setitem__(n, o))
     return out
+
+def vector_digests(f):
+    """``row_digest`` without format 3's record part (its last 32 hex digits)."""
+    cut = 32 if int(f.attrs["format_version"]) >= 3 else 0
+    return [d[: len(d) - cut] for d in f["row_digest"].asstr()[()].tolist()]
 
 def same(a, b):
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -75,6 +82,9 @@ def compare(pa, pb):
                     problems.append(f"{name}: dtype/shape {oa.dtype}{oa.shape} != {ob.dtype}{ob.shape}")
                 elif name.endswith("store_uuid") or name.endswith("reused_from"):
                     pass  # uuids of the run
+                elif name == "row_digest":  # the vectors' digests; format 3's record part covers reused_from
+                    if vector_digests(fa) != vector_digests(fb):
+                        problems.append(f"{name}: the vectors' digests differ")
                 elif not same(oa[()], ob[()]):
                     problems.append(f"{name}: values differ")
     return problems, n_ds, n_attr

@@ -23,6 +23,7 @@ from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.store.merge import merge_stores
 from embedpipe.store.validate import validate_store
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.stores import as_format2
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), pooling=("mean", "bos"),
                        storage_dtype="float16")
@@ -166,7 +167,8 @@ def test_stores_without_the_column_read_validate_and_merge(tmp_path, tiny_model_
     first, _, _ = _releases(20)
     new, _ = _embed(tmp_path, tiny_model_path, first[:10], "new", reuse=[])
     old, _ = _embed(tmp_path, tiny_model_path, first[10:], "old")
-    with h5py.File(old, "a") as f:  # as written before the column existed
+    with h5py.File(old, "a") as f:  # as written before the column existed (format 2)
+        as_format2(f)
         del f["reused_from"]
     merge_stores([new, old], out=tmp_path / "m.h5")
     with embedpipe.open_store(tmp_path / "m.h5") as st:

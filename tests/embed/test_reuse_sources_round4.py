@@ -26,6 +26,7 @@ from embedpipe.embed.run import embed_fasta
 from embedpipe.store.reuse_index import build_index
 from embedpipe.store.validate import validate_store
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
+from helpers.stores import restamp_coverage
 
 OPTIONS = EmbedOptions(per_residue=True, device="cpu", layers=(0, -1), storage_dtype="float16")
 RECORDS = random_sequences(10, (8, 40), seed=21)
@@ -91,6 +92,7 @@ def _tampered(made, tmp: Path, edit) -> tuple[Path, Path]:
     shutil.copy(made["A"], store)
     with h5py.File(store, "a") as f:
         edit(f)
+        restamp_coverage(f)  # the record parts and attr_digests too: what the row checks behind them catch
     build_index(store, tmp / "T.idx.h5")
     return store, tmp / "T.idx.h5"
 

@@ -93,7 +93,8 @@ def test_an_id_with_a_line_break_is_refused_before_writing(store, tmp_path, fmt,
     line = refused(store, fmt, out_dir(tmp_path, "o"))
     assert line == (f"embedpipe: error: {store}: dataset ids: id {shown} (row 3) holds the control character {ch}: "
                     "IDs may not contain control characters or line separators (an export's ids.txt would gain "
-                    f"lines): export refuses a store embedpipe validate rejects; run embedpipe validate {store}")
+                    "lines) (and 1 more problem(s)): export refuses a store embedpipe validate rejects; "  # the ID index
+                    f"run embedpipe validate {store}")
 
 
 @pytest.mark.parametrize("fmt", NAMES)
@@ -165,5 +166,6 @@ def test_a_refusal_in_a_later_block_leaves_the_previous_export_untouched(store, 
 def test_an_empty_id_is_refused_before_writing(store, tmp_path, fmt):
     edit_store(store, lambda f: set_row(f, "ids", 6, b""))
     line = refused(store, fmt, out_dir(tmp_path, "o"))
-    assert line == (f"embedpipe: error: {store}: ids contains an empty id (row 6): export refuses a store embedpipe "
+    assert line == (f"embedpipe: error: {store}: ids contains an empty id (row 6) (and 1 more problem(s)): export "
+                    "refuses a store embedpipe "
                     f"validate rejects; run embedpipe validate {store}")

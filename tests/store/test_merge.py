@@ -15,7 +15,7 @@ import embedpipe
 from embedpipe.core.errors import StoreError
 from embedpipe.store import EmbeddedRecord, merge_stores, store_info, validate_store
 from helpers.embed_helpers import flip_byte_in_chunk
-from helpers.stores import FROM_RECORDS, write_store
+from helpers.stores import FROM_RECORDS, as_format2, write_store
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 ATTRS = {"model_name": "esm2_t", "model_sha256": "cd" * 32, "precision_policy": "fp16", "device": "cpu",
@@ -322,6 +322,7 @@ def test_merged_sources_record_uuid_size_and_sha256_for_legacy_shards(results):
     root, paths, _, _ = results
     with h5py.File(paths[2], "r+") as g:  # a store written before store_uuid existed
         del g.attrs["store_uuid"]
+        as_format2(g)  # store_uuid came before format 3's digests
     out = root / "m.h5"
     merge_stores(paths, out=out)
     with embedpipe.open_store(out) as store:

@@ -28,6 +28,7 @@ from embedpipe.store.row_checks import RowChecks
 from embedpipe.store.validate import validate_report, validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import run_cli
+from helpers.stores import record_part
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -72,7 +73,7 @@ def test_the_writer_records_the_digest_of_the_bytes_it_stored(embedded):
     with h5py.File(embedded["store"], "r") as f:
         digests = f["row_digest"].asstr()[()]
         for row in range(len(embedded["ids"])):  # mean/layer_0, mean/layer_2: no bos, no per-residue rows
-            assert digests[row] == blake(f["mean/layer_0"][row]) + blake(f["mean/layer_2"][row])
+            assert digests[row] == blake(f["mean/layer_0"][row]) + blake(f["mean/layer_2"][row]) + record_part(f, row)
     assert validate_report(embedded["store"]) == ([], [])
 
 
@@ -86,7 +87,7 @@ def test_a_mean_edited_in_place_is_refused_by_validate_reuse_export_and_crossche
     line = (f"record {rid!r} (row 3): dataset mean/layer_2 holds other bytes than were written (blake2b-128 "
             f"{blake(new)}, row_digest records {blake(old)}): edited after the store was written")
     assert validate_store(edited) == [line]  # main: [] (ok)
-    assert recorded(edited, 3)[32:] == blake(old)
+    assert recorded(edited, 3)[32:64] == blake(old)
 
     out = tmp_path / "reused.h5"
     with pytest.raises(EmbedpipeError) as info:
@@ -110,7 +111,9 @@ def test_a_mean_edited_in_place_is_refused_by_validate_reuse_export_and_crossche
     embed_fasta(embedded["fasta"], model=str(tiny_model_path), out=out, options=embedded["options"], quiet=True,
                 reuse=[embedded["store"]])
     with h5py.File(out, "r") as f, h5py.File(embedded["store"], "r") as g:
-        assert (f["row_digest"][()] == g["row_digest"][()]).all()  # bit-for-bit copies, the same digests
+        copies, sources = f["row_digest"].asstr()[()], g["row_digest"].asstr()[()]
+        assert [d[:-32] for d in copies] == [d[:-32] for d in sources]  # bit-for-bit vectors, the same digests
+        assert [d[-32:] for d in copies] == [record_part(f, row) for row in range(len(copies))]  # reused_from its own
 
 
 def test_validate_of_a_store_written_before_digests_notes_it_and_passes(tmp_path):
@@ -158,7 +161,8 @@ def test_merged_store_keeps_digests_valid_and_names_an_edit_in_a_shard_or_in_the
         off = f["per_residue/offsets"][6:8]
         parts = [f[n][6] for n in ("mean/layer_0", "mean/layer_3", "bos/layer_0", "bos/layer_3")]
         parts += [f[f"per_residue/layer_{k}"][off[0]:off[1]] for k in (0, 3)]  # through the virtual datasets
-    assert digest == "".join(blake(p) for p in parts)
+        record = record_part(f, 6)  # the shard's columns copied: the same bytes
+    assert digest == "".join(blake(p) for p in parts) + record
     assert validate_report(merged) == ([], [])
 
     bump(merged, "bos/layer_3", 6)  # the merged file's own copy
@@ -180,7 +184,8 @@ def test_a_merged_store_of_shards_without_digests_notes_how_many_records_lack_on
     a = write(tmp_path / "a.h5", synthetic(3, 1, "a"))
     b = write(tmp_path / "b.h5", synthetic(2, 2, "b"))
     with h5py.File(b, "r+") as f:
-        del f["row_digest"]  # as written before digests existed
+        del f["row_digest"]  # as written before digests existed (format 2)
+        f.attrs["format_version"] = 2
     merged = tmp_path / "m.h5"
     merge_stores([a, b], out=merged)
     problems, notes = validate_report(merged)

@@ -27,7 +27,7 @@ from embedpipe.store import (
     validate_store,
 )
 from helpers.embed_helpers import flip_byte_in_chunk
-from helpers.stores import ATTRS, write_store
+from helpers.stores import ATTRS, as_format2, write_store
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ARCHIVED_V1 = DATA / "store-v1-example.h5"
@@ -527,6 +527,7 @@ def test_mean_check_skips_single_run_stores_from_before_store_uuid(tmp_path):
     assert any("record 's0r1'" in p for p in validate_store(path))
     with h5py.File(path, "r+") as f:
         del f.attrs["store_uuid"]
+        as_format2(f)
         del f["row_digest"]  # nor row digests: they came later still
     assert validate_store(path) == []
 

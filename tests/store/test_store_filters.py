@@ -45,9 +45,9 @@ def test_new_stores_get_the_archived_stores_filters(tmp_path):
     shards = [write_store(tmp_path / f"s{k}.h5", _records(f"s{k}_", 4), storage_dtype="float16") for k in range(2)]
     new = _filters(shards[0])
     assert {name: new[name] for name in archived} == archived
-    # columns added since the archive (optional ones, e.g. ``reused_from``) take one of its filter sets
+    # columns added since the archive (optional in format 2, e.g. ``reused_from``) take one of its filter sets
     added = set(new) - set(archived)
-    assert added <= {c.name for c in COLUMNS.values() if c.required_since is None}, added
+    assert added <= {c.name for c in COLUMNS.values() if not c.required_in(2)}, added
     assert {new[name] for name in added} <= set(archived.values())
     merged = _filters(merge_stores(shards, out=tmp_path / "m.h5").out)
     # a merged store's per-residue rows are virtual; every stored dataset it has, the shard has too

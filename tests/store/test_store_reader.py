@@ -179,8 +179,8 @@ def test_refuses_incomplete_newer_and_missing(store_path, tmp_path):
         embedpipe.open_store(path)
     with h5py.File(path, "r+") as f:
         f.attrs["complete"] = True
-        f.attrs["format_version"] = 3
-    with pytest.raises(StoreError, match=r"newer embedpipe \(format 3\)"):
+        f.attrs["format_version"] = 4
+    with pytest.raises(StoreError, match=r"newer embedpipe \(format 4\)"):
         embedpipe.open_store(path)
     with pytest.raises(StoreError, match="no such file"):
         embedpipe.open_store(tmp_path / "absent.h5")

@@ -81,9 +81,9 @@ def test_stores_without_an_added_column_read_it_as_its_default(tmp_path, monkeyp
         assert list(table["note"]) == ["n/a"] * 3 + ["run-5-0", "run-5-1"]
 
 
-@pytest.mark.parametrize("since, required", [(1, True), (3, False)])
+@pytest.mark.parametrize("since, required", [(1, True), (4, False)])
 def test_validate_and_merge_require_what_the_stores_version_requires(tmp_path, monkeypatch, since, required):
-    """A column required from format 1 must be in a (format 2) store; one required from format 3 need not."""
+    """A column required from format 1 must be in a (format 3) store; one required from format 4 need not."""
     store = write(tmp_path / "s.h5", synthetic("s", 3, start_len=10))
     monkeypatch.setitem(COLUMNS, "seconds", Column("seconds", "float32", float("nan"), required_since=since))
     problems = validate_store(store)
@@ -107,11 +107,11 @@ def retag(path: Path, name: str, **attrs: str) -> Path:
     [
         ("mean/layer_2", {"encoding_type": "sparse-array"},
          "dataset mean/layer_2 has encoding-type 'sparse-array', which this embedpipe does not read"),
-        ("ids", {"encoding_version": "3"},
-         "dataset ids has encoding-version 3: written by a newer embedpipe (format 3); upgrade embedpipe"),
+        ("ids", {"encoding_version": "4"},
+         "dataset ids has encoding-version 4: written by a newer embedpipe (format 4); upgrade embedpipe"),
         ("per_residue", {"encoding_type": "csr-layers"}, "group per_residue has encoding-type 'csr-layers'"),
-        ("per_residue/offsets", {"encoding_version": "3.0"}, "dataset per_residue/offsets has encoding-version 3"),
-        ("/", {"encoding_version": "3"}, "root group has encoding-version 3: written by a newer embedpipe"),
+        ("per_residue/offsets", {"encoding_version": "4.0"}, "dataset per_residue/offsets has encoding-version 4"),
+        ("/", {"encoding_version": "4"}, "root group has encoding-version 4: written by a newer embedpipe"),
         ("precision_used", {"encoding_type": "array"}, "dataset precision_used has encoding-type 'array'"),
     ],
 )
