@@ -125,7 +125,7 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, 
         say(f"warning: {unsafe}: not used (nothing read from it or written to it)", quiet=quiet)
         if small:
             return _prior(device, usable, cost, job_residues)
-        timings = _measure(loaded, options, engine, device, model, sample, usable, threads, quiet)
+        timings = measure_candidates(loaded, options, engine, device, model, sample, usable, threads, quiet)
         return _measured(timings, "not cached")
     with auto_cache.measuring(directory, key):
         read = auto_cache.read_cached(directory, key)
@@ -135,7 +135,7 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, 
             say(f"warning: {read.problem}: not used{'' if small else '; measured anew'}", quiet=quiet)
         if small:
             return _prior(device, usable, cost, job_residues)
-        timings = _measure(loaded, options, engine, device, model, sample, usable, threads, quiet)
+        timings = measure_candidates(loaded, options, engine, device, model, sample, usable, threads, quiet)
         written = auto_cache.write_cached(directory, key, timings)
     if isinstance(written, str):
         if read.problem is None:  # else its one warning was said
@@ -150,10 +150,11 @@ def _measured(timings: dict[str, Timing], where: str) -> AutoChoice:
                               f"{auto_precision.describe(timings)}")
 
 
-def _measure(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
+def measure_candidates(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
              model: ModelIdentity, sample: Records, usable: Sequence[str], threads: CpuAllocation,
              quiet: bool) -> dict[str, Timing]:
-    """Each usable candidate timed on ``sample`` and its pooled cosine to fp32."""
+    """Each usable candidate timed on ``sample`` and its pooled cosine to fp32 (a job's own
+    decision and a run's one decision both measure through it)."""
     say(f"precision auto: measuring {', '.join(usable)} on {len(sample)} records of this job", quiet=quiet)
     timings: dict[str, Timing] = {}
     means: dict[str, list[dict[int, np.ndarray]]] = {}
