@@ -129,7 +129,7 @@ def checks(args: argparse.Namespace) -> None:
     import embedpipe.export.run as run
 
     records, dim = (args.records or [5000])[0], args.dim or 320
-    saved = (run.export_problems, blocks.require_finite)
+    saved = (blocks.export_problems, blocks.require_finite)
     cases = [("npy", False), ("parquet", False)] + ([] if args.short else [("h5-per-id", False), ("npy", True)])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,10 +143,10 @@ def checks(args: argparse.Namespace) -> None:
 
             try:
                 on = time_call(export, args.repeat).best
-                run.export_problems, blocks.require_finite = (lambda path: []), (lambda *a, **k: None)
+                blocks.export_problems, blocks.require_finite = (lambda path: []), (lambda *a, **k: None)
                 off = time_call(export, args.repeat).best
             finally:
-                run.export_problems, blocks.require_finite = saved
+                blocks.export_problems, blocks.require_finite = saved
             rows.append((f"`{fmt}{' --per-residue' if per_residue else ''}`", on, off, on / off))
     print(table(("export", "with checks s", "without s", "with / without"), rows,
                 formats={"with checks s": "{:.3f}", "without s": "{:.3f}", "with / without": "{:.2f}"}))

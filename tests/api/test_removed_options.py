@@ -22,6 +22,7 @@ from embedpipe.neighbours.build import build_index
 from embedpipe.neighbours.index_file import read_meta
 from embedpipe.store.validate import validate_store
 from helpers.embed_helpers import random_sequences, write_fasta
+from helpers.stores import as_format2
 
 RECORDS = random_sequences(8, (8, 40), seed=41)
 QUERIES = random_sequences(3, (8, 40), seed=42)
@@ -32,7 +33,8 @@ OLDER_CONFIG = {"attention": "sdpa", "batch_layout": "auto", "attention_inputs":
 
 def _as_the_older_writer_wrote_it(store) -> None:
     """The removed options in ``config``, ``computed_as.compiled`` in the identity (a store that
-    ran compiled), and the ``compiled`` root attributes."""
+    ran compiled), and the ``compiled`` root attributes, in store format 2 (the format of the
+    embedpipe that had those options: no record parts in ``row_digest``, no ``attr_digests``)."""
     with h5py.File(store, "r+") as f:
         config = json.loads(f.attrs["config"])
         assert not set(OLDER_CONFIG) & set(config)  # this embedpipe records none of them
@@ -41,6 +43,7 @@ def _as_the_older_writer_wrote_it(store) -> None:
         identity["computed_as"]["compiled"] = "true"
         f.attrs["embed_identity"] = json.dumps(identity, sort_keys=True)
         f.attrs["compiled"], f.attrs["compile_reason"], f.attrs["compile_s"] = True, "on", 12.5
+        as_format2(f)
 
 
 def test_an_older_stores_index_is_searched_as_the_current_stores_is(tmp_path, tiny_model_path):

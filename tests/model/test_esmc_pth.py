@@ -30,7 +30,8 @@ RECORDS = [("a", "MKTAYIAKQRQISFVKSHFSRQ"), ("b", "ACDEFGHIKLMNPQRSTVWY"), ("rar
 REPO_300M, FILE_300M = "EvolutionaryScale/esmc-300m-2024-12", "data/weights/esmc_300m_2024_12_v0.pth"
 #: root attributes that name the model's files, which differ between the two layouts of the same
 #: weights (``config`` holds the model's path, ``embed_identity`` its sha256), and each run's own stamps
-FILE_ATTRS = {"model_name", "model_source", "model_sha256", "model_format", "config", "embed_identity"}
+FILE_ATTRS = {"model_name", "model_source", "model_sha256", "model_format", "config", "embed_identity",
+              "attr_digests"}  # the digest of the root attributes differs because they do
 RUN_STAMPS = {"created_utc", "finished_utc", "store_uuid"}
 
 

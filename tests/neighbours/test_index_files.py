@@ -236,5 +236,5 @@ def test_an_id_with_a_tab_or_line_break_is_refused_when_indexed(tmp_path, bad) -
     with pytest.raises(EmbedpipeError) as caught:
         build_index(store, tmp_path / "idx")
     line = str(caught.value)
-    assert "\n" not in line and line.startswith(f"{store}: record") and repr(bad) in line, line
+    assert "\n" not in line and line.startswith(f"{store}: ") and repr(bad) in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.h5"]
