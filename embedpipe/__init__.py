@@ -10,10 +10,10 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from embedpipe.api import Embedder, Result, search
+    from embedpipe.api import Embedder, Result, read_fasta, search
     from embedpipe.store.reader import Store, open_store
 
-__all__ = ["__version__", "open_store", "Store", "Embedder", "EmbedpipeError", "Result", "embed", "search"]
+__all__ = ["__version__", "open_store", "Store", "Embedder", "EmbedpipeError", "Result", "embed", "read_fasta", "search"]
 
 
 class _CallablePackage(types.ModuleType):
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
         from embedpipe.store import reader
 
         return getattr(reader, name)
-    if name in ("Embedder", "Result", "search"):  # torch loads only when the API is used
+    if name in ("Embedder", "Result", "read_fasta", "search"):  # torch loads only when the API is used
         from embedpipe import api
 
         return getattr(api, name)

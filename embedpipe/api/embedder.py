@@ -11,12 +11,15 @@ bits as the CLI's store. The model stays loaded between calls until :meth:`Embed
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Union
 
 from embedpipe.api.compatible import check_compatible
+from embedpipe.api.reading import fasta_path, read_fasta
 from embedpipe.api.result import Result
+from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, REMOVED_OPTIONS, EmbedOptions, FastaLimits
 from embedpipe.embed.engine import Embedder as Engine
@@ -24,13 +27,19 @@ from embedpipe.embed.job import JobInput, open_job
 from embedpipe.embed.provenance import provenance
 from embedpipe.embed.resolved import ResolvedRun
 from embedpipe.embed.run import run_attrs, start_checks  # the checks and root attributes `embed` makes
+from embedpipe.inputs.fasta import check_regular_file
 from embedpipe.inputs.memory import Sequences, check_records
 from embedpipe.model.registry import model_files
-from embedpipe.neighbours.hits import Hits, search_index
+from embedpipe.neighbours.hits import Hits, check_k, search_index
 from embedpipe.neighbours.index_file import LoadedIndex, open_index
+from embedpipe.neighbours.stored import alias_groups, filtered_search
 from embedpipe.store import EmbeddedRecord
 
-__all__ = ["Embedder", "embed"]
+__all__ = ["Embedder", "Input", "embed"]
+
+#: what ``embed`` and ``search`` take: sequences held in memory, or a FASTA file
+#: (:func:`~embedpipe.api.reading.fasta_path`: a ``pathlib.Path``, or a str naming an existing ``.fasta`` file)
+Input = Union[Sequences, str, "os.PathLike[str]"]
 
 
 def _options(given: dict[str, Any]) -> EmbedOptions:
@@ -90,13 +99,29 @@ class Embedder:
         until the first call loads the model."""
         return None if self._engine is None else self._engine.run
 
-    def embed(self, sequences: Sequences) -> Result:
-        """Embed ``sequences`` (a list of sequences, of ``(id, sequence)`` pairs, or a dict of them);
-        the records come back in input order. A record ``embed`` would refuse in a FASTA is
-        refused in one line naming it, before anything is computed."""
-        return self._embed(check_records(sequences, self.limits))
+    def embed(self, sequences: Input) -> Result:
+        """Embed ``sequences`` (a list of sequences, of ``(id, sequence)`` pairs, or a dict of them),
+        or the records of a FASTA file: a ``pathlib.Path``, or a str naming an existing file
+        ending in ``.fa``, ``.fasta``, ``.faa`` or ``.fas`` (``.gz`` too), read by
+        :func:`~embedpipe.api.reading.read_fasta` with this Embedder's rules; the records come
+        back in input order. A record ``embed`` would refuse in a FASTA is refused in one line
+        naming it, before anything is computed. A file's result records it as ``embed`` does
+        (``config.input``, ``input_sha256``)."""
+        path = fasta_path(sequences)
+        if path is None:
+            return self._embed(check_records(sequences, self.limits))  # type: ignore[arg-type]
+        check_regular_file(path, "Embedder.embed", "it reads the records, then the file again for the input_sha256 "
+                           "its result records")
+        records = read_fasta(path, self)
+        return self._embed(records, path, {"input_sha256": file_sha256(path)})
 
-    def _embed(self, records: list[tuple[str, str]]) -> Result:
+    def _records(self, sequences: Input) -> list[tuple[str, str]]:
+        """The records of ``sequences``, or of the FASTA file it names, under this Embedder's rules."""
+        path = fasta_path(sequences)
+        return check_records(sequences, self.limits) if path is None else read_fasta(path, self)  # type: ignore[arg-type]
+
+    def _embed(self, records: list[tuple[str, str]], source: Path | None = None,
+               extra: dict[str, str] | None = None) -> Result:
         engine = self._engine_for(records)
         engine.new_input()
         plan = engine.plan(records)
@@ -104,19 +129,27 @@ class Embedder:
         with contextlib.closing(engine.embed(records, plan, quiet=self.quiet)) as results:
             for j, record in results:
                 done[j] = record
-        attrs = provenance(engine.loaded, engine.run, None) | run_attrs(engine, plan)
+        attrs = provenance(engine.loaded, engine.run, source) | (extra or {}) | run_attrs(engine, plan)
         return Result([r for r in done if r is not None], engine.run, attrs, self.model_files)
 
-    def search(self, queries: Sequences, index: str | Path | LoadedIndex, *, k: int = 10) -> Hits:
+    def search(self, queries: Input, index: str | Path | LoadedIndex, *, k: int = 10,
+               collapse_aliases: bool = False) -> Hits:
         """The ``k`` nearest neighbours in ``index`` of every query (:mod:`embedpipe.neighbours`),
-        embedded by this Embedder; refused, before anything is embedded, in one line naming what
-        differs when its run is not the index's store's (:mod:`embedpipe.api.compatible`), or
-        naming the index's file that is damaged or was changed (every file is checked first)."""
+        embedded by this Embedder (sequences, or a FASTA file as :meth:`embed` takes it);
+        refused, before anything is embedded, in one line naming what differs when its run is
+        not the index's store's (:mod:`embedpipe.api.compatible`), or naming the index's file
+        that is damaged or was changed (every file is checked first). ``collapse_aliases``: one
+        hit for each alias group of the store (the IDs of one sequence), named by its record."""
         loaded = index if isinstance(index, LoadedIndex) else open_index(Path(index))
-        records = check_records(queries, self.limits)
+        check_k(k)
+        groups = alias_groups(loaded) if collapse_aliases else None  # the store is read before anything is embedded
+        records = self._records(queries)
         check_compatible(self._engine_for(records).run, loaded.meta, loaded.path)
         result = self._embed(records)
-        return search_index(loaded, result.ids, result.pooled(loaded.meta.layer, loaded.meta.pooling), k)
+        vectors = result.pooled(loaded.meta.layer, loaded.meta.pooling)
+        if groups is not None:
+            return filtered_search(loaded, result.ids, vectors, k, [()] * len(result), groups)
+        return search_index(loaded, result.ids, vectors, k)
 
     def close(self) -> None:
         """Release the model (and the device it holds)."""
@@ -131,9 +164,10 @@ class Embedder:
         self.close()
 
 
-def embed(sequences: Sequences, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
+def embed(sequences: Input, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
           **options: Any) -> Result:
-    """One call: load ``model``, embed ``sequences`` with ``options``, release the model."""
+    """One call: load ``model``, embed ``sequences`` (or a FASTA file, as :meth:`Embedder.embed`
+    takes it) with ``options``, release the model."""
     with Embedder(model, quiet=quiet, limits=limits, **options) as embedder:
         return embedder.embed(sequences)
 

@@ -37,6 +37,7 @@ from embedpipe.embed.resolved import resolve_policy
 from embedpipe.embed.writer_thread import BackgroundWriter
 from embedpipe.inputs.fasta import check_regular_file, read_sequences
 from embedpipe.model import inspect
+from embedpipe.model.layout import TokenLayout
 from embedpipe.model.registry import model_files
 from embedpipe.runtime.precision import Policy
 from embedpipe.store import StoreWriter, utc_now
@@ -126,8 +127,14 @@ def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reus
         check_regular_file(Path(fasta), "embed", "it reads the records, then the file again for the input_sha256 "
                            "its store records")
     policy = None if options.precision == AUTO else resolve_policy(options)
-    layout = facts.token_layout
-    return policy, replace(limits, keep_case=layout.keeps_case, chars_per_residue=layout.chars_per_residue)
+    return policy, family_limits(facts.token_layout, limits)
+
+
+def family_limits(layout: TokenLayout, limits: FastaLimits = FASTA_LIMITS) -> FastaLimits:
+    """``limits`` as a family of token ``layout`` reads records: its case kept where case is
+    input (ProstT5), two characters a residue (SaProt). ``embed`` and ``embedpipe.read_fasta``
+    read a FASTA by these."""
+    return replace(limits, keep_case=layout.keeps_case, chars_per_residue=layout.chars_per_residue)
 
 
 @contextlib.contextmanager

@@ -16,21 +16,28 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.neighbours.build import unit_rows
 from embedpipe.neighbours.index_file import LoadedIndex
 
-__all__ = ["HEADER", "Hits", "search_index"]
+__all__ = ["GROUPED_HEADER", "HEADER", "Hits", "check_k", "search_index"]
 
 #: the TSV's header
 HEADER = ("query", "hit", "score", "rank")
+#: the TSV's header where hits are collapsed by alias group: ``group``, the group's IDs
+GROUPED_HEADER = (*HEADER, "group")
 
 
 @dataclass
 class Hits:
     """Per query, its ``k`` nearest IDs (best first) and their scores (cosine, or ``metric``);
-    fewer than ``k`` where the index found fewer (HNSW may), the rest of their row of scores NaN."""
+    fewer than ``k`` where the index found fewer (HNSW may), the rest of their row of scores NaN.
+
+    ``groups``, where hits were collapsed by alias group (one hit a group of IDs of one
+    sequence, named by its stored record's ID): per query, per hit, the group's IDs (the
+    record's first, then its aliases); None otherwise."""
 
     queries: list[str]
     hits: list[list[str]]
     scores: np.ndarray  # (Q, k) float32; NaN past a row's hits
     metric: str = "cosine"
+    groups: list[list[list[str]]] | None = None
 
     def rows(self) -> list[tuple[str, str, float, int]]:
         """(query, hit, score, rank) rows, rank from 1, in query order."""
@@ -38,8 +45,13 @@ class Hits:
                 for i, q in enumerate(self.queries) for r, hit in enumerate(self.hits[i])]
 
     def to_tsv(self) -> str:
-        lines = ["\t".join(HEADER)] + [f"{q}\t{h}\t{s:.7g}\t{r}" for q, h, s, r in self.rows()]
-        return "\n".join(lines) + "\n"
+        """The TSV: ``query hit score rank``, and ``group`` (the group's IDs, separated by spaces:
+        an ID is one word) where hits were collapsed."""
+        lines = [f"{q}\t{h}\t{s:.7g}\t{r}" for q, h, s, r in self.rows()]
+        if self.groups is None:
+            return "\n".join(["\t".join(HEADER), *lines]) + "\n"
+        named = [" ".join(group) for per_query in self.groups for group in per_query]
+        return "\n".join(["\t".join(GROUPED_HEADER), *(f"{line}\t{g}" for line, g in zip(lines, named))]) + "\n"
 
     def write_tsv(self, path: Path | str) -> Path:
         """The TSV, written atomically."""
@@ -47,13 +59,18 @@ class Hits:
         return Path(path)
 
 
+def check_k(k: object) -> None:
+    """``k`` is a positive whole number, or one line saying so."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise EmbedpipeError(f"--k must be a positive whole number, not {k!r}")
+
+
 def search_index(index: LoadedIndex, queries: list[str], vectors: np.ndarray, k: int) -> Hits:
     """The ``k`` nearest rows of ``index`` (opened by
     :func:`~embedpipe.neighbours.index_file.open_index`) to each of ``vectors`` (rows of
     ``queries``; as the store holds them, in its storage dtype) by cosine; fewer when the index
     holds fewer rows, or finds fewer (FAISS's label -1: no hit, never an ID)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise EmbedpipeError(f"--k must be a positive whole number, not {k!r}")
+    check_k(k)
     meta, ids = index.meta, index.ids
     k = max(1, min(k, meta.rows))
     if meta.kind == "hnsw":
