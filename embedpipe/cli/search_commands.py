@@ -44,10 +44,17 @@ def index(
 @app.command()
 @user_errors
 def search(
-    queries: Path = typer.Argument(..., help="Protein FASTA of the queries."),
+    queries: Optional[Path] = typer.Argument(None, help="Protein FASTA of the queries (or --ids instead)."),
     index_path: Path = typer.Option(..., "--index", help="An index built by embedpipe index."),
     out: Path = typer.Option(..., "--out", help="TSV of hits: query, hit, score (cosine), rank; written atomically."),
     k: int = typer.Option(10, "--k", min=1, help="Neighbours per query."),
+    ids: Optional[list[str]] = typer.Option(None, "--ids", metavar="ID[,ID...]",
+                                            help="Query with records of the index's store, by ID: their stored "
+                                            "vectors, no model loaded (repeatable)."),
+    include_self: bool = typer.Option(False, "--include-self", help="With --ids: keep each ID's own record and "
+                                      "aliases in its hits (left out by default)."),
+    collapse_aliases: bool = typer.Option(False, "--collapse-aliases", help="One hit per alias group (the IDs of one "
+                                          "sequence in a merged store), its IDs in a group column."),
     model: Optional[str] = typer.Option(None, "--model", help="Default: the model the index's store was embedded with."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Default: the store's policy (another is refused)."),
     layer: Optional[int] = typer.Option(None, "--layer", help="Default: the index's layer (another is refused)."),
@@ -59,12 +66,21 @@ def search(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
-    """Embed the queries as the index's store was embedded, and write each one's nearest IDs."""
-    from embedpipe.api.querying import search_fasta
+    """Embed the queries as the index's store was embedded (or take stored records' vectors,
+    --ids), and write each one's nearest IDs."""
+    from embedpipe.api.querying import check_query_input, parse_ids, search_fasta, search_ids
 
-    hits = search_fasta(queries, index_path, out, model=model, k=k, quiet=quiet,
-                        limits=options.FastaLimits(max_record_length, max_id_length), precision=precision,
-                        layers=None if layer is None else (layer,), storage_dtype=storage_dtype, device=device,
-                        threads=threads, tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch))
+    given = {"model": model, "precision": precision, "layer": layer, "storage_dtype": storage_dtype}
+    check_query_input(queries is not None, bool(ids), include_self,
+                      [name for name, value in given.items() if value is not None], cli=True)
+    if ids:
+        hits = search_ids(parse_ids(ids), index_path, out, k=k, include_self=include_self,
+                          collapse_aliases=collapse_aliases)
+    else:
+        hits = search_fasta(queries, index_path, out, model=model, k=k, quiet=quiet,  # type: ignore[arg-type]
+                            limits=options.FastaLimits(max_record_length, max_id_length),
+                            collapse_aliases=collapse_aliases, precision=precision,
+                            layers=None if layer is None else (layer,), storage_dtype=storage_dtype, device=device,
+                            threads=threads, tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch))
     if not quiet:
-        print(f"searched {len(hits.queries)} queries in {index_path} -> {out}", file=sys.stderr)
+        print(f"searched {len(hits.queries)} {'IDs' if ids else 'queries'} in {index_path} -> {out}", file=sys.stderr)

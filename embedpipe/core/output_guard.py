@@ -99,9 +99,9 @@ def described_by(what: str, description: Path, key: str, value: str) -> OutputKi
     return OutputKind(what, lambda _path: json_field(description, key) == value)
 
 
-def headed(what: str, header: str) -> OutputKind:
-    """A text file whose first line is ``header`` (a TSV's column names)."""
-    return OutputKind(what, lambda path: first_line(path) == header)
+def headed(what: str, *headers: str) -> OutputKind:
+    """A text file whose first line is one of ``headers`` (a TSV's column names)."""
+    return OutputKind(what, lambda path: first_line(path) in headers)
 
 
 #: what embed, merge and ``Result.save`` write
