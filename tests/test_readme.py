@@ -100,3 +100,6 @@ def test_the_python_page_runs_as_written(tmp_path):
     assert outputs[1].startswith("['P1', 'P2', 'P3'] (3, 32) ['bf16-mixed', 'bf16-mixed', 'bf16-mixed'] ['', '', '']")
     lines = (tmp_path / "hits.tsv").read_text().splitlines()
     assert lines[0] == "query\thit\tscore\trank" and [line.split("\t")[3] for line in lines[1:]] == ["1", "2"]
+    # search --ids P1: P1's stored vector searched, P1 itself left out
+    rows = [line.split("\t") for line in (tmp_path / "p1.tsv").read_text().splitlines()]
+    assert rows[0] == ["query", "hit", "score", "rank"] and sorted((r[0], r[1]) for r in rows[1:]) == [("P1", "P2"), ("P1", "P3")]
