@@ -163,7 +163,7 @@ def test_collapse_gives_one_row_per_alias_group(merged) -> None:
     assert len(neighbours(index, ["r11"], k=1000, collapse_aliases=True).hits[0]) == len(records) - 1
 
 
-def test_collapse_applies_to_sequence_queries(merged) -> None:
+def test_collapse_applies_to_sequence_queries(merged, tmp_path) -> None:
     store, index = merged
     queries = [("q0", BASE[0][1]), ("q1", BASE[9][1])]
     with open_store(store) as st:
@@ -174,6 +174,15 @@ def test_collapse_applies_to_sequence_queries(merged) -> None:
     for i in range(len(queries)):
         assert hits.hits[i] == list(dict.fromkeys(aliases.get(h, h) for h in plain.hits[i]))[:6]
     assert hits.hits[0][0] == "r00" and hits.groups[0][0] == GROUPS["r00"]
+    # the command: the same rows, the group column added
+    fasta = write_fasta(tmp_path / "q.fasta", queries)
+    result = CliRunner().invoke(app, ["search", str(fasta), "--index", str(index), "--k", "6", "--collapse-aliases",
+                                      "--device", "cpu", "--out", str(tmp_path / "h.tsv"), "-q"])
+    assert result.exit_code == 0, result.output
+    rows = _tsv((tmp_path / "h.tsv").read_text())
+    assert tuple(rows[0]) == GROUPED_HEADER
+    assert [(r[0], r[1], r[4].split(" ")) for r in rows[1:]] == [
+        (q, h, g) for q, per_query, groups in zip(hits.queries, hits.hits, hits.groups) for h, g in zip(per_query, groups)]
 
 
 def _tsv(text: str) -> list[list[str]]:
