@@ -1,4 +1,5 @@
-"""embedpipe: batch protein-embedding extraction with ESM-2 and numeric-precision provenance."""
+"""embedpipe: batch protein-embedding extraction for protein language models (ESM-2, ESM-1b/1v, SaProt, ProtT5,
+ProstT5, Ankh, ESM C, ESM++) with numeric-precision provenance."""
 
 from __future__ import annotations
 

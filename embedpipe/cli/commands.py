@@ -25,7 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     # plain help: option names never cut, on/off flags as --x/--no-x, wrapped to the terminal
     rich_markup_mode=None,
-    help="Batch protein embeddings with ESM-2: shard, embed, merge, cross-check.",
+    help="Batch protein embeddings from protein language models: shard, embed, merge, cross-check.",
 )
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N."
@@ -74,7 +74,7 @@ def main(
         False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
     ),
 ) -> None:
-    """embedpipe: FASTA -> length-sorted shards -> ESM-2 embeddings (HDF5) -> fp32 cross-check."""
+    """embedpipe: FASTA -> length-sorted shards -> embeddings (HDF5) -> fp32 cross-check."""
 
 
 @app.command()
