@@ -90,8 +90,6 @@ class CrosscheckReport:
         overall = d["summary"]["overall"]
         lines = [f"crosscheck: {self.verdict.upper()} ({d['mode']} check of {d['sample_size']} sampled records "
                  f"of {d['store']['records']}, seed {d['sample_seed']}, layers {', '.join(map(str, d['store']['layers']))})"]
-        lines.append("  sample: " + ", ".join(f"{n} {reason}" for reason, n in d["sampling"]["chosen_because"].items())
-                     + f" (at most {d['sampling']['max_size']})")
         for reason in d["verdict_reasons"][:5]:
             lines.append(f"  - {reason}")
         lines.append(
@@ -105,6 +103,8 @@ class CrosscheckReport:
                          f"min {format_short(overall['overlap']['min'])}")
         if d.get("downstream"):
             lines += downstream_lines(d["downstream"])
+        lines.append("  sample: " + ", ".join(f"{n} {reason}" for reason, n in d["sampling"]["chosen_because"].items())
+                     + f" (at most {d['sampling']['max_size']})")
         fb = d["store_figures"]["fallback"]
         lines.append(f"  fp32 fallback in the store: {fb['count']} of {d['store']['records']} records ({fb['rate']:.2%})")
         for note in d["notes"]:

@@ -13,7 +13,7 @@ import pytest
 from embedpipe.crosscheck import sampling
 from embedpipe.crosscheck.metrics import stratified_sample
 from embedpipe.crosscheck.report.figures import error_scatter
-from embedpipe.crosscheck.run import RANDOM_REASON, run_crosscheck
+from embedpipe.crosscheck.run import LABELLED_REASON, RANDOM_REASON, LabelOptions, run_crosscheck
 from embedpipe.embed.run import EmbedOptions, embed_fasta
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
@@ -202,3 +202,24 @@ def test_a_truncated_record_is_sampled(tmp_path, tiny_model_path):
     sampled = dict(zip(report.data["sample_ids"], report.data["sample_chosen_because"]))
     assert sampled["cut"] == ["longest", "truncated"] + ([RANDOM_REASON] if "cut" in random_ids else [])
     assert report.verdict == "pass", report.data["verdict_reasons"]
+
+
+def test_with_labels_the_risky_labelled_records_are_checked_and_the_fit_is_on_the_labelled_draw(tmp_path, risky_store):
+    store, ids, columns, lengths = risky_store
+    unlabelled = {"long4", "cys2"}  # a chunked record and a fallback without a label
+    labelled = [rid for rid in ids if rid not in unlabelled]
+    labels = tmp_path / "labels.tsv"
+    labels.write_text("id\tlabel\n" + "".join(f"{rid}\t{'ab'[i % 2]}\n" for i, rid in enumerate(labelled)))
+    report = run_crosscheck(store, out=tmp_path / "cc", sample=10, seed=1, device="cpu", quiet=True,
+                            labels=LabelOptions(labels, folds=2))
+    data = report.data
+    sampled = dict(zip(data["sample_ids"], data["sample_chosen_because"]))
+    assert not unlabelled & set(sampled)  # only labelled records are sampled
+    assert {"long0", "long1", "long2", "long3", "cys0", "cys1"} <= set(sampled)
+    assert "chunked" in sampled["long3"] and "fp32 fallback" in sampled["cys1"]
+    # the longest labelled records, by hand
+    longest = sorted((i for i, rid in enumerate(ids) if rid not in unlabelled), key=lambda i: (-lengths[i], i))[:4]
+    assert {rid for rid, w in sampled.items() if "longest" in w} == {ids[i] for i in longest}
+    drawn = [rid for rid, w in sampled.items() if LABELLED_REASON in w]
+    assert len(drawn) == 10 == data["downstream"]["sampled"] == sum(data["downstream"]["sampled_classes"].values())
+    assert data["sample_size"] > 10
