@@ -205,7 +205,7 @@ def _sample_section(data: dict) -> str:
             f"lengths); so it never holds more than {sampling['max_size']:,} records. A record chosen by several "
             "rules is sampled once, with every reason. Risky records are over-represented: figures over the sample "
             "are pessimistic for the store as a whole.</p>")
-    by_id = {}
+    by_id: dict[str, dict] = {}
     for r in data["records"]:
         by_id.setdefault(r["id"], r)
     listed = [[r["id"], f"{r['row']:,}", f"{r['length']:,}", r["long_handling"],
