@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -369,7 +368,7 @@ def _sample_part(drawn: _Sample, seed: int, requested: int) -> dict[str, Any]:
         "sample_ids": [s["id"] for s in drawn.records],
         "sample_chosen_because": [s["chosen_because"] for s in drawn.records],
         "sampling": {"rules": drawn.selection.rules, "max_size": int(requested) + MAX_RISK,
-                     "chosen_because": dict(Counter(r for s in drawn.records for r in s["chosen_because"]))},
+                     "chosen_because": drawn.selection.counts},
     }
 
 

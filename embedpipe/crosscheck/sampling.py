@@ -52,11 +52,13 @@ LONG_RULE = " / ".join(LONG_REASONS)
 
 @dataclass(frozen=True)
 class Selection:
-    """The sampled rows (ascending), why each was chosen, and what each rule found."""
+    """The sampled rows (ascending), why each was chosen, what each rule found, and how many
+    sampled records each reason holds."""
 
     rows: np.ndarray
     chosen_because: list[list[str]]
     rules: list[dict[str, Any]]
+    counts: dict[str, int]  # sampled records per reason, in rule order
 
 
 def _spread(rows: np.ndarray, lengths: np.ndarray, bound: int) -> np.ndarray:
@@ -103,4 +105,7 @@ def select(lengths: np.ndarray, long_handling: np.ndarray, fallback_reason: np.n
     rows = np.array(sorted(why), dtype=np.int64)
     rules = [{"reason": name, "rule": rule, "bound": int(bound), "eligible": int(eligible), "chosen": int(chosen.size)}
              for name, chosen, eligible, bound, rule in picked]
-    return Selection(rows=rows, chosen_because=[why[r] for r in rows.tolist()], rules=rules)
+    order = [REASON_LONGEST, *LONG_REASONS, REASON_FALLBACK, random_reason]
+    counts = {reason: sum(reason in w for w in why.values()) for reason in order}
+    return Selection(rows=rows, chosen_because=[why[r] for r in rows.tolist()], rules=rules,
+                     counts={reason: n for reason, n in counts.items() if n})

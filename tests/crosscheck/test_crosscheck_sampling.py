@@ -64,6 +64,10 @@ def test_rules_pick_every_risky_record_below_the_bounds_and_keep_the_random_draw
     assert sorted(i for i, w in why.items() if RANDOM_REASON in w) == sorted(stratified_sample(lengths, 16, 9).tolist())
     by_reason = {r["reason"]: r for r in sel.rules}
     assert by_reason[sampling.LONG_RULE]["eligible"] == 4 and by_reason["fp32 fallback"]["chosen"] == 3
+    # per reason, in rule order
+    tally = {reason: sum(reason in w for w in expected.values())
+             for reason in ("longest", "chunked", "truncated", "fp32 fallback", RANDOM_REASON)}
+    assert sel.counts == tally and list(sel.counts) == list(tally)
 
 
 def test_bounds_hold_when_a_group_is_larger():
@@ -175,7 +179,8 @@ def test_chunked_and_fallback_records_are_all_sampled_with_their_reasons(tmp_pat
     assert data["sampling"]["max_size"] == 8 + sampling.MAX_RISK
     counts = data["sampling"]["chosen_because"]
     assert counts["chunked"] == 5 and counts["fp32 fallback"] == 3 and counts["longest"] == 4
-    assert f"sample: {counts[RANDOM_REASON]} {RANDOM_REASON}" in report.render()
+    assert (f"  sample: 4 longest, 5 chunked, 3 fp32 fallback, {counts[RANDOM_REASON]} {RANDOM_REASON} "
+            f"(at most {8 + sampling.MAX_RISK})") in report.render().splitlines()
 
 
 def test_the_length_axis_is_the_stores_not_the_samples(tmp_path, risky_store):
