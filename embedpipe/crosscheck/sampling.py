@@ -72,7 +72,11 @@ def _spread(rows: np.ndarray, lengths: np.ndarray, bound: int) -> np.ndarray:
 
 
 def _longest(rows: np.ndarray, lengths: np.ndarray, bound: int) -> np.ndarray:
-    """The ``bound`` longest of ``rows`` (ties: the lower row)."""
+    """The ``bound`` longest of ``rows`` (ties: the lower row); only the records at least as
+    long as the ``bound``-th longest are sorted, not the whole store."""
+    if rows.size > bound:
+        cut = np.partition(lengths[rows], rows.size - bound)[rows.size - bound]
+        rows = rows[lengths[rows] >= cut]
     return np.sort(rows[np.lexsort((rows, -lengths[rows]))][:bound])
 
 

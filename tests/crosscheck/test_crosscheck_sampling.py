@@ -228,3 +228,13 @@ def test_with_labels_the_risky_labelled_records_are_checked_and_the_fit_is_on_th
     drawn = [rid for rid, w in sampled.items() if LABELLED_REASON in w]
     assert len(drawn) == 10 == data["downstream"]["sampled"] == sum(data["downstream"]["sampled_classes"].values())
     assert data["sample_size"] > 10
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_longest_rule_breaks_ties_by_row(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 5, size=60)  # many ties at the cut
+    none = np.array(["none"] * 60, dtype=object)
+    sel, _ = _select(lengths, none, np.array([""] * 60, dtype=object), 3, seed=seed)
+    by_hand = sorted(range(60), key=lambda i: (-int(lengths[i]), i))[:sampling.LONGEST]
+    assert [r for r, w in zip(sel.rows.tolist(), sel.chosen_because) if "longest" in w] == sorted(by_hand)
