@@ -251,8 +251,9 @@ def crosscheck(
     store: Path = typer.Argument(..., help="Store to check."),
     out: Path = typer.Option(..., "--out", help="Report directory (crosscheck.json, crosscheck.html)."),
     sample: int = typer.Option(
-        options.CROSSCHECK_SAMPLE, "--sample", min=1, help="Records to re-embed in fp32 (all when the store has fewer)."
-    ),
+        options.CROSSCHECK_SAMPLE, "--sample", min=1,
+        help="Records drawn at random to re-embed in fp32 (all when the store has fewer); the longest, those over "
+             "the window and the fp32 fallbacks are re-embedded besides them, a bounded number (docs/crosscheck.md)."),
     seed: int = typer.Option(options.CROSSCHECK_SEED, "--seed", help="Sampling seed."),
     device: str = typer.Option(options.DEFAULT_DEVICE, "--device", help=DEVICE_HELP),
     model: Optional[str] = typer.Option(

@@ -49,6 +49,7 @@ def compare_records(st: Store, sampled: list[dict], fp32: dict[int, Any],
                 "precision_used": s["precision_used"],
                 "fallback_reason": s["fallback_reason"],
                 "long_handling": s["long_handling"],
+                "chosen_because": s["chosen_because"],
                 **{m.key: pooled[m.source] for m in POOLED},
                 "stored_finite": bool(np.all(np.isfinite(stored))),
             }

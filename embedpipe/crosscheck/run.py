@@ -4,7 +4,9 @@
 half-precision run: how different are these embeddings from fp32, and does the difference
 matter downstream? The steps, all from the store alone:
 
-1. a length-stratified, seeded sample of records (:func:`embedpipe.crosscheck.metrics.stratified_sample`);
+1. a length-stratified, seeded sample of records (:func:`embedpipe.crosscheck.metrics.stratified_sample`),
+   and besides it, always, the risky records: the longest, those over the model's window and
+   the fp32 fallbacks, each group bounded (:mod:`embedpipe.crosscheck.sampling`);
 2. their stored ``sequence`` re-embedded in fp32 with the store's model (checked by sha256),
    the same layers, per-residue output, long-sequence handling, attention and batch budget;
 3. per record and stored layer: pooled cosine, max / mean |difference|, relative L2 error,
@@ -51,6 +53,7 @@ from embedpipe.crosscheck.labels import Labelled, LabelOptions, resolve_labels, 
 from embedpipe.crosscheck.metrics import describe_length_bins, length_bins, stratified_sample
 from embedpipe.crosscheck.reference import fp32_reference
 from embedpipe.crosscheck.report.page import render_html
+from embedpipe.crosscheck.sampling import MAX_RISK, Selection, select
 from embedpipe.crosscheck.verdict import VERDICTS, judge, store_figures
 from embedpipe.model.registry import model_files
 from embedpipe.store import utc_now
@@ -99,6 +102,8 @@ class CrosscheckReport:
                          f"min {format_short(overall['overlap']['min'])}")
         if d.get("downstream"):
             lines += downstream_lines(d["downstream"])
+        lines.append("  sample: " + ", ".join(f"{n} {reason}" for reason, n in d["sampling"]["chosen_because"].items())
+                     + f" (at most {d['sampling']['max_size']})")
         fb = d["store_figures"]["fallback"]
         lines.append(f"  fp32 fallback in the store: {fb['count']} of {d['store']['records']} records ({fb['rate']:.2%})")
         for note in d["notes"]:
@@ -107,15 +112,28 @@ class CrosscheckReport:
         return "\n".join(lines)
 
 
+#: ``chosen_because`` of the random part: without labels, and with them
+RANDOM_REASON = "length-stratified random"
+LABELLED_REASON = "label-stratified random"
+
+
 @dataclass
 class _Sample:
-    """The sampled rows, the length bins they were drawn from, and each sampled record as read."""
+    """The sampled rows, the length bins they were drawn from, each sampled record as read,
+    and why each was chosen."""
 
     rows: np.ndarray
     edges: np.ndarray
     bin_of: np.ndarray
     records: list[dict[str, Any]]
     bins: list[dict[str, Any]]
+    selection: Selection
+
+    def random_part(self, fp32: dict[int, Any]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+        """The records the random draw chose, and their fp32 re-runs renumbered alike (the
+        downstream fit is on the label-stratified draw only)."""
+        keep = [i for i, rec in enumerate(self.records) if LABELLED_REASON in rec["chosen_because"]]
+        return [self.records[i] for i in keep], {j: fp32[i] for j, i in enumerate(keep)}
 
 
 # =============================================================================== the command
@@ -147,7 +165,7 @@ def run_crosscheck(
         provenance, layers = st.provenance, st.layers
         table, lengths = _store_table(st)
         labelled = resolve_labels(labels, st) if labels is not None else None
-        drawn = _draw_sample(st, store_path, lengths, sample, seed, labelled, labels, computed_rows(table))
+        drawn = _draw_sample(st, store_path, table, sample, seed, labelled, labels, computed_rows(table))
         reference = fp32_reference(st, provenance, layers, drawn.records, device, model, allow_model_mismatch,
                                    notes, quiet)
         records, problems = compare_records(st, drawn.records, reference.records, layers)
@@ -155,7 +173,7 @@ def run_crosscheck(
                   for line in platform_lines(platforms(provenance))]
         k_eff = min(k, len(st) - 1)
         _add_overlap(st, drawn.records, reference.records, layers, records, k_eff, quiet)
-    downstream = evaluate_downstream(labelled, labels, drawn.records, reference.records, layers, seed)
+    downstream = evaluate_downstream(labelled, labels, *drawn.random_part(reference.records), layers, seed)
     policy = str(provenance.get("precision_policy", "unknown"))
     pass_cos = thresholds.pass_cosine_for(policy == "fp32")
     summary, verdict, reasons = judge(records, layers, drawn.bins, thresholds, pass_cos, k_eff, problems, reference.model_info,
@@ -203,23 +221,34 @@ def _check_arguments(thresholds: Thresholds, sample: int, k: int, out_dir: Path,
     guard_outputs("crosscheck", [("--out", out_dir / name) for name in OUTPUT_NAMES], inputs, pinned=pinned_by([store_path]))
 
 
-def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, seed: int,
+def _draw_sample(st: Store, store_path: Path, table: dict[str, np.ndarray], sample: int, seed: int,
                  labelled: Labelled | None = None, labels: LabelOptions | None = None,
                  candidates: np.ndarray | None = None) -> _Sample:
     """Step 1: a seeded, length-stratified sample (with labels: stratified by class, from the
-    labelled records; else from ``candidates``, the computed rows, when given), each record
-    read with its stored vectors."""
+    labelled records; else from ``candidates``, the computed rows, when given) and, from the
+    same records, the risky ones (sampling.py); each record read with its stored vectors."""
     if len(st) == 0:
         raise EmbedpipeError(f"{store_path}: the store holds no records; nothing to cross-check")
+    lengths = table["length"]
+    reason, rule = RANDOM_REASON, (f"{sample} records drawn at random per length bin (quantile bins of the lengths, "
+                                   f"in proportion to their sizes, at least one per bin), seed {seed}")
     if labelled is not None and labels is not None:
-        rows = sample_labelled(labelled, sample, seed, labels.folds)
+        candidates = labelled.rows
+        random_rows = sample_labelled(labelled, sample, seed, labels.folds)
+        reason, rule = LABELLED_REASON, (f"{sample} labelled records drawn at random per class (numbers: per quartile "
+                                         f"of the target), at least {labels.folds} per class, seed {seed}; the "
+                                         "downstream fit uses these only")
     elif candidates is not None:  # embed --reuse: the copies were cross-checked with their source
-        rows = candidates[stratified_sample(lengths[candidates], sample, seed, n_bins=DEFAULT_LENGTH_BINS)]
+        random_rows = candidates[stratified_sample(lengths[candidates], sample, seed, n_bins=DEFAULT_LENGTH_BINS)]
+        rule += ", from the computed records"
     else:
-        rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
+        random_rows = stratified_sample(lengths, sample, seed, n_bins=DEFAULT_LENGTH_BINS)
+    selection = select(lengths, table["long_handling"], table["fallback_reason"], random_rows, random_reason=reason,
+                       random_rule=rule, sample=sample, candidates=candidates)
+    rows = selection.rows
     edges, bin_of = length_bins(lengths, n_bins=min(DEFAULT_LENGTH_BINS, rows.size))
     records = []
-    for row in rows.tolist():
+    for row, why in zip(rows.tolist(), selection.chosen_because):
         rid = str(st.records(rows=slice(row, row + 1))["id"][0])
         rec = st[rid]
         for layer in st.layers:  # the bytes the writer stored (docs/store-format.md, "Row digests")
@@ -235,10 +264,11 @@ def _draw_sample(st: Store, store_path: Path, lengths: np.ndarray, sample: int, 
             "fallback_reason": rec.get("fallback_reason", ""),
             "embedded_length": int(rec.get("embedded_length", rec["length"])),
             "long_handling": rec.get("long_handling", "none"),
+            "chosen_because": why,
             "mean": {layer: np.asarray(rec["mean"][layer]) for layer in st.layers},
         })
     return _Sample(rows=rows, edges=edges, bin_of=bin_of, records=records,
-                   bins=describe_length_bins(edges, bin_of, rows))
+                   bins=describe_length_bins(edges, bin_of, rows), selection=selection)
 
 
 def computed_rows(table: dict[str, np.ndarray]) -> np.ndarray | None:
@@ -336,6 +366,9 @@ def _sample_part(drawn: _Sample, seed: int, requested: int) -> dict[str, Any]:
         "sample_size": int(drawn.rows.size),
         "sample_rows": [int(r) for r in drawn.rows],
         "sample_ids": [s["id"] for s in drawn.records],
+        "sample_chosen_because": [s["chosen_because"] for s in drawn.records],
+        "sampling": {"rules": drawn.selection.rules, "max_size": int(requested) + MAX_RISK,
+                     "chosen_because": drawn.selection.counts},
     }
 
 

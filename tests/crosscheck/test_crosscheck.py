@@ -27,7 +27,8 @@ from embedpipe.crosscheck.run import Thresholds, run_crosscheck
 from helpers.embed_helpers import embed_store, fair_esm_forward, flip_byte_in_chunk, plain_sequences, random_sequences, read_store
 from helpers.stores import rewrite_digests
 
-CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2"}
+CONTRACT_RECORD_KEYS = {"id", "length", "layer", "pooled_cosine", "pooled_max_abs_diff", "pooled_rel_l2",
+                        "chosen_because"}
 
 
 # =============================================================================== helpers
@@ -52,6 +53,24 @@ def _rotate(v: np.ndarray, cos_theta: float, seed: int) -> np.ndarray:
 
 def _records_by(report, layer: int) -> dict[str, dict]:
     return {r["id"]: r for r in report.data["records"] if r["layer"] == layer}
+
+
+def _expected_sample(store: Path, n: int, seed: int) -> tuple[set[str], set[str]]:
+    """The random draw's IDs and all sampled IDs, from plain h5py reads: the seeded
+    length-stratified draw, and besides it the 4 longest records, every record over the window
+    and every fp32 fallback (these stores hold fewer than the bounds)."""
+    plain = read_store(store)
+    ids, fields = plain["ids"], plain["fields"]
+    lengths = np.array([fields["length"][rid] for rid in ids])
+    drawn = {ids[i] for i in metrics.stratified_sample(lengths, n, seed)}
+    longest = {ids[i] for i in sorted(range(len(ids)), key=lambda i: (-lengths[i], i))[:4]}
+    risky = {rid for rid in ids if fields["long_handling"][rid] != "none" or fields["fallback_reason"][rid]}
+    return drawn, drawn | longest | risky
+
+
+def _random_part(data: dict) -> set[str]:
+    return {rid for rid, why in zip(data["sample_ids"], data["sample_chosen_because"])
+            if "length-stratified random" in why}
 
 
 def _load_json_strict(path: Path) -> dict:
@@ -287,7 +306,10 @@ def test_report_pooled_cosines_equal_an_independent_fair_esm_fp32_computation(tm
     report = run_crosscheck(low_store, out=tmp_path / "cc", sample=12, seed=4, device="cpu", quiet=True)
     data = _load_json_strict(report.json_path)
     assert data["store"]["precision_policy"] == "bf16-mixed" and data["mode"] == "precision"
-    assert data["sample_size"] == 12 and len(data["records"]) == 12 * 2
+    drawn, sampled = _expected_sample(low_store, 12, 4)
+    assert _random_part(data) == drawn and len(drawn) == 12
+    assert set(data["sample_ids"]) == sampled and data["sample_size"] == len(sampled)
+    assert len(data["records"]) == len(sampled) * 2
     stored = read_store(low_store)  # plain h5py
     model, alphabet = fair_esm_reference(tiny_model_path)
     with h5py.File(low_store, "r") as f:
@@ -307,7 +329,7 @@ def test_report_pooled_cosines_equal_an_independent_fair_esm_fp32_computation(tm
         res_cos = [_py_cosine(a, b) for a, b in zip(res, ref)]
         assert abs(rec["residue_min_cosine"] - min(res_cos)) <= 1e-5
         checked += 1
-    assert checked == 24
+    assert checked == len(sampled) * 2
     # the low-precision store really differs from fp32, so the check measured something
     assert min(r["pooled_max_abs_diff"] for r in data["records"]) > 0
 
@@ -324,7 +346,9 @@ def test_same_seed_same_sample_different_seed_different_sample(tmp_path, fp32_st
     assert rows == sorted(rows)  # deterministic order: by row, then layer
     # stratified: every length bin is sampled
     assert all(b["sampled"] >= 1 for b in a.data["length_bins"])
-    assert sum(b["sampled"] for b in a.data["length_bins"]) == 6
+    assert sum(b["sampled"] for b in a.data["length_bins"]) == a.data["sample_size"]
+    drawn, sampled = _expected_sample(fp32_store, 6, 11)
+    assert _random_part(a.data) == drawn and set(a.data["sample_ids"]) == sampled
 
 
 def test_fp32_store_is_a_passing_determinism_check(tmp_path, fp32_store, records):
@@ -410,7 +434,9 @@ def test_json_contract_and_outputs(tmp_path, low_store):
     assert data["store_sha256"] == hashlib.sha256(low_store.read_bytes()).hexdigest()
     assert data["provenance"]["model_sha256"] == data["model"]["sha256"] and data["model"]["sha256_matches"]
     assert data["provenance"]["precision_policy"] == "bf16-mixed"
-    assert len(data["records"]) == 5 * 2 and {r["layer"] for r in data["records"]} == {0, 2}
+    drawn, sampled = _expected_sample(low_store, 5, 2)
+    assert _random_part(data) == drawn and set(data["sample_ids"]) == sampled
+    assert len(data["records"]) == len(sampled) * 2 and {r["layer"] for r in data["records"]} == {0, 2}
     for rec in data["records"]:
         assert CONTRACT_RECORD_KEYS <= set(rec)
     fig = data["store_figures"]
@@ -597,7 +623,8 @@ def test_an_fp32_stores_crosscheck_reports_exactly_zero_difference(tmp_path, tin
                         per_residue=True, tokens_per_batch=300)
     report = run_crosscheck(store, out=tmp_path / "cc", sample=12, seed=3, device="cpu", quiet=True)
     rows = report.data["records"]
-    assert report.data["mode"] == "determinism" and len(rows) == 12 * 2  # 12 records, 2 layers
+    _, sampled = _expected_sample(store, 12, 3)  # 12 drawn, the longest besides them
+    assert report.data["mode"] == "determinism" and len(rows) == len(sampled) * 2  # 2 layers
     diffs = {key: [r[key] for r in rows] for key in rows[0] if key.endswith("max_abs_diff")}
     assert "pooled_max_abs_diff" in diffs and "residue_max_abs_diff" in diffs, sorted(rows[0])
     assert all(value == 0.0 for values in diffs.values() for value in values), diffs

@@ -69,7 +69,9 @@ def test_release_two_reuses_release_one(tmp_path: Path) -> None:
                 assert np.array_equal(new.per_residue(rid), ref.per_residue(rid)), rid
         computed_rows = {n for n, src in enumerate(table["reused_from"]) if not src}
     report = json.loads((two / "out" / "crosscheck" / "crosscheck.json").read_text())
-    assert set(report["sample_rows"]) <= computed_rows and report["sample_size"] == 8
+    assert set(report["sample_rows"]) <= computed_rows  # the risky records too: from the computed ones
+    drawn = [why for why in report["sample_chosen_because"] if "length-stratified random" in why]
+    assert len(drawn) == 8 and report["sample_size"] <= report["sampling"]["max_size"]
     assert report["reuse"]["reused_records"] == len(table["id"]) - len(recomputed)
     assert report["reuse"]["sources"] == [{"store_uuid": uuid1, "path": str(first.absolute()),
                                            "records": len(table["id"]) - len(recomputed)}]

@@ -1,4 +1,5 @@
-# Re-embed a random sample of the merged store in fp32 and compare: crosscheck.json for
+# Re-embed a random sample of the merged store, and its riskiest records (the longest, those over
+# the model's window, the fp32 fallbacks), in fp32 and compare: crosscheck.json for
 # machines, crosscheck.html for people (also part of `snakemake --report`). With
 # `crosscheck: {labels: PATH}` the sample is drawn from the labelled records and the downstream
 # result on those labels is compared too (docs/crosscheck.md, "Downstream: your own labels").

@@ -226,7 +226,8 @@ def error_scatter(data: dict) -> str:
     """Relative L2 error of each sampled record against its length (long records drift more)."""
     layers = data["store"]["layers"]
     recs = [r for r in data["records"] if isinstance(r.get("pooled_rel_l2"), (int, float))]
-    lengths = [r["length"] for r in data["records"]] or [1]
+    # the whole input: up to the store's longest record, not the sample's
+    lengths = [r["length"] for r in data["records"]] + [data["store_figures"]["length"]["max"] or 1]
     errors = [max(r["pooled_rel_l2"], LOG_FLOOR) for r in recs]
     ylo = 10 ** math.floor(math.log10(min(errors))) if errors else 1e-7
     yhi = 10 ** math.ceil(math.log10(max(errors))) if errors else 1e-1
@@ -241,11 +242,13 @@ def error_scatter(data: dict) -> str:
         i = index.get(r["layer"], 0)
         plot.circle(r["length"], max(r["pooled_rel_l2"], LOG_FLOOR), _colour(i),
                     title=f"{r['id']} (layer {r['layer']}, {r['length']} residues): relative L2 {r['pooled_rel_l2']:.3e}, "
-                          f"cosine {format_cosine(r['pooled_cosine'])}, {r['precision_used']}")
+                          f"cosine {format_cosine(r['pooled_cosine'])}, {r['precision_used']}; chosen because: "
+                          f"{', '.join(r.get('chosen_because', []))}")
     plot.axes("sequence length (residues); dotted lines: length-bin edges", "relative L2 error (log)")
     return (
         f"<figure>{plot.svg('error-scatter')}{_legend(layers)}<figcaption>Relative L2 error "
-        f"||stored - fp32|| / ||fp32|| of each sampled record's pooled vector against its length. Values below "
+        f"||stored - fp32|| / ||fp32|| of each sampled record's pooled vector against its length. The length axis "
+        f"covers every record of the store, up to its longest ({xmax:,.0f} residues). Values below "
         f"{LOG_FLOOR:g} are drawn on that floor.</figcaption></figure>"
     )
 

@@ -180,15 +180,42 @@ def _worst_table(data: dict, limit: int = 12) -> str:
     worst = sorted(data["records"], key=lambda r: (key(r), r["row"], r["layer"]))[:limit]
     per_residue = data["store"]["per_residue"]
     columns = measures.shown(per_residue)
-    header = ["id", "layer", "length", "precision used", *(str(m.column) for m in columns), "overlap@k", "status"]
+    header = ["id", "layer", "length", "precision used", "chosen because", *(str(m.column) for m in columns),
+              "overlap@k", "status"]
     rows = []
     for r in worst:
         row = [_e(r["id"]), _e(r["layer"]), _e(r["length"]),
                _e(r["precision_used"] + (f" ({r['fallback_reason']})" if r.get("fallback_reason") else "")),
+               _e(", ".join(r.get("chosen_because", []))),
                *((_cos if m.cosine else _num)(r.get(m.key)) for m in columns),
                _num(r.get("overlap_at_k")), _status(r["status"])]
         rows.append(row)
-    return _table(header, rows, text_cols=(0, 3), raw=True)
+    return _table(header, rows, text_cols=(0, 3, 4), raw=True)
+
+
+def _sample_section(data: dict) -> str:
+    """How the sample was drawn: each rule with its bound and what it found, then every
+    sampled record with the reasons it was chosen for."""
+    sampling = data["sampling"]
+    rules = [[r["reason"], r["rule"], f"{r['bound']:,}", f"{r['eligible']:,}", f"{r['chosen']:,}"]
+             for r in sampling["rules"]]
+    text = (f"<p>{data['sample_size']:,} of {data['store']['records']:,} records sampled. Besides the random draw "
+            "of --sample records, the sample always holds the store's longest records, its records over the model's "
+            "window and its fp32 fallbacks, each group up to its bound (a larger group is spread evenly over its "
+            f"lengths); so it never holds more than {sampling['max_size']:,} records. A record chosen by several "
+            "rules is sampled once, with every reason. Risky records are over-represented: figures over the sample "
+            "are pessimistic for the store as a whole.</p>")
+    by_id: dict[str, dict] = {}
+    for r in data["records"]:
+        by_id.setdefault(r["id"], r)
+    listed = [[r["id"], f"{r['row']:,}", f"{r['length']:,}", r["long_handling"],
+               r["precision_used"] + (f" ({r['fallback_reason']})" if r.get("fallback_reason") else ""),
+               ", ".join(r["chosen_because"])] for r in by_id.values()]
+    return (_table(["chosen because", "rule", "bound", "eligible records", "chosen"], rules, text_cols=(0, 1)) + text
+            + f"<details><summary>The {len(listed):,} sampled records</summary>"
+            + _table(["id", "row", "length", "long handling", "precision used", "chosen because"], listed,
+                     text_cols=(0, 3, 4, 5))
+            + "</details>")
 
 
 def _downstream_section(data: dict) -> str:
@@ -332,6 +359,7 @@ def render_html(data: dict) -> str:
         ("error-vs-length", "Error against length", lambda: error_scatter(data)),
         ("layers", "Per-layer summary", lambda: _layer_table(data)),
         ("length-bins", "By length bin", lambda: _length_bin_table(data)),
+        ("sample", "How the sample was drawn", lambda: _sample_section(data)),
     ]
     if k:
         sections.append(("overlap", f"Downstream proxy: nearest-neighbour overlap@{k}",
