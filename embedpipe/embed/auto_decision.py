@@ -59,7 +59,7 @@ MAX_DECISION_BYTES = 256 << 10
 SAMPLE_FILES = 16
 UTC_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 _FIELDS = {"format", "version", "key", "policy", "reason", "candidates", "node", "cpu_model", "cpu_flags",
-           "cpu_class", "hardware", "platform", "device", "threads", "torch", "decided_utc", "sample"}
+           "cpu_class", "gpu", "platform", "device", "threads", "torch", "decided_utc", "sample"}
 
 
 def split_precision(text: str) -> tuple[str, Path | None]:
@@ -84,13 +84,23 @@ def decision_key(options: EmbedOptions, engine: EngineChoice, device: torch.devi
                                   "options": given, "engine": dataclasses.asdict(engine)}, sort_keys=True))
 
 
+def _gpu(device: torch.device) -> str:
+    """The GPU model and compute capability ('' off CUDA)."""
+    if device.type != "cuda":
+        return ""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+
+
+def _hardware(device_type: str, cpu_class: str, gpu: str) -> str:
+    """The class of hardware whose kernels decide a policy's speed, in words: the CPU's
+    instruction-set class (docs/precision.md, "Which policy on which CPU"), or the GPU's model."""
+    return f"cuda {gpu}" if device_type == "cuda" else f"{device_type} {cpu_class}"
+
+
 def hardware_class(device: torch.device) -> str:
-    """The class of hardware whose kernels decide a policy's speed: the CPU's instruction-set
-    class, or the GPU model and compute capability."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda {torch.cuda.get_device_name(device)} sm_{major}{minor}"
-    return f"{device.type} {cpu_features.detect().cpu_class}" if device.type == "cpu" else device.type
+    """This node's :func:`_hardware` for ``device``."""
+    return _hardware(device.type, cpu_features.detect().cpu_class, _gpu(device))
 
 
 def _cpu_model() -> str:
@@ -115,8 +125,12 @@ class Decision:
     key: dict[str, Any]
     policy: str
     reason: str
-    hardware: str  # hardware_class() where it was decided
     fields: dict[str, Any]  # the whole file
+
+    @property
+    def hardware(self) -> str:
+        """The class of hardware it was decided on (its ``cpu_class``, or ``gpu`` on CUDA)."""
+        return _hardware(str(self.key["device"]), self.fields["cpu_class"], self.fields["gpu"])
 
     def mismatch(self, key: dict[str, Any]) -> str | None:
         """Which part of ``key`` (a job's) differs from the decision's, in words; None when none."""
@@ -176,9 +190,10 @@ def read_decision(path: Path) -> Decision:
     if set(data) != _FIELDS:
         raise _bad(path, "other fields than a decision's")
     key, policy, reason, candidates = data["key"], data["policy"], data["reason"], data["candidates"]
-    if not isinstance(key, dict) or not {"model", "device", "options", "engine", "version"} <= set(key):
+    if not isinstance(key, dict) or not {"model", "device", "options", "engine", "version"} <= set(key) \
+            or not isinstance(key["device"], str) or not isinstance(key["options"], dict):
         raise _bad(path, "its key is not a model and options")
-    if not all(isinstance(data[name], str) for name in ("reason", "hardware", "node", "cpu_class", "decided_utc")):
+    if not all(isinstance(data[name], str) for name in ("reason", "gpu", "node", "cpu_class", "decided_utc")):
         raise _bad(path, "a field that should be text is not")
     if not isinstance(policy, str) or not isinstance(candidates, dict) or policy not in candidates:
         raise _bad(path, "its policy is not one of its candidates")
@@ -191,7 +206,7 @@ def read_decision(path: Path) -> Decision:
             raise _bad(path, f"the timing of {name} is not a positive time and a cosine in [-1, 1]")
     if not reason.startswith(f"auto -> {policy}:"):
         raise _bad(path, "its reason does not name its policy")
-    return Decision(path, key, policy, reason, data["hardware"], data)
+    return Decision(path, key, policy, reason, data)
 
 
 def chosen(decision: Decision, options: EmbedOptions, engine: EngineChoice, device: torch.device,
@@ -285,7 +300,7 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
             "candidates": {name: {"ms_per_1k_residues": t.ms_per_1k_residues, "min_cosine": t.min_cosine}
                            for name, t in timings.items()},
             "node": socket.gethostname(), "cpu_model": _cpu_model(), "cpu_flags": cpu_features.detect().named(),
-            "cpu_class": cpu_features.detect().cpu_class, "hardware": hardware_class(device),
+            "cpu_class": cpu_features.detect().cpu_class, "gpu": _gpu(device),
             "platform": describe_platform(device), "device": str(device), "threads": threads.count,
             "torch": torch.__version__, "decided_utc": when,
             "sample": {"records": len(sample), "residues": sum(len(s) for _, s in sample)},
