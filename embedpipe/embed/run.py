@@ -380,6 +380,9 @@ def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_d
                   decision: Path | None = None) -> EmbedSummary | GroupSummary:
     """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number;
     ``decision``: the run's one ``--precision auto`` decision (``--precision auto:FILE``), read first."""
+    if decision is not None and options.precision != AUTO:
+        raise EmbedpipeError(f"a precision decision ({decision}) is run by --precision auto:FILE only, "
+                             f"not --precision {options.precision}")
     decided = read_decision(decision) if decision is not None else None
     if out_dir is None:
         if out is None or len(fastas) != 1 or done is not None:

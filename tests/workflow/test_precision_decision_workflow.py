@@ -35,6 +35,21 @@ def _stores(workdir: Path) -> dict[str, dict]:
     return found
 
 
+def _job_blocks(output: str) -> dict[str, dict[str, str]]:
+    """rule -> {"threads", "resources", "shell"} of the (last) job of each rule a dry run printed."""
+    jobs: dict[str, dict[str, str]] = {}
+    current: dict[str, str] = {}
+    for line in output.splitlines():
+        if line.startswith(("rule ", "localrule ")) and line.endswith(":"):
+            current = jobs.setdefault(line.split()[1].rstrip(":"), {})
+        elif line.strip().startswith(("threads:", "resources:")):
+            key, _, value = line.strip().partition(": ")
+            current[key] = value
+        elif line.startswith("Shell command:"):
+            current["shell"] = line
+    return jobs
+
+
 def _recomputed_policy(decision: dict) -> str:
     """The decision's choice from its own candidates, independently of ``pick``: the fastest whose
     cosine reaches the cross-check's pass bar (fp32 always does)."""
@@ -73,6 +88,16 @@ def test_one_decision_for_a_large_and_a_small_group_kept_on_rerun_redone_on_chan
     _run(tmp_path, config, MERGED)
     decision = _check_one_decision(tmp_path)
     assert decision_file.read_bytes() == decided  # the large group ran the same decision
+
+    # decided on the resources an embed job gets: the embed rule's threads, and what a profile sets for embed
+    dry = snakemake(tmp_path, "--cores", "4", "--dry-run", MERGED, "--printshellcmds", "--forcerun", "decide_precision",
+                    "embed", "--set-threads", "embed=3", "--set-resources", "embed:slurm_partition=gpu",
+                    "embed:mem_mb=5000", configfile=config)
+    jobs = _job_blocks(dry.stdout + dry.stderr)
+    assert jobs["decide_precision"]["threads"] == jobs["embed"]["threads"] == "3"
+    for resource in ("slurm_partition=gpu", "mem_mb=5000"):
+        assert resource in jobs["decide_precision"]["resources"] and resource in jobs["embed"]["resources"]
+    assert "--threads 3" in jobs["decide_precision"]["shell"]
 
     # a rerun keeps it: nothing to do, the file untouched
     dry = snakemake(tmp_path, "--cores", "1", "--dry-run", MERGED, configfile=config)

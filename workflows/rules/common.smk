@@ -300,13 +300,14 @@ def _join(args):
 def embed_options():
     """Options of `embedpipe embed` from the config (a param: changing one re-embeds), mapped
     by the package (embedpipe.workflow.config.embed_args); `tokens_per_batch` is the rule's
-    resource (smaller on a retry). `precision: auto` is `--precision auto:DECISION`."""
+    resource (smaller on a retry). Under `precision: auto` every job runs the run's one decision
+    (DECISION, given to embed_args)."""
     return _join(workflow_config.embed_args(config, leave=("tokens_per_batch",),
                                             decision=DECISION if DECIDES_ONCE else None))
 
 
 def decide_options():
-    """The embed jobs' options as given (`--precision auto`), for `embedpipe decide-precision`:
+    """The embed jobs' options as given (precision auto), for `embedpipe decide-precision`:
     a changed one decides again (a param)."""
     return _join(workflow_config.embed_args(config, leave=("tokens_per_batch",)))
 
