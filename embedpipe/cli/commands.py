@@ -35,7 +35,8 @@ MAX_RECORD_LENGTH = typer.Option(LIMITS.max_length, "--max-record-length", min=1
                                  help="Most residues one record may hold; a longer one stops the run.")
 MAX_ID_LENGTH = typer.Option(LIMITS.max_id_length, "--max-id-length", min=1,
                              help="Most characters one ID may hold; a longer one stops the run.")
-PRECISION_HELP = ", ".join(options.PRECISION_CHOICES) + " (auto: the policy measured fastest on this machine)."
+PRECISION_HELP = (", ".join(options.PRECISION_CHOICES) + " (auto: the policy measured fastest on this machine), or "
+                  "auto:FILE (the run's one decision, written by decide-precision; docs/precision.md).")
 THREADS_HELP = "CPU threads for torch (default: the CPUs the job may use: affinity, cgroup quota, SLURM_CPUS_PER_TASK)."
 #: defaults of the commands' options, from the library (embedpipe/core/options.py)
 EMBED = options.EmbedOptions()
@@ -186,8 +187,10 @@ def embed(
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
+    from embedpipe.embed.auto_decision import split_precision
     from embedpipe.embed.run import embed_command
 
+    precision, decision = split_precision(precision)  # auto:FILE: the run's one decision
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
@@ -195,7 +198,7 @@ def embed(
         int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
         auto_cache=auto_cache, accept_platform_mix=accept_platform_mix)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
-                            limits=options.FastaLimits(max_record_length, max_id_length))
+                            limits=options.FastaLimits(max_record_length, max_id_length), decision=decision)
     if not quiet:
         print(summary.render(), file=sys.stderr)
 

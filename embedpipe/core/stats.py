@@ -1,15 +1,27 @@
 """The distribution summary every report and ``info`` prints (count, non-finite, quantiles,
-mean), in plain numpy, below the packages that summarise numbers (store, crosscheck)."""
+mean), in plain numpy, below the packages that summarise numbers (store, crosscheck); and
+:func:`spread`, picks evenly spaced over a sequence (the run's ``auto`` decision draws its
+shards so, in the decide-precision job and in the rule that lists them)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
+T = TypeVar("T")
+
 #: the quantiles an aggregate reports, by name
 QUANTILES: dict[str, float] = {"min": 0.0, "p1": 0.01, "p5": 0.05, "median": 0.5, "p95": 0.95, "max": 1.0}
+
+
+def spread(items: Sequence[T], most: int) -> list[T]:
+    """At most ``most`` (at least 2) of ``items`` evenly spaced over them, the first and the last
+    included; all of them when there are no more; ``spread(spread(x, n), n) == spread(x, n)``."""
+    if len(items) <= most:
+        return list(items)
+    return [items[round(k * (len(items) - 1) / (most - 1))] for k in range(most)]
 
 
 def aggregate(values: Iterable[float]) -> dict[str, Any]:

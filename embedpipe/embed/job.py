@@ -23,7 +23,7 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.progress import say
-from embedpipe.embed import auto_probe
+from embedpipe.embed import auto_decision, auto_probe
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.identity import first_difference, ignored
 from embedpipe.embed.resolved import ResolvedRun, Unpredictable, resolve_run, resolve_threads
@@ -85,7 +85,7 @@ class Job:
         self.threads = threads  # counted once per job (embedpipe.core.cpus), recorded in the run
         self.inputs = inputs  # the job's FASTAs: what --precision auto's probe measures on and may cost
         #: the job's resolved run: predicted without the model when reuse allows, else the loaded one's
-        self.run = predict_run(reuse, model, options, policy, threads)
+        self.run = predict_run(reuse, model, options, policy, threads, inputs.decision)
         #: the identity of every store the job writes
         self.identity = self.run.identity if self.run is not None else None
 
@@ -101,7 +101,10 @@ class Job:
             model = _loaded_identity(self.model, loaded)
 
             def measure(options: EmbedOptions, engine: EngineChoice) -> AutoChoice:
-                """``--precision auto`` measured on this node (embed/auto_probe.py), asked by resolve_run."""
+                """``--precision auto`` measured on this node (embed/auto_probe.py), asked by resolve_run;
+                the run's one decision when the job was given it (embed/auto_decision.py)."""
+                if self.inputs.decision is not None:
+                    return auto_decision.chosen(self.inputs.decision, options, engine, device, model)
                 records, residues = self.inputs.probe()
                 return auto_probe.decide(loaded, options, engine, device, model, records, residues,
                                          auto_cache(options), threads=self.threads, quiet=self.quiet)
@@ -111,6 +114,8 @@ class Job:
                               loaded=loaded, threads=self.threads)
             if run.precision_requested:
                 say(f"precision {run.precision_reason}", quiet=self.quiet)
+            if self.inputs.decision is not None and (note := auto_decision.other_class(self.inputs.decision, device)):
+                say(f"warning: precision auto: {note}", quiet=self.quiet)
             embedder = Embedder(loaded, run)
             for note in auto_probe.notes(run, model, auto_cache(self.options), embedder.notes):
                 say(f"warning: {note}", quiet=self.quiet)
@@ -136,11 +141,13 @@ class JobInput:
     """The job's FASTAs, read for ``--precision auto`` only when it measures: records of the
     first to probe on, and every shard's residues (kept ones too, so a rerun decides as the
     first run did) to bound what the probe may cost; or ``records`` held in memory (the Python
-    API's first call: embedpipe.api)."""
+    API's first call: embedpipe.api). ``decision``: the run's one decision (``--precision
+    auto:FILE``), which the job runs instead of measuring."""
 
     fastas: tuple[Path, ...] = ()
     limits: FastaLimits = FASTA_LIMITS
     records: tuple[tuple[str, str], ...] | None = None
+    decision: auto_decision.Decision | None = None
 
     def probe(self) -> tuple[list[tuple[str, str]], int]:
         if self.records is not None:
@@ -169,7 +176,7 @@ def auto_cache(options: EmbedOptions) -> Path:
 
 
 def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: Policy | None,
-                threads: CpuAllocation) -> ResolvedRun | None:
+                threads: CpuAllocation, decision: auto_decision.Decision | None = None) -> ResolvedRun | None:
     """The job's run without loading the model (its identity checked against every reuse
     store), or None when it cannot be known so: no reuse store, a family without
     ``file_identity``, ``--precision auto`` with no measurement cached on this node, int8-mixed
@@ -182,6 +189,8 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
     device = resolve_device(options.device)
 
     def measure(chosen: EmbedOptions, engine: EngineChoice) -> AutoChoice | None:
+        if decision is not None:
+            return auto_decision.chosen(decision, chosen, engine, device, facts)
         return auto_probe.cached(chosen, engine, device, facts, auto_cache(chosen))
 
     try:

@@ -27,6 +27,7 @@ from embedpipe.core.locks import lock_path_for
 from embedpipe.core.options import AUTO, FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.output_guard import STORE, Output, described_by, writing_outputs
 from embedpipe.core.progress import say
+from embedpipe.embed.auto_decision import Decision, read_decision
 from embedpipe.embed.combinations import check_embed
 from embedpipe.embed.engine import Embedder
 from embedpipe.embed.group_marker import GROUP_FORMAT, write_marker
@@ -139,11 +140,12 @@ def family_limits(layout: TokenLayout, limits: FastaLimits = FASTA_LIMITS) -> Fa
 
 @contextlib.contextmanager
 def _job(fastas: Sequence[Path], model: str, options: EmbedOptions, policy: Policy | None, reuse: Sequence[Path],
-         limits: FastaLimits, outputs: list[Output], quiet: bool) -> Iterator[Job]:
+         limits: FastaLimits, outputs: list[Output], quiet: bool, decision: Decision | None = None) -> Iterator[Job]:
     """The job of an embed run (one FASTA or a group): its outputs guarded and locked, then its
-    threads, reuse stores and model (embed/job.py)."""
+    threads, reuse stores and model (embed/job.py); ``decision``: the run's one ``auto`` decision."""
     with _writing(outputs, fastas, model, reuse), \
-            open_job(model, options, policy, reuse, quiet, JobInput(tuple(map(Path, fastas)), limits)) as job:
+            open_job(model, options, policy, reuse, quiet,
+                     JobInput(tuple(map(Path, fastas)), limits, decision=decision)) as job:
         yield job
 
 
@@ -155,13 +157,14 @@ def _read_records(fasta: Path, limits: FastaLimits = FASTA_LIMITS) -> list[tuple
 
 
 def embed_fasta(fasta: Path, *, model: str, out: Path, options: EmbedOptions, quiet: bool = False,
-                reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS) -> EmbedSummary:
+                reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS,
+                decision: Decision | None = None) -> EmbedSummary:
     """Embed every record of ``fasta`` with ``model`` into the store ``out`` (atomic); a record
     a ``reuse`` store holds is copied (embedpipe.embed.reuse). The FASTA is read, and held to
     ``limits`` (docs/store-format.md, "Input limits"), before the model loads."""
     policy, limits = start_checks([fasta], model, options, reuse, limits)
     started = time.perf_counter()
-    with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out), STORE)], quiet) as job:
+    with _job([fasta], model, options, policy, reuse, limits, [("--out", Path(out), STORE)], quiet, decision) as job:
         records = _read_records(fasta, limits)
         check_output_path(Path(out))
         return _embed_records(job, records, Path(fasta), Path(out), started,
@@ -305,7 +308,7 @@ def _group_outputs(fastas: Sequence[Path], out_dir: Path) -> list[Path]:
 
 def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: EmbedOptions,
                  done: Path | None = None, quiet: bool = False, reuse: Sequence[Path] = (),
-                 limits: FastaLimits = FASTA_LIMITS) -> GroupSummary:
+                 limits: FastaLimits = FASTA_LIMITS, decision: Decision | None = None) -> GroupSummary:
     """Embed each shard into ``out_dir/STEM.h5`` with one model load; keep current stores.
 
     Each store is locked for the whole job (a second job on the same stores is refused), a
@@ -326,7 +329,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     if done is not None:
         outputs.append(("--done", Path(done), described_by("an embedpipe group marker", Path(done), "format", GROUP_FORMAT)))
     with telling_progress(lambda: summary.progress(fastas, stores)), \
-            _job(fastas, model, options, policy, reuse, limits, outputs, quiet) as job:
+            _job(fastas, model, options, policy, reuse, limits, outputs, quiet, decision) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
             job.embedder()  # one per group: models prepared once
         for k, (fasta, store, digest) in enumerate(zip(fastas, stores, digests)):
@@ -380,13 +383,20 @@ def _check_still_current(stores: Sequence[Path], digests: Sequence[str], identit
 
 def embed_command(fastas: Sequence[Path], *, model: str, out: Path | None, out_dir: Path | None,
                   done: Path | None, options: EmbedOptions, quiet: bool = False,
-                  reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS) -> EmbedSummary | GroupSummary:
-    """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number."""
+                  reuse: Sequence[Path] = (), limits: FastaLimits = FASTA_LIMITS,
+                  decision: Path | None = None) -> EmbedSummary | GroupSummary:
+    """`embedpipe embed`: ``--out`` with one FASTA, or ``--out-dir`` (and ``--done``) with any number;
+    ``decision``: the run's one ``--precision auto`` decision (``--precision auto:FILE``), read first."""
+    if decision is not None and options.precision != AUTO:
+        raise EmbedpipeError(f"a precision decision ({decision}) is run by --precision auto:FILE only, "
+                             f"not --precision {options.precision}")
+    decided = read_decision(decision) if decision is not None else None
     if out_dir is None:
         if out is None or len(fastas) != 1 or done is not None:
             raise EmbedpipeError("give one FASTA with --out STORE.h5, or any number with --out-dir DIR [--done FILE]")
-        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet, reuse=reuse, limits=limits)
+        return embed_fasta(fastas[0], model=model, out=out, options=options, quiet=quiet, reuse=reuse, limits=limits,
+                           decision=decided)
     if out is not None:
         raise EmbedpipeError("--out and --out-dir exclude each other: --out names the store of one FASTA")
     return embed_shards(fastas, model=model, out_dir=out_dir, options=options, done=done, quiet=quiet, reuse=reuse,
-                        limits=limits)
+                        limits=limits, decision=decided)

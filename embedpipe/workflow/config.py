@@ -23,7 +23,7 @@ import jsonschema
 import yaml
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import EmbedOptions
+from embedpipe.core.options import AUTO, EmbedOptions
 from embedpipe.embed.combinations import CombinationError, check_embed
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.registry import inspect
@@ -178,14 +178,17 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def embed_args(config: dict[str, Any], *, leave: Collection[str] = ()) -> list[str]:
+def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision: str | None = None) -> list[str]:
     """``embedpipe embed``'s options for every job of ``config``, the FASTA limits included: a
     list is its flag repeated, a switch (a bool field, off by default) its flag when on, an
     unset value (None) nothing. ``leave``: keys the rule passes itself (``tokens_per_batch``:
-    smaller on each retry)."""
+    smaller on each retry). ``decision``: under ``precision: auto``, the run's one decision
+    (``--precision auto:FILE``; docs/precision.md, "One decision per run")."""
     options, args = embed_options(config), []
     for key in embed_keys(config):
         value = getattr(options, key)
+        if key == "precision" and value == AUTO and decision is not None:
+            value = f"{AUTO}:{decision}"
         if key in leave or value is None or value is False:
             continue
         if value is True:

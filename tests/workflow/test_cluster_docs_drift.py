@@ -20,7 +20,9 @@ def _runtime(expression: object, attempt: int) -> int:
 
 def test_embed_runtime_agrees_in_rule_profile_and_docs():
     rule = (ROOT / "workflows" / "rules" / "embed.smk").read_text()
-    minutes = int(re.search(r"runtime=lambda wildcards, attempt: (\d+) \* embed_attempt\(wildcards, attempt\)", rule)[1])
+    assert "runtime=lambda wildcards, attempt: embed_runtime(embed_attempt(wildcards, attempt))" in rule
+    common = (ROOT / "workflows" / "rules" / "common.smk").read_text()
+    minutes = int(re.search(r"\ndef embed_runtime\(attempt\):\n(?:    .*\n)*?    return (\d+) \* attempt\n", common)[1])
     profile = yaml.safe_load((ROOT / "workflows" / "profiles" / "slurm" / "config.yaml").read_text())
     fixed = profile["set-resources"]["embed"].get("runtime")
     if fixed is not None:  # a profile value replaces the rule's: it must be the same

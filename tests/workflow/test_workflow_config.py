@@ -110,13 +110,22 @@ def test_the_engine_choices_are_no_workflow_keys(schema, key):
 
 
 def test_precision_auto_is_accepted_and_left_for_the_job_to_resolve(schema):
-    """`precision: auto` passes the schema as written; the rules pass it on verbatim (each embed job
-    chooses on its own node: docs/precision.md, "precision: auto"), never resolved at parse time."""
+    """`precision: auto` passes the schema as written; the rules pass it on verbatim (decided once
+    for the run by a job, docs/precision.md, "One decision per run"), never resolved at parse time."""
     check(_base() | {"precision": "auto"}, schema)
     args = embed_args(_filled(schema) | {"precision": "auto"})
     assert args[args.index("--precision") + 1] == "auto"
     with pytest.raises(ConfigError, match=r"'precision'.*'automatic'"):
         check(_base() | {"precision": "automatic"}, schema)
+
+
+def test_precision_auto_runs_the_runs_one_decision_file(schema):
+    """Given the decision file (rule decide_precision's output), `precision: auto` becomes
+    `--precision auto:FILE`; a named policy is passed as it is (docs/precision.md, "One decision per run")."""
+    auto = embed_args(_filled(schema) | {"precision": "auto"}, decision="out/precision-decision.json")
+    assert auto[auto.index("--precision") + 1] == "auto:out/precision-decision.json"
+    named = embed_args(_filled(schema) | {"precision": "bf16-mixed"}, decision="out/precision-decision.json")
+    assert named[named.index("--precision") + 1] == "bf16-mixed"
 
 
 def _filled(schema) -> dict:

@@ -22,6 +22,9 @@ from embedpipe.workflow import config as workflow_config
 from embedpipe.workflow import jobs as workflow_jobs
 from embedpipe.model import fetch as model_fetch
 from embedpipe.core import export_formats
+from embedpipe.core import stats as workflow_stats
+
+DECISION_SHARDS = 16  # embedpipe.embed.auto_decision.SAMPLE_FILES (that module loads torch)
 
 
 def fail(message):
@@ -53,6 +56,10 @@ OUTDIR = os.path.normpath(config["outdir"])
 #: "precision: auto"): the run's jobs on one node measure once
 AUTO_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "auto-precision"))
 MODEL = config["model"]
+#: `precision: auto`: the run's one decision, made by rule decide_precision before any embed job,
+#: which every embed job runs (docs/precision.md, "One decision per run")
+DECISION = f"{OUTDIR}/precision-decision.json"
+DECIDES_ONCE = config["precision"] == "auto"
 
 # What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):
 # whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size. A model
@@ -293,8 +300,41 @@ def _join(args):
 def embed_options():
     """Options of `embedpipe embed` from the config (a param: changing one re-embeds), mapped
     by the package (embedpipe.workflow.config.embed_args); `tokens_per_batch` is the rule's
-    resource (smaller on a retry)."""
+    resource (smaller on a retry). Under `precision: auto` every job runs the run's one decision
+    (DECISION, given to embed_args)."""
+    return _join(workflow_config.embed_args(config, leave=("tokens_per_batch",),
+                                            decision=DECISION if DECIDES_ONCE else None))
+
+
+def decide_options():
+    """The embed jobs' options as given (precision auto), for `embedpipe decide-precision`:
+    a changed one decides again (a param)."""
     return _join(workflow_config.embed_args(config, leave=("tokens_per_batch",)))
+
+
+def decision_input():
+    """The run's one `auto` decision as an input of every embed job; nothing for a named policy."""
+    return [DECISION] if DECIDES_ONCE else []
+
+
+def decision_shards(wildcards):
+    """The shards decide-precision draws its records from: evenly spaced over all of them (short to
+    long), as many as it reads (embedpipe.embed.auto_decision.SAMPLE_FILES), so the command line
+    stays short whatever the shard count."""
+    return workflow_stats.spread(shard_fastas(), DECISION_SHARDS)
+
+
+def embed_runtime(attempt):
+    """Minutes of an embed job's attempt (and of decide_precision's, which runs as one)."""
+    return 120 * attempt
+
+
+def as_embed_job(job_rule):
+    """Give ``job_rule`` the embed rule's threads and what a profile sets for embed (`set-threads`,
+    `set-resources`: its partition, constraint, GPU type, memory, time), as Snakemake resolved
+    them: decide_precision times the policies on the resources an embed job gets."""
+    job_rule.resources["_cores"] = rules.embed.rule.resources["_cores"]
+    job_rule.resources.update(workflow.resource_settings.overwrite_resources.get("embed", {}))
 
 
 def shard_options():

@@ -24,6 +24,8 @@ rule embed:
         reuse=reuse_indexes(),
         # `int8_calibration`: a changed calibration file reruns the embed jobs
         calibration=calibration_input(),
+        # `precision: auto`: the run's one decision (rule decide_precision), run by every job
+        decision=decision_input(),
     output:
         f"{OUTDIR}/stores/group-{{group}}.json",
     log:
@@ -49,7 +51,7 @@ rule embed:
     resources:
         gpu=gpus,
         mem_mb=lambda wildcards, attempt: model_mem_mb(embed_attempt(wildcards, attempt)),
-        runtime=lambda wildcards, attempt: 120 * embed_attempt(wildcards, attempt),
+        runtime=lambda wildcards, attempt: embed_runtime(embed_attempt(wildcards, attempt)),
         tokens_per_batch=tokens_per_batch,
         repeat=embed_repeat,
     shell:

@@ -1,0 +1,68 @@
+"""``embedpipe decide-precision``: ``precision: auto`` decided once for a run
+(embedpipe.embed.auto_decision), registered on the one ``app`` of :mod:`embedpipe.cli.commands`,
+whose option constants it shares. It takes the options of ``embed`` that decide the numbers, so
+the workflow gives it the embed jobs' own (docs/precision.md, "One decision per run")."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from embedpipe.cli.commands import (
+    DEVICE_HELP,
+    EMBED,
+    INT8_CALIBRATION_HELP,
+    INT8_SMOOTHING_HELP,
+    LONG_SEQUENCES_HELP,
+    MAX_ID_LENGTH,
+    MAX_RECORD_LENGTH,
+    THREADS_HELP,
+    _int_list,
+    _one_of,
+    app,
+)
+from embedpipe.cli.exit import user_errors
+from embedpipe.core import options
+
+
+@app.command("decide-precision")
+@user_errors
+def decide_precision(
+    fasta: list[Path] = typer.Argument(..., help="The run's input: its shards (short to long) or any protein FASTAs."),
+    model: str = typer.Option(..., "--model", help="The model, as embed takes it."),
+    out: Path = typer.Option(..., "--out", help="The decision file (JSON, written atomically; kept when it holds "
+                             "this model and options), for embed --precision auto:FILE."),
+    precision: str = typer.Option(options.AUTO, "--precision", help="auto, the one precision decided here."),
+    layers: list[str] = typer.Option([",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
+                                     help="As embed's: the layers the jobs store."),
+    per_residue: bool = typer.Option(EMBED.per_residue, "--per-residue/--no-per-residue", help="As embed's."),
+    pooling: list[str] = typer.Option(list(EMBED.pooling), "--pooling", metavar="NAME",
+                                      help=f"As embed's: {_one_of(options.POOLINGS)}; repeatable."),
+    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
+    storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype", help=_one_of(options.STORAGE_DTYPES) + "."),
+    long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP),
+    overflow_margin: Optional[float] = typer.Option(EMBED.overflow_margin, "--overflow-margin", help="As embed's."),
+    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
+    int8_smoothing: str = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", help=INT8_SMOOTHING_HELP),
+    int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
+                                                   help=INT8_CALIBRATION_HELP),
+    accept_platform_mix: bool = typer.Option(EMBED.accept_platform_mix, "--accept-platform-mix",
+                                             help="As embed's (how stores are compared: no part of the decision)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
+) -> None:
+    """Decide --precision auto once for a run: measure on records drawn across the whole input,
+    write the decision every embed job then runs (embed --precision auto:FILE)."""
+    from embedpipe.embed.auto_decision import decide_run
+    from embedpipe.embed.run import start_checks
+
+    chosen = options.EmbedOptions(
+        precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
+        device=device, storage_dtype=storage_dtype, long_sequences=long_sequences, overflow_margin=overflow_margin,
+        threads=threads, int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
+        accept_platform_mix=accept_platform_mix)
+    _, limits = start_checks(fasta, model, chosen, (), options.FastaLimits(max_record_length, max_id_length))
+    print(decide_run(fasta, model=model, options=chosen, out=out, limits=limits, quiet=quiet), file=sys.stderr)
