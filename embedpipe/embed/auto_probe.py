@@ -45,7 +45,6 @@ from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
 from embedpipe.runtime import auto_cache, auto_precision
 from embedpipe.runtime.auto_precision import AutoChoice, Timing
 from embedpipe.runtime.engine_override import EngineChoice
-from embedpipe.runtime.precision import POLICIES
 
 Records = Sequence[tuple[str, str]]
 
@@ -117,9 +116,8 @@ def notes(run: ResolvedRun, model: ModelIdentity, directory: Path, table_notes: 
             if note]
 
 
-def model_params(loaded: EmbeddingModel) -> int:
-    """The model's parameter count: its fp32 weights' bytes over 4 (what the table's sizes compare with)."""
-    return int(loaded.estimate_memory(POLICIES["fp32"]).weight_bytes) // 4
+#: the model's parameter count, which a job too small to measure compares with the table's rows
+model_params = auto_precision.model_params
 
 
 def probe_cost(usable: Sequence[str], sample: Records) -> int:

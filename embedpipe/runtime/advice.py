@@ -170,8 +170,8 @@ def cpu_choice(cpu: CpuFeatures, *, params: int | None = None, similar: float = 
                         "measures regardless")
     measured = f"{advice.factor:.2f}x fp32's speed" if advice.factor else "none measured faster"
     return advice.advised, (f"the table's row for this CPU class at a similar model size: {where}: "
-                            f"{advice.advised}, {measured} on {advice.measured} ({at} parameters; this model "
-                            f"{size_words(params)})")
+                            f"{advice.advised}, {measured} at {at} parameters (this model {size_words(params)}), "
+                            f"on {advice.measured}")
 
 
 #: ``--precision auto`` on CUDA, by compute capability (the thresholds of runtime/precision.py's
