@@ -89,9 +89,10 @@ def _key(options: EmbedOptions, engine: EngineChoice, device: torch.device, mode
 
 
 def _from_cache(found: auto_cache.Cached, usable: Sequence[str], directory: Path) -> AutoChoice:
-    chosen = auto_precision.pick({k: v for k, v in found.timings.items() if k in usable})
+    timings = {k: v for k, v in found.timings.items() if k in usable}  # what these options allow
+    chosen = auto_precision.pick(timings)
     return AutoChoice(chosen, f"auto -> {chosen}: measured on this node at {found.measured_utc} (cache {directory}): "
-                                f"{auto_precision.describe(found.timings)}")
+                                f"{auto_precision.describe(timings)}")
 
 
 def cached(options: EmbedOptions, engine: EngineChoice, device: torch.device, model: ModelIdentity,

@@ -7,7 +7,7 @@ CPU, the model's shape and the node's load, which no table follows (an AVX2-only
 table's int8-mixed more than 10x slower than fp32 until its int8 engines were measured too).
 The embed job times each candidate on its own loaded model and records
 (:mod:`embedpipe.embed.auto_probe`), checks each one's pooled cosine to fp32 against the
-cross-check's pass threshold, and runs the fastest that passes. The result is cached per node,
+cross-check's pass threshold, and runs the fastest that passes by a margin. The result is cached per node,
 CPU model and flags, torch version, model, threads and device, in a directory the workflow's
 jobs share, so a node measures once (:mod:`embedpipe.runtime.auto_cache`).
 
@@ -21,10 +21,12 @@ it is at least :data:`MARGIN` faster than every passing policy before it in :dat
 
 Why fp32 for a small job: a job too small to pay for the probe (:data:`PROBE_SHARE`) is not
 measured. The table (:mod:`embedpipe.runtime.advice`) was measured on particular models; its
-speed-ups do not carry to a model of another size (a 2-layer demo model logged bf16-mixed's
-table speed-up as less throughput than fp32), so such a job runs fp32 unless the table has a
-row measured on this CPU class at a similar model size (:data:`SIMILAR_SIZE`), and says which.
-``--auto-measure always`` measures regardless of the job's size.
+speed-ups do not carry to a model of another size (a demo run of a 2-layer model took the
+table's bf16-mixed, measured at 650M, and logged less throughput than fp32 on 2 of its 3
+shards), so such a job runs fp32 unless the table has a row measured on this CPU class at a
+similar model size (:data:`SIMILAR_SIZE`), and says which. ``--auto-measure always`` measures
+regardless of the job's size. On CUDA such a job takes the mixed policy the GPU computes
+natively (:func:`prior`).
 """
 
 from __future__ import annotations
@@ -180,8 +182,15 @@ def rule(timings: Mapping[str, Timing]) -> str:
            f"{MARGIN:.0%} faster than every passing policy before it in the order {order}")
     if fastest == chosen:
         return f"{chosen} chosen ({why})"
-    gain = 1.0 - timings[fastest].ms_per_1k_residues / timings[chosen].ms_per_1k_residues
-    return f"{chosen} chosen: {fastest} was {gain:.0%} faster, short of that margin ({why})"
+    ms = {name: t.ms_per_1k_residues for name, t in timings.items()}
+    gain = 1.0 - ms[fastest] / ms[chosen]
+    blocker = next((before for before in sorted(timings, key=lambda name: (rank(name), name))
+                    if (rank(before), before) < (rank(fastest), fastest) and (before == "fp32" or timings[before].passes())
+                    and ms[fastest] > (1.0 - MARGIN) * ms[before]), chosen)
+    if blocker == chosen:
+        return f"{chosen} chosen: {fastest} was {gain:.0%} faster, short of that margin ({why})"
+    return (f"{chosen} chosen: {fastest} was {gain:.0%} faster than {chosen} but {1.0 - ms[fastest] / ms[blocker]:.0%} "
+            f"faster than {blocker}, short of that margin ({why})")
 
 
 def describe(timings: Mapping[str, Timing]) -> str:

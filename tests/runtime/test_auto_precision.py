@@ -93,6 +93,12 @@ def test_the_reason_states_the_rule() -> None:
                                                                    "before it in the order fp32, int8-mixed)")
 
 
+def test_the_reason_names_the_policy_the_fastest_did_not_beat_by_the_margin() -> None:
+    reason = describe(timings(fp32=100.0, bf16_mixed=95.0, int8_mixed=89.0))
+    assert "fp32 chosen: int8-mixed was 11% faster than fp32 but 6% faster than bf16-mixed, short of that margin" \
+        in reason
+
+
 def test_a_named_policy_s_warning_follows_the_margin_rule() -> None:
     near = timings(fp32=100.0, int8_mixed=95.0)
     assert auto_precision.measured_note("fp32", near, "then") == ""  # auto would choose fp32 too
