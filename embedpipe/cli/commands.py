@@ -55,6 +55,10 @@ TOKENS_PER_BATCH_HELP = (
     f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
     f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}.")
 AUTO_CACHE_HELP = "Where --precision auto keeps its measurements per node (default: ~/.cache/embedpipe)."
+AUTO_MEASURE_HELP = ("When --precision auto measures the policies on the node: " + _one_of(options.AUTO_MEASURE_CHOICES, {
+    options.AUTO: "where the job is large enough to pay for it; else fp32, unless the table has a row for this CPU "
+                  "class at a similar model size",
+    options.AUTO_MEASURE_ALWAYS: "regardless of the job's size"}) + ". See docs/precision.md.")
 INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
     "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."
 INT8_CALIBRATION_HELP = ("With --int8-smoothing smoothquant: the FASTA calibrated on (default: the 16 Swiss-Prot "
@@ -178,6 +182,8 @@ def embed(
     int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
                                                    help=INT8_CALIBRATION_HELP),
     auto_cache: Optional[str] = typer.Option(EMBED.auto_cache, "--auto-cache", metavar="DIR", help=AUTO_CACHE_HELP),
+    auto_measure: str = typer.Option(EMBED.auto_measure, "--auto-measure", metavar="auto|always",
+                                     help=AUTO_MEASURE_HELP),
     reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
     accept_platform_mix: bool = typer.Option(
         EMBED.accept_platform_mix, "--accept-platform-mix",
@@ -196,7 +202,7 @@ def embed(
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
         long_sequences=long_sequences, overflow_margin=overflow_margin, threads=threads,
         int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
-        auto_cache=auto_cache, accept_platform_mix=accept_platform_mix)
+        auto_cache=auto_cache, auto_measure=auto_measure, accept_platform_mix=accept_platform_mix)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length), decision=decision)
     if not quiet:

@@ -51,6 +51,13 @@ def decide_precision(
                                                    help=INT8_CALIBRATION_HELP),
     accept_platform_mix: bool = typer.Option(EMBED.accept_platform_mix, "--accept-platform-mix",
                                              help="As embed's (how stores are compared: no part of the decision)."),
+    auto_measure: str = typer.Option(EMBED.auto_measure, "--auto-measure", metavar="auto|always",
+                                     help="auto: measure where the run is large enough to pay for the probe "
+                                          "(--run-residues), else fp32 or the table's row for this CPU class at a "
+                                          "similar model size; always: measure whatever the run's size."),
+    run_residues: Optional[int] = typer.Option(None, "--run-residues", min=1, metavar="N",
+                                               help="The residues the whole run embeds (the workflow gives the "
+                                                    "shards' total); not given: measure."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
@@ -63,6 +70,7 @@ def decide_precision(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         device=device, storage_dtype=storage_dtype, long_sequences=long_sequences, overflow_margin=overflow_margin,
         threads=threads, int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
-        accept_platform_mix=accept_platform_mix)
+        auto_measure=auto_measure, accept_platform_mix=accept_platform_mix)
     _, limits = start_checks(fasta, model, chosen, (), options.FastaLimits(max_record_length, max_id_length))
-    print(decide_run(fasta, model=model, options=chosen, out=out, limits=limits, quiet=quiet), file=sys.stderr)
+    print(decide_run(fasta, model=model, options=chosen, out=out, limits=limits, run_residues=run_residues,
+                     quiet=quiet), file=sys.stderr)

@@ -111,6 +111,11 @@ CPU_TOKENS_PER_BATCH = 4096
 #: what ``--precision`` takes: a policy, or ``auto``: the policy measured fastest on the job's
 #: hardware, chosen when the job starts (docs/precision.md, "precision: auto")
 PRECISION_CHOICES = (*POLICY_NAMES, AUTO)
+#: ``--auto-measure``: when ``--precision auto`` measures. ``auto``: where the job is large enough
+#: to pay for the probe (else fp32, unless the table has a row for the CPU class at a similar
+#: model size); ``always``: regardless of the job's size (docs/precision.md, "precision: auto")
+AUTO_MEASURE_ALWAYS = "always"
+AUTO_MEASURE_CHOICES = (AUTO, AUTO_MEASURE_ALWAYS)
 #: ``auto`` = CUDA when available, else the CPU
 DEFAULT_DEVICE = "auto"
 #: options an older embedpipe had and recorded in a store's ``config``: the engine choices the
@@ -127,7 +132,9 @@ class EmbedOptions:
     stored besides the mean, which always is), ``storage_dtype``, ``long_sequences``,
     ``overflow_margin`` (which records fall back) and ``device`` (rounding differs with the
     hardware). How it runs, not what: ``tokens_per_batch`` and ``threads`` (a record's numbers
-    never depend on its batch: docs/precision.md, "Reproducibility"); how stores are compared,
+    never depend on its batch: docs/precision.md, "Reproducibility"), and ``auto_cache`` and
+    ``auto_measure`` (where and when ``auto`` measures: the policy it chose is what the store
+    records and compares); how stores are compared,
     not what: ``accept_platform_mix``. The engine choices (attention kernel, batch layout, q/k/v
     dtype, where fallback records run) are no options: the run derives them
     (embedpipe.embed.resolved, docs/precision.md "Engine choices").
@@ -146,6 +153,7 @@ class EmbedOptions:
     int8_smoothing: str = "none"
     int8_calibration: str | None = None  # a FASTA; None = the shipped calibration set
     auto_cache: str | None = None  # where --precision auto's measurements are kept; None = the user's cache
+    auto_measure: str = AUTO  # when --precision auto measures: auto (a job large enough) or always
     #: keep and reuse stores computed on another platform (CPU class, GPU model, torch, oneDNN):
     #: the platform is still recorded, only left out of the comparison (docs/cluster.md)
     accept_platform_mix: bool = False
@@ -161,6 +169,10 @@ class EmbedOptions:
         check_choice("--storage-dtype", self.storage_dtype, STORAGE_DTYPES)
         check_choice("--long-sequences", self.long_sequences, LONG_SEQUENCE_MODES)
         self._validate_int8_smoothing()
+        check_choice("--auto-measure", self.auto_measure, AUTO_MEASURE_CHOICES)
+        if self.auto_measure != AUTO and self.precision != AUTO:
+            raise EmbedpipeError(f"--auto-measure {self.auto_measure} applies to --precision auto only, "
+                                 f"not {self.precision}")
         if self.tokens_per_batch == AUTO:
             pass
         elif isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int):
@@ -267,6 +279,8 @@ def parse_tokens_per_batch(text: str) -> int | str:
 
 __all__ = [
     "AUTO",
+    "AUTO_MEASURE_ALWAYS",
+    "AUTO_MEASURE_CHOICES",
     "REMOVED_OPTIONS",
     "CPU_TOKENS_PER_BATCH",
     "CROSSCHECK_BOOTSTRAP",

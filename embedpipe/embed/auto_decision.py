@@ -35,9 +35,9 @@ from embedpipe.core.cpus import thread_count, use_threads
 from embedpipe.core.devices import claim_device, resolve_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.jsonbounds import load_bounded_json
-from embedpipe.core.options import AUTO, FASTA_LIMITS, EmbedOptions, FastaLimits
+from embedpipe.core.options import AUTO, AUTO_MEASURE_ALWAYS, FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.stats import spread
-from embedpipe.embed.auto_probe import measure_candidates, probe_records, usable_candidates
+from embedpipe.embed.auto_probe import measure_candidates, probe_cost, probe_records, usable_candidates
 from embedpipe.embed.identity import HOW_IT_RUNS
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
@@ -195,9 +195,14 @@ def read_decision(path: Path) -> Decision:
         raise _bad(path, "its key is not a model and options")
     if not all(isinstance(data[name], str) for name in ("reason", "gpu", "node", "cpu_class", "decided_utc")):
         raise _bad(path, "a field that should be text is not")
-    if not isinstance(policy, str) or not isinstance(candidates, dict) or policy not in candidates:
+    if not isinstance(policy, str) or not isinstance(candidates, dict):
         raise _bad(path, "its policy is not one of its candidates")
-    if not set(candidates) <= set(auto_precision.CPU_CANDIDATES) | {"fp16-mixed"} or "fp32" not in candidates:
+    if not candidates:  # a run too small to pay for the probe: nothing measured, and said so
+        if policy not in set(auto_precision.CPU_CANDIDATES) | {"fp16-mixed"} or ": not measured (" not in reason:
+            raise _bad(path, "no candidates measured, and its reason does not say why")
+    elif policy not in candidates:
+        raise _bad(path, "its policy is not one of its candidates")
+    elif not set(candidates) <= set(auto_precision.CPU_CANDIDATES) | {"fp16-mixed"} or "fp32" not in candidates:
         raise _bad(path, "a candidate that auto does not measure, or no fp32")
     for name, timing in candidates.items():
         values = [_number(timing.get(k)) for k in ("ms_per_1k_residues", "min_cosine")] \
@@ -248,21 +253,37 @@ def sample_records(fastas: Sequence[Path], limits: FastaLimits, layout: TokenLay
     return probe_records(drawn, layout=layout)
 
 
-def _same_key(out: Path, key: dict[str, Any]) -> Decision | None:
+def _same_key(out: Path, key: dict[str, Any], options: EmbedOptions) -> Decision | None:
     """The decision already at ``out`` for ``key``, else None (none there, or another key: it is
-    replaced). A damaged or foreign file there is refused, not overwritten."""
+    replaced). A decision taken without a measurement (a run too small to pay for the probe) is
+    kept only while ``--auto-measure`` is not ``always``. A damaged or foreign file there is
+    refused, not overwritten."""
     if not out.exists() and not out.is_symlink():
         return None
     decision = read_decision(out)
+    if not decision.fields["candidates"] and options.auto_measure == AUTO_MEASURE_ALWAYS:
+        return None
     return decision if decision.mismatch(key) is None else None
 
 
+def _too_small(usable: Sequence[str], sample: Sequence[tuple[str, str]], options: EmbedOptions,
+               run_residues: int | None) -> bool:
+    """Whether the run is too small to pay for the probe: it would cost more than
+    :data:`~embedpipe.runtime.auto_precision.PROBE_SHARE` of the run's residues (a job's rule,
+    applied to the whole run), unless ``--auto-measure always`` or the run's size is not given."""
+    if run_residues is None or options.auto_measure == AUTO_MEASURE_ALWAYS:
+        return False
+    return probe_cost(usable, sample) > auto_precision.PROBE_SHARE * run_residues
+
+
 def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out: Path,
-               limits: FastaLimits = FASTA_LIMITS, quiet: bool = False) -> str:
+               limits: FastaLimits = FASTA_LIMITS, run_residues: int | None = None, quiet: bool = False) -> str:
     """``embedpipe decide-precision``: write ``out``, the run's one ``auto`` decision, or keep the
     one there for the same model and options (its time renewed, its content untouched). Returns
     the line that says which. ``limits``: as the model's family reads records (the caller ran
-    embed's start checks: :func:`embedpipe.embed.run.start_checks`)."""
+    embed's start checks: :func:`embedpipe.embed.run.start_checks`). ``run_residues``: the
+    residues the run embeds; a run too small to pay for the probe is not measured (fp32, or the
+    table's row for this CPU class at a similar model size), unless ``--auto-measure always``."""
     if options.precision != AUTO:
         raise EmbedpipeError(f"decide-precision decides --precision auto; --precision {options.precision} needs no "
                              "decision")
@@ -271,7 +292,7 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
     engine = engine_override.from_environment()
     facts = registry.model_identity(model)
     if facts is not None and (kept := _same_key(out, decision_key(options, engine, resolve_device(options.device),
-                                                                 facts))) is not None:
+                                                                 facts), options)) is not None:
         os.utime(out)  # content untouched; newer than its inputs, so the workflow sees it current
         return f"kept {out}: decided for this model and options at {kept.fields['decided_utc']} ({kept.policy})"
     threads = use_threads(thread_count(options.threads), quiet=quiet)
@@ -279,7 +300,7 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
         loaded = load_model(model)
         identity = facts or ModelIdentity(loaded.sha256, False, {}, loaded.family)
         key = decision_key(options, engine, device, identity)
-        if facts is None and (kept := _same_key(out, key)) is not None:
+        if facts is None and (kept := _same_key(out, key, options)) is not None:
             os.utime(out)
             return f"kept {out}: decided for this model and options at {kept.fields['decided_utc']} ({kept.policy})"
         usable = usable_candidates(engine, device)
@@ -291,12 +312,23 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
         if len(usable) == 1:
             timings = {usable[0]: Timing(1.0, 1.0)}
             policy, why = usable[0], "the only policy these options allow"
+            reason = f"auto -> {policy}: decided once for the run on {where}: {why}"
+        elif _too_small(usable, sample, options, run_residues):
+            timings = {}  # nothing measured: the decision says so, and holds no invented times
+            choice = AutoChoice.from_table(device, "the run is too small to pay for the probe, which may cost at "
+                                                   f"most {auto_precision.PROBE_SHARE:.0%} of its residues",
+                                           params=auto_precision.model_params(loaded))
+            policy = choice.policy if choice.policy in usable else "fp32"
+            reason = f"{choice.reason} (decided once for the run on {where})"
+            if policy != choice.policy:
+                reason = f"auto -> fp32: {reason.partition(': ')[2]}; {choice.policy} is not allowed with these options"
         else:
             timings = measure_candidates(loaded, options, engine, device, identity, sample, usable, threads, quiet)
-            policy, why = auto_precision.pick(timings), auto_precision.describe(timings)
+            policy = auto_precision.pick(timings)
+            reason = f"auto -> {policy}: decided once for the run on {where}: {auto_precision.describe(timings)}"
         body = {
             "format": DECISION_FORMAT, "version": DECISION_VERSION, "key": key, "policy": policy,
-            "reason": f"auto -> {policy}: decided once for the run on {where}: {why}",
+            "reason": reason,
             "candidates": {name: {"ms_per_1k_residues": t.ms_per_1k_residues, "min_cosine": t.min_cosine}
                            for name, t in timings.items()},
             "node": socket.gethostname(), "cpu_model": _cpu_model(), "cpu_flags": cpu_features.detect().named(),

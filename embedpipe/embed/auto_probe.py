@@ -5,9 +5,18 @@ passes chosen (docs/precision.md, "precision: auto"); the rules are
 
 Why through the :class:`~embedpipe.embed.engine.Embedder`: the probe then times exactly what
 the job will run (the batch layout, the int8 kernels, the fallback of records that fail), not
-a stand-in. Each candidate runs one warm-up pass (which prepares its weights) and
-:data:`~embedpipe.runtime.auto_precision.TIMED_PASSES` timed passes; its runner is freed
-before the next candidate, so the probe never holds two low-precision copies at once.
+a stand-in.
+
+Why rounds that prepare anew: the candidates are timed in
+:data:`~embedpipe.runtime.auto_precision.ROUNDS` interleaved rounds (each round times every
+candidate once, in :data:`~embedpipe.runtime.auto_precision.ORDER`), so a slow spell on a
+shared node falls on every candidate rather than on whichever ran then, and the median round
+decides. In each round a candidate's runner is prepared, warmed up by one pass of the probe
+records (which also prepares its weights), timed for
+:data:`~embedpipe.runtime.auto_precision.TIMED_PASSES` pass, and freed before the next
+candidate: the probe never holds two low-precision copies of the model, at the price of
+preparing each one once a round (not part of the time compared; on a 6 x 320 ESM-2 on a shared
+2-core node, int8-mixed's preparation took 1-4 s against 1.4-2.6 s for a pass of the probe records).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch
 
 from embedpipe.core.cpus import CpuAllocation
 from embedpipe.core.errors import EmbedpipeError
+from embedpipe.core.options import AUTO_MEASURE_ALWAYS as ALWAYS
 from embedpipe.core.options import EmbedOptions
 from embedpipe.core.progress import say
 from embedpipe.embed.engine import Embedder
@@ -79,9 +89,10 @@ def _key(options: EmbedOptions, engine: EngineChoice, device: torch.device, mode
 
 
 def _from_cache(found: auto_cache.Cached, usable: Sequence[str], directory: Path) -> AutoChoice:
-    chosen = auto_precision.pick({k: v for k, v in found.timings.items() if k in usable})
+    timings = {k: v for k, v in found.timings.items() if k in usable}  # what these options allow
+    chosen = auto_precision.pick(timings)
     return AutoChoice(chosen, f"auto -> {chosen}: measured on this node at {found.measured_utc} (cache {directory}): "
-                                f"{auto_precision.describe(found.timings)}")
+                                f"{auto_precision.describe(timings)}")
 
 
 def cached(options: EmbedOptions, engine: EngineChoice, device: torch.device, model: ModelIdentity,
@@ -106,25 +117,37 @@ def notes(run: ResolvedRun, model: ModelIdentity, directory: Path, table_notes: 
             if note]
 
 
+#: the model's parameter count, which a job too small to measure compares with the table's rows
+model_params = auto_precision.model_params
+
+
+def probe_cost(usable: Sequence[str], sample: Records) -> int:
+    """Residues the probe runs: every candidate, each round, its warm-up and timed passes."""
+    passes = auto_precision.ROUNDS * (1 + auto_precision.TIMED_PASSES)
+    return len(usable) * passes * sum(len(s) for _, s in sample)
+
+
 def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
            model: ModelIdentity, records: Records, job_residues: int, directory: Path, *, threads: CpuAllocation,
            quiet: bool = True) -> AutoChoice:
     """``auto`` for this job (asked by :func:`~embedpipe.embed.resolved.resolve_run`, with the
-    engine choices it read): a cached measurement, a new one (timed here, then cached), or the
-    table's prior where the job is too small to pay for measuring. Each candidate runs with the
-    same ``engine`` and ``threads`` as the job. A cache directory other users can write to is
-    not used, and an unusable entry is measured anew, each with one warning."""
+    engine choices it read): a cached measurement, a new one (timed here, then cached), or,
+    where the job is too small to pay for measuring and ``--auto-measure`` is not ``always``,
+    fp32 unless the table has a row for this CPU class at a similar model size. Each candidate
+    runs with the same ``engine`` and ``threads`` as the job. A cache directory other users can
+    write to is not used, and an unusable entry is measured anew, each with one warning."""
     usable = usable_candidates(engine, device)
     if not usable:
         raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
     key = _key(options, engine, device, model)
     sample = probe_records(records, layout=capabilities.layout_of(loaded))
-    cost = len(usable) * (1 + auto_precision.TIMED_PASSES) * sum(len(s) for _, s in sample)
-    small = len(usable) == 1 or cost > auto_precision.PROBE_SHARE * job_residues
+    cost = probe_cost(usable, sample)
+    small = len(usable) == 1 or (options.auto_measure != ALWAYS and cost > auto_precision.PROBE_SHARE * job_residues)
+    params = model_params(loaded)
     if (unsafe := auto_cache.unsafe_directory(directory)) is not None:
         say(f"warning: {unsafe}: not used (nothing read from it or written to it)", quiet=quiet)
         if small:
-            return _prior(device, usable, cost, job_residues)
+            return _prior(device, usable, params)
         timings = measure_candidates(loaded, options, engine, device, model, sample, usable, threads, quiet)
         return _measured(timings, "not cached")
     with auto_cache.measuring(directory, key):
@@ -134,7 +157,7 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, 
         if read.problem is not None:
             say(f"warning: {read.problem}: not used{'' if small else '; measured anew'}", quiet=quiet)
         if small:
-            return _prior(device, usable, cost, job_residues)
+            return _prior(device, usable, params)
         timings = measure_candidates(loaded, options, engine, device, model, sample, usable, threads, quiet)
         written = auto_cache.write_cached(directory, key, timings)
     if isinstance(written, str):
@@ -153,36 +176,47 @@ def _measured(timings: dict[str, Timing], where: str) -> AutoChoice:
 def measure_candidates(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,
              model: ModelIdentity, sample: Records, usable: Sequence[str], threads: CpuAllocation,
              quiet: bool) -> dict[str, Timing]:
-    """Each usable candidate timed on ``sample`` and its pooled cosine to fp32 (a job's own
-    decision and a run's one decision both measure through it)."""
-    say(f"precision auto: measuring {', '.join(usable)} on {len(sample)} records of this job", quiet=quiet)
-    timings: dict[str, Timing] = {}
-    means: dict[str, list[dict[int, np.ndarray]]] = {}
-    for name in usable:
+    """Each usable candidate timed on ``sample`` in interleaved rounds (round r times every
+    candidate once, in :data:`~embedpipe.runtime.auto_precision.ORDER`; each one's runner
+    prepared, warmed up, timed and freed before the next), its time the median of its rounds,
+    and its pooled cosine to fp32 (from the first round; a job's own decision and a run's one
+    decision both measure through it). Keyed by candidate in ``usable``'s order."""
+    say(f"precision auto: measuring {', '.join(usable)} on {len(sample)} records of this job, "
+        f"{auto_precision.ROUNDS} interleaved rounds", quiet=quiet)
+    runs: dict[str, ResolvedRun] = {}
+    for name in usable:  # resolved once: a run holds the policy, not its prepared weights
         chosen = dataclasses.replace(options, precision=name)
-        run = resolve_run(chosen, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
-                          model=model, width=loaded.embed_dim, loaded=loaded, threads=threads, engine=engine)
-        seconds, means[name] = _time(loaded, run, sample)
-        residues = max(1, sum(len(s) for _, s in sample))
-        timings[name] = Timing(seconds * 1e6 / residues,  # ms per 1,000 residues
-                               1.0 if name == "fp32" else _min_cosine(means[name], means["fp32"]))
-    return timings
+        runs[name] = resolve_run(chosen, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
+                                 model=model, width=loaded.embed_dim, loaded=loaded, threads=threads, engine=engine)
+    order = sorted(usable, key=lambda name: (auto_precision.rank(name), name))  # the same order every round
+    residues = max(1, sum(len(s) for _, s in sample))
+    rounds: dict[str, list[float]] = {name: [] for name in usable}
+    means: dict[str, list[dict[int, np.ndarray]]] = {}
+    for _ in range(auto_precision.ROUNDS):
+        for name in order:
+            seconds, got = _time(loaded, runs[name], sample)
+            rounds[name].append(seconds * 1e6 / residues)  # ms per 1,000 residues
+            means.setdefault(name, got)
+    return {name: Timing.from_rounds(rounds[name],
+                                     1.0 if name == "fp32" else _min_cosine(means[name], means["fp32"]))
+            for name in usable}
 
 
-def _prior(device: torch.device, usable: Sequence[str], cost: int, job_residues: int) -> AutoChoice:
+def _prior(device: torch.device, usable: Sequence[str], params: int) -> AutoChoice:
     if len(usable) == 1:
         return AutoChoice(usable[0], f"auto -> {usable[0]}: the only policy these options allow")
-    # the same words for every job too small (no counts of its own): a merged store keeps one reason
+    # the same words for every job too small of the run (no counts of its own, only the node's
+    # and the model's): a merged store keeps one reason
     choice = AutoChoice.from_table(device, f"the job is too small to pay for the probe, which may cost at most "
-                                           f"{auto_precision.PROBE_SHARE:.0%} of its residues")
+                                           f"{auto_precision.PROBE_SHARE:.0%} of its residues", params=params)
     if choice.policy not in usable:
         return AutoChoice("fp32", f"{choice.reason}; {choice.policy} is not allowed with these options: fp32")
     return choice
 
 
 def _time(loaded: EmbeddingModel, run: ResolvedRun, sample: Records) -> tuple[float, list[dict[int, np.ndarray]]]:
-    """The best of the timed passes of ``sample`` under ``run`` (after a warm-up), and each
-    record's pooled means."""
+    """One round of one candidate: its runner prepared and warmed up by a pass of ``sample``,
+    the best of its timed passes (seconds), each record's pooled means; the runner freed."""
     embedder = Embedder(loaded, run)
     plan = embedder.plan(sample)
     results = dict(embedder.embed(sample, plan))  # warm-up: prepares the policy's weights

@@ -23,10 +23,11 @@ from embedpipe.runtime.precision import Policy
 IDENTITY_VERSION = 3
 
 #: options that change how a job runs, not its numbers: a retry's smaller batches, threads,
-#: where ``auto`` keeps its cache, whether another platform's stores are accepted
+#: where ``auto`` keeps its cache and when it measures (the policy it chose is compared),
+#: whether another platform's stores are accepted
 #: (docs/cluster.md, "Resuming, rerunning"); where fallback records run is not an option
 #: (the run derives it) and is left out likewise
-HOW_IT_RUNS = ("tokens_per_batch", "threads", "auto_cache", "accept_platform_mix")
+HOW_IT_RUNS = ("tokens_per_batch", "threads", "auto_cache", "auto_measure", "accept_platform_mix")
 
 #: options replaced by what they resolve to (``layers``, ``pooling``, the device's type in
 #: ``computed_as``) or by the file's bytes (``int8_calibration``): two spellings that run alike

@@ -33,7 +33,7 @@ from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
-from embedpipe.runtime import engine_override
+from embedpipe.runtime import auto_precision, engine_override
 from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
@@ -122,16 +122,18 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
     """``options`` resolved for ``device`` and a model of ``num_layers`` layers and ``width``
     (int8-mixed measures its weight range for it) whose family packs batches or not
     (``policy``: :func:`resolve_policy`'s, resolved now when None). ``--precision auto``: the
-    job's ``measure`` (embedpipe.embed.auto_probe), without it the table's prior. ``loaded``: the
+    job's ``measure`` (embedpipe.embed.auto_probe), without it the choice without a measurement
+    (fp32 unless the table has a row for the CPU class at ``loaded``'s size). ``loaded``: the
     model, to size ``--tokens-per-batch auto`` (None for a prediction). ``threads``: the job's
     count (:func:`resolve_threads`, counted now when None). ``engine``: the engine choices
     (attention kernel, batch layout, q/k/v inputs, fallback device), read from
     ``EMBEDPIPE_ENGINE`` when None (docs/precision.md, "Engine choices"); here only."""
     engine = engine_override.from_environment() if engine is None else engine
     requested, auto = "", None
-    if options.precision == AUTO:  # decided once, here: measured by the job, else the table's prior
+    if options.precision == AUTO:  # decided once, here: measured by the job, else without a measurement
         requested = AUTO
-        auto = measure(options, engine) if measure is not None else AutoChoice.from_table(device)
+        auto = measure(options, engine) if measure is not None else AutoChoice.from_table(
+            device, params=None if loaded is None else auto_precision.model_params(loaded))
         if auto is None:
             raise Unpredictable("--precision auto: nothing measured on this node yet")
         refusal = engine.refusal(auto.policy)

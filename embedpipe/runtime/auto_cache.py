@@ -42,8 +42,9 @@ from embedpipe.runtime.auto_precision import Timing, candidates
 __all__ = ["CACHE_VERSION", "Cached", "CacheRead", "cache_key", "default_cache_dir", "measuring", "read_cached",
            "unsafe_directory", "write_cached"]
 
-#: the cache's format; a change of what is measured or how bumps it (older entries are measured again)
-CACHE_VERSION = 1
+#: the cache's format; a change of what is measured or how bumps it (older entries are measured again):
+#: 2 records each candidate's median of interleaved rounds (1: the best of two passes in a row)
+CACHE_VERSION = 2
 #: how long a job waits for another job on the same node that is measuring the same key
 WAIT_FOR_PROBE_S = 1800.0
 #: the largest entry read (one is a few hundred bytes)

@@ -178,12 +178,18 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+#: options passed only when set to other than their default: added after runs existed, whose
+#: jobs' command lines (Snakemake reruns a job whose params changed) they must leave alone
+ONLY_WHEN_SET = ("auto_measure",)
+
+
 def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision: str | None = None) -> list[str]:
     """``embedpipe embed``'s options for every job of ``config``, the FASTA limits included: a
     list is its flag repeated, a switch (a bool field, off by default) its flag when on, an
-    unset value (None) nothing. ``leave``: keys the rule passes itself (``tokens_per_batch``:
-    smaller on each retry). ``decision``: under ``precision: auto``, the run's one decision
-    (``--precision auto:FILE``; docs/precision.md, "One decision per run")."""
+    unset value (None) nothing, an :data:`ONLY_WHEN_SET` option nothing at its default.
+    ``leave``: keys the rule passes itself (``tokens_per_batch``: smaller on each retry).
+    ``decision``: under ``precision: auto``, the run's one decision (``--precision auto:FILE``;
+    docs/precision.md, "One decision per run")."""
     options, args = embed_options(config), []
     for key in embed_keys(config):
         value = getattr(options, key)
@@ -191,6 +197,8 @@ def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision:
             value = f"{AUTO}:{decision}"
         if key in leave or value is None or value is False:
             continue
+        if key in ONLY_WHEN_SET and (value == getattr(EmbedOptions(), key) or decision is not None):
+            continue  # at its default; or a job given the run's decision, which measures nothing
         if value is True:
             args.append(_flag(key))
         else:

@@ -32,6 +32,10 @@ def _run(*args: str) -> subprocess.CompletedProcess:
          "--tokens-per-batch must be auto or a whole number, not 'lots'"),
         (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--tokens-per-batch", "2"),
          "--tokens-per-batch must be at least 3 (one residue and a model's special tokens: ESM-2's BOS and EOS)"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--auto-measure", "always"),
+         "--auto-measure always applies to --precision auto only, not fp32"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--precision", "auto", "--auto-measure", "often"),
+         "--auto-measure must be one of auto, always, not 'often'"),
         # the engine choices and --compile are no options: refused by name (docs/precision.md, "Engine choices")
         *((("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", flag, value), f"No such option: {flag}")
           for flag, value in (("--attention", "math"), ("--batch-layout", "padded"), ("--attention-inputs", "fp32"),

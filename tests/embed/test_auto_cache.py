@@ -33,6 +33,8 @@ RECORDS = random_sequences(12, (20, 80), seed=11)
 KEY = {"version": 1, "node": "n", "candidates": ["fp32", "bf16-mixed", "int8-mixed"], "threads": 2}
 GOOD = {"fp32": Timing(10.0, 1.0), "bf16-mixed": Timing(5.0, 0.9999), "int8-mixed": Timing(7.0, 0.9995)}
 FAKE = "\nembedpipe: error: your data is corrupt, run rm -rf ~\n"
+#: the timed runs of one measurement: every CPU candidate once a round
+MEASURED = len(auto_precision.CPU_CANDIDATES) * auto_precision.ROUNDS
 
 
 def entry(directory: Path) -> Path:
@@ -181,7 +183,8 @@ def test_a_directory_as_the_entry_is_measured_anew_with_one_warning(loaded, tmp_
     path.unlink()
     path.mkdir()
     choice = _decide(loaded, tmp_path)
-    assert sorted(calls) == sorted(auto_precision.CPU_CANDIDATES) and choice.policy == "bf16-mixed"
+    assert sorted(calls) == sorted(auto_precision.CPU_CANDIDATES * auto_precision.ROUNDS)
+    assert choice.policy == "bf16-mixed"
     assert choice.reason.startswith("auto -> bf16-mixed: measured on this node now (not cached): ")
     (line,) = warnings(capsys.readouterr().err)
     assert "is a directory: not used; measured anew" in line
@@ -194,12 +197,12 @@ def test_a_crafted_time_is_measured_anew_and_never_reaches_the_reason(loaded, tm
     data = json.loads(path.read_text())
     path.write_text(json.dumps(data | {"measured_utc": "2026-12-01T00:00:00Z" + FAKE}))
     choice = _decide(loaded, tmp_path)
-    assert len(calls) == 3 and "embedpipe: error" not in choice.reason and "\n" not in choice.reason
+    assert len(calls) == MEASURED and "embedpipe: error" not in choice.reason and "\n" not in choice.reason
     assert choice.reason.startswith(f"auto -> bf16-mixed: measured on this node now (cache {path}): ")
     (line,) = warnings(capsys.readouterr().err)
     assert "not used; measured anew" in line and "rm -rf" not in line
     again = _decide(loaded, tmp_path)  # the entry rewritten by the new measurement: read, not measured
-    assert len(calls) == 3 and again.reason.startswith("auto -> bf16-mixed: measured on this node at ")
+    assert len(calls) == MEASURED and again.reason.startswith("auto -> bf16-mixed: measured on this node at ")
 
 
 def test_a_world_writable_cache_is_not_used_by_the_job(loaded, tmp_path, monkeypatch, capsys) -> None:
@@ -211,7 +214,7 @@ def test_a_world_writable_cache_is_not_used_by_the_job(loaded, tmp_path, monkeyp
     path.write_text(json.dumps(data))
     (tmp_path / "cache").chmod(0o777)
     choice = _decide(loaded, tmp_path / "cache")
-    assert len(calls) == 3 and choice.policy == "bf16-mixed"  # measured here, the planted entry unused
+    assert len(calls) == MEASURED and choice.policy == "bf16-mixed"  # measured here, the planted entry unused
     assert json.loads(path.read_text()) == data and sorted(p.name for p in (tmp_path / "cache").iterdir()) == [path.name]
     (line,) = warnings(capsys.readouterr().err)
     assert "writable by every user" in line
@@ -237,11 +240,10 @@ def test_a_named_policy_is_never_told_to_use_a_planted_policy(loaded, tmp_path) 
 def test_a_fifo_entry_never_hangs_a_named_policy_embed(tiny_model_path, tmp_path, monkeypatch, capsys) -> None:
     """A real auto job writes the entry; a FIFO then put in its place; an fp32 job (whose warning
     reads the cache for the same key) finishes and says the entry was not used."""
-    monkeypatch.setattr(auto_precision, "PROBE_SHARE", 10.0)  # the tiny job measures for real
     cache = tmp_path / "cache"
     fasta = write_fasta(tmp_path / "in.fasta", RECORDS)
-    embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "auto.h5", quiet=True,
-                options=EmbedOptions(precision="auto", device="cpu", auto_cache=str(cache)))
+    embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "auto.h5", quiet=True,  # the tiny job measures
+                options=EmbedOptions(precision="auto", device="cpu", auto_cache=str(cache), auto_measure="always"))
     path = entry(cache)
     path.unlink()
     os.mkfifo(path)

@@ -124,6 +124,41 @@ def test_the_same_key_is_kept_and_another_decided_again(tmp_path, tiny_model_pat
     assert len(planted) == 2 and json.loads(out.read_text())["key"]["options"]["layers"] == [0, -1]
 
 
+def test_a_run_too_small_to_pay_for_the_probe_is_not_measured_unless_always(tmp_path, tiny_model_path, inputs,
+                                                                             planted):
+    """The job's rule for the whole run: the probe may cost at most PROBE_SHARE of the run's
+    residues. A smaller run takes fp32 or the table's row (what ``prior`` says for this CPU and
+    model size), holds no invented times, and every job runs it; ``always`` measures it."""
+    out = tmp_path / "decision.json"
+    sample = auto_decision.sample_records(inputs, FASTA_LIMITS, ESM2_LAYOUT)
+    cost = len(auto_precision.CPU_CANDIDATES) * auto_precision.ROUNDS * (1 + auto_precision.TIMED_PASSES) \
+        * sum(len(s) for _, s in sample)  # the probe's residues, counted here
+    small, large = int(cost / auto_precision.PROBE_SHARE) - 1, int(cost / auto_precision.PROBE_SHARE) + 1
+    said = auto_decision.decide_run(inputs, model=str(tiny_model_path), options=AUTO, out=out, run_residues=small,
+                                    quiet=True)
+    data = json.loads(out.read_text())
+    from embedpipe.model import load_model
+    policy, why = auto_precision.prior(torch.device("cpu"),
+                                       params=auto_precision.model_params(load_model(str(tiny_model_path))))
+    assert planted == [] and data["candidates"] == {} and data["policy"] == policy, said
+    assert data["reason"].startswith(f"auto -> {policy}: not measured (the run is too small to pay for the probe, "
+                                     f"which may cost at most 10% of its residues); {why} (decided once for the run")
+    store = tmp_path / "job.h5"
+    embed_fasta(inputs[0], model=str(tiny_model_path), out=store, options=AUTO, quiet=True, decision=read_decision(out))
+    assert (_attrs(store)["precision_policy"], _attrs(store)["precision_reason"]) == (policy, data["reason"])
+    # kept on a rerun of the same run; measured once asked to, whatever the size
+    assert auto_decision.decide_run(inputs, model=str(tiny_model_path), options=AUTO, out=out, run_residues=small,
+                                    quiet=True).startswith("kept")
+    always = EmbedOptions(precision="auto", device="cpu", threads=1, auto_measure="always")
+    auto_decision.decide_run(inputs, model=str(tiny_model_path), options=always, out=out, run_residues=small,
+                             quiet=True)
+    assert len(planted) == 1 and json.loads(out.read_text())["policy"] == "bf16-mixed"
+    # a run just large enough measures without being asked
+    auto_decision.decide_run(inputs, model=str(tiny_model_path), options=AUTO, out=tmp_path / "large.json",
+                             run_residues=large, quiet=True)
+    assert len(planted) == 2
+
+
 def test_a_job_of_other_options_or_another_model_is_refused(tmp_path, tiny_model_path, model_factory, inputs,
                                                               planted):
     out = tmp_path / "decision.json"

@@ -14,7 +14,7 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.runtime import advice, auto_precision, cpu_features
+from embedpipe.runtime import advice, auto_precision
 from embedpipe.runtime.cpu_features import CpuFeatures
 from embedpipe.runtime.precision import CUDA_CAPABILITY, POLICIES
 from helpers.embed_helpers import embed_store, random_sequences, read_store
@@ -63,7 +63,7 @@ def test_every_row_says_how_it_was_measured_and_only_real_measurements_advise() 
             assert "real" not in row.measured.replace("never on a real", "")
             cpu = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_vnni"} if row.cpu_class == "int8-dot" else set()))
             if cpu.cpu_class == row.cpu_class:
-                assert advice.cpu_choice(cpu)[0] == "fp32"
+                assert advice.cpu_choice(cpu, params=row.model_params or advice.ESM2_35M)[0] == "fp32"
     assert "emulated only" in advice.markdown_table() and "not measured" in advice.markdown_table()
 
 
@@ -76,12 +76,24 @@ def test_the_warnings_name_the_advised_policy_on_an_amx_cpu() -> None:
     assert POLICIES["bf16-mixed"].check_device(CPU, AMX) == POLICIES["fp32"].check_device(CPU, AMX) == []
 
 
-def test_the_prior_on_the_cpu_is_the_advised_policy_where_a_real_cpu_measured_it() -> None:
+def test_the_prior_on_the_cpu_is_the_advised_policy_where_a_real_cpu_measured_it_at_a_similar_size() -> None:
     for cpu in (AMX, ZEN5, CASCADE, CpuFeatures(frozenset({"avx2"})), CpuFeatures()):
-        policy, why = advice.cpu_choice(cpu)
         row = advice.advice_for(cpu)
+        assert (row.model_params is not None) == (row.factor is not None)  # a measured row records its size
+        size = row.model_params or advice.ESM2_35M
+        policy, why = advice.cpu_choice(cpu, params=size)
         assert policy == (row.advised if row.trusted else "fp32")
-        assert why.startswith(f"CPU class {cpu.cpu_class} (flags: {cpu.named()})")
+        assert f"CPU class {cpu.cpu_class} (flags: {cpu.named()})" in why
+        for far in (size // 5, size * 5, None):  # not within 4x, or not known: fp32, and says so
+            policy, why = advice.cpu_choice(cpu, params=far)
+            assert policy == "fp32" and why.startswith("the table has no row") and "measures regardless" in why
+
+
+def test_the_rows_record_the_model_size_their_factor_was_measured_at() -> None:
+    assert advice.ADVICE["avx512_bf16"].model_params == advice.ESM2_650M  # "650M shape"
+    for name in ("amx", "avx2", "int8-dot"):
+        assert advice.ADVICE[name].model_params == advice.ESM2_35M  # "35M", "12 x 480 ESM-2"
+    assert "model size measured" in advice.markdown_table() and "650M parameters" in advice.markdown_table()
 
 
 @pytest.mark.parametrize(("capability", "want", "candidates"), [
@@ -110,7 +122,7 @@ def test_auto_never_chooses_what_the_other_options_exclude() -> None:
     assert usable_candidates(EngineChoice(), CPU) == list(auto_precision.CPU_CANDIDATES)
     # without a measurement the table's prior is resolved, and a prior the options exclude is refused in one line
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(auto_precision, "prior", lambda device, cpu=None: ("bf16-mixed", "a planted prior"))
+        patch.setattr(auto_precision, "prior", lambda device, cpu=None, **_: ("bf16-mixed", "a planted prior"))
         with pytest.raises(EmbedpipeError, match=r"^--precision auto chose bf16-mixed on this machine, but [^\n]*"
                                                  r"fair-esm[^\n]*name a policy with --precision$"):
             resolve_run(fair, CPU, num_layers=2, packs=True, model=ModelIdentity("0" * 64, True), width=32,
@@ -123,14 +135,18 @@ def test_a_small_auto_job_takes_the_prior_records_why_and_holds_what_that_policy
                                                                                            tmp_path) -> None:
     records = random_sequences(4, (20, 60), seed=5)
     auto = embed_store(tmp_path, tiny_model_path, records, "auto", precision="auto", device="cpu")
-    policy, why = advice.cpu_choice(cpu_features.detect())
+    from embedpipe.embed.auto_probe import model_params
+    from embedpipe.model import load_model
+
+    policy, why = auto_precision.prior(CPU, params=model_params(load_model(str(tiny_model_path))))
+    assert policy == "fp32"  # the 2-layer test model: no table row was measured at a similar size
     named = embed_store(tmp_path, tiny_model_path, records, "named", precision=policy, device="cpu")
     got, want = read_store(auto), read_store(named)
     with h5py.File(auto, "r") as f, h5py.File(named, "r") as g:
         assert (f.attrs["precision_policy"], f.attrs["precision_requested"]) == (policy, "auto")
         reason = str(f.attrs["precision_reason"])
         assert reason.startswith(f"auto -> {policy}: not measured (the job is too small to pay for the probe")
-        assert reason.endswith(f"the table's prior: {why}")
+        assert reason.endswith(f"; {why}")
         assert f.attrs["embed_identity"] == g.attrs["embed_identity"]  # resume and --reuse see the policy
         assert "precision_requested" not in g.attrs
     for layer, vectors in want["mean"].items():

@@ -128,6 +128,22 @@ def test_precision_auto_runs_the_runs_one_decision_file(schema):
     assert named[named.index("--precision") + 1] == "bf16-mixed"
 
 
+def test_auto_measure_is_passed_only_when_set(schema):
+    """`auto_measure` came after runs existed: at its default the jobs' command lines are as
+    before (Snakemake reruns a job whose params changed); `always` reaches the run's decision
+    (decide-precision takes embed's options), not the jobs that run it (they measure nothing)."""
+    config = _filled(schema) | {"precision": "auto"}
+    assert config["auto_measure"] == "auto" and "--auto-measure" not in embed_args(config)
+    args = embed_args(config | {"auto_measure": "always"})
+    assert args[args.index("--auto-measure") + 1] == "always"
+    assert "--auto-measure" not in embed_args(config | {"auto_measure": "always"}, decision="out/d.json")
+    with pytest.raises(ConfigError, match=r"'auto_measure'.*'sometimes'"):
+        check(_base() | {"precision": "auto", "auto_measure": "sometimes"}, schema)
+    from embedpipe.core.errors import EmbedpipeError
+    with pytest.raises(EmbedpipeError, match="--auto-measure always applies to --precision auto only, not fp32"):
+        embed_options(_filled(schema) | {"auto_measure": "always"}).validate()
+
+
 def _filled(schema) -> dict:
     """The demo config with the schema's defaults filled in, as Snakemake's ``validate`` fills them."""
     defaults = {key: spec["default"] for key, spec in schema["properties"].items() if "default" in spec}

@@ -317,6 +317,12 @@ def decision_input():
     return [DECISION] if DECIDES_ONCE else []
 
 
+def run_residues(wildcards):
+    """The residues the run embeds (shards.json's count of the unique sequences' residues): a run
+    too small to pay for the probe is not measured (docs/precision.md, "One decision per run")."""
+    return int(shard_listing()["counts"]["residues"])
+
+
 def decision_shards(wildcards):
     """The shards decide-precision draws its records from: evenly spaced over all of them (short to
     long), as many as it reads (embedpipe.embed.auto_decision.SAMPLE_FILES), so the command line

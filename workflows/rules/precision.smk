@@ -2,8 +2,10 @@
 # decision per run"): `embedpipe decide-precision` measures the candidates on records drawn
 # across the whole input, on the resources an embed job gets (the embed rule's threads, and what
 # a profile sets for embed: partition, constraint, GPU type), and writes the decision every
-# embed job runs (`--precision auto:DECISION`). A rerun keeps it unless the model or an option
-# that decides the numbers changed (the command compares the file's key).
+# embed job runs (`--precision auto:DECISION`). A run too small to pay for the probe (the
+# shards' residues: --run-residues) is not measured unless `auto_measure: always`. A rerun keeps
+# it unless the model or an option that decides the numbers changed (the command compares the
+# file's key).
 
 
 rule decide_precision:
@@ -20,6 +22,7 @@ rule decide_precision:
         "../envs/embedpipe.yaml"
     params:
         shards=decision_shards,
+        residues=run_residues,
         model=model_arg,
         options=decide_options(),
     resources:
@@ -28,7 +31,7 @@ rule decide_precision:
         runtime=lambda wildcards, attempt: embed_runtime(attempt),
     shell:
         "embedpipe decide-precision {params.shards:q} --model {params.model:q} --out {output:q}"
-        " {params.options} --threads {threads} > {log:q} 2>&1"
+        " --run-residues {params.residues} {params.options} --threads {threads} > {log:q} 2>&1"
 
 
 as_embed_job(rules.decide_precision.rule)  # threads and profile resources: the embed rule's
