@@ -37,7 +37,13 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.core.options import AUTO, AUTO_MEASURE_ALWAYS, FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.stats import spread
-from embedpipe.embed.auto_probe import measure_candidates, probe_cost, probe_records, usable_candidates
+from embedpipe.embed.auto_probe import (
+    measure_candidates,
+    model_params,
+    probe_cost,
+    probe_records,
+    usable_candidates,
+)
 from embedpipe.embed.identity import HOW_IT_RUNS
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
@@ -317,7 +323,7 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
             timings = {}  # nothing measured: the decision says so, and holds no invented times
             choice = AutoChoice.from_table(device, "the run is too small to pay for the probe, which may cost at "
                                                    f"most {auto_precision.PROBE_SHARE:.0%} of its residues",
-                                           params=auto_precision.model_params(loaded))
+                                           params=model_params(loaded))
             policy = choice.policy if choice.policy in usable else "fp32"
             reason = f"{choice.reason} (decided once for the run on {where})"
             if policy != choice.policy:

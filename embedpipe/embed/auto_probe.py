@@ -118,7 +118,7 @@ def notes(run: ResolvedRun, model: ModelIdentity, directory: Path, table_notes: 
 
 
 #: the model's parameter count, which a job too small to measure compares with the table's rows
-model_params = auto_precision.model_params
+model_params = capabilities.parameter_count
 
 
 def probe_cost(usable: Sequence[str], sample: Records) -> int:

@@ -33,7 +33,7 @@ from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
-from embedpipe.runtime import auto_precision, engine_override
+from embedpipe.runtime import engine_override
 from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
@@ -133,7 +133,7 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
     if options.precision == AUTO:  # decided once, here: measured by the job, else without a measurement
         requested = AUTO
         auto = measure(options, engine) if measure is not None else AutoChoice.from_table(
-            device, params=None if loaded is None else auto_precision.model_params(loaded))
+            device, params=None if loaded is None else capabilities.parameter_count(loaded))
         if auto is None:
             raise Unpredictable("--precision auto: nothing measured on this node yet")
         refusal = engine.refusal(auto.policy)

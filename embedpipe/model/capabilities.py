@@ -20,6 +20,14 @@ if TYPE_CHECKING:  # torch-free at run time
     from embedpipe.model.base import EmbeddingModel
 
 
+def parameter_count(model: EmbeddingModel) -> int:
+    """The model's parameters: its fp32 weights' bytes over 4 (what ``auto``'s table rows record
+    as the model size they were measured at)."""
+    from embedpipe.runtime.precision import POLICIES  # torch-free at import: only when asked
+
+    return int(model.estimate_memory(POLICIES["fp32"]).weight_bytes) // 4
+
+
 def packs(model: EmbeddingModel) -> bool:
     """Whether the family prepares a :class:`~embedpipe.model.base.PackedRunner`."""
     return "packed" in model.batch_layouts

@@ -34,16 +34,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from embedpipe.core.options import Thresholds
 from embedpipe.runtime import advice, cpu_features
-from embedpipe.runtime.precision import CUDA_CAPABILITY, POLICIES
-
-if TYPE_CHECKING:
-    from embedpipe.model.base import EmbeddingModel
+from embedpipe.runtime.precision import CUDA_CAPABILITY
 
 #: the policies auto times on the CPU: the reference and the two fast CPU policies
 CPU_CANDIDATES = ("fp32", "bf16-mixed", "int8-mixed")
@@ -82,11 +78,6 @@ def candidates(device: torch.device) -> tuple[str, ...]:
     mixed = [f"{name}-mixed" for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
              if capability >= CUDA_CAPABILITY[dtype]]
     return ("fp32", *mixed)
-
-
-def model_params(loaded: EmbeddingModel) -> int:
-    """The model's parameter count: its fp32 weights' bytes over 4 (what the table's sizes compare with)."""
-    return int(loaded.estimate_memory(POLICIES["fp32"]).weight_bytes) // 4
 
 
 def prior(device: torch.device, cpu: cpu_features.CpuFeatures | None = None, *,

@@ -20,7 +20,7 @@ import torch
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions
 from embedpipe.core.stats import spread
-from embedpipe.embed import auto_decision
+from embedpipe.embed import auto_decision, auto_probe
 from embedpipe.embed.auto_decision import read_decision, split_precision
 from embedpipe.embed.run import embed_fasta
 from embedpipe.model.layout import ESM2_LAYOUT
@@ -139,7 +139,7 @@ def test_a_run_too_small_to_pay_for_the_probe_is_not_measured_unless_always(tmp_
     data = json.loads(out.read_text())
     from embedpipe.model import load_model
     policy, why = auto_precision.prior(torch.device("cpu"),
-                                       params=auto_precision.model_params(load_model(str(tiny_model_path))))
+                                       params=auto_probe.model_params(load_model(str(tiny_model_path))))
     assert planted == [] and data["candidates"] == {} and data["policy"] == policy, said
     assert data["reason"].startswith(f"auto -> {policy}: not measured (the run is too small to pay for the probe, "
                                      f"which may cost at most 10% of its residues); {why} (decided once for the run")
