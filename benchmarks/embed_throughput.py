@@ -54,6 +54,11 @@ ENGINE_CHOICES = {f"{policy}-bf16-attention": {"attention_inputs": "compute"} fo
 #: ``--precision auto`` with one measurement cache for the whole benchmark run: its first run
 #: measures on this node (the probe's cost included), later ones read the cache
 VARIANTS["auto"] = ("auto", ["--auto-cache", str(OUT / "auto-precision")])
+#: ``auto`` made to measure whatever the job's size (``--auto-measure always``), its own cache:
+#: the decision's cost beside the policies it chooses among
+VARIANTS["auto-measured"] = ("auto", ["--auto-cache", str(OUT / "auto-precision-measured"), "--auto-measure", "always"])
+#: the caches the auto systems start from empty in every benchmark run (a measurement of this run)
+AUTO_CACHES = (OUT / "auto-precision", OUT / "auto-precision-measured")
 #: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
 #: given as a number so that it is the recipe's 4096 whatever the default becomes
 EMBEDPIPE_TOKENS_PER_BATCH = CPU_TOKENS_PER_BATCH
@@ -259,6 +264,7 @@ def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, li
     rows = []
     for system, (_, target) in commands.items():
         wall = float(np.median(walls[system]))
+        policy = VARIANTS.get(system, (system,))[0]
         if system in DIRECTORY_SYSTEMS:
             padding = json.loads((target / "_stats.json").read_text())["padding_efficiency"]
         else:
@@ -266,9 +272,9 @@ def result_rows(commands: dict[str, tuple[list[str], Path]], walls: dict[str, li
 
             with h5py.File(target, "r") as f:
                 padding = float(f.attrs.get("padding_efficiency", float("nan")))
+                policy = str(f.attrs.get("precision_policy", policy))  # auto: the policy it ran
         peak_dtype = {"fp32": "float32", "fair-esm": "float32", "int8-mixed": "int8", **HF_SYSTEMS,
-                      **ESM_CPP_SYSTEMS}.get(VARIANTS.get(system, (system,))[0],
-                                             "float16" if "fp16" in system else "bfloat16")
+                      **ESM_CPP_SYSTEMS}.get(policy, "float16" if "fp16" in policy else "bfloat16")
         rows.append({"system": system, "seconds": wall, "all_seconds": walls[system], "residues_per_s": residues / wall,
                      "padding_efficiency": padding, "mfu": flops / wall / peaks[peak_dtype], "peak_dtype": peak_dtype,
                      "peak_rss_mib": rss[system], "path": target})
@@ -316,6 +322,8 @@ def main() -> None:
     from embedpipe.inputs.fasta import read_sequences
 
     OUT.mkdir(parents=True, exist_ok=True)
+    for cache in AUTO_CACHES:
+        shutil.rmtree(cache, ignore_errors=True)
     if args.repeat_input > 1:
         args.fasta = repeat_input(args.fasta, args.repeat_input)
     if args.max_records:

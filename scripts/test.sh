@@ -23,8 +23,16 @@ fi
 "$PYTHON" -m ruff check .
 "$PYTHON" -m mypy
 
+# pytest-xdist: one worker per CPU of this process's affinity, at most 4 (each loads torch);
+# tests that share the SLURM node or benchmarks/out/ run on one worker (tests/conftest.py)
+workers=$("$PYTHON" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+parallel=()
+if [ "$workers" -gt 1 ]; then
+  parallel=(-n "$workers" --dist loadgroup)
+fi
+
 set +e
-"$PYTHON" -m pytest "$@"
+"$PYTHON" -m pytest "${parallel[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

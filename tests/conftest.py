@@ -60,6 +60,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
 # --------------------------------------------------------------------------- isolation
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh runs several workers, ``--dist loadgroup``), the tests
+    that share something beyond their own ``tmp_path`` run on one worker, one at a time: the
+    one-node SLURM's CPUs, the benchmark scripts' ``benchmarks/out/``, the README's commands."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = Path(str(item.fspath))
+        if item.get_closest_marker("slurm") or path.parent.name == "benchmarks" or path.name == "test_readme.py":
+            item.add_marker(pytest.mark.xdist_group("shared"))
+
+
 @pytest.fixture(autouse=True)
 def _own_auto_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--precision auto``'s per-node measurements go to a directory of each test's own
