@@ -250,10 +250,10 @@ def _draw_sample(st: Store, store_path: Path, table: dict[str, np.ndarray], samp
     records = []
     for row, why in zip(rows.tolist(), selection.chosen_because):
         rid = str(st.records(rows=slice(row, row + 1))["id"][0])
+        for layer in st.layers:  # the bytes the writer stored (docs/store-format.md, "Row digests"), first:
+            st.check_digests(f"mean/layer_{layer}", slice(row, row + 1),  # the refusal in the cross-check's words
+                             st.mean_rows(slice(row, row + 1), layer), refusal=REFUSAL)
         rec = st[rid]
-        for layer in st.layers:  # the bytes the writer stored (docs/store-format.md, "Row digests")
-            st.check_digests(f"mean/layer_{layer}", slice(row, row + 1), np.asarray(rec["mean"][layer])[None],
-                             refusal=REFUSAL)
         records.append({
             "row": int(row),
             "id": rid,

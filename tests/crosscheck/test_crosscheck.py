@@ -551,7 +551,7 @@ def test_cli_exit_codes_and_fail_on_threshold(tmp_path, fp32_store):
 
 @pytest.mark.parametrize("damage, expected", [
     ("missing", "dataset per_residue/layer_0 is missing (run embedpipe validate "),
-    ("flip-mean", "cannot read dataset mean/layer_1 row "),
+    ("flip-mean", "cannot read dataset mean/layer_1 rows "),  # a sampled row read as rows r:r+1
     ("flip-residues", "cannot read dataset per_residue/layer_2 rows "),
 ])
 def test_damaged_store_is_one_line_naming_store_and_dataset(tmp_path, fp32_store, damage, expected):
