@@ -23,14 +23,22 @@ from embedpipe.store import open_store
 from helpers.embed_helpers import embed_store, write_fasta
 from helpers.family_models import FAMILIES
 
-#: one family of each reading rule: amino acids (upper-cased), SaProt's pairs, ProstT5's case
-RULES = ("esm2", "saprot", "prostt5")
+
+class _Models(dict):
+    """Each family's test model, written when a test first asks for it."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, family: str) -> Path:
+        self[family] = FAMILIES[family][0](self.base / family)
+        return self[family]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("read-fasta")
-    return {family: FAMILIES[family][0](base / family) for family in RULES}
+    return _Models(tmp_path_factory.mktemp("read-fasta"))
 
 
 def _stored_records(store: Path) -> list[tuple[str, str]]:
@@ -45,7 +53,7 @@ def _gzip(path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", RULES)
+@pytest.mark.parametrize("family", FAMILIES)  # every family: one input path for all of them
 def test_read_fasta_gives_what_embed_stores(family: str, models, tmp_path: Path) -> None:
     records = FAMILIES[family][1]
     store = embed_store(tmp_path, models[family], records, device="cpu")
@@ -115,7 +123,7 @@ def _attrs(store: Path) -> dict:
         return {k: f.attrs[k] for k in ("input_sha256", "config", "embed_identity")}
 
 
-@pytest.mark.parametrize("family", RULES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_embedder_embed_of_a_path_equals_the_embed_store(family: str, models, tmp_path: Path) -> None:
     """Bit for bit: the vectors (both layers, per residue), the stored sequences with their
     case, the per-record provenance, the identity; and saved, the input the store records."""
