@@ -37,7 +37,8 @@ MAX_ID_LENGTH = typer.Option(LIMITS.max_id_length, "--max-id-length", min=1,
                              help="Most characters one ID may hold; a longer one stops the run.")
 PRECISION_HELP = (", ".join(options.PRECISION_CHOICES) + " (auto: the policy measured fastest on this machine), or "
                   "auto:FILE (the run's one decision, written by decide-precision; docs/precision.md).")
-THREADS_HELP = "CPU threads for torch (default: the CPUs the job may use: affinity, cgroup quota, SLURM_CPUS_PER_TASK)."
+THREADS_HELP = ("CPU threads for torch (default: the CPUs the job may use: affinity, cgroup quota, "
+                "SLURM_CPUS_PER_TASK, OMP_NUM_THREADS).")
 #: defaults of the commands' options, from the library (embedpipe/core/options.py)
 EMBED = options.EmbedOptions()
 THRESHOLDS = options.Thresholds()

@@ -123,24 +123,31 @@ def cgroup_quota(root: Path = CGROUP_ROOT) -> tuple[int, str] | None:
     return best
 
 
+#: the environment's thread limits: SLURM's CPUs per task, and ``OMP_NUM_THREADS``, which torch
+#: and numpy honour too (a user sharing a node sets it; its first value, the outer level, counts)
+ENV_LIMITS = ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS")
+
+
 def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> CpuAllocation:
     """The CPUs this process may run on: the smallest of its affinity mask, its cgroup's CPU
-    quota and ``SLURM_CPUS_PER_TASK`` (a value that is not a positive whole number in ASCII digits
-    is not a limit: ignored, and the allocation's ``note`` says so)."""
+    quota, ``SLURM_CPUS_PER_TASK`` and ``OMP_NUM_THREADS`` (a value that is not a positive whole
+    number in ASCII digits is not a limit: ignored, and the allocation's ``note`` says so)."""
     count = _affinity()
     limits = [(count, f"affinity ({count} CPUs)")]
     quota = cgroup_quota(root)
     if quota is not None:
         limits.append(quota)
-    slurm = env.get("SLURM_CPUS_PER_TASK", "").strip()
-    note = ""
-    if _count(slurm):
-        limits.append((int(slurm), f"SLURM_CPUS_PER_TASK={slurm}"))
-    elif slurm:
-        note = (f"SLURM_CPUS_PER_TASK={quote(slurm)} is not a positive whole number: ignored (threads follow the "
-                "affinity and cgroup quota; docs/cluster.md, \"CPU threads\")")
+    notes = []
+    for name in ENV_LIMITS:
+        raw = env.get(name, "").strip()
+        value = raw.split(",")[0].strip() if name == "OMP_NUM_THREADS" else raw
+        if _count(value):
+            limits.append((int(value), f"{name}={value}"))
+        elif raw:
+            notes.append(f"{name}={quote(raw)} is not a positive whole number: ignored (threads follow the "
+                         "affinity and cgroup quota; docs/cluster.md, \"CPU threads\")")
     cpus, source = min(limits, key=lambda item: item[0])
-    return CpuAllocation(cpus, source, note)
+    return CpuAllocation(cpus, source, "; ".join(notes))
 
 
 def thread_count(requested: int | None, env: Mapping[str, str] = os.environ,

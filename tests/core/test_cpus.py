@@ -89,6 +89,23 @@ def test_a_slurm_cpus_per_task_that_is_no_ascii_count_is_ignored_with_a_note(nod
     assert cpus.allocated({"SLURM_CPUS_PER_TASK": "3"}, root).note == cpus.allocated({}, root).note == ""
 
 
+def test_omp_num_threads_binds_as_torch_and_numpy_honour_it(node) -> None:
+    """A user sharing a node sets OMP_NUM_THREADS=1: the job runs one thread, as torch and numpy
+    would; its first value counts (the outer level of a nested list); a value that is no count
+    is ignored with a note; the smallest limit decides, whichever it is."""
+    root = node(8, ["0::/"])
+    assert cpus.allocated({"OMP_NUM_THREADS": "1"}, root) == cpus.CpuAllocation(1, "OMP_NUM_THREADS=1")
+    assert cpus.allocated({"OMP_NUM_THREADS": "3,2"}, root) == cpus.CpuAllocation(3, "OMP_NUM_THREADS=3")
+    assert cpus.allocated({"OMP_NUM_THREADS": "12"}, root).source == "affinity (8 CPUs)"
+    assert cpus.allocated({"OMP_NUM_THREADS": "2", "SLURM_CPUS_PER_TASK": "4"}, root).source == "OMP_NUM_THREADS=2"
+    assert cpus.allocated({"OMP_NUM_THREADS": "4", "SLURM_CPUS_PER_TASK": "2"}, root).source == "SLURM_CPUS_PER_TASK=2"
+    got = cpus.allocated({"OMP_NUM_THREADS": "many"}, root)
+    assert (got.count, got.source) == (8, "affinity (8 CPUs)")
+    assert got.note == ("OMP_NUM_THREADS='many' is not a positive whole number: ignored (threads follow the "
+                        "affinity and cgroup quota; docs/cluster.md, \"CPU threads\")")
+    assert cpus.thread_count(2, {"OMP_NUM_THREADS": "1"}, root).count == 2  # --threads still wins
+
+
 def test_cgroup_files_with_non_ascii_digits_are_no_quota(node) -> None:
     root = node(8, ["0::/job"], {"job/cpu.max": "\u00b2 100000"})
     assert cpus.allocated({}, root) == cpus.CpuAllocation(8, "affinity (8 CPUs)")
