@@ -116,7 +116,8 @@ def test_any_damage_to_any_file_is_refused_in_one_line_naming_it(built, which, h
         changed = damage(raw, how, start, length, seed)
         assume(changed != raw and (which != "json" or changed.strip() != raw.strip()))
         path.write_bytes(changed)
-        refused(index, path)
+        line = refused(index, path)
+        assert line.startswith(f"{path}: ") and len(line) > len(f"{path}: "), line  # the file named, and why
 
 
 OTHER_KIND = {"exact": "hnsw", "hnsw": "exact"}
