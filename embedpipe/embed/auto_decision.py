@@ -49,7 +49,7 @@ from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layout import TokenLayout
-from embedpipe.runtime import auto_precision, cpu_features, engine_override
+from embedpipe.runtime import auto_cache, auto_precision, cpu_features, engine_override
 from embedpipe.runtime.auto_precision import AutoChoice, Timing
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.platform import describe as describe_platform
@@ -107,17 +107,6 @@ def _hardware(device_type: str, cpu_class: str, gpu: str) -> str:
 def hardware_class(device: torch.device) -> str:
     """This node's :func:`_hardware` for ``device``."""
     return _hardware(device.type, cpu_features.detect().cpu_class, _gpu(device))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip().lower() in ("model name", "cpu model", "hardware"):
-                return value.strip()
-    except OSError:
-        pass
-    return cpu_features.detect().machine or "unknown"
 
 
 # ------------------------------------------------------------------------------ the decision file
@@ -299,16 +288,14 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
     facts = registry.model_identity(model)
     if facts is not None and (kept := _same_key(out, decision_key(options, engine, resolve_device(options.device),
                                                                  facts), options)) is not None:
-        os.utime(out)  # content untouched; newer than its inputs, so the workflow sees it current
-        return f"kept {out}: decided for this model and options at {kept.fields['decided_utc']} ({kept.policy})"
+        return _kept(out, kept)
     threads = use_threads(thread_count(options.threads), quiet=quiet)
     with claim_device(options.device) as device:
         loaded = load_model(model)
         identity = facts or ModelIdentity(loaded.sha256, False, {}, loaded.family)
         key = decision_key(options, engine, device, identity)
         if facts is None and (kept := _same_key(out, key, options)) is not None:
-            os.utime(out)
-            return f"kept {out}: decided for this model and options at {kept.fields['decided_utc']} ({kept.policy})"
+            return _kept(out, kept)
         usable = usable_candidates(engine, device)
         if not usable:
             raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
@@ -332,17 +319,29 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
             timings = measure_candidates(loaded, options, engine, device, identity, sample, usable, threads, quiet)
             policy = auto_precision.pick(timings)
             reason = f"auto -> {policy}: decided once for the run on {where}: {auto_precision.describe(timings)}"
-        body = {
-            "format": DECISION_FORMAT, "version": DECISION_VERSION, "key": key, "policy": policy,
-            "reason": reason,
-            "candidates": {name: {"ms_per_1k_residues": t.ms_per_1k_residues, "min_cosine": t.min_cosine}
-                           for name, t in timings.items()},
-            "node": socket.gethostname(), "cpu_model": _cpu_model(), "cpu_flags": cpu_features.detect().named(),
-            "cpu_class": cpu_features.detect().cpu_class, "gpu": _gpu(device),
-            "platform": describe_platform(device), "device": str(device), "threads": threads.count,
-            "torch": torch.__version__, "decided_utc": when,
-            "sample": {"records": len(sample), "residues": sum(len(s) for _, s in sample)},
-        }
+        body = _body(key, policy, reason, timings, device, threads.count, when, sample)
     write_text_atomic(out, json.dumps(body, indent=1, sort_keys=True) + "\n")
     read_decision(out)  # what the jobs will read: checked once here
-    return f"decided {policy} for the run -> {out}: {body['reason']}"
+    return f"decided {policy} for the run -> {out}: {reason}"
+
+
+def _body(key: dict[str, Any], policy: str, reason: str, timings: dict[str, Timing], device: torch.device,
+          threads: int, when: str, sample: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The decision file's fields: the choice, its measurement, and where and when it was made."""
+    cpu = cpu_features.detect()
+    return {
+        "format": DECISION_FORMAT, "version": DECISION_VERSION, "key": key, "policy": policy, "reason": reason,
+        "candidates": {name: {"ms_per_1k_residues": t.ms_per_1k_residues, "min_cosine": t.min_cosine}
+                       for name, t in timings.items()},
+        "node": socket.gethostname(), "cpu_model": auto_cache.cpu_model() or "unknown", "cpu_flags": cpu.named(),
+        "cpu_class": cpu.cpu_class, "gpu": _gpu(device), "platform": describe_platform(device), "device": str(device),
+        "threads": threads, "torch": torch.__version__, "decided_utc": when,
+        "sample": {"records": len(sample), "residues": sum(len(s) for _, s in sample)},
+    }
+
+
+def _kept(out: Path, kept: Decision) -> str:
+    """The decision at ``out`` kept for the same key: its content untouched, its time renewed
+    (newer than its inputs, so the workflow sees it current)."""
+    os.utime(out)
+    return f"kept {out}: decided for this model and options at {kept.fields['decided_utc']} ({kept.policy})"

@@ -60,7 +60,8 @@ def default_cache_dir() -> Path:
     return Path(base) / "embedpipe" / "auto-precision"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the platform's machine name where it gives none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -77,7 +78,7 @@ def cache_key(device: torch.device, model: str, threads: int, options: Mapping[s
     options that change a candidate's work (layers, pooling, per-residue, storage)."""
     cpu = cpu_features.detect()
     key: dict[str, object] = {
-        "version": CACHE_VERSION, "node": socket.gethostname(), "cpu_model": _cpu_model(),
+        "version": CACHE_VERSION, "node": socket.gethostname(), "cpu_model": cpu_model(),
         "cpu_flags": hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:16],
         "torch": torch.__version__, "model": hashlib.sha256(model.encode()).hexdigest(),
         "threads": int(threads), "device": device.type, "candidates": list(candidates(device)),
