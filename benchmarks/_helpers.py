@@ -1,7 +1,7 @@
 """In-memory weight edits several benchmark scripts share (records, clocks and tables: _harness.py).
 
 A module, not a script (tests/benchmarks/test_benchmark_scripts.py runs only the scripts, no
-leading _). Benchmarks import the package and modules like this one, never tests/ (issue 31):
+leading _). Benchmarks import the package and modules like this one, never tests/:
 the tests' helpers (tests/helpers/) edit checkpoint files for the CLI and the workflow; a
 benchmark that embeds in-process edits the loaded model instead, the same weights without a
 second checkpoint on disk.

@@ -221,7 +221,7 @@ def parts(args: argparse.Namespace) -> None:
           f"and the attention free); bf16 attention would change the floor by {attention_s - attention_bf16_s:+.1f} s.")
     for policy, seconds in embed_s.items():
         print(f"{policy}: {recipe_s / seconds:.2f}x the recipe; floor / embedpipe = {floor_s / seconds:.0%} "
-              "(issue 35's target for the advised policy: >= 50%)")
+              "(the target for the advised policy: >= 50%)")
 
 
 if __name__ == "__main__":

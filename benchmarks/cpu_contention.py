@@ -12,7 +12,7 @@ in rounds:
   itself and run no slower than that.
 
 It prints each policy's slowdown beside the neighbour (neighbour / quiet) and its ratio to
-fp32's own slowdown; issue 35's targets: the advised policy slows down no more than 1.3x
+fp32's own slowdown; the targets: the advised policy slows down no more than 1.3x
 fp32's slowdown and stays faster than fp32 there, and pinned / quiet-P <= 1.3.
 
 ``--wait-policies`` repeats everything per OpenMP wait policy (``embedpipe`` sets
@@ -150,7 +150,7 @@ def report(args: argparse.Namespace, walls: dict[tuple[str, str, str], list[floa
         print(table(("policy", "quiet s", f"beside {args.neighbours} neighbour(s) s", "slowdown", "x fp32's slowdown",
                      "x fp32 beside neighbour", f"pinned to {args.pinned_cpus} s", f"quiet, --threads {args.pinned_cpus} s",
                      "pinned / quiet"), rows))
-    print("\ntargets (issue 35): the advised policy's slowdown <= 1.3x fp32's and x fp32 beside the neighbour > 1; "
+    print("\ntargets: the advised policy's slowdown <= 1.3x fp32's and x fp32 beside the neighbour > 1; "
           "pinned / quiet <= 1.3")
 
 

@@ -1,4 +1,4 @@
-"""GPU acceptance (issue 13): one command, under 8 minutes on one H100/H200, no network.
+"""GPU acceptance: one command, under 8 minutes on one H100/H200, no network.
 
     python benchmarks/gpu_acceptance.py                      # the measurement (CUDA)
     python benchmarks/gpu_acceptance.py --device cpu --quick # a smoke run of the script itself

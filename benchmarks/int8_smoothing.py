@@ -1,4 +1,4 @@
-"""Does SmoothQuant smoothing bring int8-mixed closer to fp32? (issue 23, "Outlier smoothing")
+"""Does SmoothQuant smoothing bring int8-mixed closer to fp32? (docs/precision.md, int8-mixed smoothing)
 
     python benchmarks/int8_smoothing.py [--max-records 84 --repeats 2]
 

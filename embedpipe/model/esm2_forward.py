@@ -347,7 +347,7 @@ class EsmForward:
             # in place needs the wide dtype; on the CPU one cast and then one-dtype kernels beat
             # mixed-dtype ones 2x (130-170 ms against 265 ms at 8192 x 20 heads, 2 cores).
             # Elsewhere the rotation reads the projection's dtype and writes the wider one
-            # (issue 20: one pass over q and k less)
+            # (one pass over q and k less)
             rotated = rotated.to(work_dtype)
         if interleaved:  # pair order, fp32: one complex multiply, in place (CPU)
             rotate_pairs_(rotated, batch.rows(self.rotary.complex(attn.rot_emb.inv_freq, batch.max_len, attn.scaling)))

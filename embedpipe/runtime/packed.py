@@ -97,7 +97,7 @@ def token_max_abs(x: torch.Tensor) -> torch.Tensor:
     """(...,) fp32 max |x| over the last dim; NaN propagates.
 
     Off the CPU one fused min/max reduction reads ``x`` once: ``abs`` first would write and
-    read back a full copy of ``x`` every layer (issue 20's traffic model: 8.5 D bytes a token
+    read back a full copy of ``x`` every layer (the traffic model: 8.5 D bytes a token
     a layer). On the CPU ``abs`` then ``amax`` is the faster of the two (11 ms against 19 ms
     for 8192 x 480 fp32 on 2 cores), so it stays.
     """
