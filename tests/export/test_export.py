@@ -18,12 +18,10 @@ from typer.testing import CliRunner
 import embedpipe
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.embed.run import EmbedOptions
 from embedpipe.export import export_store
 from embedpipe.export.keys import decode_key, encode_key
-from embedpipe.shard.passes import shard_fasta
-from embedpipe.store import merge_stores
-from helpers.embed_helpers import write_fasta
+from helpers.embed_helpers import merged_store
 
 # IDs HDF5 cannot name as they are ('/' and a lone '.'), a '%' that must survive decoding,
 # duplicates (aliases) and one invalid record (skipped).
@@ -42,18 +40,8 @@ RECORDS = [
 def merged(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Path:
     """A merged store over two shards, with aliases and a skipped record, per-residue on."""
     tmp = tmp_path_factory.mktemp("export")
-    fasta = write_fasta(tmp / "in.fa", RECORDS)
-    summary = shard_fasta([fasta], out=tmp / "shards", tokens_per_shard=70, on_invalid="skip", quiet=True)
-    assert len(summary.shards) >= 2
-    stores = []
-    for info in summary.shards:
-        store = tmp / "stores" / f"shard-{info.index:05d}.h5"
-        embed_fasta(tmp / "shards" / info.path, model=str(tiny_model_path), out=store,
-                    options=EmbedOptions(device="cpu", threads=1, per_residue=True, layers=(0, -1)), quiet=True)
-        stores.append(store)
-    out = tmp / "embeddings.h5"
-    merge_stores(stores, out=out, manifest=tmp / "shards" / "manifest.tsv")
-    return out
+    return merged_store(tmp, tiny_model_path, RECORDS, tmp / "embeddings.h5", tokens_per_shard=70,
+                        options=EmbedOptions(device="cpu", threads=1, per_residue=True, layers=(0, -1)))
 
 
 def expected(store_path: Path, *, per_residue: bool = False, layer: int = -1) -> dict[str, np.ndarray]:

@@ -52,6 +52,25 @@ def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
     return path
 
 
+def merged_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]], out: Path, *, tokens_per_shard: int,
+                 options: EmbedOptions) -> Path:
+    """``records`` as the workflow stores them: sharded (invalid records skipped) under
+    ``tmp/shards``, each shard embedded into ``tmp/stores``, merged into ``out`` with the manifest
+    (aliases and skipped IDs); at least two shards."""
+    from embedpipe.shard.passes import shard_fasta
+    from embedpipe.store import merge_stores
+
+    summary = shard_fasta([write_fasta(tmp / "in.fa", records)], out=tmp / "shards",
+                          tokens_per_shard=tokens_per_shard, on_invalid="skip", quiet=True)
+    assert len(summary.shards) >= 2
+    stores = []
+    for info in summary.shards:
+        stores.append(tmp / "stores" / f"shard-{info.index:05d}.h5")
+        embed_fasta(tmp / "shards" / info.path, model=str(model), out=stores[-1], options=options, quiet=True)
+    merge_stores(stores, out=out, manifest=tmp / "shards" / "manifest.tsv")
+    return out
+
+
 def embed_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]], name: str = "out", **options) -> Path:
     """Write ``records`` to ``tmp/NAME.fasta`` and embed them (quietly) into ``tmp/NAME.h5``;
     ``options`` are :class:`EmbedOptions` fields, or engine choices (``attention``,

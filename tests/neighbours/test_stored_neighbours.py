@@ -18,14 +18,13 @@ import embedpipe
 from embedpipe.api.querying import neighbours
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.embed.run import EmbedOptions
 from embedpipe.neighbours import stored
 from embedpipe.neighbours.build import build_index, unit_rows
 from embedpipe.neighbours.hits import GROUPED_HEADER, HEADER
 from embedpipe.neighbours.index_file import open_index
-from embedpipe.shard.passes import shard_fasta
-from embedpipe.store import EmbeddedRecord, merge_stores, open_store
-from helpers.embed_helpers import random_sequences, write_fasta
+from embedpipe.store import EmbeddedRecord, open_store
+from helpers.embed_helpers import merged_store, random_sequences, write_fasta
 from helpers.stores import ATTRS, write_store
 
 BASE = random_sequences(24, (8, 40), seed=31)
@@ -40,17 +39,8 @@ GROUPS = {"r00": ["r00", "dupA1", "dupA2"], "r05": ["r05", "dupB1"]}
 def merged(tmp_path_factory, tiny_model_path) -> tuple[Path, Path]:
     """A merged store over shards, with two alias groups and a skipped ID, and its exact index."""
     tmp = tmp_path_factory.mktemp("stored-neighbours")
-    fasta = write_fasta(tmp / "in.fa", RECORDS)
-    summary = shard_fasta([fasta], out=tmp / "shards", tokens_per_shard=300, on_invalid="skip", quiet=True)
-    assert len(summary.shards) >= 2
-    stores = []
-    for info in summary.shards:
-        out = tmp / "stores" / f"shard-{info.index:05d}.h5"
-        embed_fasta(tmp / "shards" / info.path, model=str(tiny_model_path), out=out,
-                    options=EmbedOptions(device="cpu", threads=1, layers=(1, 2)), quiet=True)
-        stores.append(out)
-    store = tmp / "merged.h5"
-    merge_stores(stores, out=store, manifest=tmp / "shards" / "manifest.tsv")
+    store = merged_store(tmp, tiny_model_path, RECORDS, tmp / "merged.h5", tokens_per_shard=300,
+                         options=EmbedOptions(device="cpu", threads=1, layers=(1, 2)))
     build_index(store, tmp / "idx", layer=1)
     with open_store(store) as st:
         assert {a: st.aliases[a] for a in ("dupA1", "dupA2", "dupB1")} == {"dupA1": "r00", "dupA2": "r00",
