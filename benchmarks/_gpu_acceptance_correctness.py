@@ -18,7 +18,7 @@ from _helpers import edit_weights, embedder_for, token_rows
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import POLICY_NAMES, EmbedOptions
-from embedpipe.embed.engine import Embedder
+from embedpipe.extraction.engine import Engine
 from embedpipe.runtime.precision import get_policy, true_fp32_matmuls
 
 #: max |difference| allowed between fp32 outputs of two exact computations (TF32 off)
@@ -38,8 +38,8 @@ OVERFLOW_POLICIES = ("fp16", "fp16-mixed")
 OVERFLOW_DIMS = (2, 64, 4)
 
 
-def reported(embedder: Embedder) -> dict[str, Any]:
-    """What the Embedder says it ran: the JSON records it so a test can check packed was packed."""
+def reported(embedder: Engine) -> dict[str, Any]:
+    """What the Engine says it ran: the JSON records it so a test can check packed was packed."""
     return {"batch_layout": embedder.batch_layout, "attention_path": embedder.attention_path,
             "attention_inputs": embedder.attention_inputs, "tokens_per_batch": embedder.tokens_per_batch}
 
@@ -135,7 +135,7 @@ def runnable_policies(device: torch.device) -> list[str]:
 
 def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.device) -> dict:
     """Every policy on the same records: finite, cosine to fp32, and batch invariance (a record
-    alone vs inside the full batch, same Embedder)."""
+    alone vs inside the full batch, same Engine)."""
     last, section, reference = loaded.num_layers, {}, None
     for policy in runnable_policies(device):
         embedder = embedder_for(loaded, EmbedOptions(precision=policy, device=str(device)), device)
@@ -164,7 +164,7 @@ def policies_section(loaded: Any, records: list[tuple[str, str]], device: torch.
 def two_batchings(loaded: Any, records: list[tuple[str, str]], policy: str, device: torch.device,
                   full: dict) -> dict:
     """Every record embedded again in small batches (a budget of about two of the longest
-    records) by a fresh Embedder: its pooled last layer bit-identical to the full batch's
+    records) by a fresh Engine: its pooled last layer bit-identical to the full batch's
     (docs/precision.md, "Reproducibility"). Records that fell back are compared too."""
     last = loaded.num_layers
     budget = max(2 * (max(len(s) for _, s in records) + 2), 64)

@@ -14,15 +14,15 @@ from collections.abc import Callable, Mapping
 import torch
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
-from embedpipe.embed.resolved import resolve_loaded
+from embedpipe.extraction.engine import Engine
+from embedpipe.extraction.resolved import resolve_loaded
 from embedpipe.model.base import EmbeddingModel
 
 
 def edit_weights(loaded: object, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
     """Change an ESM-2's weights in place (``load_model`` of a ``.pt``): ``edit`` gets its state
     dict, tensors aliasing the model's (embedding and LM head tied). Call before building an
-    ``Embedder``: a policy's prepared copy is made from these weights."""
+    ``Engine``: a policy's prepared copy is made from these weights."""
     model = loaded.model  # type: ignore[attr-defined]
     with torch.no_grad():
         edit(model.state_dict())
@@ -39,8 +39,8 @@ def token_rows(loaded: object, values: Mapping[str, float]) -> Callable[[dict[st
     return edit
 
 
-def embedder_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device) -> Embedder:
-    """An ``Embedder`` for ``options`` on ``device``, resolved as the cross-check resolves one
+def embedder_for(loaded: EmbeddingModel, options: EmbedOptions, device: torch.device) -> Engine:
+    """An ``Engine`` for ``options`` on ``device``, resolved as the cross-check resolves one
     outside a job (``resolve_loaded``: the engine choices derived, ``EMBEDPIPE_ENGINE`` read
     while it resolves, so a benchmark pins one with ``_harness.pinned_engine`` around this call)."""
-    return Embedder(loaded, resolve_loaded(loaded, options, device))
+    return Engine(loaded, resolve_loaded(loaded, options, device))

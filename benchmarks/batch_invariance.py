@@ -39,7 +39,7 @@ from _harness import Stopwatch, engine_env, lognormal_lengths, machine_header, r
 from _helpers import embedder_for
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.runtime import packed, packed_linear, precision

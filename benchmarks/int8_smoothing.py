@@ -26,7 +26,7 @@ from _harness import Stopwatch, cosine, machine_header, table
 from _helpers import edit_weights, embedder_for
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
+from embedpipe.extraction.engine import Engine
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import load_model
 from embedpipe.model.random_checkpoint import make_test_model
@@ -54,7 +54,7 @@ def _models(out: Path) -> dict[str, Any]:
     return {"random weights": load_model(str(path)), f"planted outliers ({len(CHANNELS)} ch x{GAIN:g})": planted}
 
 
-def _embed(embedder: Embedder, records: list) -> tuple[dict, float]:
+def _embed(embedder: Engine, records: list) -> tuple[dict, float]:
     with Stopwatch() as clock:
         got = dict(embedder.embed(records))
     return got, clock.seconds

@@ -3,32 +3,17 @@ ProstT5, Ankh, ESM C, ESM++) with numeric-precision provenance."""
 
 from __future__ import annotations
 
-import types
 from typing import TYPE_CHECKING, Any
 
-from embedpipe import embed as _embed_package  # torch-free: its __init__ is a docstring
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from embedpipe.api import Embedder, Result, read_fasta, search
+    from embedpipe.api import Embedder, Result, embed, neighbours, read_fasta, search
     from embedpipe.store.reader import Store, open_store
 
-__all__ = ["__version__", "open_store", "Store", "Embedder", "EmbedpipeError", "Result", "embed", "read_fasta", "search"]
-
-
-class _CallablePackage(types.ModuleType):
-    """``embedpipe.embed`` is both the package of the ``embed`` command and, called, the API's
-    one-call :func:`embedpipe.api.embed`: once the package is imported Python finds it before this
-    module's ``__getattr__``, so the package itself answers the call."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from embedpipe.api import embed
-
-        return embed(*args, **kwargs)
-
-
-_embed_package.__class__ = _CallablePackage
+__all__ = ["__version__", "open_store", "Store", "Embedder", "EmbedpipeError", "Result", "embed", "neighbours",
+           "read_fasta", "search"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,7 +22,7 @@ def __getattr__(name: str) -> Any:
         from embedpipe.store import reader
 
         return getattr(reader, name)
-    if name in ("Embedder", "Result", "read_fasta", "search"):  # torch loads only when the API is used
+    if name in ("Embedder", "Result", "embed", "neighbours", "read_fasta", "search"):  # torch loads only when used
         from embedpipe import api
 
         return getattr(api, name)

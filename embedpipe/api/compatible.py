@@ -2,8 +2,8 @@
 
 Why the identity check: vectors of another model, layer, pooling, policy or storage dtype live in
 another space, and their neighbours are meaningless without any error. The queries' run is
-resolved (:func:`~embedpipe.embed.resolved.resolve_run`, through the Embedder) and its identity
-compared with the store's (:func:`embedpipe.embed.identity.describe_difference`). What only
+resolved (:func:`~embedpipe.extraction.resolved.resolve_run`, through the Embedder) and its identity
+compared with the store's (:func:`embedpipe.extraction.identity.describe_difference`). What only
 rounds differently (the platform, the device type, the batch layout, q/k/v's dtype at attention,
 compiled kernels) is not compared: a store embedded on a GPU can be searched with queries
 embedded on a CPU.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.identity import PLATFORM, describe_difference
-from embedpipe.embed.resolved import ResolvedRun
+from embedpipe.extraction.identity import PLATFORM, describe_difference
+from embedpipe.extraction.resolved import ResolvedRun
 from embedpipe.neighbours.index_file import IndexMeta
 
 __all__ = ["NOT_COMPARED", "STORE_OPTIONS", "check_compatible"]

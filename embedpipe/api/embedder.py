@@ -3,8 +3,8 @@ process, with the guarantees of ``embedpipe embed``.
 
 Why it goes through the job: the options are checked, the policy configured, the device
 claimed, the model loaded and the run resolved by the very functions ``embed`` uses
-(:mod:`embedpipe.embed.run`'s checks, :func:`embedpipe.embed.job.open_job`, and through it
-:func:`~embedpipe.embed.resolved.resolve_run`), so the same records and options give the same
+(:mod:`embedpipe.extraction.run`'s checks, :func:`embedpipe.extraction.job.open_job`, and through it
+:func:`~embedpipe.extraction.resolved.resolve_run`), so the same records and options give the same
 bits as the CLI's store. The model stays loaded between calls until :meth:`Embedder.close`.
 """
 
@@ -22,11 +22,11 @@ from embedpipe.api.result import Result
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, REMOVED_OPTIONS, EmbedOptions, FastaLimits
-from embedpipe.embed.engine import Embedder as Engine
-from embedpipe.embed.job import JobInput, open_job
-from embedpipe.embed.provenance import provenance
-from embedpipe.embed.resolved import ResolvedRun
-from embedpipe.embed.run import run_attrs, start_checks  # the checks and root attributes `embed` makes
+from embedpipe.extraction.engine import Engine
+from embedpipe.extraction.job import JobInput, open_job
+from embedpipe.extraction.provenance import provenance
+from embedpipe.extraction.resolved import ResolvedRun
+from embedpipe.extraction.run import run_attrs, start_checks  # the checks and root attributes `embed` makes
 from embedpipe.inputs.fasta import check_regular_file
 from embedpipe.inputs.memory import Sequences, check_records
 from embedpipe.model.registry import model_files
@@ -95,7 +95,7 @@ class Embedder:
 
     @property
     def run(self) -> ResolvedRun | None:
-        """The resolved run (:class:`~embedpipe.embed.resolved.ResolvedRun`) every call uses; None
+        """The resolved run (:class:`~embedpipe.extraction.resolved.ResolvedRun`) every call uses; None
         until the first call loads the model."""
         return None if self._engine is None else self._engine.run
 

@@ -4,7 +4,7 @@ the rule by which ``Embedder.embed`` (and ``search``) take a FASTA file in place
 Why no parser here: a record must get the same ID and sequence, or the same refusal in the
 same words, whichever way it enters. So the file goes through the one FASTA reader
 (:func:`embedpipe.inputs.fasta.read_sequences`: plain or gzip, the FASTA rules) with the limits
-the model's family reads by (:func:`embedpipe.embed.run.family_limits`: case kept for ProstT5,
+the model's family reads by (:func:`embedpipe.extraction.run.family_limits`: case kept for ProstT5,
 SaProt's pairs), as ``embed`` sets them from the same model.
 
 Which values are files (:func:`fasta_path`): a :class:`pathlib.Path` (any ``os.PathLike``)
@@ -23,7 +23,7 @@ from typing import Protocol, Union
 from embedpipe.core.errors import EmbedpipeError, InputError, quote
 from embedpipe.core.options import FASTA_LIMITS, FastaLimits
 from embedpipe.core.paths import display_path
-from embedpipe.embed.run import family_limits
+from embedpipe.extraction.run import family_limits
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.memory import DISPLAY
 from embedpipe.model import inspect

@@ -19,7 +19,7 @@ import numpy as np
 
 from embedpipe.core.errors import EmbedpipeError, quote
 from embedpipe.core.output_guard import STORE, writing_outputs
-from embedpipe.embed.resolved import ResolvedRun
+from embedpipe.extraction.resolved import ResolvedRun
 from embedpipe.store import EmbeddedRecord, StoreWriter, utc_now
 
 __all__ = ["Result"]

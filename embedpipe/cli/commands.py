@@ -194,8 +194,8 @@ def embed(
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
-    from embedpipe.embed.auto_decision import split_precision
-    from embedpipe.embed.run import embed_command
+    from embedpipe.extraction.auto_decision import split_precision
+    from embedpipe.extraction.run import embed_command
 
     precision, decision = split_precision(precision)  # auto:FILE: the run's one decision
     chosen = options.EmbedOptions(

@@ -1,5 +1,5 @@
 """``embedpipe decide-precision``: ``precision: auto`` decided once for a run
-(embedpipe.embed.auto_decision), registered on the one ``app`` of :mod:`embedpipe.cli.commands`,
+(embedpipe.extraction.auto_decision), registered on the one ``app`` of :mod:`embedpipe.cli.commands`,
 whose option constants it shares. It takes the options of ``embed`` that decide the numbers, so
 the workflow gives it the embed jobs' own (docs/precision.md, "One decision per run")."""
 
@@ -63,8 +63,8 @@ def decide_precision(
 ) -> None:
     """Decide --precision auto once for a run: measure on records drawn across the whole input,
     write the decision every embed job then runs (embed --precision auto:FILE)."""
-    from embedpipe.embed.auto_decision import decide_run
-    from embedpipe.embed.run import start_checks
+    from embedpipe.extraction.auto_decision import decide_run
+    from embedpipe.extraction.run import start_checks
 
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),

@@ -153,7 +153,7 @@ def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> 
 def thread_count(requested: int | None, env: Mapping[str, str] = os.environ,
                  root: Path = CGROUP_ROOT) -> CpuAllocation:
     """``--threads`` when given (its note: :func:`oversubscribed`), else :func:`allocated`: the
-    one count of a job's threads, which :func:`embedpipe.embed.resolved.resolve_run` records."""
+    one count of a job's threads, which :func:`embedpipe.extraction.resolved.resolve_run` records."""
     if requested:
         return CpuAllocation(int(requested), "--threads", oversubscribed(requested, env, root))
     return allocated(env, root)

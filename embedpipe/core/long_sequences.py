@@ -5,7 +5,7 @@ store's ``long_handling`` column records for it (docs/store-format.md, "Datasets
 One vocabulary: a mode is its entry here; the user's word (``chunk``) and the stored word
 (``chunked``) are two fields of it, and nothing else spells either. Plain Python (no torch or
 numpy): ``core/options.py`` takes the names from here, ``store/format.py`` the stored values,
-``embed/planning.py`` the spans a mode cuts a record into. A new mode is one entry.
+``extraction/planning.py`` the spans a mode cuts a record into. A new mode is one entry.
 """
 
 from __future__ import annotations

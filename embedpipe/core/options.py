@@ -137,7 +137,7 @@ class EmbedOptions:
     records and compares); how stores are compared,
     not what: ``accept_platform_mix``. The engine choices (attention kernel, batch layout, q/k/v
     dtype, where fallback records run) are no options: the run derives them
-    (embedpipe.embed.resolved, docs/precision.md "Engine choices").
+    (embedpipe.extraction.resolved, docs/precision.md "Engine choices").
     """
 
     precision: str = "fp32"  # a policy, or auto (resolved when the job starts: runtime/auto_precision.py)

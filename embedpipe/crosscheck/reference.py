@@ -17,8 +17,8 @@ from embedpipe.core.devices import claim_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions, parse_tokens_per_batch
 from embedpipe.core.progress import say
-from embedpipe.embed.engine import Embedder
-from embedpipe.embed.resolved import ResolvedRun, resolve_loaded
+from embedpipe.extraction.engine import Engine
+from embedpipe.extraction.resolved import ResolvedRun, resolve_loaded
 from embedpipe.model import is_model_name, load_model
 from embedpipe.runtime.engine_override import ATTENTION_KERNELS, EngineChoice
 from embedpipe.store.reader import Store
@@ -151,7 +151,7 @@ def _reembed(loaded, run: ResolvedRun, pairs: list[tuple[str, str]], quiet: bool
     started = time.perf_counter()
     out: dict[int, Any] = {}
     device = run.device
-    embedder = Embedder(loaded, run)
+    embedder = Engine(loaded, run)
     plan = embedder.plan(pairs)
     for index, record in embedder.embed(pairs, plan, quiet=quiet):
         out[index] = record

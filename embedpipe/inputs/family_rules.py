@@ -5,7 +5,7 @@ Why one function: the family's token layout decides what a record may hold (case
 ProstT5, where it says amino acids or 3Di; two characters a residue for SaProt's pairs), and
 the API once applied the amino-acid rules without it, so a SaProt or 3Di record was embedded
 upper-cased. ``limits`` carries the layout's rules (``keep_case``, ``chars_per_residue``, set by
-:func:`embedpipe.embed.run.start_checks` from the model); every reader calls this, so a record
+:func:`embedpipe.extraction.run.start_checks` from the model); every reader calls this, so a record
 gets the same sequence, or the same refusal, whichever way it enters.
 """
 

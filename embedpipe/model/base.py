@@ -1,6 +1,6 @@
 """The interface between embedpipe and a model family (docs/architecture.md).
 
-The worker (:mod:`embedpipe.embed.engine`), cross-check and workflow use a model only through
+The worker (:mod:`embedpipe.extraction.engine`), cross-check and workflow use a model only through
 :class:`EmbeddingModel` and the :class:`Runner` it prepares. A family implements both in one
 module and is registered in :mod:`embedpipe.model.registry`.
 """

@@ -1,6 +1,6 @@
 """What of a model decides its numbers, read from its files with the weights unread.
 
-A store's identity (:mod:`embedpipe.embed.identity`) covers the model through
+A store's identity (:mod:`embedpipe.extraction.identity`) covers the model through
 :meth:`ModelIdentity.fields`: the weights' sha256, the sha256 of every other file the family's
 loader reads that changes the vectors (a Hugging Face directory's ``config.json`` and its
 tokenizer or vocabulary files; a fair-esm ``.pt`` holds its config inside), and the family with

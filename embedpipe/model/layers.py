@@ -1,6 +1,6 @@
 """Which hidden states a run stores: ``--layers`` resolved against the model's depth.
 
-Torch-free: ``embed/resolved.py`` resolves a run's layers with it, ``embed/combinations.py`` checks
+Torch-free: ``extraction/resolved.py`` resolves a run's layers with it, ``extraction/combinations.py`` checks
 ``--layers`` against a model's facts before any job.
 """
 

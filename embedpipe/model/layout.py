@@ -3,7 +3,7 @@
 Torch-free (the workflow and ``embedpipe shard`` read it from :func:`embedpipe.model.describe`).
 Everything outside ``model/`` that counts tokens or finds residue rows asks the family's
 layout: shard token budgets (:mod:`embedpipe.shard.passes`), batch planning
-(:class:`embedpipe.embed.planning.Piece`) and pooling (:mod:`embedpipe.embed.pooling`), as fair-esm's
+(:class:`embedpipe.extraction.planning.Piece`) and pooling (:mod:`embedpipe.extraction.pooling`), as fair-esm's
 ``Alphabet`` lets ``prepend_bos``/``append_eos`` drive its batch converter.
 """
 

@@ -2,7 +2,7 @@
 reader and writer of its entries (docs/precision.md, "The cache").
 
 Why one careful reader: every ``embed`` reads the cache (a named policy too, for its warning:
-:func:`embedpipe.embed.auto_probe.notes`), and the directory may be shared by a workflow's
+:func:`embedpipe.extraction.auto_probe.notes`), and the directory may be shared by a workflow's
 jobs, so an entry may be anything another process left there. An entry is opened without
 following a link and without blocking (a FIFO would hang every job), must be a regular file
 of at most :data:`MAX_ENTRY_BYTES`, and is used only when every field is well formed: the key

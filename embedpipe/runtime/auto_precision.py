@@ -6,7 +6,7 @@ Why measured: which policy is fastest depends on the kernels PyTorch dispatches 
 CPU, the model's shape and the node's load, which no table follows (an AVX2-only EPYC ran the
 table's int8-mixed more than 10x slower than fp32 until its int8 engines were measured too).
 The embed job times each candidate on its own loaded model and records
-(:mod:`embedpipe.embed.auto_probe`), checks each one's pooled cosine to fp32 against the
+(:mod:`embedpipe.extraction.auto_probe`), checks each one's pooled cosine to fp32 against the
 cross-check's pass threshold, and runs the fastest that passes by a margin. The result is cached per node,
 CPU model and flags, torch version, model, threads and device, in a directory the workflow's
 jobs share, so a node measures once (:mod:`embedpipe.runtime.auto_cache`).

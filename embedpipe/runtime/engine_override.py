@@ -3,8 +3,8 @@ where fp32 fallback records run), and the one expert override of them: the envir
 variable ``EMBEDPIPE_ENGINE`` (docs/precision.md, "Engine choices"), for tests and benchmarks.
 
 Why not options: each has one right value per policy, device and family, which
-:func:`embedpipe.embed.resolved.resolve_run` derives (the ``auto`` rules of
-:mod:`embedpipe.runtime.attention` and :mod:`embedpipe.embed.preparation`); the others give
+:func:`embedpipe.extraction.resolved.resolve_run` derives (the ``auto`` rules of
+:mod:`embedpipe.runtime.attention` and :mod:`embedpipe.extraction.preparation`); the others give
 up batch invariance or speed. ``resolve_run`` is the only reader of the variable, and records
 what it resolved (``computed_as``, the store's attributes, the identity where the numbers change).
 """

@@ -38,10 +38,10 @@ class Int8MixedPolicy(MixedPolicy):
     """fp32 weights and islands; the linear layers through their int8 copies.
 
     ``calibration``: SmoothQuant smoothing calibrated on that set (``--int8-smoothing
-    smoothquant``; a policy of its own, made per run by :func:`embedpipe.embed.calibration.configured_policy`,
+    smoothquant``; a policy of its own, made per run by :func:`embedpipe.extraction.calibration.configured_policy`,
     so the shared ``POLICIES`` entry stays unsmoothed); None: no smoothing.
     ``kernels``: the run's int8 weight range, measured on the CPU for the model's width
-    (:meth:`for_width`, from :func:`embedpipe.embed.resolved.resolve_run`); None: each layer
+    (:meth:`for_width`, from :func:`embedpipe.extraction.resolved.resolve_run`); None: each layer
     decides for its own shape (a policy used outside a run)."""
 
     calibration: Calibration | None = None
@@ -89,7 +89,7 @@ class Int8MixedPolicy(MixedPolicy):
         return True  # the int8 copies are how this policy runs a linear, not an optimisation
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
-        if self.calibration is not None:  # exact fp32 until calibrated (embed/calibration.py)
+        if self.calibration is not None:  # exact fp32 until calibrated (extraction/calibration.py)
             return CalibratingLinear(weight, bias, self.calibration.alpha, kernels=self.kernels)
         return Int8Linear(weight, bias, kernels=self.kernels)
 

@@ -70,7 +70,7 @@ class CalibratingLinear:
                  kernels: KernelChoice | None = None) -> None:
         layers = _COLLECTING.get()
         if layers is None:
-            raise RuntimeError("a calibrating int8 layer made outside a calibration (embed/calibration.py)")
+            raise RuntimeError("a calibrating int8 layer made outside a calibration (extraction/calibration.py)")
         layers.append(self)
         self.weight: torch.Tensor | None = weight.detach()  # a reference, dropped by finish()
         self.bias = None if bias is None else bias.detach().float()
@@ -128,7 +128,7 @@ def load_calibration(path: str | Path | None) -> Calibration:
     the file when it is missing, unreadable, invalid FASTA or empty.
 
     Read once per embed job: the job resolves its policy once and hands it on
-    (:func:`embedpipe.embed.resolved.resolve_policy`), so nothing here is cached."""
+    (:func:`embedpipe.extraction.resolved.resolve_policy`), so nothing here is cached."""
     from embedpipe.inputs.fasta import read_calibration  # import-light callers (options) never need it
 
     where = SHIPPED if path is None else Path(path)

@@ -186,7 +186,7 @@ class Policy:
 
     def calibration_records(self) -> Sequence[tuple[str, str]]:
         """Records a freshly prepared runner must see before it embeds (int8-mixed smoothing:
-        :mod:`embedpipe.embed.calibration`); none for the other policies."""
+        :mod:`embedpipe.extraction.calibration`); none for the other policies."""
         return ()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

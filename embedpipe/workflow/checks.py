@@ -3,7 +3,7 @@ from workflows/rules/common.smk; docs/cluster.md says when each runs):
 
 - the configured input paths exist (a typo must not run "Nothing to be done" on old results);
 - every shard path of ``shards.json`` stays inside the shard directory;
-- each group marker still describes its stores (embedpipe.embed.group_marker); a stale one is
+- each group marker still describes its stores (embedpipe.extraction.group_marker); a stale one is
   removed, so its group runs again;
 - one run per ``outdir``: an ``flock`` held by the main Snakemake process (embedpipe.core.locks);
 - what ``--report`` says is read from the stores, not from the config.
@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.locks import acquire
-from embedpipe.embed.group_marker import marker_problem
+from embedpipe.extraction.group_marker import marker_problem
 
 RUN_LOCK = ".embedpipe-run.lock"
 

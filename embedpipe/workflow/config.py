@@ -24,7 +24,7 @@ import yaml
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import AUTO, EmbedOptions
-from embedpipe.embed.combinations import CombinationError, check_embed
+from embedpipe.extraction.combinations import CombinationError, check_embed
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.registry import inspect
 
@@ -214,7 +214,7 @@ def fasta_limit_args(config: dict[str, Any]) -> list[str]:
 
 def check_embed_config(config: dict[str, Any], facts: ModelFacts) -> None:
     """The embed jobs' options checked as ``embedpipe embed`` checks them (the same function:
-    embedpipe.embed.combinations), before any job: ``ConfigError`` naming the keys and their
+    embedpipe.extraction.combinations), before any job: ``ConfigError`` naming the keys and their
     values, then the line the job would have failed with. ``test_model``'s depth counts as the
     model's (its file is written by the first job); a checkpoint given by path has its depth read
     from its header (weights unread: :func:`_with_depth`)."""

@@ -15,7 +15,7 @@ import pytest
 import embedpipe
 from embedpipe.core.errors import EmbedpipeError, InputError
 from embedpipe.core.options import FastaLimits
-from embedpipe.embed import job as job_module
+from embedpipe.extraction import job as job_module
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import open_store, validate_store
@@ -200,7 +200,7 @@ def test_progress_is_off_by_default_and_unknown_options_are_named(tiny_model_pat
 def test_import_embedpipe_stays_torch_free_and_the_api_is_exported():
     code = ("import sys, embedpipe; assert 'torch' not in sys.modules; assert callable(embedpipe.embed); "
             "from embedpipe import Embedder, search, Result; assert 'torch' in sys.modules; "
-            "import embedpipe.embed.run; assert callable(embedpipe.embed) and embedpipe.embed.run.embed_fasta")
+            "import embedpipe.extraction.run; assert callable(embedpipe.embed) and embedpipe.extraction.run.embed_fasta")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert (ROOT / "embedpipe" / "py.typed").is_file()
 

@@ -18,7 +18,7 @@ from test_every_family_path import _result_view, _store_view  # the parity views
 import embedpipe
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.store import open_store
 from helpers.embed_helpers import embed_store, write_fasta
 from helpers.family_models import FAMILIES

@@ -17,7 +17,7 @@ from embedpipe.api.querying import query_options, search_fasta
 from embedpipe.core import options
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.neighbours.build import build_index
 from embedpipe.neighbours.index_file import read_meta
 from embedpipe.store.validate import validate_store

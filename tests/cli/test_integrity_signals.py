@@ -19,8 +19,8 @@ import pytest
 
 from embedpipe.core.atomic import temp_path_for
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
 from embedpipe.export import export_store
+from embedpipe.extraction.run import embed_fasta
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import wait_until
 
@@ -29,12 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the child: the embed forward (or the export's block reader) never ends, then the real CLI
 CHILD = """
 import sys, time
-import embedpipe.embed.engine, embedpipe.export.run
+import embedpipe.extraction.engine, embedpipe.export.run
 def endless(*args, **kwargs):
     while True:
         time.sleep(0.02)
         yield from ()
-embedpipe.embed.engine.Embedder.embed = endless
+embedpipe.extraction.engine.Engine.embed = endless
 embedpipe.export.run.iter_blocks = endless
 sys.argv = ["embedpipe", *sys.argv[1:]]
 from embedpipe.cli import run

@@ -41,8 +41,8 @@ if SITE == "load":
     import torch
     torch.load = fail
 else:
-    import embedpipe.embed.engine as engine
-    engine.Embedder.embed = fail
+    import embedpipe.extraction.engine as engine
+    engine.Engine.embed = fail
 sys.argv = ["embedpipe", *sys.argv[1:]]
 from embedpipe.cli import run
 run()

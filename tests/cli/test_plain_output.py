@@ -11,7 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed.identity import IDENTITY_VERSION, describe_difference
+from embedpipe.extraction.identity import IDENTITY_VERSION, describe_difference
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.model.random_hf import make_hf_test_model
 from helpers.embed_helpers import embed_store
@@ -82,7 +82,7 @@ def test_an_identity_difference_reads_as_config_values() -> None:
 
 
 def test_a_job_that_copied_records_does_not_report_them_as_embedded_per_second() -> None:
-    from embedpipe.embed.run import EmbedSummary
+    from embedpipe.extraction.run import EmbedSummary
 
     def summary(reused: int) -> list[str]:
         return EmbedSummary(out=Path("o.h5"), records=10, residues=1000, seconds=2.0, precision="fp32", device="cpu",

@@ -147,7 +147,7 @@ def test_crosscheck_claims_the_gpu_before_loading_the_model(tmp_path, tiny_model
 
     from embedpipe.crosscheck import reference
     from embedpipe.crosscheck.run import run_crosscheck
-    from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from embedpipe.extraction.run import EmbedOptions, embed_fasta
     from helpers.embed_helpers import random_sequences, write_fasta
 
     fasta = write_fasta(tmp_path / "in.fasta", random_sequences(4, (10, 30), seed=3))

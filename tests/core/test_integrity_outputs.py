@@ -14,8 +14,8 @@ import pytest
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.export import export_store
+from embedpipe.extraction.run import embed_fasta, embed_shards
 from embedpipe.store import merge_stores
 from helpers.embed_helpers import random_sequences, write_fasta
 

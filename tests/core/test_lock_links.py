@@ -21,7 +21,7 @@ from embedpipe.core import devices, locks
 from embedpipe.core.devices import claim_slot
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_shards
+from embedpipe.extraction.run import embed_shards
 from embedpipe.workflow.checks import RUN_LOCK, lock_run
 from helpers.embed_helpers import random_sequences, write_fasta
 

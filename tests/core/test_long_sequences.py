@@ -11,7 +11,7 @@ import pytest
 
 from embedpipe.core import long_sequences, options
 from embedpipe.core.errors import InputError
-from embedpipe.embed.planning import plan_record
+from embedpipe.extraction.planning import plan_record
 from embedpipe.store import format as store_format
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,8 +22,8 @@ import embedpipe
 from embedpipe.api.querying import search_fasta
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.export import export_store
+from embedpipe.extraction.run import embed_fasta, embed_shards
 from embedpipe.neighbours.build import build_index
 from embedpipe.store import open_store
 from helpers.embed_helpers import random_sequences, write_fasta

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.export import export_store
+from embedpipe.extraction.run import embed_fasta, embed_shards
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.shard.passes import shard_fasta

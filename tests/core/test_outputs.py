@@ -36,7 +36,7 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
 
 
 def _embed(fasta: Path, model: Path, out: Path, **options: object) -> Path:
-    from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from embedpipe.extraction.run import EmbedOptions, embed_fasta
 
     embed_fasta(fasta, model=str(model), out=out, options=EmbedOptions(device="cpu", **options), quiet=True)
     return out

@@ -189,7 +189,7 @@ def test_every_embed_option_is_a_workflow_key_or_set_by_the_rule() -> None:
 
 
 def test_the_engine_choices_are_no_option_workflow_key_or_rule_argument() -> None:
-    """The run derives the engine choices (embed/resolved.py); ``EMBEDPIPE_ENGINE`` is their only
+    """The run derives the engine choices (extraction/resolved.py); ``EMBEDPIPE_ENGINE`` is their only
     override: no ``EmbedOptions`` field, schema key, embed flag or rule argument names one, and
     ``--compile`` is gone with its cache."""
     removed = {*engine_override.CHOICES, "compile", "compile_cache"}

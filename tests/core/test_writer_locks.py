@@ -17,12 +17,12 @@ import h5py
 import pytest
 import torch
 
-import embedpipe.embed.run as embed_module
+import embedpipe.extraction.run as embed_module
 from embedpipe.core import locks
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.locks import holding
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta, embed_shards
+from embedpipe.extraction.run import embed_fasta, embed_shards
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.store import merge_stores
@@ -154,7 +154,7 @@ def test_a_store_a_group_job_holds_is_not_replaced_by_a_single_command(tmp_path,
 _GATED = """
 import sys, time
 from pathlib import Path
-import embedpipe.embed.run as run
+import embedpipe.extraction.run as run
 ready, release = Path(sys.argv[1]), Path(sys.argv[2])
 real = run._read_records
 def gated(fasta, *args, **kwargs):

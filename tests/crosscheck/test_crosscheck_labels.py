@@ -57,7 +57,7 @@ def _records() -> list[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory, tiny_model_path):
     """A merged fp32 store (with an alias: ``dup_charged03`` repeats ``charged03``) and its records."""
-    from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from embedpipe.extraction.run import EmbedOptions, embed_fasta
     from embedpipe.shard.passes import shard_fasta
     from embedpipe.store import merge_stores
 

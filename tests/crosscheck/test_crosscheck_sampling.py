@@ -14,7 +14,7 @@ from embedpipe.crosscheck import sampling
 from embedpipe.crosscheck.metrics import stratified_sample
 from embedpipe.crosscheck.report.figures import error_scatter
 from embedpipe.crosscheck.run import LABELLED_REASON, RANDOM_REASON, LabelOptions, run_crosscheck
-from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.extraction.run import EmbedOptions, embed_fasta
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
 
 NO_C = np.array(list("ADEFGHIKLMNPQRSTVWY"))

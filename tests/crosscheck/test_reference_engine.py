@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import embedpipe.embed.resolved as resolved_module
+import embedpipe.extraction.resolved as resolved_module
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.crosscheck.reference import _reference_options
 from embedpipe.crosscheck.run import run_crosscheck

@@ -24,7 +24,7 @@ import pytest
 from embedpipe.crosscheck.report.figures import LAYER_COLOURS
 from embedpipe.crosscheck.report.page import VERDICT_COLOURS
 from embedpipe.crosscheck.run import run_crosscheck
-from embedpipe.embed.run import EmbedOptions, embed_fasta
+from embedpipe.extraction.run import EmbedOptions, embed_fasta
 from helpers.embed_helpers import random_sequences, write_fasta
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 import embedpipe
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.run import EmbedOptions
 from embedpipe.export import export_store
 from embedpipe.export.keys import decode_key, encode_key
+from embedpipe.extraction.run import EmbedOptions
 from helpers.embed_helpers import merged_store
 
 # IDs HDF5 cannot name as they are ('/' and a lone '.'), a '%' that must survive decoding,

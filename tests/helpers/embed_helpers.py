@@ -14,7 +14,7 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.esm2 import any_checkpoint_info, build_model
 from embedpipe.model.random_checkpoint import KEY_PREFIX, save

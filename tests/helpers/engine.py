@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import torch
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
-from embedpipe.embed.resolved import resolve_loaded
+from embedpipe.extraction.engine import Engine
+from embedpipe.extraction.resolved import resolve_loaded
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.runtime.engine_override import CHOICES, VARIABLE
 
@@ -39,12 +39,12 @@ def engine_override(**choices: str) -> Iterator[None]:
             os.environ[VARIABLE] = before
 
 
-def embedder_for(loaded: EmbeddingModel, options: EmbedOptions | dict, device: torch.device, **engine: str) -> Embedder:
-    """An :class:`Embedder` of ``options`` on ``device``, its run resolved by ``resolve_run`` with
+def embedder_for(loaded: EmbeddingModel, options: EmbedOptions | dict, device: torch.device, **engine: str) -> Engine:
+    """An :class:`Engine` of ``options`` on ``device``, its run resolved by ``resolve_run`` with
     the engine choices given through the override (the derived ones where none are given):
     ``engine``, or the keys of :data:`CHOICES` in an ``options`` dict."""
     if isinstance(options, dict):
         engine = {key: options[key] for key in options if key in CHOICES} | engine
         options = EmbedOptions(**{key: value for key, value in options.items() if key not in CHOICES})
     with engine_override(**engine):
-        return Embedder(loaded, resolve_loaded(loaded, options, device))
+        return Engine(loaded, resolve_loaded(loaded, options, device))

@@ -1,5 +1,5 @@
 """What the workflow knows of a family before any job (the capabilities its spec declares, and
-embed/combinations.py's CPU-only policies) is what the loaded model and the runtime say."""
+extraction/combinations.py's CPU-only policies) is what the loaded model and the runtime say."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.combinations import CPU_ONLY_POLICIES
+from embedpipe.extraction.combinations import CPU_ONLY_POLICIES
 from embedpipe.model import capabilities, describe, hf_checkpoint, inspect, load_model, plugins, registry
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.random_checkpoint import make_test_model

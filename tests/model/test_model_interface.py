@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.model import Family, ModelFacts, registry
 from embedpipe.model.base import TokenLayout
 from embedpipe.store import validate_store

@@ -20,7 +20,7 @@ import torch
 from test_t5 import hf_inputs, overflowing
 
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.store import validate_store
 from helpers.embed_helpers import overflowing_prot_t5, random_sequences, read_store, write_fasta

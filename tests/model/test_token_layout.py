@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.model import registry
 from embedpipe.model.plugins import ENV
 from embedpipe.store import validate_store

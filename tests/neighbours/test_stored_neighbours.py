@@ -18,7 +18,7 @@ import embedpipe
 from embedpipe.api.querying import neighbours
 from embedpipe.cli import app
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.embed.run import EmbedOptions
+from embedpipe.extraction.run import EmbedOptions
 from embedpipe.neighbours import stored
 from embedpipe.neighbours.build import build_index, unit_rows
 from embedpipe.neighbours.hits import GROUPED_HEADER, HEADER
@@ -182,14 +182,14 @@ def _tsv(text: str) -> list[list[str]]:
 def _no_model(monkeypatch) -> None:
     """Every way a model could load, or an Embedder be made, raises."""
     import embedpipe.api.querying
-    import embedpipe.embed.job
+    import embedpipe.extraction.job
     import embedpipe.model
     import embedpipe.model.registry
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    for module in (embedpipe.model, embedpipe.model.registry, embedpipe.embed.job):
+    for module in (embedpipe.model, embedpipe.model.registry, embedpipe.extraction.job):
         monkeypatch.setattr(module, "load_model", refuse)
     monkeypatch.setattr(embedpipe.api.querying, "Embedder", refuse)
 

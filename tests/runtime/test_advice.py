@@ -112,8 +112,8 @@ def test_auto_on_cuda_measures_what_the_gpu_computes_natively(monkeypatch, capab
 
 
 def test_auto_never_chooses_what_the_other_options_exclude() -> None:
-    from embedpipe.embed.auto_probe import usable_candidates
-    from embedpipe.embed.resolved import resolve_run
+    from embedpipe.extraction.auto_probe import usable_candidates
+    from embedpipe.extraction.resolved import resolve_run
     from embedpipe.model.identity import ModelIdentity
     from embedpipe.runtime.engine_override import EngineChoice
 
@@ -135,7 +135,7 @@ def test_a_small_auto_job_takes_the_prior_records_why_and_holds_what_that_policy
                                                                                            tmp_path) -> None:
     records = random_sequences(4, (20, 60), seed=5)
     auto = embed_store(tmp_path, tiny_model_path, records, "auto", precision="auto", device="cpu")
-    from embedpipe.embed.auto_probe import model_params
+    from embedpipe.extraction.auto_probe import model_params
     from embedpipe.model import load_model
 
     policy, why = auto_precision.prior(CPU, params=model_params(load_model(str(tiny_model_path))))

@@ -25,7 +25,7 @@ import torch
 from esm.model.esm2 import ESM2
 
 from embedpipe.core.options import POLICY_KINDS, POLICY_NAMES, EmbedOptions
-from embedpipe.embed import budget as batch_budget
+from embedpipe.extraction import budget as batch_budget
 from embedpipe.model import load_model
 from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
 from embedpipe.model.random_hf import make_hf_test_model

@@ -1,4 +1,4 @@
-"""The CUDA branches of ``Embedder.embed``, executed on a CPU-only torch (issue 20, §1).
+"""The CUDA branches of ``Engine.embed``, executed on a CPU-only torch (issue 20, §1).
 
 Each policy runs the real worker, model preparation, forward, pooling and read-back on a
 faked Hopper GPU (tests/helpers/fake_cuda.py). The model is prepared first (its weights go to the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from embedpipe.core.options import POLICY_NAMES
-from embedpipe.embed.engine import Embedder
+from embedpipe.extraction.engine import Engine
 from embedpipe.model import load_model
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.runtime import cuda as ep_cuda
@@ -59,7 +59,7 @@ def _weights(runner) -> list[torch.Tensor]:
 
 
 def trace_embed(model_path, *, nan_row: int | None = None, pooling: tuple[str, ...] = ("mean", "bos"),
-                **options) -> tuple[Embedder, dict, Trace, dict]:
+                **options) -> tuple[Engine, dict, Trace, dict]:
     """Embed the records on the faked GPU: (embedder, results, trace of the launch path, facts
     read while the GPU was faked)."""
     loaded = load_model(str(model_path))

@@ -13,7 +13,7 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.engine import Embedder
+from embedpipe.extraction.engine import Engine
 from embedpipe.model import load_model
 from embedpipe.runtime import precision
 from embedpipe.runtime.cpu_features import CpuFeatures
@@ -200,7 +200,7 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_pat
             assert torch.get_float32_matmul_precision() == "medium"
 
         seen: list[str] = []
-        real_forward = Embedder._launch
+        real_forward = Engine._launch
 
         def forward(self, *args):
             seen.append(torch.get_float32_matmul_precision())
@@ -208,7 +208,7 @@ def test_fp32_policy_pins_true_fp32_matmuls_and_restores_settings(tiny_model_pat
 
         settings: list[str] = []
         real_set = torch.set_float32_matmul_precision
-        monkeypatch.setattr(Embedder, "_launch", forward)
+        monkeypatch.setattr(Engine, "_launch", forward)
         monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (settings.append(p), real_set(p))[1])
         records = random_sequences(6, (20, 60), seed=1)
         embedder = embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=64), torch.device("cpu"))
@@ -413,14 +413,14 @@ def test_fp32_fallback_that_does_not_fit_says_so_under_same(overflow_model, over
 
 def test_a_fallback_forward_out_of_memory_still_names_the_record(overflow_model, overflow_records, monkeypatch):
     loaded = load_model(str(overflow_model))
-    real = Embedder._launch
+    real = Engine._launch
 
     def fp32_oom(self, policy, batch, recs):
         if policy.name == "fp32":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected in the forward)")
         return real(self, policy, batch, recs)
 
-    monkeypatch.setattr(Embedder, "_launch", fp32_oom)
+    monkeypatch.setattr(Engine, "_launch", fp32_oom)
     embedder = embedder_for(loaded, EmbedOptions(precision="fp16"), torch.device("cpu"), fallback_device="cpu")
     with pytest.raises(EmbedpipeError, match=r"record 'cys\d'.*does not fit in memory on cpu even alone"):
         list(embedder.embed(overflow_records))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import embedpipe
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.shard.passes import shard_fasta
 from embedpipe.store import merge_stores
 from helpers.shard_helpers import manifest

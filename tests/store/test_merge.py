@@ -269,7 +269,7 @@ def test_merge_without_stores_is_one_clear_line(tmp_path):
 
 
 def _embed_shard(tmp: Path, model: Path, records, out: Path, precision: str) -> Path:
-    from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from embedpipe.extraction.run import EmbedOptions, embed_fasta
     from helpers.embed_helpers import write_fasta
 
     fasta = write_fasta(tmp / f"{out.stem}.fasta", records)

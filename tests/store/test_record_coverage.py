@@ -18,8 +18,8 @@ import pytest
 import embedpipe
 from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta, embed_shards
 from embedpipe.export.run import export_store
+from embedpipe.extraction.run import embed_fasta, embed_shards
 from embedpipe.neighbours.build import build_index
 from embedpipe.store.validate import validate_report, validate_store
 from helpers.embed_helpers import random_sequences, write_fasta

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import embedpipe.store.reuse_index as reuse_index
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from helpers.embed_helpers import random_sequences, read_store, write_fasta
 from helpers.processes import run_measured
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from embedpipe.core.errors import EmbedpipeError, StoreError
 from embedpipe.core.options import EmbedOptions
 from embedpipe.crosscheck.run import run_crosscheck
-from embedpipe.embed.run import embed_fasta
 from embedpipe.export.run import export_store
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.store import EmbeddedRecord, StoreWriter, open_store
 from embedpipe.store.merge import merge_stores
 from embedpipe.store.row_checks import RowChecks

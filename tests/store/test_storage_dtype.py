@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from embedpipe.core.errors import StoreError
-from embedpipe.embed.fallback import RecordCheck
-from embedpipe.embed.stitching import PieceResult
+from embedpipe.extraction.fallback import RecordCheck
+from embedpipe.extraction.stitching import PieceResult
 from embedpipe.runtime.precision import FP32
 from embedpipe.store.meancheck import mean_tolerance
 from embedpipe.store.storage_dtype import storage_limits

@@ -537,7 +537,7 @@ def test_mean_check_skips_single_run_stores_from_before_store_uuid(tmp_path):
     ("fp32", "float32", "full"),
 ])
 def test_real_stores_pass_the_mean_check(tmp_path, tiny_model_path, precision, storage, long_sequences):
-    from embedpipe.embed.run import EmbedOptions, embed_fasta
+    from embedpipe.extraction.run import EmbedOptions, embed_fasta
     from helpers.embed_helpers import random_sequences, write_fasta
 
     records = random_sequences(6, (5, 300), seed=3) + random_sequences(1, [1400], seed=4)

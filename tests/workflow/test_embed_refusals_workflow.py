@@ -1,5 +1,5 @@
 """Every option combination ``embedpipe embed`` refuses is refused by the workflow at parse time,
-with the same line (issue 34, item 1): one function decides for both (embedpipe.embed.combinations).
+with the same line (issue 34, item 1): one function decides for both (embedpipe.extraction.combinations).
 
 Each case is run twice, independently: the CLI (``embedpipe embed ...``, its one stderr line) and
 the workflow's config parsing (the schema's coercion, then the check common.smk calls); two
@@ -19,7 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.embed.combinations import CHECKS
+from embedpipe.extraction.combinations import CHECKS
 from embedpipe.model import describe
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.model.random_hf import make_hf_test_model
@@ -30,7 +30,7 @@ from helpers.workflow_helpers import EXAMPLE, ROOT, snakemake
 SCHEMA = load_schema(ROOT / "workflows" / "schemas" / "config.schema.yaml")
 ESM2 = "esm2_t6_8M_UR50D"  # described from the name table: no file is read
 
-#: check (embedpipe.embed.combinations.CHECKS) -> cases: (model, config overrides, CLI options)
+#: check (embedpipe.extraction.combinations.CHECKS) -> cases: (model, config overrides, CLI options)
 CASES: dict[str, list[tuple[str, dict[str, Any], list[str]]]] = {
     "_values": [
         (ESM2, {"precision": "fp32", "int8_smoothing": "smoothquant"}, ["--int8-smoothing", "smoothquant"]),

@@ -159,11 +159,11 @@ from pathlib import Path
 FLAG = Path({flag!r})
 if sys.argv[1:2] == ["embed"] and not FLAG.exists():
     FLAG.write_text("interrupted once")
-    import embedpipe.embed.engine as engine
+    import embedpipe.extraction.engine as engine
     def embed(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         return iter(())
-    engine.Embedder.embed = embed
+    engine.Engine.embed = embed
 sys.argv[0] = "embedpipe"
 from embedpipe.cli import run
 run()

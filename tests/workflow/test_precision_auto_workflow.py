@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import embedpipe
-from embedpipe.embed.auto_probe import model_params
+from embedpipe.extraction.auto_probe import model_params
 from embedpipe.model import load_model
 from embedpipe.runtime import auto_precision
 from helpers.workflow_helpers import demo_config, nothing_to_do, run_workflow, validate

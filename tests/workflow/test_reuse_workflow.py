@@ -14,7 +14,7 @@ import yaml
 
 import embedpipe
 from embedpipe.core.options import EmbedOptions
-from embedpipe.embed.run import embed_fasta
+from embedpipe.extraction.run import embed_fasta
 from embedpipe.inputs.fasta import read_sequences
 from helpers.embed_helpers import write_fasta
 from helpers.workflow_helpers import EXAMPLE, demo_config, run_workflow, validate

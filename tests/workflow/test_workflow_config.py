@@ -172,7 +172,7 @@ def _parsed_by_the_cli(args: list[str], monkeypatch) -> tuple[EmbedOptions, Fast
     from typer.testing import CliRunner
 
     from embedpipe.cli import app
-    from embedpipe.embed import run
+    from embedpipe.extraction import run
 
     seen = {}
     monkeypatch.setattr(run, "embed_command", lambda *a, **kw: seen.update(kw))

@@ -24,7 +24,7 @@ from embedpipe.model import fetch as model_fetch
 from embedpipe.core import export_formats
 from embedpipe.core import stats as workflow_stats
 
-DECISION_SHARDS = 16  # embedpipe.embed.auto_decision.SAMPLE_FILES (that module loads torch)
+DECISION_SHARDS = 16  # embedpipe.extraction.auto_decision.SAMPLE_FILES (that module loads torch)
 
 
 def fail(message):
@@ -70,7 +70,7 @@ except workflow_checks.EmbedpipeError as exc:
     fail(exc)
 
 # Every option combination `embedpipe embed` refuses (with this model, these reuse paths) is
-# refused here, before any job, by the same function (embedpipe.embed.combinations).
+# refused here, before any job, by the same function (embedpipe.extraction.combinations).
 try:
     workflow_config.check_embed_config(config, MODEL_FACTS)
 except workflow_config.ConfigError as exc:
@@ -93,7 +93,7 @@ if MODEL_KIND == "name" and not workflow.remote_exec:
 # A group marker whose stores were deleted or changed since it was written is removed before
 # the DAG is built, with embeddings.h5, which pins those stores (Snakemake does not rerun a
 # job for a missing intermediate file while the final one is up to date). By the main process
-# only, a stat per store (embedpipe.embed.group_marker; docs/cluster.md, "Resuming, rerunning").
+# only, a stat per store (embedpipe.extraction.group_marker; docs/cluster.md, "Resuming, rerunning").
 if not workflow.remote_exec:
     for _problem in workflow_checks.stale_markers(OUTDIR, remove=True):
         print(f"embedpipe: {_problem}", file=sys.stderr)
@@ -325,7 +325,7 @@ def run_residues(wildcards):
 
 def decision_shards(wildcards):
     """The shards decide-precision draws its records from: evenly spaced over all of them (short to
-    long), as many as it reads (embedpipe.embed.auto_decision.SAMPLE_FILES), so the command line
+    long), as many as it reads (embedpipe.extraction.auto_decision.SAMPLE_FILES), so the command line
     stays short whatever the shard count."""
     return workflow_stats.spread(shard_fastas(), DECISION_SHARDS)
 
