@@ -23,10 +23,13 @@ fi
 "$PYTHON" -m ruff check .
 "$PYTHON" -m mypy
 
-# one process: int8-mixed's kernels are chosen by timing them on the node, and a second pytest
-# worker's load changed that choice mid-run (batch-invariance tests failed under -n 2); pass
-# `-n N --dist loadgroup` yourself (pytest-xdist) for a faster run on a quiet, larger machine
+# pytest-xdist: one worker per CPU of this process's affinity, at most 4 (each loads torch);
+# tests that share the SLURM node or benchmarks/out/ run on one worker (tests/conftest.py)
+workers=$("$PYTHON" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
 parallel=()
+if [ "$workers" -gt 1 ]; then
+  parallel=(-n "$workers" --dist loadgroup)
+fi
 
 set +e
 "$PYTHON" -m pytest "${parallel[@]}" "$@"

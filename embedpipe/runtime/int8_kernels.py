@@ -8,13 +8,17 @@ its flags do not tell. On an AVX2-only EPYC, ``torch._int_mm`` is exact at 8 bit
 order of engines picked the slow one. Here every engine and weight range that reproduces the
 exact int32 sums is timed on the layer's own shape, and the fastest exact one runs.
 
-Two decisions, both memoised per process and thread count:
+Two decisions:
 
 * the **weight range** of a run (8-bit, or 7-bit where only the saturating kernels are fast),
   from the model's width (:func:`choose_weight_range`): it changes the numbers, so it is part
-  of the store's identity and must be known before any layer is packed, the same for every layer;
+  of the store's identity and must be known before any layer is packed, the same for every layer.
+  Memoised per process and width, whatever the thread count: a process's stores do not differ
+  by how many threads ran them (timed twice, at 1 and at 2 threads under another process's load,
+  a width-64 model's two timings once fell on either side of the margin);
 * the **engine** of each layer at that range (:func:`fastest_engine`): the fastest exact one on
-  the layer's own shape; it does not change the numbers (every engine returns the exact sums).
+  the layer's own shape, memoised per thread count; it does not change the numbers (every
+  engine returns the exact sums).
 """
 
 from __future__ import annotations
@@ -202,7 +206,6 @@ def _exact_everywhere(qmax: float, shapes: tuple[tuple[int, int], ...]) -> set[s
     return {e for e in ENGINES if all(timing_ms(e, qmax, shape) is not None for shape in shapes)}
 
 
-@functools.cache
 def _choose(shapes: tuple[tuple[int, int], ...], threads: int) -> KernelChoice:
     """The weight range, decided by exactness wherever that settles it, so timing noise cannot
     flip it: 8-bit where an engine exact at 7 bits is exact at 8 too (the same kernels run both
@@ -232,12 +235,19 @@ def _choose(shapes: tuple[tuple[int, int], ...], threads: int) -> KernelChoice:
         f"{SEVEN_BIT_GAIN:.0f}x faster or more)"))
 
 
+#: shapes -> the weight range chosen for them in this process (at the first call's thread count)
+_CHOSEN: dict[tuple[tuple[int, int], ...], KernelChoice] = {}
+
+
 def choose(shapes: tuple[tuple[int, int], ...]) -> KernelChoice:
     """The weight range for linears of ``shapes`` (M, K): 8-bit unless only 7-bit kernels are
-    exact, or the fastest 7-bit ones are :data:`SEVEN_BIT_GAIN` times faster (memoised per
-    shapes and thread count). A fresh :class:`KernelChoice`, whose ``used`` counts the engines
-    of the layers made with it."""
-    chosen = _choose(tuple((int(m), int(k)) for m, k in shapes), torch.get_num_threads())
+    exact, or the fastest 7-bit ones are :data:`SEVEN_BIT_GAIN` times faster (decided once per
+    process and shapes, at the thread count of the first call). A fresh :class:`KernelChoice`,
+    whose ``used`` counts the engines of the layers made with it."""
+    key = tuple((int(m), int(k)) for m, k in shapes)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _choose(key, torch.get_num_threads())
+    chosen = _CHOSEN[key]
     return KernelChoice(chosen.qmax, chosen.reason)
 
 

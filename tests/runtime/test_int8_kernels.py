@@ -37,10 +37,10 @@ def planted(monkeypatch):
     def plant(**engines: type) -> None:
         monkeypatch.setattr(int8_kernels, "ENGINES", {**int8_kernels.ENGINES, **engines})
         int8_kernels._timing_ms.cache_clear()
-        int8_kernels._choose.cache_clear()
+        int8_kernels._CHOSEN.clear()
     yield plant
     int8_kernels._timing_ms.cache_clear()
-    int8_kernels._choose.cache_clear()
+    int8_kernels._CHOSEN.clear()
 
 
 def test_a_slow_exact_engine_is_timed_and_not_chosen(planted) -> None:
@@ -79,6 +79,37 @@ def test_the_weight_range_follows_exactness_then_a_large_speed_gap(planted, monk
     choice = int8_kernels.choose(((32, 32), (128, 32)))
     assert choice.qmax == want and choice.weight_range == int8_kernels.range_name(want)
     assert choice.reason.startswith(int8_kernels.range_name(want))
+
+
+def test_the_weight_range_is_decided_once_per_process_whatever_the_thread_count(planted, monkeypatch) -> None:
+    """Timings that would choose 7-bit at one thread and 8-bit at two (noise, another process's
+    load) give one range in a process: its stores do not differ by their thread count."""
+    planted()
+    monkeypatch.setattr(int8_kernels, "ENGINES", dict.fromkeys(("a", "b"), IntMmMatmul))
+    seven_bit_faster = {1: 30.0, 2: 1.0}  # at 1 thread the 7-bit-only kernel is 30x faster; at 2 not
+
+    def timing(engine: str, qmax: float, shape: tuple[int, int]) -> float | None:
+        if engine == "b":
+            return None if qmax == QMAX else 1.0
+        return seven_bit_faster[torch.get_num_threads()]
+
+    monkeypatch.setattr(int8_kernels, "timing_ms", timing)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        first = int8_kernels.choose(((32, 32),))
+        torch.set_num_threads(2)
+        again = int8_kernels.choose(((32, 32),))
+    finally:
+        torch.set_num_threads(threads)
+    assert first.qmax == QMAX_7BIT  # decided at the first call's thread count, as the timings say
+    assert again.qmax == first.qmax and again.reason == first.reason
+    int8_kernels._CHOSEN.clear()
+    torch.set_num_threads(2)
+    try:
+        assert int8_kernels.choose(((32, 32),)).qmax == QMAX  # the planted timings do differ at 2 threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_no_exact_engine_is_one_clear_error(planted, monkeypatch) -> None:
