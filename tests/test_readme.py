@@ -97,7 +97,7 @@ def test_the_python_page_runs_as_written(tmp_path):
         proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"docs/python.md line {block.line} failed:\n{block.code}\n{proc.stderr[-3000:]}"
         outputs.append(proc.stdout)
-    assert outputs[1].startswith("['P1', 'P2', 'P3'] (3, 32) ['bf16-mixed', 'bf16-mixed', 'bf16-mixed'] ['', '', '']")
+    assert outputs[1].startswith("('P1', 'P2', 'P3') (3, 32) ('bf16-mixed', 'bf16-mixed', 'bf16-mixed') ('', '', '')")
     lines = (tmp_path / "hits.tsv").read_text().splitlines()
     assert lines[0] == "query\thit\tscore\trank" and [line.split("\t")[3] for line in lines[1:]] == ["1", "2"]
     # search --ids P1: P1's stored vector searched, P1 itself left out

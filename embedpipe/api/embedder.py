@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Union
+from typing import Union
 
+from embedpipe.api.choices import merged_options
 from embedpipe.api.compatible import check_compatible
 from embedpipe.api.reading import fasta_path, read_fasta
-from embedpipe.api.result import Result
+from embedpipe.api.result import Result, result_of
 from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import FASTA_LIMITS, REMOVED_OPTIONS, EmbedOptions, FastaLimits
+from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.extraction.engine import Engine
 from embedpipe.extraction.job import JobInput, open_job
 from embedpipe.extraction.provenance import provenance
-from embedpipe.extraction.resolved import ResolvedRun
 from embedpipe.extraction.run import run_attrs, start_checks  # the checks and root attributes `embed` makes
 from embedpipe.inputs.fasta import check_regular_file
 from embedpipe.inputs.memory import Sequences, check_records
@@ -42,44 +43,55 @@ __all__ = ["Embedder", "Input", "embed"]
 Input = Union[Sequences, str, "os.PathLike[str]"]
 
 
-def _options(given: dict[str, Any]) -> EmbedOptions:
-    """``EmbedOptions`` from keyword arguments; an unknown one is one line naming it."""
-    known = set(EmbedOptions.__dataclass_fields__)
-    removed = sorted(set(given) & set(REMOVED_OPTIONS))
-    if removed:
-        raise EmbedpipeError(f"Embedder: option {removed[0]!r} was removed: the run derives the engine's choices "
-                             "(EMBEDPIPE_ENGINE overrides them: docs/precision.md, \"Engine choices\"); leave it out")
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise EmbedpipeError(f"Embedder: unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
-    for name in ("layers", "pooling"):  # a list is as good as a tuple; the store's config keeps tuples
-        if isinstance(given.get(name), list):
-            given[name] = tuple(given[name])
-    if isinstance(given.get("layers"), int):
-        given["layers"] = (given["layers"],)
-    return EmbedOptions(**given)
-
-
 class Embedder:
     """A model loaded once (at the first call), with one set of ``embed`` options, resolved once.
 
-    ``Embedder(model, precision="bf16-mixed", layers=(-1,))`` takes the model spec of
-    ``embed --model`` and the options of :class:`~embedpipe.core.options.EmbedOptions`; use it
+    ``Embedder(model, precision="bf16-mixed", layers=-1)`` takes the model spec of ``embed
+    --model`` and, as keywords, the options a user decides: ``precision`` (a policy, or
+    ``"auto"``), ``layers`` (an index or several; negative from the last), ``pooling``
+    (``"bos"`` stores BOS vectors besides the mean), ``per_residue``, ``storage_dtype`` and
+    ``device``. Each left None is ``options``' (an :class:`~embedpipe.core.options.EmbedOptions`,
+    which holds the rest of ``embed``'s options: batch budget, threads, long sequences, int8
+    smoothing, ...); a keyword and a field set in ``options`` that disagree are refused. Use it
     as a context manager, or call :meth:`close`, to release the model. ``quiet=False`` shows
     progress and the job's notes; ``limits``: the input limits of ``--max-record-length`` and
     ``--max-id-length``."""
 
-    def __init__(self, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
-                 **options: Any) -> None:
-        self.model = str(model)
-        self.options = _options(options)
-        self.quiet = quiet
+    def __init__(self, model: str | os.PathLike[str], *, precision: str | None = None,
+                 layers: int | Sequence[int] | None = None, pooling: str | Sequence[str] | None = None,
+                 per_residue: bool | None = None, storage_dtype: str | None = None, device: str | None = None,
+                 options: EmbedOptions | None = None, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS) -> None:
+        named = {"precision": precision, "layers": layers, "pooling": pooling, "per_residue": per_residue,
+                 "storage_dtype": storage_dtype, "device": device}
+        self._model = str(model)
+        self._options = EmbedOptions(**merged_options("Embedder", options, named))
+        self._quiet = quiet
         # embed's checks, before the model loads; the limits as the family reads records (ProstT5 keeps case)
-        self._policy, self.limits = start_checks([], self.model, self.options, (), limits)
-        self.model_files = model_files(self.model)
+        self._policy, self._limits = start_checks([], self._model, self._options, (), limits)
+        self._model_files = model_files(self._model)
         self._stack = contextlib.ExitStack()
         self._engine: Engine | None = None
         self._closed = False
+
+    @property
+    def model(self) -> str:
+        """The model spec, as ``embed --model`` takes it."""
+        return self._model
+
+    @property
+    def options(self) -> EmbedOptions:
+        """The options every call embeds with: ``options`` with the keywords given."""
+        return self._options
+
+    @property
+    def limits(self) -> FastaLimits:
+        """The input limits, as the model's family reads records (case kept for ProstT5, SaProt's pairs)."""
+        return self._limits
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is loaded (at the first call, until :meth:`close`)."""
+        return self._engine is not None
 
     def _engine_for(self, records: list[tuple[str, str]]) -> Engine:
         """The engine, its model loaded and its run resolved at the first call, as ``embed`` does
@@ -88,16 +100,10 @@ class Embedder:
         if self._closed:
             raise EmbedpipeError("this Embedder is closed: its model was released; make a new one")
         if self._engine is None:
-            job = self._stack.enter_context(open_job(self.model, self.options, self._policy, (), self.quiet,
-                                                     JobInput(limits=self.limits, records=tuple(records))))
+            job = self._stack.enter_context(open_job(self._model, self._options, self._policy, (), self._quiet,
+                                                     JobInput(limits=self._limits, records=tuple(records))))
             self._engine = job.embedder()  # the device claimed, the model loaded, the run resolved
         return self._engine
-
-    @property
-    def run(self) -> ResolvedRun | None:
-        """The resolved run (:class:`~embedpipe.extraction.resolved.ResolvedRun`) every call uses; None
-        until the first call loads the model."""
-        return None if self._engine is None else self._engine.run
 
     def embed(self, sequences: Input) -> Result:
         """Embed ``sequences`` (a list of sequences, of ``(id, sequence)`` pairs, or a dict of them),
@@ -109,7 +115,7 @@ class Embedder:
         (``config.input``, ``input_sha256``)."""
         path = fasta_path(sequences)
         if path is None:
-            return self._embed(check_records(sequences, self.limits))  # type: ignore[arg-type]
+            return self._embed(check_records(sequences, self._limits))  # type: ignore[arg-type]
         check_regular_file(path, "Embedder.embed", "it reads the records, then the file again for the input_sha256 "
                            "its result records")
         records = read_fasta(path, self)
@@ -118,7 +124,7 @@ class Embedder:
     def _records(self, sequences: Input) -> list[tuple[str, str]]:
         """The records of ``sequences``, or of the FASTA file it names, under this Embedder's rules."""
         path = fasta_path(sequences)
-        return check_records(sequences, self.limits) if path is None else read_fasta(path, self)  # type: ignore[arg-type]
+        return check_records(sequences, self._limits) if path is None else read_fasta(path, self)  # type: ignore[arg-type]
 
     def _embed(self, records: list[tuple[str, str]], source: Path | None = None,
                extra: dict[str, str] | None = None) -> Result:
@@ -126,13 +132,13 @@ class Embedder:
         engine.new_input()
         plan = engine.plan(records)
         done: list[EmbeddedRecord | None] = [None] * len(records)
-        with contextlib.closing(engine.embed(records, plan, quiet=self.quiet)) as results:
+        with contextlib.closing(engine.embed(records, plan, quiet=self._quiet)) as results:
             for j, record in results:
                 done[j] = record
         attrs = provenance(engine.loaded, engine.run, source) | (extra or {}) | run_attrs(engine, plan)
-        return Result([r for r in done if r is not None], engine.run, attrs, self.model_files)
+        return result_of([r for r in done if r is not None], engine.run, attrs, self._model_files)
 
-    def search(self, queries: Input, index: str | Path | LoadedIndex, *, k: int = 10,
+    def search(self, queries: Input, index: str | os.PathLike[str] | LoadedIndex, *, k: int = 10,
                collapse_aliases: bool = False) -> Hits:
         """The ``k`` nearest neighbours in ``index`` of every query (:mod:`embedpipe.neighbours`),
         embedded by this Embedder (sequences, or a FASTA file as :meth:`embed` takes it);
@@ -164,11 +170,13 @@ class Embedder:
         self.close()
 
 
-def embed(sequences: Input, model: str | Path, *, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS,
-          **options: Any) -> Result:
+def embed(sequences: Input, model: str | os.PathLike[str], *, precision: str | None = None,
+          layers: int | Sequence[int] | None = None, pooling: str | Sequence[str] | None = None,
+          per_residue: bool | None = None, storage_dtype: str | None = None, device: str | None = None,
+          options: EmbedOptions | None = None, quiet: bool = True, limits: FastaLimits = FASTA_LIMITS) -> Result:
     """One call: load ``model``, embed ``sequences`` (or a FASTA file, as :meth:`Embedder.embed`
-    takes it) with ``options``, release the model."""
-    with Embedder(model, quiet=quiet, limits=limits, **options) as embedder:
+    takes it) with the options :class:`Embedder` takes, release the model."""
+    with Embedder(model, precision=precision, layers=layers, pooling=pooling, per_residue=per_residue,
+                  storage_dtype=storage_dtype, device=device, options=options, quiet=quiet,
+                  limits=limits) as embedder:
         return embedder.embed(sequences)
-
-

@@ -11,14 +11,16 @@ Why an ID query loads nothing: its vector is in the store, as indexed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from embedpipe.api.choices import merged_options
 from embedpipe.api.compatible import STORE_OPTIONS
 from embedpipe.api.embedder import Embedder, Input
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import FASTA_LIMITS, FastaLimits
+from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.output_guard import Output, headed, writing_outputs
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model.registry import model_files
@@ -45,14 +47,21 @@ def query_options(meta: IndexMeta, given: Mapping[str, Any]) -> dict[str, Any]:
     return options | {k: v for k, v in given.items() if v is not None}
 
 
-def _embedder(loaded: LoadedIndex, model: str | Path | None, quiet: bool, limits: FastaLimits,
+def _embedder(loaded: LoadedIndex, model: str | os.PathLike[str] | None, quiet: bool, limits: FastaLimits,
               options: Mapping[str, Any]) -> Embedder:
-    """An Embedder of the queries: the index's model and options unless given; its ``limits``
-    are the family's rules every query is read by (case, pairs), as ``embed`` reads records."""
+    """An Embedder of the queries: the index's model and options unless given (``options``: the
+    fields the user set, :func:`~embedpipe.api.choices.merged_options`); its ``limits`` are the
+    family's rules every query is read by (case, pairs), as ``embed`` reads records."""
     spec = str(model) if model is not None else loaded.meta.model_source
     if not spec:
         raise EmbedpipeError(f"{loaded.path}: records no model; give the model of its store")
-    return Embedder(spec, quiet=quiet, limits=limits, **query_options(loaded.meta, options))
+    return Embedder(spec, quiet=quiet, limits=limits, options=EmbedOptions(**query_options(loaded.meta, options)))
+
+
+def _named(precision: str | None, layers: int | Sequence[int] | None, storage_dtype: str | None,
+           device: str | None) -> dict[str, object]:
+    """The keywords of embedding the queries that ``search`` names, as :func:`merged_options` takes them."""
+    return {"precision": precision, "layers": layers, "storage_dtype": storage_dtype, "device": device}
 
 
 def check_query_input(queries: bool, ids: bool, include_self: bool, embedding: Iterable[str], *,
@@ -75,7 +84,7 @@ def check_query_input(queries: bool, ids: bool, include_self: bool, embedding: I
                              "store holds, and loads no model")
 
 
-def neighbours(index: str | Path | LoadedIndex, ids: str | Iterable[str], *, k: int = 10, include_self: bool = False,
+def neighbours(index: str | os.PathLike[str] | LoadedIndex, ids: str | Iterable[str], *, k: int = 10, include_self: bool = False,
                collapse_aliases: bool = False) -> Hits:
     """The ``k`` nearest neighbours in ``index`` of records its store holds, named by ID (an
     ID or a list; an alias too), searched with their stored vectors (the index's layer and
@@ -89,25 +98,28 @@ def neighbours(index: str | Path | LoadedIndex, ids: str | Iterable[str], *, k: 
     return stored_neighbours(loaded, wanted, k, include_self=include_self, collapse=collapse_aliases)
 
 
-def search(queries: Input | None = None, index: str | Path | LoadedIndex | None = None, *,
-           ids: str | Iterable[str] | None = None, model: str | Path | None = None, k: int = 10, quiet: bool = True,
-           limits: FastaLimits = FASTA_LIMITS, include_self: bool = False, collapse_aliases: bool = False,
-           **options: Any) -> Hits:
+def search(queries: Input | None = None, index: str | os.PathLike[str] | LoadedIndex | None = None, *,
+           ids: str | Iterable[str] | None = None, model: str | os.PathLike[str] | None = None, k: int = 10,
+           precision: str | None = None, layers: int | Sequence[int] | None = None, storage_dtype: str | None = None,
+           device: str | None = None, options: EmbedOptions | None = None, quiet: bool = True,
+           limits: FastaLimits = FASTA_LIMITS, include_self: bool = False, collapse_aliases: bool = False) -> Hits:
     """One call: embed ``queries`` (sequences, or a FASTA file as ``Embedder.embed`` takes it)
-    as the index's store was (its model unless ``model`` is given, its options unless named in
+    as the index's store was (its model unless ``model`` is given; its policy, layer, storage
+    dtype and the options that decide its numbers unless named, as keywords or as fields set in
     ``options``) and return each one's ``k`` nearest IDs; or, with ``ids`` instead of queries,
     the neighbours of those stored records (:func:`neighbours`: no model). The index's files
     are checked whole (:func:`~embedpipe.neighbours.index_file.open_index`) before the model
     loads. ``collapse_aliases``: one hit for each alias group of the store."""
     if index is None:
         raise EmbedpipeError("search: give the index to search (index=...)")
-    embedding = [name for name, value in {"model": model, **options}.items() if value is not None]
+    named = _named(precision, layers, storage_dtype, device)
+    embedding = [name for name, value in {"model": model, **named, "options": options}.items() if value is not None]
     check_query_input(queries is not None, ids is not None, include_self,
                       embedding + (["limits"] if limits != FASTA_LIMITS else []))
     if ids is not None:
         return neighbours(index, ids, k=k, include_self=include_self, collapse_aliases=collapse_aliases)
     loaded = index if isinstance(index, LoadedIndex) else open_index(Path(index))
-    with _embedder(loaded, model, quiet, limits, options) as embedder:
+    with _embedder(loaded, model, quiet, limits, merged_options("search", options, named)) as embedder:
         return embedder.search(queries, loaded, k=k, collapse_aliases=collapse_aliases)  # type: ignore[arg-type]
 
 
@@ -121,17 +133,19 @@ def _out(out: Path) -> list[Output]:
 
 
 def search_fasta(queries: Path, index: Path, out: Path, *, model: str | None = None, k: int = 10,
-                 quiet: bool = False, limits: FastaLimits = FASTA_LIMITS, collapse_aliases: bool = False,
-                 **options: Any) -> Hits:
+                 precision: str | None = None, layers: int | Sequence[int] | None = None,
+                 storage_dtype: str | None = None, device: str | None = None, options: EmbedOptions | None = None,
+                 quiet: bool = False, limits: FastaLimits = FASTA_LIMITS, collapse_aliases: bool = False) -> Hits:
     """``embedpipe search``: the records of the FASTA ``queries``, read by the model family's rules
-    as ``embed`` reads them, searched in ``index``, the hits written to the TSV ``out``
-    (atomically; never over the queries, the index, its store or the model, and only over an
-    earlier search's TSV)."""
+    as ``embed`` reads them, embedded as :func:`search` embeds queries, searched in ``index``,
+    the hits written to the TSV ``out`` (atomically; never over the queries, the index, its
+    store or the model, and only over an earlier search's TSV)."""
+    given = merged_options("search", options, _named(precision, layers, storage_dtype, device))
     meta = read_meta(Path(index))
     inputs = [Path(queries), *_index_inputs(Path(index), meta), *model_files(model or meta.model_source)]
     with writing_outputs("search", _out(out), inputs):
         loaded = open_index(Path(index))  # every file checked before the queries are read or embedded
-        with _embedder(loaded, model, quiet, limits, options) as embedder:
+        with _embedder(loaded, model, quiet, limits, given) as embedder:
             records = list(read_sequences(Path(queries), embedder.limits))
             if not records:
                 raise EmbedpipeError(f"{queries}: no records to search")

@@ -38,7 +38,8 @@ class _ReadsRecords(Protocol):
     """What :func:`read_fasta` needs of an :class:`~embedpipe.api.embedder.Embedder`: the limits
     its family reads records by."""
 
-    limits: FastaLimits
+    @property
+    def limits(self) -> FastaLimits: ...
 
 
 #: what ``read_fasta``'s ``model`` may be: a model spec (name, file or directory) or an Embedder

@@ -79,8 +79,9 @@ def search(
     else:
         hits = search_fasta(queries, index_path, out, model=model, k=k, quiet=quiet,  # type: ignore[arg-type]
                             limits=options.FastaLimits(max_record_length, max_id_length),
-                            collapse_aliases=collapse_aliases, precision=precision,
-                            layers=None if layer is None else (layer,), storage_dtype=storage_dtype, device=device,
-                            threads=threads, tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch))
+                            collapse_aliases=collapse_aliases, precision=precision, layers=layer,
+                            storage_dtype=storage_dtype, device=device,
+                            options=options.EmbedOptions(threads=threads, tokens_per_batch=options.parse_tokens_per_batch(
+                                tokens_per_batch)))
     if not quiet:
         print(f"searched {len(hits.queries)} {'IDs' if ids else 'queries'} in {index_path} -> {out}", file=sys.stderr)

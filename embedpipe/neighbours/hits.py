@@ -6,6 +6,7 @@ Why here and not in the API: the search of vectors already embedded is the index
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,20 +25,27 @@ HEADER = ("query", "hit", "score", "rank")
 GROUPED_HEADER = (*HEADER, "group")
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Hits:
-    """Per query, its ``k`` nearest IDs (best first) and their scores (cosine, or ``metric``);
-    fewer than ``k`` where the index found fewer (HNSW may), the rest of their row of scores NaN.
+    """Per query (``queries``: their IDs), its ``k`` nearest IDs (``hits``, best first) and their
+    scores (cosine, or ``metric``): a (Q, k) float32 array, read-only; fewer than ``k`` hits where
+    the index found fewer (HNSW may), the rest of their row of scores NaN.
 
     ``groups``, where hits were collapsed by alias group (one hit a group of IDs of one
     sequence, named by its stored record's ID): per query, per hit, the group's IDs (the
-    record's first, then its aliases); None otherwise."""
+    record's first, then its aliases); None otherwise. Plain data that cannot be changed:
+    tuples, and ``scores`` a read-only copy of the array given."""
 
-    queries: list[str]
-    hits: list[list[str]]
+    queries: tuple[str, ...]
+    hits: tuple[tuple[str, ...], ...]
     scores: np.ndarray  # (Q, k) float32; NaN past a row's hits
     metric: str = "cosine"
-    groups: list[list[list[str]]] | None = None
+    groups: tuple[tuple[tuple[str, ...], ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        scores = np.array(self.scores, copy=True)
+        scores.flags.writeable = False
+        object.__setattr__(self, "scores", scores)
 
     def rows(self) -> list[tuple[str, str, float, int]]:
         """(query, hit, score, rank) rows, rank from 1, in query order."""
@@ -65,7 +73,7 @@ def check_k(k: object) -> None:
         raise EmbedpipeError(f"--k must be a positive whole number, not {k!r}")
 
 
-def search_index(index: LoadedIndex, queries: list[str], vectors: np.ndarray, k: int) -> Hits:
+def search_index(index: LoadedIndex, queries: Sequence[str], vectors: np.ndarray, k: int) -> Hits:
     """The ``k`` nearest rows of ``index`` (opened by
     :func:`~embedpipe.neighbours.index_file.open_index`) to each of ``vectors`` (rows of
     ``queries``; as the store holds them, in its storage dtype) by cosine; fewer when the index
@@ -77,8 +85,8 @@ def search_index(index: LoadedIndex, queries: list[str], vectors: np.ndarray, k:
         index.index.hnsw.efSearch = max(index.index.hnsw.efSearch, k)
     scores, found = index.index.search(unit_rows(vectors), k)
     kept = (found >= 0) & (found < len(ids))
-    hits = [[ids[int(j)] for j in row[ok]] for row, ok in zip(found, kept)]
+    hits = tuple(tuple(ids[int(j)] for j in row[ok]) for row, ok in zip(found, kept))
     packed = np.full(scores.shape, np.nan, dtype=np.float32)  # each row's scores first, as its hits
     for i, ok in enumerate(kept):
         packed[i, : int(ok.sum())] = scores[i, ok]
-    return Hits(list(queries), hits, packed, meta.metric)
+    return Hits(tuple(queries), hits, packed, meta.metric)

@@ -92,13 +92,13 @@ def _stored_rows(store: Store, loaded: LoadedIndex, ids: Sequence[str]) -> np.nd
     return rows
 
 
-def _keep(hits: list[str], scores: np.ndarray, exclude: Collection[str], groups: AliasGroups | None,
-          k: int) -> tuple[list[str], list[float], list[list[str]]]:
+def _keep(hits: Sequence[str], scores: np.ndarray, exclude: Collection[str], groups: AliasGroups | None,
+          k: int) -> tuple[tuple[str, ...], list[float], tuple[tuple[str, ...], ...]]:
     """The first ``k`` of ``hits`` not in ``exclude``; with ``groups``, one a group (its
     record's ID, at its best score)."""
     kept: list[str] = []
     kept_scores: list[float] = []
-    named: list[list[str]] = []
+    named: list[tuple[str, ...]] = []
     seen: set[str] = set()
     for hit, score in zip(hits, scores.tolist()):
         if len(kept) == k:
@@ -111,13 +111,13 @@ def _keep(hits: list[str], scores: np.ndarray, exclude: Collection[str], groups:
                 continue
             seen.add(record)
             hit = record
-            named.append(groups.group(record))
+            named.append(tuple(groups.group(record)))
         kept.append(hit)
         kept_scores.append(score)
-    return kept, kept_scores, named
+    return tuple(kept), kept_scores, tuple(named)
 
 
-def filtered_search(loaded: LoadedIndex, queries: list[str], vectors: np.ndarray, k: int,
+def filtered_search(loaded: LoadedIndex, queries: Sequence[str], vectors: np.ndarray, k: int,
                     exclude: Sequence[Collection[str]], groups: AliasGroups | None) -> Hits:
     """:func:`~embedpipe.neighbours.hits.search_index`'s ``k`` nearest, ``exclude[i]`` left
     out of query i's, and with ``groups`` one hit a group: the index is asked for ``k`` plus
@@ -135,8 +135,8 @@ def filtered_search(loaded: LoadedIndex, queries: list[str], vectors: np.ndarray
     scores = np.full((len(queries), max(1, min(k, rows))), np.nan, dtype=np.float32)
     for i, (_, values, _) in enumerate(kept):
         scores[i, : len(values)] = values
-    return Hits(list(queries), [hits for hits, _, _ in kept], scores, found.metric,
-                None if groups is None else [named for _, _, named in kept])
+    return Hits(tuple(queries), tuple(hits for hits, _, _ in kept), scores, found.metric,
+                None if groups is None else tuple(named for _, _, named in kept))
 
 
 def stored_neighbours(loaded: LoadedIndex, ids: Sequence[str], k: int, *, include_self: bool = False,

@@ -43,13 +43,13 @@ def _store_view(path: Path) -> dict:
     return view
 
 
-def _result_view(result: embedpipe.Result, keys: dict) -> dict:
-    view = {"ids": result.ids, "sequence": [r.sequence for r in result.records], "identity": result.identity}
-    columns = {"precision_used": result.precision_used, "fallback_reason": result.fallback_reason,
-               "length": [str(len(r.per_residue[result.layers[0]])) for r in result.records],
-               "embedded_length": [str(r.embedded_length) for r in result.records],
-               "long_handling": [r.long_handling for r in result.records],
-               "windows": [str(r.windows) for r in result.records]}
+def _result_view(result: embedpipe.Result, keys: dict, saved: Path) -> dict:
+    """What the result holds, in the keys of the store's view; the per-record columns the
+    Result does not carry (lengths, long-sequence handling) from the store it saves."""
+    view = {"ids": list(result.ids), "sequence": list(result.sequences), "identity": result.identity}
+    columns = {"precision_used": list(result.precision_used), "fallback_reason": list(result.fallback_reason)}
+    stored = _store_view(result.save(saved))
+    columns |= {name: stored[name] for name in PER_RECORD if name not in columns and name in stored}
     view |= {name: columns[name] for name in PER_RECORD if name in keys}
     for layer in result.layers:
         view[("mean", layer)] = result.mean(layer)
@@ -62,7 +62,7 @@ def test_the_api_equals_the_embed_store_for_every_family(family: str, models, tm
     records = FAMILIES[family][1]
     options = dict(precision="fp32", layers=(0, -1), per_residue=True, device="cpu")
     store = _store_view(embed_store(tmp_path, models[family], records, **options))
-    api = _result_view(embedpipe.embed(records, models[family], **options), store)
+    api = _result_view(embedpipe.embed(records, models[family], **options), store, tmp_path / "saved.h5")
     assert store.keys() == api.keys()
     for key, value in store.items():
         if isinstance(value, np.ndarray):

@@ -42,8 +42,8 @@ def _store_values(path: Path, layers: list[int], poolings: tuple[str, ...], per_
 
 
 def _result_values(result: embedpipe.Result, poolings: tuple[str, ...], per_residue: bool) -> dict:
-    values = {"ids": result.ids, "precision_used": result.precision_used, "fallback_reason": result.fallback_reason,
-              "identity": result.identity}
+    values = {"ids": list(result.ids), "precision_used": list(result.precision_used),
+              "fallback_reason": list(result.fallback_reason), "identity": result.identity}
     for layer in result.layers:
         for pooling in poolings:
             values[(pooling, layer)] = result.pooled(layer, pooling)
@@ -162,7 +162,7 @@ def test_inputs_are_normalised_and_ided_as_the_fasta_path_does(tiny_model_path, 
     with embedpipe.Embedder(tiny_model_path, device="cpu") as embedder:
         plain = embedder.embed(raw)
         normalised = embedder.embed(list(read_sequences(fasta)))
-    assert plain.ids == ["0", "1"] and [r.sequence for r in plain.records] == ["MKVLX", "ACDE"]
+    assert plain.ids == ("0", "1") and plain.sequences == ("MKVLX", "ACDE")
     assert plain.mean().tobytes() == normalised.mean().tobytes()
 
 
@@ -181,7 +181,7 @@ def test_the_model_is_loaded_once_across_calls(tiny_model_path, monkeypatch):
         again = embedder.embed(RECORDS[:3])
     assert loads == [str(tiny_model_path)]
     assert first.mean().tobytes() == again.mean().tobytes()
-    assert second.ids == [r for r, _ in RECORDS[3:]]
+    assert second.ids == tuple(r for r, _ in RECORDS[3:])
     with pytest.raises(EmbedpipeError, match="closed"):
         embedder.embed(RECORDS[:1])
     embedpipe.embed(RECORDS[:1], tiny_model_path, device="cpu")  # the one-call form loads its own
@@ -191,14 +191,15 @@ def test_the_model_is_loaded_once_across_calls(tiny_model_path, monkeypatch):
 def test_progress_is_off_by_default_and_unknown_options_are_named(tiny_model_path, capfd):
     embedpipe.embed(RECORDS, tiny_model_path, device="cpu")
     assert capfd.readouterr().err == ""
-    with pytest.raises(EmbedpipeError, match="unknown option 'precisoin'"):
-        embedpipe.Embedder(tiny_model_path, precisoin="fp32")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'precisoin'"):  # mypy names it too
+        embedpipe.Embedder(tiny_model_path, precisoin="fp32")  # type: ignore[call-arg]
     with pytest.raises(EmbedpipeError, match="unknown precision policy 'fp64'"):
         embedpipe.Embedder(tiny_model_path, precision="fp64")
 
 
 def test_import_embedpipe_stays_torch_free_and_the_api_is_exported():
-    code = ("import sys, embedpipe; assert 'torch' not in sys.modules; assert callable(embedpipe.embed); "
+    code = ("import sys, embedpipe; embedpipe.EmbedOptions(threads=2), embedpipe.FastaLimits(40); "
+            "assert 'torch' not in sys.modules; assert callable(embedpipe.embed); "
             "from embedpipe import Embedder, search, Result; assert 'torch' in sys.modules; "
             "import embedpipe.extraction.run; assert callable(embedpipe.embed) and embedpipe.extraction.run.embed_fasta")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -135,7 +135,7 @@ def test_embedder_embed_of_a_path_equals_the_embed_store(family: str, models, tm
     with embedpipe.Embedder(models[family], **options) as embedder:
         for given in (fasta, str(fasta)):  # a Path, and a str naming an existing .fasta file
             result = embedder.embed(given)
-            api = _result_view(result, store)
+            api = _result_view(result, store, tmp_path / "view.h5")
             assert store.keys() == api.keys()
             for key, value in store.items():
                 if isinstance(value, np.ndarray):
@@ -165,7 +165,7 @@ def test_a_str_is_a_fasta_only_when_it_names_an_existing_fasta_file(models, tmp_
         embedder.embed("q.faa.gz")
     with pytest.raises(EmbedpipeError, match=r"nothing\.txt: no such file"):
         embedder.embed(Path("nothing.txt"))  # a Path is always a file
-    assert embedder.run is None  # every refusal came before the model loaded
+    assert not embedder.loaded  # every refusal came before the model loaded
     assert embedpipe.read_fasta(Path("seqs.txt")) == [("a", "MKV")]
 
 

@@ -27,13 +27,14 @@ STORE_RECORDS = random_sequences(40, (8, 50), seed=11)
 QUERIES = random_sequences(5, (8, 50), seed=12)
 
 
-def brute_force(database: np.ndarray, ids: list[str], queries: np.ndarray, k: int) -> tuple[list[list[str]], np.ndarray]:
+def brute_force(database: np.ndarray, ids: list[str], queries: np.ndarray,
+                k: int) -> tuple[tuple[tuple[str, ...], ...], np.ndarray]:
     """The k highest cosines by numpy in float64, best first (independent of FAISS and the index's code)."""
     db = database.astype(np.float64)
     q = queries.astype(np.float64)
     cosine = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ (db / np.linalg.norm(db, axis=1, keepdims=True)).T
     order = np.argsort(-cosine, axis=1, kind="stable")[:, :k]
-    return [[ids[j] for j in row] for row in order], np.take_along_axis(cosine, order, axis=1)
+    return tuple(tuple(ids[j] for j in row) for row in order), np.take_along_axis(cosine, order, axis=1)
 
 
 def synthetic_store(path: Path, vectors: np.ndarray, layer: int = 3, storage_dtype: str = "float32") -> Path:

@@ -32,7 +32,7 @@ BASE = random_sequences(24, (8, 40), seed=31)
 #: invalid record (skipped when sharding)
 RECORDS = [(f"r{i:02d}", seq) for i, (_, seq) in enumerate(BASE)] + [
     ("dupA1", BASE[0][1]), ("dupA2", BASE[0][1]), ("dupB1", BASE[5][1]), ("bad", "MK-AL")]
-GROUPS = {"r00": ["r00", "dupA1", "dupA2"], "r05": ["r05", "dupB1"]}
+GROUPS = {"r00": ("r00", "dupA1", "dupA2"), "r05": ("r05", "dupB1")}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_id_queries_equal_a_brute_force_search_rank_for_rank(tmp_path: Path) -> 
         cosine = db @ db[ids.index(query)]
         cosine[ids.index(query)] = -np.inf  # itself left out
         order = np.argsort(-cosine, kind="stable")[:10]
-        assert hits.hits[i] == [ids[j] for j in order]
+        assert hits.hits[i] == tuple(ids[j] for j in order)
         np.testing.assert_allclose(hits.scores[i], cosine[order], rtol=0, atol=2e-6)
     with_self = neighbours(tmp_path / "idx", queries, k=10, include_self=True)
     assert [row[0] for row in with_self.hits] == queries
@@ -141,10 +141,10 @@ def test_collapse_gives_one_row_per_alias_group(merged) -> None:
     assert hits.groups is not None
     # every record but the query's own, once, named by its record's ID, in the order of its best member
     assert sorted(hits.hits[0]) == sorted(set(records) - {"r11"})
-    expected = list(dict.fromkeys(aliases.get(h, h) for h in everything.hits[0]))
+    expected = tuple(dict.fromkeys(aliases.get(h, h) for h in everything.hits[0]))
     assert hits.hits[0] == expected
     for hit, group in zip(hits.hits[0], hits.groups[0]):
-        assert group == GROUPS.get(hit, [hit])
+        assert group == GROUPS.get(hit, (hit,))
     # the query's own group, kept when asked: one row, its record's ID, naming the group
     mine = neighbours(index, ["dupA2"], k=3, include_self=True, collapse_aliases=True)
     assert mine.hits[0][0] == "r00" and mine.groups is not None and mine.groups[0][0] == GROUPS["r00"]
@@ -162,7 +162,7 @@ def test_collapse_applies_to_sequence_queries(merged, tmp_path) -> None:
     hits = embedpipe.search(queries, index, k=6, collapse_aliases=True, device="cpu")
     assert hits.groups is not None
     for i in range(len(queries)):
-        assert hits.hits[i] == list(dict.fromkeys(aliases.get(h, h) for h in plain.hits[i]))[:6]
+        assert hits.hits[i] == tuple(dict.fromkeys(aliases.get(h, h) for h in plain.hits[i]))[:6]
     assert hits.hits[0][0] == "r00" and hits.groups[0][0] == GROUPS["r00"]
     # the command: the same rows, the group column added
     fasta = write_fasta(tmp_path / "q.fasta", queries)
@@ -171,7 +171,7 @@ def test_collapse_applies_to_sequence_queries(merged, tmp_path) -> None:
     assert result.exit_code == 0, result.output
     rows = _tsv((tmp_path / "h.tsv").read_text())
     assert tuple(rows[0]) == GROUPED_HEADER
-    assert [(r[0], r[1], r[4].split(" ")) for r in rows[1:]] == [
+    assert [(r[0], r[1], tuple(r[4].split(" "))) for r in rows[1:]] == [
         (q, h, g) for q, per_query, groups in zip(hits.queries, hits.hits, hits.groups) for h, g in zip(per_query, groups)]
 
 
@@ -210,7 +210,7 @@ def test_the_command_writes_what_the_function_returns_and_loads_no_model(merged,
         assert [r[:4] for r in rows[1:]] == [[q, h, f"{s:.7g}", str(r)] for q, h, s, r in hits.rows()]
         if flags:
             assert hits.groups is not None
-            assert [r[4].split(" ") for r in rows[1:]] == [g for per_query in hits.groups for g in per_query]
+            assert [tuple(r[4].split(" ")) for r in rows[1:]] == [g for per_query in hits.groups for g in per_query]
     result = runner.invoke(app, ["search", "--index", str(index), "--ids", "dupA1", "--include-self", "--k", "2",
                                  "--out", str(tmp_path / "self.tsv"), "-q"])
     assert result.exit_code == 0, result.output
