@@ -11,7 +11,7 @@ multiplied by 30. On each: int8-mixed with ``--int8-smoothing none`` and ``smoot
 fp32, on the other 84 records (``--max-records`` fewer): min and median pooled (mean) cosine
 of the first, middle and last layer, and the max abs difference of the pooled vectors; then
 each int8 run's embed time, the two interleaved in this process, best of ``--repeats``
-(preparation and calibration not counted). Table: docs/benchmarks.md.
+(preparation and calibration not counted). Table: docs/precision.md, "int8-mixed smoothing, measured".
 """
 
 from __future__ import annotations

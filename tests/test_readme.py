@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,68 @@ def test_readme_commands_run_as_written(tmp_path):
 
 
 PYTHON_PAGE = ROOT / "docs" / "python.md"
+QUICKSTART = ROOT / "docs" / "quickstart.md"
+#: the families embedpipe runs (docs/models.md), as its one-line description names them
+FAMILIES = ("ESM-2", "ESM-1b/1v", "SaProt", "ProtT5", "ProstT5", "Ankh", "ESM C", "ESM++")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_tagline_names_every_family_wherever_it_is_shown() -> None:
+    """README's first paragraph, the package docstring, pyproject's description and the CLI's
+    help each name every family, not ESM-2 alone."""
+    import embedpipe
+    from embedpipe.cli.commands import app
+
+    readme = README.read_text(encoding="utf-8").split("\n\n")[1]  # the paragraph under the title
+    found = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    assert found, "pyproject.toml has no one-line description"
+    places = {"README.md": readme, "embedpipe.__doc__": embedpipe.__doc__ or "", "pyproject.toml": found[1],
+              "embedpipe --help": app.info.help or ""}
+    missing = {where: [f for f in FAMILIES if f not in _one_line(text)] for where, text in places.items()}
+    assert not any(missing.values()), missing
+
+
+def _demo_store(root: Path, model: Path) -> Path:
+    """``results-demo/`` as the README's offline demo writes it, without Snakemake: the bundled
+    example sharded as configs/offline-demo.yaml shards it, each shard embedded with its
+    options (fp32, last layer, per-residue, CPU) into ``stores/``, merged with the manifest."""
+    from embedpipe.core.options import EmbedOptions
+    from embedpipe.extraction.run import embed_fasta
+    from embedpipe.shard.passes import shard_fasta
+    from embedpipe.store import merge_stores
+
+    out = root / "results-demo"
+    summary = shard_fasta([ROOT / "examples" / "swissprot100.fasta"], out=out / "shards", tokens_per_shard=15000,
+                          quiet=True)
+    options = EmbedOptions(precision="fp32", layers=(-1,), per_residue=True, device="cpu", long_sequences="chunk")
+    stores = [out / "stores" / f"shard-{info.index:05d}.h5" for info in summary.shards]
+    for info, store in zip(summary.shards, stores):
+        embed_fasta(out / "shards" / info.path, model=str(model), out=store, options=options, quiet=True)
+    merge_stores(stores, out=out / "embeddings.h5", manifest=out / "shards" / "manifest.tsv")
+    return out / "embeddings.h5"
+
+
+def test_the_quick_start_python_examples_run_on_the_demo_output(tmp_path, model_factory):
+    """Every ```python block of the README (the ones marked run) and of docs/quickstart.md runs
+    as written, offline, in a directory holding what the offline demo writes (``results-demo/``,
+    read by relative path): no example may need a download's ``results/``."""
+    blocks = [b for b in readme_blocks(README.read_text(encoding="utf-8")) if b.lang == "python" and b.marker == "run"]
+    blocks += readme_blocks(QUICKSTART.read_text(encoding="utf-8"))
+    blocks = [b for b in blocks if b.lang == "python"]
+    assert len(blocks) >= 3 and all("results/" not in b.code for b in blocks)
+    store = _demo_store(tmp_path, model_factory(layers=2, dim=64, heads=4, seed=0))
+    resolved = [name for b in blocks for name in re.findall(r'resolve\("([^"]+)"\)', b.code)]
+    with h5py.File(store, "r") as f:  # what an example resolves is an alias (a duplicate sequence), as it says
+        aliases = set(f["aliases/id"].asstr()[:])
+    assert resolved and set(resolved) <= aliases, resolved
+    env = dict(os.environ, EMBEDPIPE_OFFLINE="1", PYTHONPATH=str(ROOT))
+    for block in blocks:
+        proc = subprocess.run([sys.executable, "-c", block.code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"line {block.line} failed:\n{block.code}\n{proc.stderr[-3000:]}"
 
 
 def test_the_python_page_runs_as_written(tmp_path):

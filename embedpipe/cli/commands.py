@@ -25,7 +25,8 @@ app = typer.Typer(
     no_args_is_help=True,
     # plain help: option names never cut, on/off flags as --x/--no-x, wrapped to the terminal
     rich_markup_mode=None,
-    help="Batch protein embeddings from protein language models: shard, embed, merge, cross-check.",
+    help="Batch protein embeddings from protein language models (ESM-2, ESM-1b/1v, SaProt, ProtT5, ProstT5, Ankh, "
+         "ESM C, ESM++): shard, embed, merge, cross-check.",
 )
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N."

@@ -17,7 +17,7 @@ import numpy as np
 from embedpipe.core.errors import StoreError, quote
 from embedpipe.store import Store
 from embedpipe.store.checks import nonfinite_rows
-from embedpipe.store.validate import export_problems
+from embedpipe.store.id_checks import export_problems
 
 #: vector bytes read per block
 BLOCK_BYTES = 64 << 20

@@ -1,11 +1,14 @@
 """The embedpipe HDF5 store (format in docs/store-format.md), one module per job:
 
-* ``format``: version, encoding tags, attributes, string/array datasets, open and version check
+* ``format``: version, encoding tags, attributes, string/array types, open and version check;
+  ``create``: every dataset and group the writer and merge create
 * ``columns``: ``EmbeddedRecord`` and ``COLUMNS``, the registry of per-record datasets
 * ``encoding``: the check readers make of each object's encoding tags
 * ``writer``: ``StoreWriter`` (atomic), the header and the final ``complete``
-* ``reader``: ``open_store``, ``Store``, ``UnknownIdError`` (the public read API)
-* ``validate``, ``info``: ``embedpipe validate`` and ``embedpipe info``
+* ``reader``: ``open_store``, ``Store``, ``UnknownIdError`` (the public read API); ``opening``:
+  the checks at open; ``lookup``: an ID to its row, checked
+* ``validate``, ``info``: ``embedpipe validate`` and ``embedpipe info``; ``id_checks``: the ID
+  checks validate and export share
 * ``merge`` (+ ``aliases``): ``embedpipe merge``; ``sources``: how a merged store pins its shards
 * ``meancheck``: stored means against per-residue rows; ``h5write``: atomic HDF5 files, full disks
 * ``digests``: ``row_digest``, the digests of each record's stored vectors, and their check

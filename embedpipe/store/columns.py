@@ -17,14 +17,12 @@ from typing import Any
 import h5py
 import numpy as np
 
+from embedpipe.store.create import create_array_dataset, create_fixed_string_dataset, create_string_dataset
 from embedpipe.store.format import (
     ARRAY,
     SMALL_CHUNK_BYTES,
     STRINGS,
     chunk_rows,
-    create_array_dataset,
-    create_fixed_string_dataset,
-    create_string_dataset,
     decode_strings,
 )
 

@@ -1,11 +1,13 @@
 """Format primitives of the embedpipe HDF5 store: version, encoding tags, attributes, string
-and array datasets, opening and the version check.
+and array types, chunk sizes, opening and the version check (datasets are created in
+``embedpipe.store.create``).
 
 The format is specified in ``docs/store-format.md``; the writer, the reader, merge, validate
 and info all build on this module, so each rule below exists once:
 
-* every stored (non-virtual) dataset is chunked with a fletcher32 checksum; strings are
-  fixed-length UTF-8 (HDF5 cannot filter, hence cannot checksum, variable-length strings);
+* every stored (non-virtual) dataset is chunked with a fletcher32 checksum (its filters:
+  ``embedpipe.store.filters``); strings are fixed-length UTF-8 (HDF5 cannot filter, hence
+  cannot checksum, variable-length strings);
 * every group and dataset carries anndata-style ``encoding-type`` / ``encoding-version``
   tags, and ``encoding-version`` is the store's ``format_version`` (one version scheme; see
   ``embedpipe.store.encoding`` for the check readers make);
@@ -31,7 +33,6 @@ from embedpipe.core import long_sequences
 from embedpipe.core.errors import QUOTE_CHARS, StoreError
 from embedpipe.core.interrupts import checkpoint
 from embedpipe.core.options import POOLINGS
-from embedpipe.store import filters
 from embedpipe.store.attrjson import check_attr_text, load_json_attr
 
 FORMAT = "embedpipe.store"
@@ -165,68 +166,6 @@ def _utf8_error(value: Any) -> UnicodeDecodeError | None:
     return None
 
 
-def create_fixed_string_dataset(group: h5py.Group, name: str, n: int, width: int) -> h5py.Dataset:
-    """An (n,) fixed-length UTF-8 string dataset: chunked, gzip (the padding compresses), fletcher32."""
-    dtype = string_dtype(width)
-    rows = chunk_rows(dtype.itemsize, n, target=SMALL_CHUNK_BYTES)
-    ds = group.create_dataset(
-        name,
-        shape=(n,),
-        dtype=dtype,
-        chunks=(rows,),
-        maxshape=(None,) if n == 0 else None,
-        **filters.TEXT,
-    )
-    tag(ds, STRINGS)
-    return ds
-
-
-def create_string_dataset(group: h5py.Group, name: str, values: Sequence[str] | np.ndarray) -> h5py.Dataset:
-    data = encode_strings(values)
-    ds = create_fixed_string_dataset(group, name, len(data), data.dtype.itemsize)
-    if len(data):
-        ds[...] = data
-        ds.flush()  # a write failure surfaces here, not when the dataset is garbage collected
-    return ds
-
-
-def create_array_dataset(
-    group: h5py.Group,
-    name: str,
-    *,
-    shape: tuple[int, ...],
-    dtype: Any,
-    data: np.ndarray | None = None,
-    rows: int | None = None,
-    compress: bool = False,
-    encoding: str = ARRAY,
-) -> h5py.Dataset:
-    dtype = np.dtype(dtype)
-    row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-    if rows is None:
-        rows = chunk_rows(row_bytes, shape[0])
-    ds = group.create_dataset(
-        name,
-        shape=shape,
-        dtype=dtype,
-        chunks=(rows, *shape[1:]),
-        maxshape=(None, *shape[1:]) if shape[0] == 0 else None,
-        **filters.numbers(compress),
-    )
-    if data is not None and shape[0]:
-        ds[...] = data
-        ds.flush()  # a write failure surfaces here, not when the dataset is garbage collected
-    tag(ds, encoding)
-    return ds
-
-
-def create_pooled_group(f: h5py.File, pooling: str) -> h5py.Group:
-    """``{pooling}/`` (one of :data:`POOLINGS`); the caller adds ``layer_{k}``."""
-    g = f.create_group(pooling)
-    tag(g, POOLED, pooling=pooling)
-    return g
-
-
 def stored_poolings(requested: Sequence[str] = ()) -> list[str]:
     """The poolings a store holds for ``requested``: always ``mean``, then the rest in
     :data:`POOLINGS` order."""
@@ -240,17 +179,6 @@ def poolings_of(f: h5py.File) -> list[str]:
     """The poolings stored in ``f`` (root attribute ``pooling``; stores without it hold ``mean``)."""
     value = attr_to_python(f.attrs.get("pooling", ["mean"]))
     return [str(v) for v in (value if isinstance(value, list) else [value])]
-
-
-def create_per_residue_group(f: h5py.File, offsets: np.ndarray | int) -> h5py.Group:
-    """``per_residue/`` with its ``offsets``: (N+1,) written, or that many rows (an int) the
-    caller writes (``merge``, block by block); the caller adds ``layer_{k}``."""
-    pr = f.create_group("per_residue")
-    tag(pr, RAGGED)
-    rows = offsets if isinstance(offsets, int) else len(offsets)
-    create_array_dataset(pr, "offsets", shape=(rows,), dtype=np.int64, data=None if isinstance(offsets, int) else offsets,
-                         rows=chunk_rows(8, rows, target=SMALL_CHUNK_BYTES), compress=True, encoding=OFFSETS)
-    return pr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,12 @@ from embedpipe.store.aliases import PairSpool, Stores, plan_manifest
 from embedpipe.store.attr_digests import ATTR_DIGESTS, check_attrs
 from embedpipe.store.checks import check_layout, check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS, STR, Column, create_column, required_columns
+from embedpipe.store.create import (
+    create_array_dataset,
+    create_fixed_string_dataset,
+    create_per_residue_group,
+    create_pooled_group,
+)
 from embedpipe.store.digests import COVERED_SINCE, HEX, digest_parts
 from embedpipe.store.digests import ROW_DIGEST as ROW_DIGEST_NAME
 from embedpipe.store.encoding import check_encodings
@@ -51,10 +57,6 @@ from embedpipe.store.format import (
     STORE_UUID_ATTR,
     VIRTUAL,
     check_format,
-    create_array_dataset,
-    create_fixed_string_dataset,
-    create_per_residue_group,
-    create_pooled_group,
     decode_strings,
     encode_strings,
     is_complete,

@@ -15,6 +15,8 @@
 Values come back in the storage dtype (float16 stores give float16; pass ``dtype=np.float32``
 to upcast). Dask arrays open the file per chunk, so they survive pickling, forking and
 distributed schedulers, and do not hold the file open. docs/store-format.md, "Reading".
+The checks made at open are in ``embedpipe.store.opening``, the checked ID -> row lookup in
+``embedpipe.store.lookup``.
 """
 
 from __future__ import annotations
@@ -28,32 +30,20 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
-from embedpipe.store.attr_digests import check_attrs
-from embedpipe.store.checks import check_layout, check_offsets, check_steps
+from embedpipe.store.checks import check_offsets, check_steps
 from embedpipe.store.columns import COLUMNS
-from embedpipe.store.digests import COVERED_SINCE, RECORD_PART, ROW_DIGEST, digest_parts, digest_problem
-from embedpipe.store.encoding import check_encodings
-from embedpipe.store.format import (
-    PER_SOURCE_ATTRS,
-    check_format,
-    decode_strings,
-    is_complete,
-    open_h5,
-    poolings_of,
-    read_root_attrs,
-    stored_layers,
-)
-from embedpipe.store.idindex import IdIndex, LazyIds, UnknownIdError
-from embedpipe.store.readio import H5Rows, dask_array, dask_rows, dataset, read_dataset, read_from, row_range, shard_rows
+from embedpipe.store.digests import RECORD_PART, ROW_DIGEST, digest_problem
+from embedpipe.store.format import decode_strings, read_root_attrs
+from embedpipe.store.idindex import LazyIds, UnknownIdError
+from embedpipe.store.lookup import RowLookup
+from embedpipe.store.opening import open_checked
+from embedpipe.store.readio import H5Rows, dask_array, dask_rows, dataset, read_from, row_range
 from embedpipe.store.record_digest import block_mismatches, describe
-from embedpipe.store.residues import ShardRows, read_from_sources
+from embedpipe.store.residues import ShardRows
 from embedpipe.store.sequences import read_sequences
-from embedpipe.store.sources import require_sources, require_sources_present
+from embedpipe.store.sources import require_sources
 
 __all__ = ["open_store", "Store", "UnknownIdError"]
-
-# HDF5 chunk cache of the open store: per-ID reads of small datasets hit decoded chunks
-_CHUNK_CACHE_BYTES = 4 << 20
 
 
 def open_store(path: os.PathLike[str] | str) -> Store:
@@ -72,63 +62,15 @@ class Store:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _open(self) -> None:
-        f = open_h5(self.path, cache_bytes=_CHUNK_CACHE_BYTES)
-        try:
-            self._version = check_format(f, self.path)
-            if not is_complete(f):
-                raise StoreError(f"{self.path}: incomplete store (the writer did not finish); refusing to read")
-            # a merged store's virtual per-residue datasets are never opened: their rows are read
-            # from the shard stores, and opening one costs O(sources) (docs/benchmarks.md)
-            unopened = read_from_sources(f)
-            check_encodings(f, self.path, by_name=unopened)
-            self._provenance = read_root_attrs(f, skip=PER_SOURCE_ATTRS)  # those parsed when asked for
-            self._deferred = [k for k in PER_SOURCE_ATTRS if k in f.attrs]
-            self._check_sources(f)
-            self._layers = stored_layers(f)
-            self._pooling = poolings_of(f)
-            dataset(f, self.path, "ids")
-            # shapes against N and dim, offsets' ends, the index's layout (embedpipe.store.checks)
-            self._n, _ = check_layout(f, self.path, list(COLUMNS), skip=unopened)
-            # constant memory at open: IDs, aliases and offsets are read on demand
-            self._index = IdIndex.open(f, self.path)
-            self._ids = LazyIds(f["ids"], self._is_record)
-            self._n_skipped = int(f["skipped/id"].shape[0]) if "skipped/id" in f else 0
-            self._pair_cache: dict[str, dict[str, str]] = {}
-            self._offsets_ds = f["per_residue/offsets"] if "per_residue/offsets" in f else None
-            self._total_rows = int(self._offsets_ds[self._n]) if self._offsets_ds is not None else 0
-            self._shards = shard_rows(f, self.path, self._layers)
-            if unopened and self._shards is None:  # its rows are read through the virtual datasets
-                check_layout(f, self.path, list(COLUMNS))
-            self._dsets: dict[str, h5py.Dataset] = {}
-            first = dataset(f, self.path, f"mean/layer_{self._layers[-1]}")
-            self._dim = int(first.shape[1])
-            self._dtype = np.dtype(first.dtype)
-            # row_digest (embedpipe.store.digests): absent from stores written before it existed;
-            # from format 3 it also covers each record's ID, sequence and columns, and the root
-            # attributes have theirs (embedpipe.store.attr_digests): both required
-            self._parts = digest_parts(self._pooling, self._layers, self._offsets_ds is not None, self._version) \
-                if ROW_DIGEST in f else []
-            if self._version >= COVERED_SINCE:
-                if ROW_DIGEST not in f:
-                    raise StoreError(f"{self.path}: dataset {ROW_DIGEST} is missing; a store of format {self._version} "
-                                     f"records one: refusing to read it; run embedpipe validate {self.path}")
-                check_attrs(f, self.path)
-        except StoreError:
-            f.close()
-            raise
-        except (OSError, KeyError, ValueError, IndexError) as exc:
-            f.close()
-            raise StoreError(f"{self.path}: cannot read store: {exc}") from None
-        self._file = f
-
-    def _pairs(self, group: str, second: str) -> dict[str, str]:
-        """``{group}/id`` -> ``{group}/{second}`` (aliases, skipped), read once when first asked."""
-        if group not in self._pair_cache:
-            f = self._h5
-            self._pair_cache[group] = {} if group not in f else dict(zip(
-                decode_strings(read_dataset(f, self.path, f"{group}/id"), f"{self.path}: dataset {group}/id"),
-                decode_strings(read_dataset(f, self.path, f"{group}/{second}"), f"{self.path}: dataset {group}/{second}")))
-        return self._pair_cache[group]
+        """Open and check the file (embedpipe.store.opening), keeping what the reads need."""
+        o = open_checked(self.path, self._is_record)
+        self._version, self._provenance, self._deferred = o.version, o.provenance, o.deferred
+        self._layers, self._pooling, self._n, self._ids = o.layers, o.pooling, o.n, o.ids
+        self._offsets_ds, self._total_rows, self._shards = o.offsets, o.total_rows, o.shards
+        self._dim, self._dtype, self._parts = o.dim, o.dtype, o.parts
+        self._dsets: dict[str, h5py.Dataset] = {}
+        self._lookup = RowLookup(self.path, lambda: self._h5, self._read, o.index, o.ids, o.n, o.n_skipped)
+        self._file = o.file
 
     def _read(self, name: str, key: Any) -> np.ndarray:
         """A read through a kept dataset handle (per-ID reads do not re-open datasets)."""
@@ -142,13 +84,6 @@ class Store:
         if self._shards is not None:
             return self._shards.read(name, start, stop, self._dim, self._dtype)
         return self._read(name, slice(start, stop))
-
-    def _check_sources(self, f: h5py.File) -> None:
-        """A merged store reads per-residue data from its shard stores: they must exist (HDF5
-        would silently return fill values for a missing source) and be the very files that
-        were merged (a rewritten shard would mix runs). Cheap: ``stat`` of each source at open,
-        its store_uuid when it is first read (embedpipe.store.residues)."""
-        require_sources_present(f, self.path)
 
     def check_sources(self) -> None:
         """A merged store: every source's ``store_uuid`` now, not when first read (opens each
@@ -236,12 +171,12 @@ class Store:
     def aliases(self) -> dict[str, str]:
         """Merged stores: duplicate-sequence ID -> the ID of the stored record (look one up
         with ``resolve``; ``store.ids`` and iteration hold record IDs only)."""
-        return dict(self._pairs("aliases", "of"))
+        return dict(self._lookup.pairs("aliases", "of"))
 
     @property
     def skipped(self) -> dict[str, str]:
         """Merged stores with a manifest: skipped input ID -> reason."""
-        return dict(self._pairs("skipped", "reason"))
+        return dict(self._lookup.pairs("skipped", "reason"))
 
     def __len__(self) -> int:
         return self._n
@@ -251,61 +186,23 @@ class Store:
 
     def __contains__(self, record_id: object) -> bool:
         """A record ID or an alias: what ``store[...]`` accepts (``in store.ids``: records only)."""
-        return isinstance(record_id, str) and (row := self._checked_row(record_id)[0]) is not None and row >= 0
+        return isinstance(record_id, str) and (row := self._lookup.checked(record_id)[0]) is not None and row >= 0
 
     def _is_record(self, record_id: object) -> bool:
         """``record_id in store.ids``: a record ID, not an alias (agrees with iterating ``ids``)."""
         if not isinstance(record_id, str):
             return False
-        row, alias = self._checked_row(record_id)
+        row, alias = self._lookup.checked(record_id)
         return row is not None and row >= 0 and not alias
-
-    def _corrupt_index(self, record_id: str, row: int, why: str) -> StoreError:
-        return StoreError(f"{self.path}: dataset id_index/rows: id {record_id!r} points to row {row}, {why}: "
-                          f"the index is corrupt; run embedpipe validate {self.path}")
-
-    def _checked_row(self, record_id: str) -> tuple[int | None, bool]:
-        """(stored row value or None, whether the ID is an alias), after checking that the
-        row is in range and holds the ID asked for (or, for an alias, the record it names):
-        one ID read per lookup, so a swapped index never returns another record's data."""
-        self._h5  # noqa: B018 - a closed store raises StoreError, not an h5py error
-        row = self._index.lookup(record_id)
-        if row is None:
-            return None, False
-        if not -self._n_skipped <= row < self._n:
-            raise self._corrupt_index(record_id, row, f"outside {-self._n_skipped}..{self._n - 1}")
-        if row < 0:
-            stored = decode_strings(self._read("skipped/id", -1 - row), f"{self.path}: dataset skipped/id", -1 - row)[0]
-            if stored != record_id:
-                raise self._corrupt_index(record_id, row, f"skipped entry {-1 - row}, which is {stored!r}")
-            return row, False
-        stored = self._ids.one(row)
-        if stored == record_id:
-            return row, False
-        if self._pairs("aliases", "of").get(record_id) != stored:
-            raise self._corrupt_index(record_id, row, f"which holds {stored!r}")
-        return row, True
-
-    def _lookup(self, record_id: str) -> int:
-        """Row of a record ID or alias (the index, docs/store-format.md "ID index"); a skipped
-        or unknown ID raises UnknownIdError."""
-        row = self._checked_row(str(record_id))[0]
-        if row is None:
-            raise UnknownIdError(f"{record_id!r} is not in {self.path.name}")
-        if row < 0:
-            reason = decode_strings(self._read("skipped/reason", -1 - row), f"{self.path}: dataset skipped/reason",
-                                    -1 - row)[0]
-            raise UnknownIdError(f"{record_id!r} was skipped when sharding: {reason}")
-        return row
 
     def resolve(self, record_id: str) -> str:
         """The stored record ID for ``record_id`` (itself, or the record an alias points to):
         the lookup for aliases, which ``store.ids`` does not hold."""
-        return self._ids.one(self._lookup(record_id))
+        return self._ids.one(self._lookup.row(record_id))
 
     def index(self, record_id: str) -> int:
         """Row of ``record_id``; aliases resolve to the row of the record they duplicate."""
-        return self._lookup(record_id)
+        return self._lookup.row(record_id)
 
     def layer(self, layer: int = -1) -> int:
         """Absolute layer index for ``layer``: a stored absolute index, or a negative index
@@ -415,7 +312,7 @@ class Store:
     def __getitem__(self, record_id: str) -> dict[str, Any]:
         """One record: its per-record fields and pooled vectors (``mean``, and ``bos`` when
         stored: layer -> (D,))."""
-        row = self._lookup(record_id)
+        row = self._lookup.row(record_id)
         canonical = self._ids[row]
         f = self._h5
         out: dict[str, Any] = {"id": record_id, "record_id": canonical,

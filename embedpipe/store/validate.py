@@ -11,7 +11,6 @@ import h5py
 import numpy as np
 
 from embedpipe.core.errors import StoreError
-from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.checks import count_problems, layout_problems, nonfinite_rows
 from embedpipe.store.columns import COLUMNS, STR, required_columns
@@ -33,6 +32,7 @@ from embedpipe.store.format import (
     stored_layers,
     string_counts,
 )
+from embedpipe.store.id_checks import id_text_problems
 from embedpipe.store.idindex import LazyIds
 from embedpipe.store.idsort import index_problems_sorted
 from embedpipe.store.meancheck import MeanCheck, mean_checks
@@ -45,8 +45,6 @@ from embedpipe.store.sources import validate_sources
 
 #: rows of an integer column read at a time (2 MiB of int64): validate's memory independent of N
 COLUMN_ROWS = 1 << 18
-#: IDs decoded at a time (Python strings: ~70 B each)
-ID_ROWS = 1 << 16
 
 
 def _read_all(blocks: Iterator[tuple[slice, np.ndarray]], name: str, problems: list[str], *, check_finite: bool,
@@ -80,47 +78,6 @@ def _datasets_by_name(f: h5py.File) -> list[tuple[str, h5py.Dataset]]:
 
     f.visititems(visit)
     return out
-
-
-def id_text_problems(f: h5py.File) -> tuple[list[str], bool]:
-    """IDs, aliases and skipped IDs block by block: UTF-8, no control characters, record IDs
-    not empty (uniqueness and the index: embedpipe.store.idsort). Shared by validate and
-    export. Returns (problems, whether ``ids`` could be read)."""
-    problems: list[str] = []
-    for name in ("ids", "aliases/id", "skipped/id"):
-        if not isinstance(ds := f.get(name), h5py.Dataset) or ds.ndim != 1:
-            continue
-        try:
-            for lo in range(0, ds.shape[0], ID_ROWS):
-                values = decode_strings(ds[lo : lo + ID_ROWS], f"dataset {name}", lo)
-                if (bad := bad_id_message(values, f"dataset {name}: id", lo)) is not None:
-                    problems.append(bad)
-                    break
-                if name == "ids" and "" in values:
-                    problems.append(f"ids contains an empty id (row {lo + values.index('')})")
-                    break
-        except StoreError as exc:  # not UTF-8: the dataset and row named
-            problems.append(str(exc))
-        except OSError as exc:
-            if name == "ids":
-                return [*problems, f"dataset ids: checksum mismatch or read error ({exc})"], False
-            # the checksum pass names the dataset and rows
-    return problems, True
-
-
-def export_problems(path: Path) -> list[str]:
-    """What ``embedpipe export`` checks before it writes anything (docs/exports.md): validate's
-    ID checks (characters, empty, duplicates across records, aliases and skipped IDs, and
-    ``id_index`` exactly the index they give, by an external sort: memory independent of N).
-    ``embedpipe index`` makes them too (embedpipe.export.blocks). The layout is checked at open (``open_store``),
-    non-finite vectors while streaming (embedpipe.export.blocks); the count attributes are not
-    what export writes (its counts are the rows)."""
-    with open_h5(path) as f:
-        n = int(f["ids"].shape[0])
-        problems, readable = id_text_problems(f)
-        if readable:
-            problems += index_problems_sorted(f, n, compare=True)  # id_index: what ids give
-    return problems
 
 
 class _Validation:

@@ -21,6 +21,7 @@ from embedpipe.core.idtext import bad_id_message
 from embedpipe.core.options import STORAGE_DTYPES
 from embedpipe.store.attr_digests import write_attr_digests
 from embedpipe.store.columns import COLUMNS, EmbeddedRecord, write_column
+from embedpipe.store.create import create_array_dataset, create_per_residue_group, create_pooled_group
 from embedpipe.store.digests import COVERED_SINCE, digest_parts, record_digest
 from embedpipe.store.format import (
     FORMAT,
@@ -30,9 +31,6 @@ from embedpipe.store.format import (
     RESERVED_ATTRS,
     STORE_UUID_ATTR,
     chars_per_residue,
-    create_array_dataset,
-    create_per_residue_group,
-    create_pooled_group,
     new_store_uuid,
     stored_poolings,
     tag,

@@ -120,7 +120,7 @@ def test_a_merged_store_with_the_former_index_layout_opens_validates_and_reads(s
         for name in ("aliases/id", "aliases/of"):
             data = f[name][()]
             del f[name]
-            from embedpipe.store.format import create_string_dataset
+            from embedpipe.store.create import create_string_dataset
             create_string_dataset(f["aliases"], name.split("/")[1], decode_strings(data))
     assert validate_store(out) == []
     with embedpipe.open_store(out) as st:
@@ -163,7 +163,7 @@ def test_open_store_opens_no_source_and_checks_a_pin_when_the_source_is_read(tmp
 #: every block size made small, so that both sizes below are many blocks long
 SMALL_BLOCKS = {"embedpipe.core.external_sort.CHUNK_BYTES": 1 << 20, "embedpipe.store.format.READ_BLOCK_BYTES": 1 << 20,
                 "embedpipe.store.sequences.READ_BLOCK_BYTES": 1 << 20, "embedpipe.store.sequences.SEQUENCE_ROWS": 8192,
-                "embedpipe.store.validate.COLUMN_ROWS": 8192, "embedpipe.store.validate.ID_ROWS": 8192,
+                "embedpipe.store.validate.COLUMN_ROWS": 8192, "embedpipe.store.id_checks.ID_ROWS": 8192,
                 "embedpipe.store.meancheck.OFFSET_ROWS": 8192}
 
 

@@ -191,9 +191,9 @@ def test_merge_names_the_shard_whose_id_is_not_utf8(store, tmp_path):
 
 def test_an_id_past_the_first_block_is_named_by_its_own_row(store, monkeypatch):
     """validate reads IDs in blocks of ID_ROWS; the line named the row within the block."""
-    import embedpipe.store.validate as validate
+    import embedpipe.store.id_checks as id_checks
 
-    monkeypatch.setattr(validate, "ID_ROWS", 4)
+    monkeypatch.setattr(id_checks, "ID_ROWS", 4)
     edit_store(store, lambda f: set_row(f, "ids", 14, b"s\nx"))
     assert any(p.startswith("dataset ids: id 's\\nx' (row 14) holds the control character \\n")
                for p in validate_store(store)), validate_store(store)
