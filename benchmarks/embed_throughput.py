@@ -32,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from _harness import Ratio, cosine, engine_env, interleaved, machine_header, table, time_call, write_fasta
 
-from embedpipe.core.options import CPU_TOKENS_PER_BATCH, POLICY_NAMES
+from embedpipe.core.options import AUTO_CACHE_VARIABLE, CPU_TOKENS_PER_BATCH, POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "throughput"
@@ -51,14 +52,17 @@ POLICIES = list(POLICY_NAMES)
 VARIANTS: dict[str, tuple[str, list[str]]] = {f"{policy}-bf16-attention": (policy, []) for policy in ("bf16-mixed", "int8-mixed")}
 #: embedpipe runs with an engine choice pinned (the expert ``EMBEDPIPE_ENGINE``): system -> choices
 ENGINE_CHOICES = {f"{policy}-bf16-attention": {"attention_inputs": "compute"} for policy in ("bf16-mixed", "int8-mixed")}
-#: ``--precision auto`` with one measurement cache for the whole benchmark run: its first run
-#: measures on this node (the probe's cost included), later ones read the cache
-VARIANTS["auto"] = ("auto", ["--auto-cache", str(OUT / "auto-precision")])
-#: ``auto`` made to measure whatever the job's size (``--auto-measure always``), its own cache:
-#: the decision's cost beside the policies it chooses among
-VARIANTS["auto-measured"] = ("auto", ["--auto-cache", str(OUT / "auto-precision-measured"), "--auto-measure", "always"])
-#: the caches the auto systems start from empty in every benchmark run (a measurement of this run)
-AUTO_CACHES = (OUT / "auto-precision", OUT / "auto-precision-measured")
+#: ``--precision auto`` with one measurement cache for the whole benchmark run
+#: (``EMBEDPIPE_AUTO_CACHE``): its first run measures on this node (the probe's cost included),
+#: later ones read the cache
+VARIANTS["auto"] = ("auto", [])
+AUTO_CACHE = OUT / "auto-precision"
+#: ``auto`` measured whatever the job's size, as a user asks for it: ``decide-precision`` (which
+#: measures when not given the run's residues), then ``embed --precision auto:FILE``, timed
+#: together: the decision's cost beside the policies it chooses among
+MEASURED = "auto-measured"
+DECISION = OUT / "auto-measured-decision.json"
+VARIANTS[MEASURED] = (f"auto:{DECISION}", [])
 #: embedpipe's batch budget here: the CPU's ``--tokens-per-batch auto`` (options.CPU_TOKENS_PER_BATCH),
 #: given as a number so that it is the recipe's 4096 whatever the default becomes
 EMBEDPIPE_TOKENS_PER_BATCH = CPU_TOKENS_PER_BATCH
@@ -110,9 +114,14 @@ def system_command(system: str, model: Path, fasta: Path, target: Path, threads:
         return [sys.executable, str(ROOT / "benchmarks" / "esm_cpp_peer.py"), str(model), str(fasta), str(target),
                 "--threads", str(threads), *(["--int8"] if system == "esm-cpp-int8" else [])]
     policy, extra = VARIANTS.get(system, (system, []))
-    return [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
-            "--precision", policy, "--long-sequences", "truncate",
-            "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet", *extra]
+    embed = [sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(model), "--out", str(target),
+             "--precision", policy, "--long-sequences", "truncate",
+             "--tokens-per-batch", str(EMBEDPIPE_TOKENS_PER_BATCH), "--threads", str(threads), "--quiet", *extra]
+    if system != MEASURED:
+        return embed
+    decide = [sys.executable, "-m", "embedpipe.cli", "decide-precision", str(fasta), "--model", str(model),
+              "--out", str(DECISION), "--long-sequences", "truncate", "--threads", str(threads), "--quiet"]
+    return ["sh", "-c", f"{shlex.join(decide)} && {shlex.join(embed)}"]
 
 
 def matmul_peak(dtype_name: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
@@ -252,8 +261,12 @@ def run_rounds(commands: dict[str, tuple[list[str], Path]], rounds: int,
             shutil.rmtree(target, ignore_errors=True)  # no stale files from a run with other settings
         else:
             target.unlink(missing_ok=True)
+        if system == MEASURED:
+            DECISION.unlink(missing_ok=True)  # a kept decision would measure nothing
 
     envs = {system: engine_env(env, **ENGINE_CHOICES[system]) for system in commands if system in ENGINE_CHOICES}
+    if "auto" in commands:
+        envs["auto"] = {**env, AUTO_CACHE_VARIABLE: str(AUTO_CACHE)}
     timings = interleaved({system: cmd for system, (cmd, _) in commands.items()}, rounds, env, envs, before=clean)
     return {s: t.seconds for s, t in timings.items()}, {s: t.peak for s, t in timings.items()}
 
@@ -322,8 +335,7 @@ def main() -> None:
     from embedpipe.inputs.fasta import read_sequences
 
     OUT.mkdir(parents=True, exist_ok=True)
-    for cache in AUTO_CACHES:
-        shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(AUTO_CACHE, ignore_errors=True)  # auto starts from an empty cache (a measurement of this run)
     if args.repeat_input > 1:
         args.fasta = repeat_input(args.fasta, args.repeat_input)
     if args.max_records:

@@ -75,9 +75,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _own_auto_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--precision auto``'s per-node measurements go to a directory of each test's own
-    (``XDG_CACHE_HOME``, children included), never the user's cache: one test's measurement
-    must not decide another's policy."""
+    (``XDG_CACHE_HOME``, children included), never the user's or the site's cache
+    (``EMBEDPIPE_AUTO_CACHE``): one test's measurement must not decide another's policy."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    monkeypatch.delenv("EMBEDPIPE_AUTO_CACHE", raising=False)
 
 
 # --------------------------------------------------------------------------- test models

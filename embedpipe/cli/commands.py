@@ -56,15 +56,17 @@ def _one_of(names: tuple[str, ...], notes: dict[str, str] | None = None) -> str:
 TOKENS_PER_BATCH_HELP = (
     f"Token budget per batch, BOS/EOS included: {options.AUTO} (from free GPU memory on CUDA, "
     f"{options.CPU_TOKENS_PER_BATCH} on the CPU) or a number of at least {options.MIN_TOKENS_PER_BATCH}.")
-AUTO_CACHE_HELP = "Where --precision auto keeps its measurements per node (default: ~/.cache/embedpipe)."
-AUTO_MEASURE_HELP = ("When --precision auto measures the policies on the node: " + _one_of(options.AUTO_MEASURE_CHOICES, {
-    options.AUTO: "where the job is large enough to pay for it; else fp32, unless the table has a row for this CPU "
-                  "class at a similar model size",
-    options.AUTO_MEASURE_ALWAYS: "regardless of the job's size"}) + ". See docs/precision.md.")
 INT8_SMOOTHING_HELP = "int8-mixed only: per-input-channel smoothing, " + _one_of(options.INT8_SMOOTHINGS, {
-    "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on --int8-calibration"}) + ". See docs/precision.md."
-INT8_CALIBRATION_HELP = ("With --int8-smoothing smoothquant: the FASTA calibrated on (default: the 16 Swiss-Prot "
-                         "records shipped with embedpipe).")
+    "smoothquant": "SmoothQuant alpha 0.5, calibrated in fp32 on the 16 Swiss-Prot records shipped with embedpipe"}) + (
+    "; smoothquant:FASTA calibrates on that FASTA. See docs/precision.md.")
+#: flags embed once had, and where each went: a usage error naming one says so (embedpipe.cli.exit)
+MOVED_OPTIONS = {
+    "--auto-cache": f"where --precision auto keeps its measurements is set by {options.AUTO_CACHE_VARIABLE}=DIR "
+                    "in the environment",
+    "--auto-measure": "to measure whatever the job's size, run embedpipe decide-precision (its --auto-measure "
+                      "always), then embed --precision auto:FILE",
+    "--int8-calibration": "give the FASTA as --int8-smoothing smoothquant:FASTA",
+}
 
 
 def _version_callback(value: bool) -> None:
@@ -143,68 +145,64 @@ EXPORT_FORMAT_HELP = f"{_one_of(export_formats.NAMES, {f.name: f.what for f in e
 LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."
 
 
+# embed's options, declared once here so the command itself stays short (decide-precision shares --int8-smoothing)
+FASTAS = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir.")
+MODEL = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), an ESM C "
+                     "release of the esm package (esmc_300m, esmc_600m) or its .pth, a Hugging Face model "
+                     "directory, or a hub name in the local hub cache (docs/models.md).")
+OUT = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically.")
+OUT_DIR = typer.Option(None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of "
+                       "the same shard, model and options that pass validate are kept; each store is locked for "
+                       "the job (a second job on it is refused).")
+DONE = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores with their size, mtime and "
+                    "uuid, written last.")
+PRECISION = typer.Option(EMBED.precision, "--precision", help=PRECISION_HELP)
+LAYERS = typer.Option([",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
+                      help="Layers to store (0 = token embedding, -1 = last): a comma list, or the flag repeated.")
+PER_RESIDUE = typer.Option(EMBED.per_residue, "--per-residue/--no-per-residue", help="Also store per-residue vectors.")
+POOLING = typer.Option(list(EMBED.pooling), "--pooling", metavar="NAME",
+                       help=f"Pooled vectors to store: {_one_of(options.POOLINGS, {'bos': 'the BOS token'})}; "
+                            "repeatable. The mean is always stored.")
+TOKENS_PER_BATCH = typer.Option(str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
+                                help=TOKENS_PER_BATCH_HELP)
+DEVICE = typer.Option(EMBED.device, "--device", help=DEVICE_HELP)
+STORAGE_DTYPE = typer.Option(EMBED.storage_dtype, "--storage-dtype", help=_one_of(options.STORAGE_DTYPES) + ".")
+LONG_SEQUENCES = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP)
+OVERFLOW_MARGIN = typer.Option(EMBED.overflow_margin, "--overflow-margin", help="Fall back to fp32 when a record's "
+                               "max |activation| exceeds this fraction of the low dtype's maximum.")
+THREADS = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP)
+INT8_SMOOTHING = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", metavar="none|smoothquant[:FASTA]",
+                              help=INT8_SMOOTHING_HELP)
+REUSE = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP)
+ACCEPT_PLATFORM_MIX = typer.Option(
+    EMBED.accept_platform_mix, "--accept-platform-mix",
+    help="Keep (--out-dir) and --reuse stores computed on another platform (CPU instruction-set class, GPU model, "
+         "torch or oneDNN version; their numbers differ slightly). The platform is still recorded.")
+QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar or summary.")
+
+
 @app.command()
 @user_errors
 def embed(
-    fasta: list[Path] = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir."),
-    model: str = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), an ESM C "
-                              "release of the esm package (esmc_300m, esmc_600m) or its .pth, a Hugging Face model "
-                              "directory, or a hub name in the local hub cache (docs/models.md)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output store (.h5) of one FASTA, written atomically."),
-    out_dir: Optional[Path] = typer.Option(
-        None, "--out-dir", help="A store DIR/NAME.h5 per FASTA, one model load; complete stores of the same "
-                                "shard, model and options that pass validate are kept; each store is locked "
-                                "for the job (a second job on it is refused)."),
-    done: Optional[Path] = typer.Option(None, "--done", help="With --out-dir: a JSON listing of the stores with "
-                                        "their size, mtime and uuid, written last."),
-    precision: str = typer.Option(EMBED.precision, "--precision", help=PRECISION_HELP),
-    layers: list[str] = typer.Option(
-        [",".join(map(str, EMBED.layers))], "--layers", metavar="K[,K...]",
-        help="Layers to store (0 = token embedding, -1 = last): a comma list, or the flag repeated.",
-    ),
-    per_residue: bool = typer.Option(EMBED.per_residue, "--per-residue/--no-per-residue",
-                                     help="Also store per-residue vectors."),
-    pooling: list[str] = typer.Option(
-        list(EMBED.pooling), "--pooling", metavar="NAME",
-        help=f"Pooled vectors to store: {_one_of(options.POOLINGS, {'bos': 'the BOS token'})}; repeatable. "
-             "The mean is always stored.",
-    ),
-    tokens_per_batch: str = typer.Option(
-        str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
-        help=TOKENS_PER_BATCH_HELP),
-    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
-    storage_dtype: str = typer.Option(EMBED.storage_dtype, "--storage-dtype",
-                                      help=_one_of(options.STORAGE_DTYPES) + "."),
-    long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP),
-    overflow_margin: Optional[float] = typer.Option(
-        EMBED.overflow_margin, "--overflow-margin",
-        help="Fall back to fp32 when a record's max |activation| exceeds this fraction of the low dtype's maximum."),
-    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
-    int8_smoothing: str = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", help=INT8_SMOOTHING_HELP),
-    int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
-                                                   help=INT8_CALIBRATION_HELP),
-    auto_cache: Optional[str] = typer.Option(EMBED.auto_cache, "--auto-cache", metavar="DIR", help=AUTO_CACHE_HELP),
-    auto_measure: str = typer.Option(EMBED.auto_measure, "--auto-measure", metavar="auto|always",
-                                     help=AUTO_MEASURE_HELP),
-    reuse: list[Path] = typer.Option([], "--reuse", metavar="STORE.h5", help=REUSE_HELP),
-    accept_platform_mix: bool = typer.Option(
-        EMBED.accept_platform_mix, "--accept-platform-mix",
-        help="Keep (--out-dir) and --reuse stores computed on another platform (CPU instruction-set class, GPU "
-             "model, torch or oneDNN version; their numbers differ slightly). The platform is still recorded."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
-    max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
+    fasta: list[Path] = FASTAS, model: str = MODEL, out: Optional[Path] = OUT, out_dir: Optional[Path] = OUT_DIR,
+    done: Optional[Path] = DONE, precision: str = PRECISION, layers: list[str] = LAYERS,
+    per_residue: bool = PER_RESIDUE, pooling: list[str] = POOLING, tokens_per_batch: str = TOKENS_PER_BATCH,
+    device: str = DEVICE, storage_dtype: str = STORAGE_DTYPE, long_sequences: str = LONG_SEQUENCES,
+    overflow_margin: Optional[float] = OVERFLOW_MARGIN, threads: Optional[int] = THREADS,
+    int8_smoothing: str = INT8_SMOOTHING, reuse: list[Path] = REUSE, accept_platform_mix: bool = ACCEPT_PLATFORM_MIX,
+    quiet: bool = QUIET, max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
     """Embed every record of a FASTA file into one HDF5 store (or a group of shards, --out-dir)."""
     from embedpipe.extraction.auto_decision import split_precision
     from embedpipe.extraction.run import embed_command
 
     precision, decision = split_precision(precision)  # auto:FILE: the run's one decision
+    smoothing, calibration = options.split_int8_smoothing(int8_smoothing)  # smoothquant:FASTA
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         tokens_per_batch=options.parse_tokens_per_batch(tokens_per_batch), device=device, storage_dtype=storage_dtype,
         long_sequences=long_sequences, overflow_margin=overflow_margin, threads=threads,
-        int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
-        auto_cache=auto_cache, auto_measure=auto_measure, accept_platform_mix=accept_platform_mix)
+        int8_smoothing=smoothing, int8_calibration=calibration, accept_platform_mix=accept_platform_mix)
     summary = embed_command(fasta, model=model, out=out, out_dir=out_dir, done=done, options=chosen, quiet=quiet, reuse=reuse,
                             limits=options.FastaLimits(max_record_length, max_id_length), decision=decision)
     if not quiet:
@@ -396,7 +394,7 @@ def run() -> None:
     stderr and a shell-like exit code (:mod:`embedpipe.cli.exit`). The OpenMP wait policy is
     chosen first, before any command imports torch (docs/cluster.md, "CPU threads")."""
     set_wait_policy()
-    run_app(app)
+    run_app(app, moved=MOVED_OPTIONS)
 
 
 if __name__ == "__main__":  # pragma: no cover

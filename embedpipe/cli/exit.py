@@ -20,7 +20,7 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -189,9 +189,10 @@ def finish(code: int) -> None:
     sys.exit(code)
 
 
-def run_app(app: Any) -> None:
+def run_app(app: Any, moved: Mapping[str, str] | None = None) -> None:
     """Run the typer ``app`` as the console entry point: like ``app()``, but usage errors are
-    one line on stderr too.
+    one line on stderr too; an unknown option that ``moved`` names (a flag the command once had)
+    says where it went.
 
     Typer vendors its own click, so its exceptions are recognised by what they carry
     (``format_message`` and ``exit_code``), not by class.
@@ -213,7 +214,8 @@ def run_app(app: Any) -> None:
             finish(0)
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        print(f"embedpipe: error: {exc.format_message()}{hint}", file=sys.stderr)
+        went = (moved or {}).get(getattr(exc, "option_name", None) or "")
+        print(f"embedpipe: error: {exc.format_message()}{f'; {went}' if went else ''}{hint}", file=sys.stderr)
         finish(exc.exit_code)
     except KeyboardInterrupt as exc:
         print(_interrupted_line(exc), file=sys.stderr)

@@ -14,8 +14,7 @@ import typer
 from embedpipe.cli.commands import (
     DEVICE_HELP,
     EMBED,
-    INT8_CALIBRATION_HELP,
-    INT8_SMOOTHING_HELP,
+    INT8_SMOOTHING,
     LONG_SEQUENCES_HELP,
     MAX_ID_LENGTH,
     MAX_RECORD_LENGTH,
@@ -46,9 +45,7 @@ def decide_precision(
     long_sequences: str = typer.Option(EMBED.long_sequences, "--long-sequences", help=LONG_SEQUENCES_HELP),
     overflow_margin: Optional[float] = typer.Option(EMBED.overflow_margin, "--overflow-margin", help="As embed's."),
     threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
-    int8_smoothing: str = typer.Option(EMBED.int8_smoothing, "--int8-smoothing", help=INT8_SMOOTHING_HELP),
-    int8_calibration: Optional[str] = typer.Option(EMBED.int8_calibration, "--int8-calibration", metavar="FASTA",
-                                                   help=INT8_CALIBRATION_HELP),
+    int8_smoothing: str = INT8_SMOOTHING,
     accept_platform_mix: bool = typer.Option(EMBED.accept_platform_mix, "--accept-platform-mix",
                                              help="As embed's (how stores are compared: no part of the decision)."),
     auto_measure: str = typer.Option(EMBED.auto_measure, "--auto-measure", metavar="auto|always",
@@ -66,10 +63,11 @@ def decide_precision(
     from embedpipe.extraction.auto_decision import decide_run
     from embedpipe.extraction.run import start_checks
 
+    smoothing, calibration = options.split_int8_smoothing(int8_smoothing)  # smoothquant:FASTA
     chosen = options.EmbedOptions(
         precision=precision, layers=_int_list(layers, "--layers"), per_residue=per_residue, pooling=tuple(pooling),
         device=device, storage_dtype=storage_dtype, long_sequences=long_sequences, overflow_margin=overflow_margin,
-        threads=threads, int8_smoothing=int8_smoothing, int8_calibration=int8_calibration,
+        threads=threads, int8_smoothing=smoothing, int8_calibration=calibration,
         auto_measure=auto_measure, accept_platform_mix=accept_platform_mix)
     _, limits = start_checks(fasta, model, chosen, (), options.FastaLimits(max_record_length, max_id_length))
     print(decide_run(fasta, model=model, options=chosen, out=out, limits=limits, run_residues=run_residues,

@@ -44,8 +44,9 @@ STORAGE_DTYPES = ("float32", "float16")
 #: store records of it, in core/long_sequences.py)
 LONG_SEQUENCE_MODES = long_modes.NAMES
 #: int8-mixed's per-input-channel smoothing (docs/precision.md, "int8-mixed"): none, or
-#: smoothquant (SmoothQuant, alpha 0.5, calibrated in fp32 on ``--int8-calibration``: by default
-#: the 16 records shipped as embedpipe/data/int8_calibration.fasta)
+#: smoothquant (SmoothQuant, alpha 0.5, calibrated in fp32 on the FASTA of
+#: ``--int8-smoothing smoothquant:FASTA``: by default the 16 records shipped as
+#: embedpipe/data/int8_calibration.fasta)
 INT8_SMOOTHINGS = ("none", "smoothquant")
 #: pooled vectors a store can hold besides per-residue ones; the mean is always stored
 #: (docs/store-format.md, "Pooling")
@@ -116,6 +117,9 @@ PRECISION_CHOICES = (*POLICY_NAMES, AUTO)
 #: model size); ``always``: regardless of the job's size (docs/precision.md, "precision: auto")
 AUTO_MEASURE_ALWAYS = "always"
 AUTO_MEASURE_CHOICES = (AUTO, AUTO_MEASURE_ALWAYS)
+#: where ``--precision auto`` keeps each node's measurement when ``auto_cache`` is not given:
+#: site configuration, so an environment variable (the workflow sets it for its jobs), not a flag
+AUTO_CACHE_VARIABLE = "EMBEDPIPE_AUTO_CACHE"
 #: ``auto`` = CUDA when available, else the CPU
 DEFAULT_DEVICE = "auto"
 #: options an older embedpipe had and recorded in a store's ``config``: the engine choices the
@@ -152,7 +156,8 @@ class EmbedOptions:
     threads: int | None = None
     int8_smoothing: str = "none"
     int8_calibration: str | None = None  # a FASTA; None = the shipped calibration set
-    auto_cache: str | None = None  # where --precision auto's measurements are kept; None = the user's cache
+    #: where --precision auto's measurements are kept; None: $EMBEDPIPE_AUTO_CACHE, else the user's cache
+    auto_cache: str | None = None
     auto_measure: str = AUTO  # when --precision auto measures: auto (a job large enough) or always
     #: keep and reuse stores computed on another platform (CPU class, GPU model, torch, oneDNN):
     #: the platform is still recorded, only left out of the comparison (docs/cluster.md)
@@ -191,7 +196,8 @@ class EmbedOptions:
             raise EmbedpipeError(f"--int8-smoothing {self.int8_smoothing} applies to --precision int8-mixed only, "
                                  f"not {self.precision}")
         if self.int8_calibration is not None and self.int8_smoothing == "none":
-            raise EmbedpipeError("--int8-calibration applies with --int8-smoothing smoothquant only")
+            raise EmbedpipeError("a calibration FASTA (workflow: int8_calibration) applies with --int8-smoothing "
+                                 f"smoothquant only, not {self.int8_smoothing}")
 
 
 # ------------------------------------------------------------------------------ crosscheck
@@ -277,8 +283,25 @@ def parse_tokens_per_batch(text: str) -> int | str:
         raise EmbedpipeError(f"--tokens-per-batch must be {AUTO} or a whole number, not {text!r}") from None
 
 
+def split_int8_smoothing(text: str) -> tuple[str, str | None]:
+    """``--int8-smoothing`` as typed: the smoothing, and the calibration FASTA after a colon
+    (``smoothquant:FASTA``; None: the shipped set). The FASTA is a parameter of smoothquant, as
+    a decision file is of ``--precision auto:FILE``; an empty one is refused."""
+    smoothing, colon, fasta = text.partition(":")
+    if colon and not fasta:
+        raise EmbedpipeError(f"--int8-smoothing {text}: name the calibration FASTA after the colon, or leave it out")
+    return smoothing, fasta if colon else None
+
+
+def join_int8_smoothing(smoothing: str, calibration: str | None) -> str:
+    """The ``--int8-smoothing`` value of ``smoothing`` and its calibration FASTA: the inverse of
+    :func:`split_int8_smoothing` (the workflow's keys ``int8_smoothing``, ``int8_calibration``)."""
+    return smoothing if calibration is None else f"{smoothing}:{calibration}"
+
+
 __all__ = [
     "AUTO",
+    "AUTO_CACHE_VARIABLE",
     "AUTO_MEASURE_ALWAYS",
     "AUTO_MEASURE_CHOICES",
     "REMOVED_OPTIONS",
@@ -307,5 +330,7 @@ __all__ = [
     "TOKENS_PER_SHARD",
     "Thresholds",
     "check_choice",
+    "join_int8_smoothing",
     "parse_tokens_per_batch",
+    "split_int8_smoothing",
 ]

@@ -87,7 +87,7 @@ def _reuse(run: Combination) -> None:
 
 
 def _calibration(run: Combination) -> None:
-    """``--int8-calibration``'s FASTA read in full, with the reader the job calibrates with
+    """The calibration FASTA (``--int8-smoothing smoothquant:FASTA``) read in full, with the reader the job calibrates with
     (embedpipe.runtime.int8_smoothing): an invalid record anywhere in it stops here."""
     path = run.options.int8_calibration
     if path is None or run.options.int8_smoothing == "none":

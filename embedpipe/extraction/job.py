@@ -171,7 +171,8 @@ def open_job(model: str, options: EmbedOptions, policy: Policy | None, reuse: Se
 
 
 def auto_cache(options: EmbedOptions) -> Path:
-    """Where ``--precision auto``'s measurements are kept (``--auto-cache``, else the user's cache)."""
+    """Where ``--precision auto``'s measurements are kept (the ``auto_cache`` option, else
+    ``EMBEDPIPE_AUTO_CACHE``, else the user's cache)."""
     return Path(options.auto_cache) if options.auto_cache else default_cache_dir()
 
 

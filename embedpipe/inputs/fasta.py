@@ -401,6 +401,10 @@ __all__ = [
 ]
 
 
+#: how a calibration error names where the file was given (the command line, the workflow's key)
+CALIBRATION = "--int8-smoothing smoothquant:FASTA (workflow: int8_calibration)"
+
+
 def read_calibration(path: Path) -> tuple[tuple[str, str], ...]:
     """Every record of the calibration FASTA ``path``; one line naming the file (and record)
     when it is missing, unreadable, invalid FASTA or empty. Torch-free: the workflow's check
@@ -410,7 +414,7 @@ def read_calibration(path: Path) -> tuple[tuple[str, str], ...]:
         check_regular_file(path, "embed", "it reads the set here, then to calibrate and for its sha256")
         records = tuple(read_sequences(path))
     except InputError as error:  # already names the file (and line)
-        raise EmbedpipeError(f"--int8-calibration: {error}") from None
+        raise EmbedpipeError(f"{CALIBRATION}: {error}") from None
     if not records:
-        raise EmbedpipeError(f"--int8-calibration {path}: no records to calibrate on")
+        raise EmbedpipeError(f"{CALIBRATION}: {path}: no records to calibrate on")
     return records

@@ -36,6 +36,7 @@ import torch
 from embedpipe.core.atomic import write_text_atomic
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.jsonbounds import load_bounded_json
+from embedpipe.core.options import AUTO_CACHE_VARIABLE
 from embedpipe.runtime import cpu_features
 from embedpipe.runtime.auto_precision import Timing, candidates
 
@@ -55,7 +56,10 @@ _TIMING_FIELDS = {"ms_per_1k_residues", "min_cosine"}
 
 
 def default_cache_dir() -> Path:
-    """Where ``embed`` keeps the measurements without ``--auto-cache``: the user's cache directory."""
+    """Where ``embed`` keeps the measurements (no ``auto_cache`` option given): the site's
+    ``EMBEDPIPE_AUTO_CACHE``, else the user's cache directory."""
+    if site := os.environ.get(AUTO_CACHE_VARIABLE):
+        return Path(site)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "embedpipe" / "auto-precision"
 
@@ -101,14 +105,14 @@ def unsafe_directory(directory: Path) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return f"--auto-cache {directory}: cannot be used ({exc.strerror or exc})"
+        return f"auto-precision cache {directory}: cannot be used ({exc.strerror or exc})"
     if not stat.S_ISDIR(st.st_mode):
-        return f"--auto-cache {directory}: is not a directory"
+        return f"auto-precision cache {directory}: is not a directory"
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o002:
-        return f"--auto-cache {directory}: writable by every user (mode {mode:o}), so not trusted"
+        return f"auto-precision cache {directory}: writable by every user (mode {mode:o}), so not trusted"
     if mode & 0o020 and st.st_uid != os.geteuid():
-        return f"--auto-cache {directory}: group-writable and owned by another user (mode {mode:o}), so not trusted"
+        return f"auto-precision cache {directory}: group-writable and owned by another user (mode {mode:o}), so not trusted"
     return None
 
 
@@ -240,8 +244,8 @@ def measuring(directory: Path, key: Mapping[str, object]) -> Iterator[None]:
         fd = os.open(entry_path(directory, key).with_suffix(".lock"),
                      os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise EmbedpipeError(f"--auto-cache {directory}: cannot use it ({exc.strerror or exc}); "
-                             "give a writable directory") from None
+        raise EmbedpipeError(f"auto-precision cache {directory}: cannot use it ({exc.strerror or exc}); "
+                             f"set {AUTO_CACHE_VARIABLE} to a writable directory") from None
     try:
         deadline = time.monotonic() + WAIT_FOR_PROBE_S
         while True:
@@ -250,7 +254,7 @@ def measuring(directory: Path, key: Mapping[str, object]) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise EmbedpipeError(f"--auto-cache {directory}: another job has measured for "
+                    raise EmbedpipeError(f"auto-precision cache {directory}: another job has measured for "
                                          f"{WAIT_FOR_PROBE_S:.0f} s without a result; name a policy") from None
                 time.sleep(0.5)
         yield

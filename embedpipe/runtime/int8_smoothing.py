@@ -7,8 +7,8 @@ weight's column j by it: ``x W^T = (x / s)(W s)^T``, with
 ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` (alpha 0.5) balancing the two ranges.
 
 ``max|X_j|`` is calibrated, in fp32, on a fixed FASTA (the shipped
-``embedpipe/data/int8_calibration.fasta`` unless ``--int8-calibration`` names another), not on
-the first batch: a store's numbers must not depend on which records came first
+``embedpipe/data/int8_calibration.fasta`` unless ``--int8-smoothing smoothquant:FASTA`` names
+another), not on the first batch: a store's numbers must not depend on which records came first
 (docs/precision.md, "int8-mixed"). While a runner is calibrated its layers are
 :class:`CalibratingLinear`\\ s that run the exact fp32 linear and record each input channel's
 absmax; :meth:`CalibratingLinear.finish` then quantizes the layer with its factors.

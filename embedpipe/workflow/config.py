@@ -23,7 +23,7 @@ import jsonschema
 import yaml
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import AUTO, EmbedOptions
+from embedpipe.core.options import AUTO, EmbedOptions, join_int8_smoothing
 from embedpipe.extraction.combinations import CombinationError, check_embed
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.registry import inspect
@@ -181,12 +181,15 @@ def _flag(key: str) -> str:
 #: options passed only when set to other than their default: added after runs existed, whose
 #: jobs' command lines (Snakemake reruns a job whose params changed) they must leave alone
 ONLY_WHEN_SET = ("auto_measure",)
+#: keys given inside another key's flag: ``int8_calibration`` is ``--int8-smoothing smoothquant:FASTA``
+FOLDED = ("int8_calibration",)
 
 
 def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision: str | None = None) -> list[str]:
     """``embedpipe embed``'s options for every job of ``config``, the FASTA limits included: a
     list is its flag repeated, a switch (a bool field, off by default) its flag when on, an
-    unset value (None) nothing, an :data:`ONLY_WHEN_SET` option nothing at its default.
+    unset value (None) nothing, an :data:`ONLY_WHEN_SET` option nothing at its default, a
+    :data:`FOLDED` key inside its flag.
     ``leave``: keys the rule passes itself (``tokens_per_batch``: smaller on each retry).
     ``decision``: under ``precision: auto``, the run's one decision (``--precision auto:FILE``;
     docs/precision.md, "One decision per run")."""
@@ -195,7 +198,9 @@ def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision:
         value = getattr(options, key)
         if key == "precision" and value == AUTO and decision is not None:
             value = f"{AUTO}:{decision}"
-        if key in leave or value is None or value is False:
+        elif key == "int8_smoothing":
+            value = join_int8_smoothing(value, options.int8_calibration)
+        if key in leave or key in FOLDED or value is None or value is False:
             continue
         if key in ONLY_WHEN_SET and (value == getattr(EmbedOptions(), key) or decision is not None):
             continue  # at its default; or a job given the run's decision, which measures nothing

@@ -32,10 +32,22 @@ def _run(*args: str) -> subprocess.CompletedProcess:
          "--tokens-per-batch must be auto or a whole number, not 'lots'"),
         (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--tokens-per-batch", "2"),
          "--tokens-per-batch must be at least 3 (one residue and a model's special tokens: ESM-2's BOS and EOS)"),
-        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--auto-measure", "always"),
-         "--auto-measure always applies to --precision auto only, not fp32"),
-        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--precision", "auto", "--auto-measure", "often"),
+        (("decide-precision", "x.fa", "--model", "m.pt", "--out", "d.json", "--precision", "fp32",
+          "--auto-measure", "always"), "--auto-measure always applies to --precision auto only, not fp32"),
+        (("decide-precision", "x.fa", "--model", "m.pt", "--out", "d.json", "--auto-measure", "often"),
          "--auto-measure must be one of auto, always, not 'often'"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--int8-smoothing", "smoothquant:"),
+         "--int8-smoothing smoothquant:: name the calibration FASTA after the colon"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--int8-smoothing", "none:calib.fa"),
+         "a calibration FASTA (workflow: int8_calibration) applies with --int8-smoothing smoothquant only, not none"),
+        # flags embed once had: refused, naming where each went
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--auto-cache", "dir"),
+         "No such option: --auto-cache; where --precision auto keeps its measurements is set by EMBEDPIPE_AUTO_CACHE"),
+        (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--precision", "auto", "--auto-measure", "always"),
+         "No such option: --auto-measure; to measure whatever the job's size, run embedpipe decide-precision"),
+        *((cmd, "No such option: --int8-calibration; give the FASTA as --int8-smoothing smoothquant:FASTA")
+          for cmd in (("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", "--int8-calibration", "c.fa"),
+                      ("decide-precision", "x.fa", "--model", "m.pt", "--out", "d.json", "--int8-calibration", "c.fa"))),
         # the engine choices and --compile are no options: refused by name (docs/precision.md, "Engine choices")
         *((("embed", "x.fa", "--model", "m.pt", "--out", "o.h5", flag, value), f"No such option: {flag}")
           for flag, value in (("--attention", "math"), ("--batch-layout", "padded"), ("--attention-inputs", "fp32"),
@@ -48,6 +60,20 @@ def test_usage_and_input_errors_are_one_line(args, message, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("embedpipe: error: ") and message in lines[0]
+
+
+def test_embed_has_at_most_20_options():
+    """Options are what a user decides; the engine's and the site's are resolved by the program
+    (or set in the environment), so the list stays short. Counted on the click command itself:
+    an on/off pair is one option, --help none."""
+    import typer
+
+    from embedpipe.cli import app
+
+    embed = typer.main.get_command(app).commands["embed"]  # type: ignore[attr-defined]
+    names = [param.name for param in embed.params if param.param_type_name == "option"]  # typer's own click
+    assert "per_residue" in names and "fasta" not in names and "help" not in names
+    assert len(names) <= 20, names
 
 
 def test_version_and_help_exit_zero():

@@ -103,14 +103,27 @@ def test_schema_crosscheck_defaults_equal_the_library() -> None:
     assert crosscheck["properties"]["label_kind"]["enum"] == list(options.LABEL_KINDS)
 
 
+#: EmbedOptions fields that are no embed flag of their own: where each is given instead
+NOT_EMBED_FLAGS = {
+    "auto_cache": "the environment (EMBEDPIPE_AUTO_CACHE)",
+    "auto_measure": "decide-precision --auto-measure",
+    "int8_calibration": "--int8-smoothing smoothquant:FASTA",
+}
+
+
 def test_every_embed_option_has_the_library_default_on_the_command_line() -> None:
     from embedpipe.cli.commands import _int_list
 
     cli = _cli_defaults("embed")
     cli["layers"] = list(_int_list(cli["layers"], "--layers"))  # a comma list on the command line
+    assert set(NOT_EMBED_FLAGS) <= {field.name for field in dataclasses.fields(EmbedOptions)}
+    assert not set(NOT_EMBED_FLAGS) & set(cli)
     for field in dataclasses.fields(EmbedOptions):
-        default = getattr(EMBED, field.name)
-        assert cli[field.name] == (list(default) if isinstance(default, tuple) else default), field.name
+        if field.name not in NOT_EMBED_FLAGS:
+            default = getattr(EMBED, field.name)
+            assert cli[field.name] == (list(default) if isinstance(default, tuple) else default), field.name
+    assert _cli_defaults("decide-precision")["auto_measure"] == EMBED.auto_measure
+    assert options.split_int8_smoothing(cli["int8_smoothing"]) == (EMBED.int8_smoothing, EMBED.int8_calibration)
 
 
 def test_shard_and_crosscheck_defaults_on_the_command_line_are_the_library_ones() -> None:
@@ -180,12 +193,13 @@ def test_tokens_per_batch_help_names_auto_its_cpu_budget_and_the_minimum() -> No
 
 def test_every_embed_option_is_a_workflow_key_or_set_by_the_rule() -> None:
     """A new EmbedOptions field must reach the workflow: a schema key, or one the embed rule sets."""
-    set_by_the_rule = {"threads", "auto_cache"}  # the rule's threads; the cache its jobs share
+    set_by_the_rule = {"threads", "auto_cache"}  # the rule's threads; the cache its jobs share (environment)
     not_in_the_workflow = {"overflow_margin"}  # command-line only, for now
     fields = {field.name for field in dataclasses.fields(EmbedOptions)}
     assert fields - set(PROPERTIES) - set_by_the_rule == not_in_the_workflow
     rule = (Path(__file__).resolve().parents[2] / "workflows" / "rules" / "embed.smk").read_text()
-    assert "--threads {{threads}}" in rule and "--auto-cache {AUTO_CACHE}" in rule
+    assert "--threads {{threads}}" in rule and "--auto-cache" not in rule
+    assert re.search(r'EMBEDPIPE_AUTO_CACHE=\{AUTO_CACHE\}"\s*" embedpipe embed ', rule)  # the job's environment
 
 
 def test_the_engine_choices_are_no_option_workflow_key_or_rule_argument() -> None:

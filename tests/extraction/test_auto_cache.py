@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from embedpipe.core.cpus import thread_count
-from embedpipe.core.options import EmbedOptions
+from embedpipe.core.options import AUTO_CACHE_VARIABLE, EmbedOptions
 from embedpipe.extraction import auto_probe
+from embedpipe.extraction.job import auto_cache as job_cache
 from embedpipe.extraction.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.identity import ModelIdentity
@@ -239,7 +240,8 @@ def test_a_named_policy_is_never_told_to_use_a_planted_policy(loaded, tmp_path) 
 
 def test_a_fifo_entry_never_hangs_a_named_policy_embed(tiny_model_path, tmp_path, monkeypatch, capsys) -> None:
     """A real auto job writes the entry; a FIFO then put in its place; an fp32 job (whose warning
-    reads the cache for the same key) finishes and says the entry was not used."""
+    reads the cache for the same key, found through ``EMBEDPIPE_AUTO_CACHE``) finishes and says
+    the entry was not used."""
     cache = tmp_path / "cache"
     fasta = write_fasta(tmp_path / "in.fasta", RECORDS)
     embed_fasta(fasta, model=str(tiny_model_path), out=tmp_path / "auto.h5", quiet=True,  # the tiny job measures
@@ -247,12 +249,26 @@ def test_a_fifo_entry_never_hangs_a_named_policy_embed(tiny_model_path, tmp_path
     path = entry(cache)
     path.unlink()
     os.mkfifo(path)
+    monkeypatch.setenv(AUTO_CACHE_VARIABLE, str(cache))  # the same directory, as a site sets it
     job = threading.Thread(target=embed_fasta, daemon=True, args=(fasta,), kwargs=dict(
         model=str(tiny_model_path), out=tmp_path / "fp32.h5", quiet=False,
-        options=EmbedOptions(precision="fp32", device="cpu", auto_cache=str(cache))))
+        options=EmbedOptions(precision="fp32", device="cpu")))
     job.start()
     job.join(300)
     assert not job.is_alive(), "the fp32 embed blocked on the cache's FIFO"
     assert (tmp_path / "fp32.h5").is_file()
     assert [w for w in warnings(capsys.readouterr().err) if "cached measurement" in w] == \
         [f"warning: {path}: the cached measurement is a FIFO: not used"]
+
+
+def test_the_directory_is_the_option_else_the_environment_else_the_users_cache(tmp_path, monkeypatch) -> None:
+    """Where a node's measurements live is the site's (``EMBEDPIPE_AUTO_CACHE``), not an embed
+    flag; the Python API's ``auto_cache`` still names one for its own calls."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(AUTO_CACHE_VARIABLE, raising=False)
+    assert job_cache(EmbedOptions()) == tmp_path / "xdg" / "embedpipe" / "auto-precision"
+    monkeypatch.setenv(AUTO_CACHE_VARIABLE, "")  # set but empty: not set
+    assert job_cache(EmbedOptions()) == tmp_path / "xdg" / "embedpipe" / "auto-precision"
+    monkeypatch.setenv(AUTO_CACHE_VARIABLE, str(tmp_path / "site"))
+    assert job_cache(EmbedOptions()) == tmp_path / "site"
+    assert job_cache(EmbedOptions(auto_cache=str(tmp_path / "mine"))) == tmp_path / "mine"

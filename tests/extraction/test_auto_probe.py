@@ -243,7 +243,7 @@ def test_the_probe_draws_records_across_the_input_within_its_budget() -> None:
 
 def test_a_measured_auto_store_records_the_measurement_and_the_next_job_reads_it(tiny_model_path, tmp_path,
                                                                                  monkeypatch) -> None:
-    cache = str(tmp_path / "cache")  # --auto-measure always: the tiny test job measures for real
+    cache = str(tmp_path / "cache")  # auto_measure="always": the tiny test job measures for real
     first = embed_store(tmp_path, tiny_model_path, RECORDS, "first", precision="auto", device="cpu", auto_cache=cache,
                         auto_measure="always")
     second = embed_store(tmp_path, tiny_model_path, RECORDS, "second", precision="auto", device="cpu", auto_cache=cache)

@@ -3,7 +3,7 @@
 * a FASTA that is a pipe: a named FIFO hung forever (the first pass drained it, the second
   ``open`` waited for a writer), and ``<(cat in.fa)`` stored the records with the
   ``input_sha256`` of an empty input; the same check as ``shard``'s
-  (embedpipe/inputs/fasta.py, ``check_regular_file``), and for ``--int8-calibration`` too.
+  (embedpipe/inputs/fasta.py, ``check_regular_file``), and for the int8 calibration FASTA too.
 
 Independent computation: the paths each line must name are the ones the test made."""
 
@@ -73,9 +73,9 @@ def test_an_int8_calibration_pipe_is_refused(tmp_path, tiny_model_path) -> None:
     fifo = tmp_path / "calib.fa"
     os.mkfifo(fifo)
     proc = _embed([str(fasta), "--model", str(tiny_model_path), "--out", "b.h5", "--device", "cpu", "--precision",
-                   "int8-mixed", "--int8-smoothing", "smoothquant", "--int8-calibration", str(fifo)], tmp_path)
-    assert _one_line(proc) == (f"embedpipe: error: --int8-calibration: {fifo}: is a pipe (FIFO); embed needs a regular "
-                               "file (it reads the set here, then to calibrate and for its sha256), so write the "
-                               "stream to a file first")
+                   "int8-mixed", "--int8-smoothing", f"smoothquant:{fifo}"], tmp_path)
+    assert _one_line(proc) == ("embedpipe: error: --int8-smoothing smoothquant:FASTA (workflow: int8_calibration): "
+                               f"{fifo}: is a pipe (FIFO); embed needs a regular file (it reads the set here, then "
+                               "to calibrate and for its sha256), so write the stream to a file first")
 
 

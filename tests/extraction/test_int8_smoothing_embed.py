@@ -118,30 +118,33 @@ def test_a_planted_non_finite_still_falls_back_to_fp32_with_smoothing(tmp_path, 
         np.testing.assert_allclose(got["mean"][layer]["planted"], ref["mean"][layer]["planted"], rtol=1e-5, atol=1e-6)
 
 
+#: where a calibration error says the file was given: the flag, and the workflow's key
+GIVEN = "--int8-smoothing smoothquant:FASTA (workflow: int8_calibration)"
+
+
 def _embed_calibrated_on(tmp_path: Path, model: Path, calibration_text: str):
-    """``embed --precision int8-mixed --int8-smoothing smoothquant`` calibrated on a file with that text."""
+    """``embed --precision int8-mixed --int8-smoothing smoothquant:FASTA`` calibrated on a file with that text."""
     fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=1))
     bad = tmp_path / "calib.fasta"
     bad.write_text(calibration_text)
     return bad, CliRunner().invoke(app, ["embed", str(fasta), "--model", str(model), "--out", str(tmp_path / "o.h5"),
-                                         "--precision", "int8-mixed", "--int8-smoothing", "smoothquant",
-                                         "--int8-calibration", str(bad)])
+                                         "--precision", "int8-mixed", "--int8-smoothing", f"smoothquant:{bad}"])
 
 
 def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, tiny_model_path) -> None:
     bad, result = _embed_calibrated_on(tmp_path, tiny_model_path, ">x\nAC-D\n")
     assert result.exit_code == 1 and "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("embedpipe: error: --int8-calibration") and str(bad) in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(f"embedpipe: error: {GIVEN}") and str(bad) in lines[0], lines
     assert not (tmp_path / "o.h5").exists()
 
 
 def test_the_calibration_file_is_checked_before_the_model_loads(tmp_path) -> None:
-    """A bad --int8-calibration is the error even where the model would fail too: it is read
+    """A bad calibration FASTA is the error even where the model would fail too: it is read
     before the model is loaded (minutes for a large checkpoint), not after."""
     bad, result = _embed_calibrated_on(tmp_path, tmp_path / "absent.pt", "")
     assert result.exit_code == 1, result.output
-    assert result.output.strip().startswith("embedpipe: error: --int8-calibration") and str(bad) in result.output
+    assert result.output.strip().startswith(f"embedpipe: error: {GIVEN}") and str(bad) in result.output
 
 
 @pytest.mark.parametrize(("options", "message"), [

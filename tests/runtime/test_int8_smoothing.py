@@ -113,5 +113,6 @@ def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, text, why) -> No
     with pytest.raises(EmbedpipeError) as info:
         load_calibration(path)
     message = str(info.value)
-    assert message.startswith("--int8-calibration") and str(path) in message and why in message
+    assert message.startswith("--int8-smoothing smoothquant:FASTA (workflow: int8_calibration)")
+    assert str(path) in message and why in message
     assert "\n" not in message

@@ -34,7 +34,7 @@ ESM2 = "esm2_t6_8M_UR50D"  # described from the name table: no file is read
 CASES: dict[str, list[tuple[str, dict[str, Any], list[str]]]] = {
     "_values": [
         (ESM2, {"precision": "fp32", "int8_smoothing": "smoothquant"}, ["--int8-smoothing", "smoothquant"]),
-        (ESM2, {"int8_calibration": "CALIB"}, ["--int8-calibration", "CALIB"]),
+        (ESM2, {"int8_calibration": "CALIB"}, ["--int8-smoothing", "none:CALIB"]),
     ],
     "_device": [(ESM2, {"precision": "int8-mixed", "device": "cuda"}, ["--precision", "int8-mixed", "--device", "cuda"])],
     "_family": [
@@ -47,9 +47,9 @@ CASES: dict[str, list[tuple[str, dict[str, Any], list[str]]]] = {
     "_reuse": [(ESM2, {"reuse": ["old/embeddings.h5"]}, ["--reuse", "old/embeddings.h5"])],
     "_calibration": [
         (ESM2, {"precision": "int8-mixed", "int8_smoothing": "smoothquant", "int8_calibration": "missing.fasta"},
-         ["--precision", "int8-mixed", "--int8-smoothing", "smoothquant", "--int8-calibration", "missing.fasta"]),
+         ["--precision", "int8-mixed", "--int8-smoothing", "smoothquant:missing.fasta"]),
         (ESM2, {"precision": "int8-mixed", "int8_smoothing": "smoothquant", "int8_calibration": "EMPTY"},
-         ["--precision", "int8-mixed", "--int8-smoothing", "smoothquant", "--int8-calibration", "EMPTY"]),
+         ["--precision", "int8-mixed", "--int8-smoothing", "smoothquant:EMPTY"]),
     ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
@@ -73,12 +73,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _filled(value: Any, models: dict[str, str]) -> Any:
-    """The case with the fixture's paths put in for their names (T5, TEST, CALIB, EMPTY)."""
+    """The case with the fixture's paths put in for their names (T5, TEST, CALIB, EMPTY), also
+    after a colon (``smoothquant:EMPTY``)."""
     if isinstance(value, dict):
         return {key: _filled(v, models) for key, v in value.items()}
     if isinstance(value, list):
         return [_filled(v, models) for v in value]
-    return models.get(value, value) if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    head, colon, name = value.rpartition(":")
+    return f"{head}{colon}{models.get(name, name)}"
 
 
 def _cli_line(tmp_path: Path, model: str, options: list[str]) -> str:
@@ -147,7 +151,7 @@ def test_snakemake_dry_run_refuses_what_the_job_would_refuse(tmp_path: Path, mod
         "calibration's second record": (
             {"model": models["TEST"], "precision": "int8-mixed", "int8_smoothing": "smoothquant",
              "int8_calibration": str(bad)},
-            ["--precision", "int8-mixed", "--int8-smoothing", "smoothquant", "--int8-calibration", str(bad)]),
+            ["--precision", "int8-mixed", "--int8-smoothing", f"smoothquant:{bad}"]),
     }[case]
     cli = _cli_line(tmp_path, models["TEST"], options)
     path = tmp_path / "config.yaml"

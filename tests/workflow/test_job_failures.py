@@ -15,7 +15,8 @@ import pytest
 from embedpipe.workflow import jobs
 from helpers.workflow_helpers import _env, demo_config, run_workflow
 
-REFUSAL = "embedpipe: error: --int8-calibration: calib.fasta:4: record 'b': invalid character"
+REFUSAL = ("embedpipe: error: --int8-smoothing smoothquant:FASTA (workflow: int8_calibration): "
+           "calib.fasta:4: record 'b': invalid character")
 
 
 def _log(tmp_path: Path, *lines: str) -> Path:

@@ -1,7 +1,7 @@
 """``precision: auto`` in the workflow: never resolved when the config is parsed; rule
 decide_precision decides once, before any embed job, every job runs that decision
-(``--precision auto:FILE``), and the merged store records the request, the choice and why
-(docs/precision.md, "One decision per run")."""
+(``--precision auto:FILE``, with the run's ``EMBEDPIPE_AUTO_CACHE``), and the merged store
+records the request, the choice and why (docs/precision.md, "One decision per run")."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def test_precision_auto_reaches_the_jobs_and_is_recorded(tmp_path: Path) -> None
     proc = run_workflow(tmp_path, config, "--printshellcmds")
     out = proc.stdout + proc.stderr
     assert "embedpipe decide-precision" in out and "--precision auto:out/precision-decision.json" in out
+    # the node's measurement cache: the run's own, given to every embed job in its environment
+    assert "EMBEDPIPE_AUTO_CACHE=out/.cache/auto-precision embedpipe embed " in out and "--auto-cache" not in out
     merged = tmp_path / "out" / "embeddings.h5"
     assert validate(merged).returncode == 0
     decision = json.loads((tmp_path / "out" / "precision-decision.json").read_text())

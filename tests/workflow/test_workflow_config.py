@@ -167,24 +167,34 @@ def _other(spec: dict):
     return "calibration.fasta"  # a path (int8_calibration)
 
 
-def _parsed_by_the_cli(args: list[str], monkeypatch) -> tuple[EmbedOptions, FastaLimits]:
-    """What ``embedpipe embed``'s own parser makes of ``args`` (the job itself not run)."""
+def _parsed_by_the_cli(args: list[str], monkeypatch, command: str = "embed") -> dict:
+    """What ``embedpipe embed``'s (or ``decide-precision``'s) own parser makes of ``args``: the
+    keywords its library call gets (``options``, ``limits``, embed's ``decision``), nothing run."""
     from typer.testing import CliRunner
 
     from embedpipe.cli import app
-    from embedpipe.extraction import run
+    from embedpipe.extraction import auto_decision, run
 
-    seen = {}
-    monkeypatch.setattr(run, "embed_command", lambda *a, **kw: seen.update(kw))
-    result = CliRunner().invoke(app, ["embed", "in.fa", "--model", "m.pt", "--out", "o.h5", "-q", *args])
+    seen: dict = {}
+    if command == "embed":
+        monkeypatch.setattr(run, "embed_command", lambda *a, **kw: seen.update(kw))
+        head = ["embed", "in.fa", "--model", "m.pt", "--out", "o.h5", "-q"]
+    else:
+        monkeypatch.setattr(run, "start_checks", lambda fastas, model, options, reuse, limits: (
+            seen.update(options=options, limits=limits), (None, limits))[1])
+        monkeypatch.setattr(auto_decision, "decide_run", lambda *a, **kw: "")
+        head = ["decide-precision", "in.fa", "--model", "m.pt", "--out", "d.json", "-q"]
+    result = CliRunner().invoke(app, [*head, *args])
     assert "options" in seen, result.output
-    return seen["options"], seen["limits"]
+    return seen
 
 
 @pytest.mark.parametrize("changed", ["defaults", "demo", "all"])
 def test_the_embed_args_are_the_config_s_options_as_the_cli_parses_them(schema, monkeypatch, changed):
     """The one mapping from config to command line (common.smk passes it to every embed job):
-    the CLI's own parser gives back every embed option and FASTA limit the config holds."""
+    the CLI's own parser gives back every embed option and FASTA limit the config holds. Under
+    ``precision: auto`` the jobs run the run's decision (``auto_measure`` is the decision's, not
+    theirs), and ``decide-precision`` gets the options as given, ``auto_measure`` included."""
     config = _filled(schema)
     if changed == "defaults":  # every switch off
         config = {key: spec["default"] for key, spec in schema["properties"].items() if "default" in spec}
@@ -192,9 +202,17 @@ def test_the_embed_args_are_the_config_s_options_as_the_cli_parses_them(schema, 
         config |= {key: _other(schema["properties"][key]) for key in [*embed_keys(config), "max_record_length",
                                                                        "max_id_length"]}
         assert all(config[key] != schema["properties"][key].get("default") for key in embed_keys(config))
-    options, limits = _parsed_by_the_cli(embed_args(config, leave=("tokens_per_batch",)), monkeypatch)
-    assert options == embed_options(config | {"tokens_per_batch": EmbedOptions.tokens_per_batch})
-    assert limits == FastaLimits(config["max_record_length"], config["max_id_length"])
+        assert config["precision"] == "auto" and config["int8_calibration"] is not None
+    decision = "out/precision-decision.json" if config["precision"] == "auto" else None
+    limits = FastaLimits(config["max_record_length"], config["max_id_length"])
+    job = _parsed_by_the_cli(embed_args(config, leave=("tokens_per_batch",), decision=decision), monkeypatch)
+    as_run = {"tokens_per_batch": EmbedOptions.tokens_per_batch, "auto_measure": EmbedOptions.auto_measure}
+    assert job["options"] == embed_options(config | as_run) and job["limits"] == limits
+    assert job["decision"] == (Path(decision) if decision else None)
+    if decision is not None:
+        decided = _parsed_by_the_cli(embed_args(config, leave=("tokens_per_batch",)), monkeypatch, "decide-precision")
+        assert decided["options"] == embed_options(config | {"tokens_per_batch": EmbedOptions.tokens_per_batch})
+        assert decided["limits"] == limits
 
 
 def test_every_switch_is_off_by_default():

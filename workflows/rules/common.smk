@@ -52,7 +52,7 @@ except workflow_config.ConfigError as exc:
     fail(exc)
 
 OUTDIR = os.path.normpath(config["outdir"])
-#: where `precision: auto` keeps each node's measurement (`--auto-cache`; docs/precision.md,
+#: where `precision: auto` keeps each node's measurement (`EMBEDPIPE_AUTO_CACHE`; docs/precision.md,
 #: "precision: auto"): the run's jobs on one node measure once
 AUTO_CACHE = shlex.quote(os.path.join(OUTDIR, ".cache", "auto-precision"))
 MODEL = config["model"]

@@ -41,8 +41,8 @@ rule embed:
         stores=lambda wildcards, output: os.path.dirname(output[0]),
         reuse=reuse_options(),
     threads: 4
-    # --auto-cache on the shell line, not params (it changes how a job runs, not its numbers):
-    # every embed job of the run shares it (docs/precision.md)
+    # EMBEDPIPE_AUTO_CACHE in the job's environment, not params (it changes how a job runs, not
+    # its numbers): every embed job of the run shares it (docs/precision.md)
     # A retry of a job that refused its inputs (the CLI's user error) or that the user
     # interrupted (SIGINT; SIGTERM outside SLURM) gets the first attempt's resources and
     # repeats that failure at once; running out of memory is retried with more
@@ -56,9 +56,10 @@ rule embed:
         repeat=embed_repeat,
     shell:
         "python -m embedpipe.workflow.jobs start {log:q} {resources.repeat}"
-        " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
+        f" && {{{{ EMBEDPIPE_AUTO_CACHE={AUTO_CACHE}"
+        " embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        f" --threads {{threads}} --auto-cache {AUTO_CACHE}"
+        f" --threads {{threads}}"
         " > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 
