@@ -34,7 +34,6 @@ from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
 from embedpipe.runtime import cuda, engine_override
-from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.int8_smoothing import Calibration
@@ -42,8 +41,19 @@ from embedpipe.runtime.platform import describe as describe_platform
 from embedpipe.runtime.precision import Policy, attention_dtype, dtype_name, resolve_attention_inputs
 from embedpipe.store.format import stored_poolings
 
-#: ``--precision auto``'s measurement, asked by :func:`resolve_run` with the options and the
-#: engine choices it resolved (embedpipe.extraction.auto_probe through the job); None: nothing
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``--precision auto`` resolved to on a job, and why (the store's ``precision_reason``):
+    the answer of the job's ``measure`` (:mod:`embedpipe.extraction.auto_precision`, the one
+    module of that decision), which :func:`resolve_run` records."""
+
+    policy: str
+    reason: str
+
+
+#: ``--precision auto``'s decision, asked by :func:`resolve_run` with the options and the engine
+#: choices it resolved (embedpipe.extraction.auto_precision through the job); None: nothing
 #: measured or cached, so the run cannot be predicted (:class:`Unpredictable`)
 Measure = Callable[[EmbedOptions, EngineChoice], "AutoChoice | None"]
 
@@ -77,7 +87,7 @@ class ResolvedRun:
     tokens_per_batch: int | None = None  # the batch budget (``auto`` sized here); None: predicted, no model
     platform: str = ""  # what decides the numbers besides the options (embedpipe.runtime.platform)
     precision_requested: str = ""  # ``auto`` when the policy was chosen here ('' when named)
-    precision_reason: str = ""  # what auto measured or read (embedpipe.extraction.auto_probe)
+    precision_reason: str = ""  # what auto measured or read (embedpipe.extraction.auto_precision)
 
     @property
     def precision_attrs(self) -> dict[str, str]:
@@ -148,18 +158,18 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
     """``options`` resolved for ``device`` and a model of ``num_layers`` layers and ``width``
     (int8-mixed measures its weight range for it) whose family packs batches or not
     (``policy``: :func:`resolve_policy`'s, resolved now when None). ``--precision auto``: the
-    job's ``measure`` (embedpipe.extraction.auto_probe), without it the choice without a measurement
-    (fp32 unless the table has a row for the CPU class at ``loaded``'s size). ``loaded``: the
+    job's ``measure`` (embedpipe.extraction.auto_precision), refused without one. ``loaded``: the
     model, to size ``--tokens-per-batch auto`` (None for a prediction). ``threads``: the job's
     count (:func:`resolve_threads`, counted now when None). ``engine``: the engine choices
     (attention kernel, batch layout, q/k/v inputs, fallback device), read from
     ``EMBEDPIPE_ENGINE`` when None (docs/precision.md, "Engine choices"); here only."""
     engine = engine_override.from_environment() if engine is None else engine
     requested, auto = "", None
-    if options.precision == AUTO:  # decided once, here: measured by the job, else without a measurement
+    if options.precision == AUTO:  # decided once, here: by the job's measure
         requested = AUTO
-        auto = measure(options, engine) if measure is not None else AutoChoice.from_table(
-            device, params=None if loaded is None else capabilities.parameter_count(loaded))
+        if measure is None:
+            raise EmbedpipeError("--precision auto is decided by an embed job, on its node; name a policy here")
+        auto = measure(options, engine)
         if auto is None:
             raise Unpredictable("--precision auto: nothing measured on this node yet")
         refusal = engine.refusal(auto.policy)

@@ -12,8 +12,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from embedpipe.runtime import auto_precision
-from embedpipe.runtime.auto_precision import Timing
+from embedpipe.extraction import auto_precision
+from embedpipe.runtime.auto_cache import Timing
 from helpers.workflow_helpers import demo_config, snakemake, validate
 
 pytestmark = pytest.mark.slow
