@@ -40,7 +40,7 @@ rule embed:
         options=embed_options(),
         stores=lambda wildcards, output: os.path.dirname(output[0]),
         reuse=reuse_options(),
-    threads: 4
+    threads: JOB_THREADS
     # --auto-cache on the shell line, not params (it changes how a job runs, not its numbers):
     # every embed job of the run shares it (docs/precision.md)
     # A retry of a job that refused its inputs (the CLI's user error) or that the user
@@ -58,7 +58,7 @@ rule embed:
         "python -m embedpipe.workflow.jobs start {log:q} {resources.repeat}"
         " && {{ embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        f" --threads {{threads}} --auto-cache {AUTO_CACHE}"
+        f" {THREADS_OPTION} --auto-cache {AUTO_CACHE}"
         " > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 
