@@ -144,7 +144,7 @@ class EmbedOptions:
     (embedpipe.extraction.resolved, docs/precision.md "Engine choices").
     """
 
-    precision: str = "fp32"  # a policy, or auto (resolved when the job starts: runtime/auto_precision.py)
+    precision: str = "fp32"  # a policy, or auto (resolved when the job starts: extraction/auto_precision.py)
     layers: tuple[int, ...] = (-1,)
     per_residue: bool = False
     pooling: tuple[str, ...] = ("mean",)

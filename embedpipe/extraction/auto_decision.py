@@ -5,8 +5,8 @@ first took the table's prior while a large one measured and chose another policy
 refused the mix and a rerun failed the same way; on a cluster each node could choose its own.
 ``embedpipe decide-precision`` (:func:`decide_run`) measures once, on records drawn across the
 whole input, on the resources an embed job gets, through the same
-:func:`~embedpipe.extraction.auto_probe.measure_candidates` and
-:func:`~embedpipe.runtime.auto_precision.pick` a job uses, and writes the decision file; each
+:func:`~embedpipe.extraction.auto_precision.measure_candidates` and
+:func:`~embedpipe.extraction.auto_precision.pick` a job uses, and writes the decision file; each
 embed job given it (``--precision auto:FILE``) runs that policy, with its reason, through
 :func:`~embedpipe.extraction.resolved.resolve_run` (:func:`chosen`: the job's ``measure``). The
 file is keyed by the model's identity and the options that decide the numbers: a rerun with
@@ -37,7 +37,8 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.core.options import AUTO, AUTO_MEASURE_ALWAYS, FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.stats import spread
-from embedpipe.extraction.auto_probe import (
+from embedpipe.extraction import auto_precision
+from embedpipe.extraction.auto_precision import (
     measure_candidates,
     model_params,
     probe_cost,
@@ -45,12 +46,13 @@ from embedpipe.extraction.auto_probe import (
     usable_candidates,
 )
 from embedpipe.extraction.identity import HOW_IT_RUNS
+from embedpipe.extraction.resolved import AutoChoice
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layout import TokenLayout
-from embedpipe.runtime import auto_cache, auto_precision, cpu_features, engine_override
-from embedpipe.runtime.auto_precision import AutoChoice, Timing
+from embedpipe.runtime import auto_cache, cpu_features, engine_override
+from embedpipe.runtime.auto_cache import Timing
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.platform import describe as describe_platform
 
@@ -239,7 +241,7 @@ def sample_records(fastas: Sequence[Path], limits: FastaLimits, layout: TokenLay
     """The probe's records drawn across the whole input: from up to :data:`SAMPLE_FILES` of
     ``fastas`` evenly spaced over them (first and last included; the workflow's shards run
     short to long), each read through the FASTA reader (``limits``: the family's rules) and
-    thinned by :func:`~embedpipe.extraction.auto_probe.probe_records`, then the union thinned the same way."""
+    thinned by :func:`~embedpipe.extraction.auto_precision.probe_records`, then the union thinned the same way."""
     if not fastas:
         raise EmbedpipeError("decide-precision: no FASTA to draw the probe's records from")
     drawn: list[tuple[str, str]] = []
@@ -264,7 +266,7 @@ def _same_key(out: Path, key: dict[str, Any], options: EmbedOptions) -> Decision
 def _too_small(usable: Sequence[str], sample: Sequence[tuple[str, str]], options: EmbedOptions,
                run_residues: int | None) -> bool:
     """Whether the run is too small to pay for the probe: it would cost more than
-    :data:`~embedpipe.runtime.auto_precision.PROBE_SHARE` of the run's residues (a job's rule,
+    :data:`~embedpipe.extraction.auto_precision.PROBE_SHARE` of the run's residues (a job's rule,
     applied to the whole run), unless ``--auto-measure always`` or the run's size is not given."""
     if run_residues is None or options.auto_measure == AUTO_MEASURE_ALWAYS:
         return False
@@ -308,9 +310,9 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
             reason = f"auto -> {policy}: decided once for the run on {where}: {why}"
         elif _too_small(usable, sample, options, run_residues):
             timings = {}  # nothing measured: the decision says so, and holds no invented times
-            choice = AutoChoice.from_table(device, "the run is too small to pay for the probe, which may cost at "
-                                                   f"most {auto_precision.PROBE_SHARE:.0%} of its residues",
-                                           params=model_params(loaded))
+            choice = auto_precision.from_table(device, "the run is too small to pay for the probe, which may cost "
+                                               f"at most {auto_precision.PROBE_SHARE:.0%} of its residues",
+                                               params=model_params(loaded))
             policy = choice.policy if choice.policy in usable else "fp32"
             reason = f"{choice.reason} (decided once for the run on {where})"
             if policy != choice.policy:

@@ -38,37 +38,38 @@ MAX_KERNEL_ELEMENTS = 2**31 - 1
 
 def resolve_tokens_per_batch(options: EmbedOptions, loaded: EmbeddingModel, policy: Policy,
                              device: torch.device, stored_layers: Sequence[int], *, attention_inputs: str,
-                             fallback_device: str = "auto") -> int:
+                             fallback_device: str) -> int:
     """The token budget a run uses: the number given, or for ``auto`` one that fits ``device``
     (``stored_layers``: the resolved layers the run returns and stores; ``attention_inputs``
-    and ``fallback_device``: as the run resolved them). Called once per run, by
+    and ``fallback_device``, ``same`` or ``cpu``: as the run resolved them). Called once per run, by
     :func:`embedpipe.extraction.resolved.resolve_run`, which records the number."""
     if options.tokens_per_batch != AUTO:
         return int(options.tokens_per_batch)
     if device.type != "cuda":
         return CPU_TOKENS_PER_BATCH
     free = cuda.free_memory(device)
-    weights = device_weight_bytes(loaded, policy, fallback_device, free)
+    weights = device_weight_bytes(loaded, policy, fallback_device)
     per_token = bytes_per_token(loaded, policy, stored_layers, options.per_residue, attention_inputs=attention_inputs)
     return min(tokens_that_fit(free - weights, per_token), kernel_token_cap(loaded, policy))
 
 
-def device_weight_bytes(loaded: EmbeddingModel, policy: Policy, fallback_device: str, free: int) -> int:
+def device_weight_bytes(loaded: EmbeddingModel, policy: Policy, fallback_device: str) -> int:
     """Weights the run puts on the device: the policy's model, plus the fp32 fallback model's
-    when it goes there too.
-
-    No fallback model for fp32 itself, and none for a policy whose weights are fp32 (the amp
-    policies run the fp32 model, which the fallback reuses). The fallback device ``cpu`` keeps
-    it off the device; ``auto`` puts it there only if it fits beside the policy's model, so
-    it is counted only when both fit in ``free``; ``same`` always counts it.
-    """
+    (:func:`fallback_weight_bytes`) when the run resolved the fallback device ``same``; ``cpu``
+    keeps it off the device. Where it runs is decided by ``resolve_run`` only; here it is read."""
+    if fallback_device not in ("same", "cpu"):
+        raise ValueError(f"fallback device {fallback_device!r} is not resolved (same or cpu)")
     main = loaded.estimate_memory(policy).weight_bytes
-    if policy.is_reference or policy.weight_dtype == torch.float32 or fallback_device == "cpu":
-        return main
-    fallback = loaded.estimate_memory(FP32).weight_bytes
-    if fallback_device == "auto" and main + fallback > free:
-        return main  # the worker will find it does not fit and run fallback records on the CPU
-    return main + fallback
+    return main + (fallback_weight_bytes(loaded, policy) if fallback_device == "same" else 0)
+
+
+def fallback_weight_bytes(loaded: EmbeddingModel, policy: Policy) -> int:
+    """Bytes of the fp32 fallback model ``policy`` needs beside its own: none for fp32 itself, and
+    none for a policy whose weights are fp32 (the amp policies run the fp32 model, which the
+    fallback reuses)."""
+    if policy.is_reference or policy.weight_dtype == torch.float32:
+        return 0
+    return loaded.estimate_memory(FP32).weight_bytes
 
 
 def bytes_per_token(loaded: EmbeddingModel, policy: Policy, stored_layers: Sequence[int], per_residue: bool, *,

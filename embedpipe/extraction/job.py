@@ -23,17 +23,16 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.host_memory import keep_freed_memory
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions, FastaLimits
 from embedpipe.core.progress import say
-from embedpipe.extraction import auto_decision, auto_probe
+from embedpipe.extraction import auto_decision, auto_precision
 from embedpipe.extraction.engine import Engine
 from embedpipe.extraction.identity import first_difference, ignored
-from embedpipe.extraction.resolved import ResolvedRun, Unpredictable, resolve_run, resolve_threads
+from embedpipe.extraction.resolved import AutoChoice, ResolvedRun, Unpredictable, resolve_run, resolve_threads
 from embedpipe.extraction.reuse import Reuse
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.model import capabilities, load_model, registry
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.runtime.auto_cache import default_cache_dir
-from embedpipe.runtime.auto_precision import AutoChoice
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.precision import Policy
 from embedpipe.store import EmbeddedRecord
@@ -101,12 +100,12 @@ class Job:
             model = _loaded_identity(self.model, loaded)
 
             def measure(options: EmbedOptions, engine: EngineChoice) -> AutoChoice:
-                """``--precision auto`` measured on this node (extraction/auto_probe.py), asked by resolve_run;
+                """``--precision auto`` measured on this node (extraction/auto_precision.py), asked by resolve_run;
                 the run's one decision when the job was given it (extraction/auto_decision.py)."""
                 if self.inputs.decision is not None:
                     return auto_decision.chosen(self.inputs.decision, options, engine, device, model)
                 records, residues = self.inputs.probe()
-                return auto_probe.decide(loaded, options, engine, device, model, records, residues,
+                return auto_precision.decide(loaded, options, engine, device, model, records, residues,
                                          auto_cache(options), threads=self.threads, quiet=self.quiet)
 
             run = resolve_run(self.options, device, num_layers=loaded.num_layers, packs=capabilities.packs(loaded),
@@ -117,7 +116,7 @@ class Job:
             if self.inputs.decision is not None and (note := auto_decision.other_class(self.inputs.decision, device)):
                 say(f"warning: precision auto: {note}", quiet=self.quiet)
             embedder = Engine(loaded, run)
-            for note in auto_probe.notes(run, model, auto_cache(self.options), embedder.notes):
+            for note in auto_precision.notes(run, model, auto_cache(self.options), embedder.notes):
                 say(f"warning: {note}", quiet=self.quiet)
             if self.identity is not None and self.identity != run.identity:
                 key = (first_difference(self.identity, run.identity) or ("?",))[0]
@@ -192,7 +191,7 @@ def predict_run(reuse: Reuse | None, model: str, options: EmbedOptions, policy: 
     def measure(chosen: EmbedOptions, engine: EngineChoice) -> AutoChoice | None:
         if decision is not None:
             return auto_decision.chosen(decision, chosen, engine, device, facts)
-        return auto_probe.cached(chosen, engine, device, facts, auto_cache(chosen))
+        return auto_precision.cached(chosen, engine, device, facts, auto_cache(chosen))
 
     try:
         run = resolve_run(options, device, num_layers=reuse.sources[0].num_layers, packs=facts.packs, model=facts,

@@ -1,9 +1,11 @@
 """The prepared models of one embedder: a runner per precision policy, prepared once, on the
 device it runs on.
 
-Out of memory while preparing is not a batch that is too big (that one is split by the
-engine): for the fp32 fallback under the derived fallback device (``auto``) it moves to the CPU,
-otherwise the run fails with what to do (docs/precision.md, "Where the fallback runs").
+Where the fp32 fallback runs is the run's (``ResolvedRun.fallback_device``, decided by
+``resolve_run`` from the memory estimate); it is read here. Out of memory while preparing is
+not a batch that is too big (that one is split by the engine): the estimate was wrong, so a
+derived fallback device moves the fp32 model to the CPU; otherwise the run fails with what to
+do (docs/precision.md, "Where the fallback runs").
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Preparation:
             pass
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if not self.is_fallback(policy) or self.run.fallback_device != "auto" or device.type == "cpu":
+        if not self.is_fallback(policy) or not self.run.fallback_derived or device.type == "cpu":
             raise EmbedpipeError(self._oom_message(policy, device))
         self.on_moved(f"the fp32 fallback model of {self.loaded.name} does not fit on {device} beside the "
                       f"{self.main.name} model; fallback records run on the CPU (slower; see docs/precision.md)")
@@ -59,7 +61,7 @@ class Preparation:
 
     def planned_device(self, policy: Policy) -> torch.device:
         """Where ``policy`` is to be prepared: the job's device, or the CPU for a fallback
-        the run sends there (``fallback_device`` cpu)."""
+        the run resolved there (``fallback_device`` cpu)."""
         if self.is_fallback(policy) and self.run.fallback_device == "cpu":
             return torch.device("cpu")
         return self.device

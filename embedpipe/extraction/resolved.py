@@ -3,7 +3,7 @@
 Why one object: the precision policy (int8-mixed smoothing: a copy carrying its calibration
 set), what the ``auto`` options resolve to on the job's device (the q/k/v dtype, the batch
 layout, the attention kernel: ``computed_as``; the token budget, the threads, where fallback
-records run), the stored layers and poolings and the store's
+records run: :func:`resolve_fallback_device`), the stored layers and poolings and the store's
 identity used to be worked out again by the engine, the preparation, ``--reuse``'s prediction
 and the provenance. :func:`resolve_run` decides them once; the engine
 (:mod:`embedpipe.extraction.engine`), the preparation, the budget, the job
@@ -25,7 +25,7 @@ import torch
 from embedpipe.core.cpus import CpuAllocation, thread_count
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import AUTO, EmbedOptions
-from embedpipe.extraction.budget import resolve_tokens_per_batch
+from embedpipe.extraction.budget import fallback_weight_bytes, resolve_tokens_per_batch
 from embedpipe.extraction.calibration import configured_policy
 from embedpipe.extraction.identity import embed_identity
 from embedpipe.model import capabilities
@@ -33,8 +33,7 @@ from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.identity import ModelIdentity
 from embedpipe.model.layers import resolve_layers
 from embedpipe.runtime import attention as attention_choice
-from embedpipe.runtime import engine_override
-from embedpipe.runtime.auto_precision import AutoChoice
+from embedpipe.runtime import cuda, engine_override
 from embedpipe.runtime.engine_override import EngineChoice
 from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.int8_smoothing import Calibration
@@ -42,8 +41,19 @@ from embedpipe.runtime.platform import describe as describe_platform
 from embedpipe.runtime.precision import Policy, attention_dtype, dtype_name, resolve_attention_inputs
 from embedpipe.store.format import stored_poolings
 
-#: ``--precision auto``'s measurement, asked by :func:`resolve_run` with the options and the
-#: engine choices it resolved (embedpipe.extraction.auto_probe through the job); None: nothing
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``--precision auto`` resolved to on a job, and why (the store's ``precision_reason``):
+    the answer of the job's ``measure`` (:mod:`embedpipe.extraction.auto_precision`, the one
+    module of that decision), which :func:`resolve_run` records."""
+
+    policy: str
+    reason: str
+
+
+#: ``--precision auto``'s decision, asked by :func:`resolve_run` with the options and the engine
+#: choices it resolved (embedpipe.extraction.auto_precision through the job); None: nothing
 #: measured or cached, so the run cannot be predicted (:class:`Unpredictable`)
 Measure = Callable[[EmbedOptions, EngineChoice], "AutoChoice | None"]
 
@@ -69,7 +79,7 @@ class ResolvedRun:
     qkv_dtype: str  # dtype name of q/k/v at the main policy's attention kernel
     batch_layout: str  # packed or padded: the main policy's batches on the device
     attention_path: str  # the main policy's kernel as the store records it (docs/precision.md)
-    fallback_device: str  # where fp32 fallback records run: auto (the device, the CPU when it does not fit), same, cpu
+    fallback_device: str | None  # where fp32 fallback records run: same (the device) or cpu; None: predicted, no model
     layers: tuple[int, ...]  # the stored layers, non-negative, sorted
     pooling: tuple[str, ...]  # the poolings as stored: the mean always, then the rest
     model: ModelIdentity  # the model's part of the identity
@@ -77,7 +87,7 @@ class ResolvedRun:
     tokens_per_batch: int | None = None  # the batch budget (``auto`` sized here); None: predicted, no model
     platform: str = ""  # what decides the numbers besides the options (embedpipe.runtime.platform)
     precision_requested: str = ""  # ``auto`` when the policy was chosen here ('' when named)
-    precision_reason: str = ""  # what auto measured or read (embedpipe.extraction.auto_probe)
+    precision_reason: str = ""  # what auto measured or read (embedpipe.extraction.auto_precision)
 
     @property
     def precision_attrs(self) -> dict[str, str]:
@@ -85,6 +95,12 @@ class ResolvedRun:
         if not self.precision_requested:
             return {}
         return {"precision_requested": self.precision_requested, "precision_reason": self.precision_reason}
+
+    @property
+    def fallback_derived(self) -> bool:
+        """Whether the fallback device was derived (no override): the preparation may then still
+        move the fp32 model to the CPU when the estimate was wrong and it runs out of memory."""
+        return self.engine.fallback_device == AUTO
 
     @property
     def computed_as(self) -> dict[str, str]:
@@ -107,6 +123,26 @@ def resolve_threads(options: EmbedOptions) -> CpuAllocation:
     return thread_count(options.threads)
 
 
+def resolve_fallback_device(requested: str, policy: Policy, device: torch.device,
+                            loaded: EmbeddingModel | None) -> str | None:
+    """Where fp32 fallback records run, ``same`` (the job's device) or ``cpu``, decided here once:
+    ``requested`` (the engine choice) when the override names one; derived (``auto``), the job's
+    device unless it is a GPU where the fp32 fallback model does not fit beside ``policy``'s in
+    the memory free now (docs/precision.md, "Where the fallback runs"). None: a prediction
+    (``loaded`` None) that would need the model's size to say."""
+    if requested != AUTO:
+        return requested
+    if device.type != "cuda":
+        return "same"
+    if loaded is None:
+        return None
+    extra = fallback_weight_bytes(loaded, policy)
+    if extra == 0:
+        return "same"  # no second model: the fallback runs the policy's own fp32 weights
+    fits = loaded.estimate_memory(policy).weight_bytes + extra <= cuda.free_memory(device)
+    return "same" if fits else "cpu"
+
+
 def resolve_policy(options: EmbedOptions) -> Policy:
     """The named policy configured (the calibration file read): what a job resolves before its
     device is claimed and its model loads, so a bad calibration file fails first (the options
@@ -122,18 +158,18 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
     """``options`` resolved for ``device`` and a model of ``num_layers`` layers and ``width``
     (int8-mixed measures its weight range for it) whose family packs batches or not
     (``policy``: :func:`resolve_policy`'s, resolved now when None). ``--precision auto``: the
-    job's ``measure`` (embedpipe.extraction.auto_probe), without it the choice without a measurement
-    (fp32 unless the table has a row for the CPU class at ``loaded``'s size). ``loaded``: the
+    job's ``measure`` (embedpipe.extraction.auto_precision), refused without one. ``loaded``: the
     model, to size ``--tokens-per-batch auto`` (None for a prediction). ``threads``: the job's
     count (:func:`resolve_threads`, counted now when None). ``engine``: the engine choices
     (attention kernel, batch layout, q/k/v inputs, fallback device), read from
     ``EMBEDPIPE_ENGINE`` when None (docs/precision.md, "Engine choices"); here only."""
     engine = engine_override.from_environment() if engine is None else engine
     requested, auto = "", None
-    if options.precision == AUTO:  # decided once, here: measured by the job, else without a measurement
+    if options.precision == AUTO:  # decided once, here: by the job's measure
         requested = AUTO
-        auto = measure(options, engine) if measure is not None else AutoChoice.from_table(
-            device, params=None if loaded is None else capabilities.parameter_count(loaded))
+        if measure is None:
+            raise EmbedpipeError("--precision auto is decided by an embed job, on its node; name a policy here")
+        auto = measure(options, engine)
         if auto is None:
             raise Unpredictable("--precision auto: nothing measured on this node yet")
         refusal = engine.refusal(auto.policy)
@@ -154,13 +190,14 @@ def resolve_run(options: EmbedOptions, device: torch.device, *, num_layers: int,
             else attention_choice.attention_path(engine, policy, device))
     calibration = policy.calibration if isinstance(policy, Int8MixedPolicy) else None
     layers = tuple(resolve_layers(options.layers, num_layers))
-    tokens = None if loaded is None else resolve_tokens_per_batch(
-        options, loaded, policy, device, layers, attention_inputs=inputs, fallback_device=engine.fallback_device)
+    fallback = resolve_fallback_device(engine.fallback_device, policy, device, loaded)
+    tokens = None if loaded is None or fallback is None else resolve_tokens_per_batch(
+        options, loaded, policy, device, layers, attention_inputs=inputs, fallback_device=fallback)
     run = ResolvedRun(options=options, policy=policy, calibration=calibration, device=device,
                       threads=resolve_threads(options) if threads is None else threads, packs=packs, engine=engine,
                       attention=engine.attention, attention_inputs=inputs,
                       qkv_dtype=dtype_name(attention_dtype(policy, inputs)), batch_layout=layout,
-                      attention_path=path, fallback_device=engine.fallback_device, layers=layers,
+                      attention_path=path, fallback_device=fallback, layers=layers,
                       pooling=tuple(stored_poolings(options.pooling)), model=model, identity="",
                       tokens_per_batch=tokens, platform=describe_platform(device), precision_requested=requested,
                       precision_reason=auto.reason if auto is not None else "")

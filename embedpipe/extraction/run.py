@@ -119,7 +119,7 @@ def start_checks(fastas: Sequence[Path], model: str, options: EmbedOptions, reus
     checked once, by the workflow's check: extraction/combinations.py), its named policy configured
     (the calibration FASTA read now, so a bad file fails before the model loads; None for
     ``--precision auto``: :func:`~embedpipe.extraction.resolved.resolve_run` decides it in the job,
-    once its model is loaded, extraction/auto_probe.py), and ``limits`` as the model's family reads
+    once its model is loaded, extraction/auto_precision.py), and ``limits`` as the model's family reads
     records (its case kept where case is input: ProstT5; two characters a residue: SaProt)."""
     facts = inspect(model)
     check_embed(options, facts, reuse, calibration=False)

@@ -2,7 +2,7 @@
 reader and writer of its entries (docs/precision.md, "The cache").
 
 Why one careful reader: every ``embed`` reads the cache (a named policy too, for its warning:
-:func:`embedpipe.extraction.auto_probe.notes`), and the directory may be shared by a workflow's
+:func:`embedpipe.extraction.auto_precision.notes`), and the directory may be shared by a workflow's
 jobs, so an entry may be anything another process left there. An entry is opened without
 following a link and without blocking (a FIFO would hang every job), must be a regular file
 of at most :data:`MAX_ENTRY_BYTES`, and is used only when every field is well formed: the key
@@ -25,8 +25,9 @@ import math
 import os
 import socket
 import stat
+import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -38,10 +39,9 @@ from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.core.options import AUTO_CACHE_VARIABLE
 from embedpipe.runtime import cpu_features
-from embedpipe.runtime.auto_precision import Timing, candidates
 
-__all__ = ["CACHE_VERSION", "Cached", "CacheRead", "cache_key", "default_cache_dir", "measuring", "read_cached",
-           "unsafe_directory", "write_cached"]
+__all__ = ["CACHE_VERSION", "Cached", "CacheRead", "Timing", "cache_key", "default_cache_dir", "measuring",
+           "read_cached", "unsafe_directory", "write_cached"]
 
 #: the cache's format; a change of what is measured or how bumps it (older entries are measured again):
 #: 2 records each candidate's median of interleaved rounds (1: the best of two passes in a row)
@@ -53,6 +53,23 @@ MAX_ENTRY_BYTES = 64 << 10
 #: how an entry records when it was measured
 UTC_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 _TIMING_FIELDS = {"ms_per_1k_residues", "min_cosine"}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One candidate's measurement, as the cache keeps it: milliseconds per 1,000 residues (the
+    median of its rounds: :meth:`from_rounds`) and its lowest pooled cosine to fp32."""
+
+    ms_per_1k_residues: float
+    min_cosine: float
+
+    @classmethod
+    def from_rounds(cls, rounds: Sequence[float], min_cosine: float) -> Timing:
+        """The timing of a candidate measured in ``rounds`` (ms per 1,000 residues each): their
+        median, so one round slowed by other work on the node moves nothing."""
+        if not rounds:
+            raise ValueError("a timing needs at least one round")
+        return cls(statistics.median(rounds), min_cosine)
 
 
 def default_cache_dir() -> Path:
@@ -76,16 +93,17 @@ def cpu_model() -> str:
     return cpu_features.detect().machine
 
 
-def cache_key(device: torch.device, model: str, threads: int, options: Mapping[str, object]) -> dict[str, object]:
+def cache_key(device: torch.device, model: str, threads: int, options: Mapping[str, object],
+              candidates: Sequence[str]) -> dict[str, object]:
     """What decides a measurement: the node, its CPU model and flags, torch, the model's identity
-    (``model``: its identity fields as JSON), the threads, the device, the candidates and the
+    (``model``: its identity fields as JSON), the threads, the device, its ``candidates`` and the
     options that change a candidate's work (layers, pooling, per-residue, storage)."""
     cpu = cpu_features.detect()
     key: dict[str, object] = {
         "version": CACHE_VERSION, "node": socket.gethostname(), "cpu_model": cpu_model(),
         "cpu_flags": hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:16],
         "torch": torch.__version__, "model": hashlib.sha256(model.encode()).hexdigest(),
-        "threads": int(threads), "device": device.type, "candidates": list(candidates(device)),
+        "threads": int(threads), "device": device.type, "candidates": list(candidates),
         "options": dict(sorted(options.items())),
     }
     if device.type == "cuda":

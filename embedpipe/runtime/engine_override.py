@@ -4,7 +4,7 @@ variable ``EMBEDPIPE_ENGINE`` (docs/precision.md, "Engine choices"), for tests a
 
 Why not options: each has one right value per policy, device and family, which
 :func:`embedpipe.extraction.resolved.resolve_run` derives (the ``auto`` rules of
-:mod:`embedpipe.runtime.attention` and :mod:`embedpipe.extraction.preparation`); the others give
+:mod:`embedpipe.runtime.attention` and ``resolve_fallback_device``); the others give
 up batch invariance or speed. ``resolve_run`` is the only reader of the variable, and records
 what it resolved (``computed_as``, the store's attributes, the identity where the numbers change).
 """

@@ -7,7 +7,8 @@ the same value in a config file does. ``check`` turns schema errors into one lin
 key (and, for a misspelled key, the nearest valid one) instead of a dump of the schema.
 The Snakefile side is a few lines in workflows/rules/common.smk, which takes the command-line
 options of its jobs from here (:func:`embed_args`, :func:`fasta_limit_args`): the one mapping
-from config keys to ``embedpipe`` options.
+from config keys to ``embedpipe`` options; and its jobs' threads (:func:`job_threads`,
+:func:`threads_option`) and a retry's batch budget (:func:`retry_tokens_per_batch`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jsonschema
 import yaml
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.core.options import AUTO, EmbedOptions, join_int8_smoothing
+from embedpipe.core.options import AUTO, MIN_TOKENS_PER_BATCH, EmbedOptions, join_int8_smoothing
 from embedpipe.extraction.combinations import CombinationError, check_embed
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.registry import inspect
@@ -183,6 +184,36 @@ def _flag(key: str) -> str:
 ONLY_WHEN_SET = ("auto_measure",)
 #: keys given inside another key's flag: ``int8_calibration`` is ``--int8-smoothing smoothquant:FASTA``
 FOLDED = ("int8_calibration",)
+#: options the rules put on the shell line themselves, never in the params: ``threads`` is how a
+#: job runs, not what it computes (:func:`threads_option`)
+SHELL_ONLY = ("threads",)
+#: the threads an embed, decide_precision or crosscheck job asks the scheduler for when the
+#: config sets no ``threads`` (a profile's ``set-threads`` overrides either; docs/cluster.md)
+DEFAULT_THREADS = 4
+
+
+def job_threads(config: dict[str, Any]) -> int:
+    """The ``threads:`` of the embed and crosscheck rules (decide_precision takes embed's): the
+    config's ``threads`` when set, else :data:`DEFAULT_THREADS`."""
+    return int(config.get("threads") or DEFAULT_THREADS)
+
+
+def threads_option(config: dict[str, Any]) -> str:
+    """The jobs' ``--threads`` on the shell line, as a Snakemake template: ``--threads {threads}``
+    (the job's threads as Snakemake scheduled them: ``--cores`` and ``set-threads`` may lower
+    the config's) only when the config sets ``threads``; else nothing. Without it a job counts
+    its own CPUs (embedpipe.core.cpus.allocated), and ``OMP_NUM_THREADS`` bounds them: Snakemake
+    exports it, with ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and others, as the job's
+    threads to every shell command (snakemake/shell.py, ``shell.__new__``:
+    ``envvars["OMP_NUM_THREADS"] = threads``), so the job runs that many threads where it owns
+    that many CPUs, and its stores' ``threads_from`` says ``OMP_NUM_THREADS=N``."""
+    return "--threads {threads}" if config.get("threads") else ""
+
+
+def retry_tokens_per_batch(tokens: int, attempt: int) -> int:
+    """A retried embed job's batch budget: ``tokens // attempt``, never below
+    :data:`~embedpipe.core.options.MIN_TOKENS_PER_BATCH` (BOS, one residue, EOS)."""
+    return max(MIN_TOKENS_PER_BATCH, tokens // attempt)
 
 
 def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision: str | None = None) -> list[str]:
@@ -190,7 +221,8 @@ def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision:
     list is its flag repeated, a switch (a bool field, off by default) its flag when on, an
     unset value (None) nothing, an :data:`ONLY_WHEN_SET` option nothing at its default, a
     :data:`FOLDED` key inside its flag.
-    ``leave``: keys the rule passes itself (``tokens_per_batch``: smaller on each retry).
+    ``leave``: keys the rule passes itself (``tokens_per_batch``: smaller on each retry), as
+    :data:`SHELL_ONLY` always are.
     ``decision``: under ``precision: auto``, the run's one decision (``--precision auto:FILE``;
     docs/precision.md, "One decision per run")."""
     options, args = embed_options(config), []
@@ -200,7 +232,7 @@ def embed_args(config: dict[str, Any], *, leave: Collection[str] = (), decision:
             value = f"{AUTO}:{decision}"
         elif key == "int8_smoothing":
             value = join_int8_smoothing(value, options.int8_calibration)
-        if key in leave or key in FOLDED or value is None or value is False:
+        if key in leave or key in FOLDED or key in SHELL_ONLY or value is None or value is False:
             continue
         if key in ONLY_WHEN_SET and (value == getattr(EmbedOptions(), key) or decision is not None):
             continue  # at its default; or a job given the run's decision, which measures nothing

@@ -191,3 +191,19 @@ def test_the_store_records_the_threads_and_where_they_came_from(tiny_model_path,
         "warning: --threads 2 is more than the 1 CPU(s) this job may use (SLURM_CPUS_PER_TASK=1): the extra threads "
         "share cores and slow every step down; give --threads 1 or leave it out (docs/cluster.md, \"CPU threads\")"])
 
+
+
+def test_omp_num_threads_bounds_an_embed_and_its_store_says_so(tiny_model_path, tmp_path) -> None:
+    """``OMP_NUM_THREADS=1`` (what Snakemake sets for a one-thread job) bounds ``embed`` like the
+    affinity mask and the cgroup quota do, and the store's ``threads_from`` names it."""
+    if cpus.allocated({}).count < 2:
+        pytest.skip("this machine gives a job one CPU: the variable would tie with it, not bound it")
+    fasta = write_fasta(tmp_path / "in.fasta", random_sequences(2, (10, 20), seed=3))
+    out = tmp_path / "out.h5"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SLURM_CPUS_PER_TASK": ""}
+    proc = subprocess.run([sys.executable, "-m", "embedpipe.cli", "embed", str(fasta), "--model", str(tiny_model_path),
+                           "--out", str(out), "--device", "cpu"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out, "r") as f:
+        assert (int(f.attrs["threads"]), str(f.attrs["threads_from"])) == (1, "OMP_NUM_THREADS=1")
+        assert json.loads(f.attrs["config"])["threads"] is None  # no --threads: counted, not given

@@ -193,12 +193,12 @@ def test_tokens_per_batch_help_names_auto_its_cpu_budget_and_the_minimum() -> No
 
 def test_every_embed_option_is_a_workflow_key_or_set_by_the_rule() -> None:
     """A new EmbedOptions field must reach the workflow: a schema key, or one the embed rule sets."""
-    set_by_the_rule = {"threads", "auto_cache"}  # the rule's threads; the cache its jobs share (environment)
+    set_by_the_rule = {"auto_cache"}  # the cache its jobs share (environment)
     not_in_the_workflow = {"overflow_margin"}  # command-line only, for now
     fields = {field.name for field in dataclasses.fields(EmbedOptions)}
     assert fields - set(PROPERTIES) - set_by_the_rule == not_in_the_workflow
     rule = (Path(__file__).resolve().parents[2] / "workflows" / "rules" / "embed.smk").read_text()
-    assert "--threads {{threads}}" in rule and "--auto-cache" not in rule
+    assert '" {THREADS_OPTION}"' in rule and "--auto-cache" not in rule  # --threads only when the config sets it
     assert re.search(r'EMBEDPIPE_AUTO_CACHE=\{AUTO_CACHE\}"\s*" embedpipe embed ', rule)  # the job's environment
 
 

@@ -18,13 +18,13 @@ import torch
 
 from embedpipe.core.cpus import thread_count
 from embedpipe.core.options import AUTO_CACHE_VARIABLE, EmbedOptions
-from embedpipe.extraction import auto_probe
+from embedpipe.extraction import auto_precision
 from embedpipe.extraction.job import auto_cache as job_cache
 from embedpipe.extraction.run import embed_fasta
 from embedpipe.model import load_model
 from embedpipe.model.identity import ModelIdentity
-from embedpipe.runtime import auto_cache, auto_precision
-from embedpipe.runtime.auto_precision import Timing
+from embedpipe.runtime import auto_cache
+from embedpipe.runtime.auto_cache import Timing
 from embedpipe.runtime.engine_override import EngineChoice
 from helpers.embed_helpers import random_sequences, write_fasta
 
@@ -161,13 +161,13 @@ def loaded(tiny_model_path):
 
 def _decide(loaded, directory: Path):
     model = ModelIdentity(loaded.sha256, True, {}, loaded.family)
-    return auto_probe.decide(loaded, AUTO, EngineChoice(), CPU, model, RECORDS, 10**9, directory,
+    return auto_precision.decide(loaded, AUTO, EngineChoice(), CPU, model, RECORDS, 10**9, directory,
                              threads=thread_count(None), quiet=False)
 
 
 def _entry_for(loaded, directory: Path) -> Path:
     model = ModelIdentity(loaded.sha256, True, {}, loaded.family)
-    key = auto_probe._key(AUTO, EngineChoice(), CPU, model)
+    key = auto_precision._key(AUTO, EngineChoice(), CPU, model)
     written = auto_cache.write_cached(directory, key, GOOD)
     assert isinstance(written, Path)
     return written
@@ -179,7 +179,7 @@ def warnings(err: str) -> list[str]:
 
 def test_a_directory_as_the_entry_is_measured_anew_with_one_warning(loaded, tmp_path, monkeypatch, capsys) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     path = _entry_for(loaded, tmp_path)
     path.unlink()
     path.mkdir()
@@ -193,7 +193,7 @@ def test_a_directory_as_the_entry_is_measured_anew_with_one_warning(loaded, tmp_
 
 def test_a_crafted_time_is_measured_anew_and_never_reaches_the_reason(loaded, tmp_path, monkeypatch, capsys) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     path = _entry_for(loaded, tmp_path)
     data = json.loads(path.read_text())
     path.write_text(json.dumps(data | {"measured_utc": "2026-12-01T00:00:00Z" + FAKE}))
@@ -208,7 +208,7 @@ def test_a_crafted_time_is_measured_anew_and_never_reaches_the_reason(loaded, tm
 
 def test_a_world_writable_cache_is_not_used_by_the_job(loaded, tmp_path, monkeypatch, capsys) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     path = _entry_for(loaded, tmp_path / "cache")
     data = json.loads(path.read_text())  # planted: int8 fastest
     data["timings"]["int8-mixed"]["ms_per_1k_residues"] = 0.001
@@ -229,11 +229,11 @@ def _named_run(policy: str) -> SimpleNamespace:
 def test_a_named_policy_is_never_told_to_use_a_planted_policy(loaded, tmp_path) -> None:
     path = _entry_for(loaded, tmp_path)
     model = ModelIdentity(loaded.sha256, True, {}, loaded.family)
-    assert any("bf16-mixed ran 5.0" in n for n in auto_probe.notes(_named_run("fp32"), model, tmp_path, ["table"]))
+    assert any("bf16-mixed ran 5.0" in n for n in auto_precision.notes(_named_run("fp32"), model, tmp_path, ["table"]))
     data = json.loads(path.read_text())
     data["timings"]["fp16"] = {"ms_per_1k_residues": 0.5, "min_cosine": 1.0}  # no CPU candidate
     path.write_text(json.dumps(data))
-    notes = auto_probe.notes(_named_run("fp32"), model, tmp_path, ["the table's note"])
+    notes = auto_precision.notes(_named_run("fp32"), model, tmp_path, ["the table's note"])
     assert notes[1:] == ["the table's note"] and "not one of this device's candidates" in one_line(notes[0])
     assert not any("fp16 ran" in n or "would choose" in n for n in notes)
 

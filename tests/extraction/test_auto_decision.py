@@ -20,12 +20,12 @@ import torch
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions
 from embedpipe.core.stats import spread
-from embedpipe.extraction import auto_decision, auto_probe
+from embedpipe.extraction import auto_decision, auto_precision
 from embedpipe.extraction.auto_decision import read_decision, split_precision
 from embedpipe.extraction.run import embed_fasta
 from embedpipe.model.layout import ESM2_LAYOUT
-from embedpipe.runtime import auto_precision, cpu_features
-from embedpipe.runtime.auto_precision import Timing
+from embedpipe.runtime import cpu_features
+from embedpipe.runtime.auto_cache import Timing
 from embedpipe.runtime.platform import describe as describe_platform
 from helpers.embed_helpers import random_sequences, write_fasta
 from helpers.processes import run_cli
@@ -139,7 +139,7 @@ def test_a_run_too_small_to_pay_for_the_probe_is_not_measured_unless_always(tmp_
     data = json.loads(out.read_text())
     from embedpipe.model import load_model
     policy, why = auto_precision.prior(torch.device("cpu"),
-                                       params=auto_probe.model_params(load_model(str(tiny_model_path))))
+                                       params=auto_precision.model_params(load_model(str(tiny_model_path))))
     assert planted == [] and data["candidates"] == {} and data["policy"] == policy, said
     assert data["reason"].startswith(f"auto -> {policy}: not measured (the run is too small to pay for the probe, "
                                      f"which may cost at most 10% of its residues); {why} (decided once for the run")

@@ -1,4 +1,4 @@
-"""``--precision auto`` measured on the node (embedpipe/extraction/auto_probe.py): the faster of two
+"""``--precision auto`` measured on the node (embedpipe/extraction/auto_precision.py): the faster of two
 planted policies is chosen, one that fails the cosine is refused, the measurement is cached
 per node and key and reused by the next job, a job too small for the probe takes the table's
 prior, and the store records what was measured. No timing assertions: the planted timings
@@ -17,10 +17,10 @@ import torch
 
 from embedpipe.core.cpus import thread_count
 from embedpipe.core.options import EmbedOptions
-from embedpipe.extraction import auto_probe
+from embedpipe.extraction import auto_precision
 from embedpipe.model import load_model
 from embedpipe.model.identity import ModelIdentity
-from embedpipe.runtime import advice, auto_cache, auto_precision, cpu_features
+from embedpipe.runtime import advice, auto_cache, cpu_features
 from embedpipe.runtime.engine_override import EngineChoice
 from helpers.embed_helpers import embed_store, random_sequences
 
@@ -56,26 +56,26 @@ def loaded(tiny_model_path):
 
 def _decide(loaded, tmp_path, options=AUTO, model=None, residues=10**9):
     model = model or ModelIdentity(loaded.sha256, True, {}, loaded.family)
-    return auto_probe.decide(loaded, options, EngineChoice(), CPU, model, RECORDS, residues, tmp_path / "cache",
+    return auto_precision.decide(loaded, options, EngineChoice(), CPU, model, RECORDS, residues, tmp_path / "cache",
                              threads=thread_count(None))
 
 
 def test_the_fastest_passing_policy_is_chosen_and_a_failing_one_refused(loaded, tmp_path, monkeypatch) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.3, "int8-mixed": 0.6}, off=("bf16-mixed",))
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     choice = _decide(loaded, tmp_path)
     assert sorted(calls) == sorted(auto_precision.CPU_CANDIDATES * auto_precision.ROUNDS)  # once a round each
     assert choice.policy == "int8-mixed"  # bf16-mixed was faster but below the pass cosine
     assert choice.reason.startswith("auto -> int8-mixed: measured on this node now (cache ")
     assert "bf16-mixed" in choice.reason and "below the pass cosine 0.999: refused" in choice.reason
-    residues = sum(len(s) for _, s in auto_probe.probe_records(RECORDS))
+    residues = sum(len(s) for _, s in auto_precision.probe_records(RECORDS))
     assert f"int8-mixed {0.6 * 1e6 / residues:.1f} ms per 1,000 residues" in choice.reason
 
 
 def test_the_cache_is_reused_by_the_next_job_and_measured_again_when_a_key_changes(loaded, tmp_path,
                                                                                    monkeypatch) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     first = _decide(loaded, tmp_path)
     assert first.policy == "bf16-mixed" and len(calls) == MEASURED
     again = _decide(loaded, tmp_path)  # the next job on the node: read, not measured
@@ -105,11 +105,11 @@ def test_the_cache_is_reused_by_the_next_job_and_measured_again_when_a_key_chang
 def test_a_job_too_small_for_the_probe_runs_fp32_where_the_table_has_no_row_at_its_size(loaded, tmp_path,
                                                                                       monkeypatch) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     small = sum(len(s) for _, s in RECORDS)
     choice = _decide(loaded, tmp_path, residues=small)
     assert calls == []  # nothing measured
-    params = auto_probe.model_params(loaded)
+    params = auto_precision.model_params(loaded)
     assert params < 10**5  # the 2-layer test model: no table row is within 4x of it
     want, why = auto_precision.prior(CPU, params=params)
     assert choice.policy == want == "fp32"
@@ -122,17 +122,18 @@ def test_a_job_too_small_for_the_probe_runs_fp32_where_the_table_has_no_row_at_i
 
 
 AVX2 = cpu_features.CpuFeatures(frozenset({"avx2"}))
+ESM2_35M = 35_000_000  # the model the table's AVX2 row was measured on ("12 x 480 ESM-2")
 
 
 def test_a_job_too_small_takes_a_table_row_measured_at_a_similar_model_size(loaded, tmp_path, monkeypatch) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     monkeypatch.setattr(cpu_features, "detect", lambda: AVX2)  # a row measured on a real AVX2 EPYC at 35M
     row = advice.ADVICE["avx2"]
-    assert row.trusted and row.model_params == advice.ESM2_35M
-    for params, want in [(advice.ESM2_35M // 4, "int8-mixed"), (advice.ESM2_35M * 4, "int8-mixed"),
-                         (advice.ESM2_35M // 5, "fp32"), (advice.ESM2_35M * 5, "fp32")]:
-        monkeypatch.setattr(auto_probe, "model_params", lambda loaded, params=params: params)
+    assert row.trusted and row.model_params == ESM2_35M
+    for params, want in [(ESM2_35M // 4, "int8-mixed"), (ESM2_35M * 4, "int8-mixed"),
+                         (ESM2_35M // 5, "fp32"), (ESM2_35M * 5, "fp32")]:
+        monkeypatch.setattr(auto_precision, "model_params", lambda loaded, params=params: params)
         choice = _decide(loaded, tmp_path, residues=1)
         assert choice.policy == want, params
         if want == "fp32":
@@ -144,7 +145,7 @@ def test_a_job_too_small_takes_a_table_row_measured_at_a_similar_model_size(load
 
 def test_auto_measure_always_measures_a_small_job(loaded, tmp_path, monkeypatch) -> None:
     timed, calls = _planted({"fp32": 1.0, "bf16-mixed": 0.5, "int8-mixed": 0.7})
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     always = dataclasses.replace(AUTO, auto_measure="always")
     choice = _decide(loaded, tmp_path, options=always, residues=1)
     assert len(calls) == MEASURED and choice.policy == "bf16-mixed"
@@ -162,7 +163,7 @@ def test_the_candidates_are_timed_in_interleaved_rounds_in_a_fixed_order(loaded,
 
     alive: list[weakref.ref] = []
     order: list[str] = []
-    real = auto_probe._time
+    real = auto_precision._time
 
     def recorded(loaded, run, sample):
         assert not [r for r in alive if r() is not None], "an earlier candidate's embedder is still alive"
@@ -181,14 +182,14 @@ def test_the_candidates_are_timed_in_interleaved_rounds_in_a_fixed_order(loaded,
         order.append(run.policy.name)
         return result
 
-    monkeypatch.setattr(auto_probe, "_time", recorded)
-    timings = auto_probe.measure_candidates(loaded, AUTO, EngineChoice(), CPU,
+    monkeypatch.setattr(auto_precision, "_time", recorded)
+    timings = auto_precision.measure_candidates(loaded, AUTO, EngineChoice(), CPU,
                                             ModelIdentity(loaded.sha256, True, {}, loaded.family),
-                                            auto_probe.probe_records(RECORDS), list(auto_precision.CPU_CANDIDATES),
+                                            auto_precision.probe_records(RECORDS), list(auto_precision.CPU_CANDIDATES),
                                             thread_count(None), True)
     assert order == ["fp32", "bf16-mixed", "int8-mixed"] * auto_precision.ROUNDS
     assert list(timings) == list(auto_precision.CPU_CANDIDATES) and timings["fp32"].min_cosine == 1.0
-    assert all(t.ms_per_1k_residues > 0 and t.passes() for t in timings.values())  # the tiny model: all pass
+    assert all(t.ms_per_1k_residues > 0 and auto_precision.passes(t) for t in timings.values())  # the tiny model: all pass
 
 
 def test_the_median_round_is_compared_so_one_slow_round_moves_nothing(loaded, tmp_path, monkeypatch) -> None:
@@ -200,7 +201,7 @@ def test_the_median_round_is_compared_so_one_slow_round_moves_nothing(loaded, tm
         name = run.policy.name
         seconds = next(slow) if name == "fp32" else {"bf16-mixed": 1.2, "int8-mixed": 0.98}[name]
         return seconds, [{layer: np.ones(8, dtype=np.float32) for layer in run.layers} for _ in sample]
-    monkeypatch.setattr(auto_probe, "_time", timed)
+    monkeypatch.setattr(auto_precision, "_time", timed)
     choice = _decide(loaded, tmp_path)
     assert choice.policy == "fp32", choice.reason
     assert "fp32 chosen: int8-mixed was 2% faster, short of that margin" in choice.reason
@@ -213,7 +214,7 @@ def test_three_fresh_decisions_on_one_quiet_node_agree(loaded, tmp_path, monkeyp
     import random
 
     base = {"fp32": 1.0, "bf16-mixed": 1.3, "int8-mixed": 0.97}
-    real = auto_probe._time
+    real = auto_precision._time
     choices = []
     for probe in range(3):
         rng = random.Random(probe)
@@ -226,7 +227,7 @@ def test_three_fresh_decisions_on_one_quiet_node_agree(loaded, tmp_path, monkeyp
             slowed = 3.0 if (count[name], name) == outlier else 1.0
             count[name] += 1
             return base[name] * rng.uniform(0.92, 1.08) * slowed, means
-        monkeypatch.setattr(auto_probe, "_time", timed)
+        monkeypatch.setattr(auto_precision, "_time", timed)
         choices.append(_decide(loaded, tmp_path / f"fresh-{probe}"))
         assert all(n == auto_precision.ROUNDS for n in count.values())
     assert [c.policy for c in choices] == ["fp32"] * 3, [c.reason for c in choices]
@@ -235,10 +236,10 @@ def test_three_fresh_decisions_on_one_quiet_node_agree(loaded, tmp_path, monkeyp
 
 def test_the_probe_draws_records_across_the_input_within_its_budget() -> None:
     records = [(f"r{i}", "A" * n) for i, n in enumerate(range(10, 2010, 10))]
-    sample = auto_probe.probe_records(records, budget=2048)
+    sample = auto_precision.probe_records(records, budget=2048)
     lengths = [len(s) for _, s in sample]
     assert sum(lengths) <= 2048 and len(sample) > 3 and max(lengths) > 5 * min(lengths)  # short to long
-    assert auto_probe.probe_records([("long", "A" * 5000)], budget=2048) == [("long", "A" * 2048)]
+    assert auto_precision.probe_records([("long", "A" * 5000)], budget=2048) == [("long", "A" * 2048)]
 
 
 def test_a_measured_auto_store_records_the_measurement_and_the_next_job_reads_it(tiny_model_path, tmp_path,
@@ -261,8 +262,8 @@ def test_a_measured_auto_store_records_the_measurement_and_the_next_job_reads_it
 
 
 def test_a_named_policy_is_warned_from_the_node_measurement_not_the_table() -> None:
-    timings = {"fp32": auto_precision.Timing(100.0, 1.0), "bf16-mixed": auto_precision.Timing(80.0, 0.9999),
-               "int8-mixed": auto_precision.Timing(50.0, 0.9)}  # int8 fastest but fails the cosine
+    timings = {"fp32": auto_cache.Timing(100.0, 1.0), "bf16-mixed": auto_cache.Timing(80.0, 0.9999),
+               "int8-mixed": auto_cache.Timing(50.0, 0.9)}  # int8 fastest but fails the cosine
     note = auto_precision.measured_note("fp32", timings, "2026-12-02T00:00:00Z")
     assert "bf16-mixed ran 80.0 (1.25x faster)" in note and "int8" not in note
     assert auto_precision.measured_note("bf16-mixed", timings, "then") == ""  # the fastest that passes

@@ -40,7 +40,7 @@ class FakeModel:
 
 
 def budget(free: int, stored_layers: tuple[int, ...] = (30,), model: FakeModel | None = None,
-           fallback_device: str = "auto", attention_inputs: str = "auto", **options) -> int:
+           fallback_device: str = "same", attention_inputs: str = "auto", **options) -> int:
     chosen = EmbedOptions(**options)
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=free) as free_memory:
         tokens = resolve_tokens_per_batch(chosen, model or FakeModel(), get_policy(chosen.precision), CUDA, list(stored_layers),
@@ -78,7 +78,6 @@ def test_per_residue_adds_an_fp32_copy_of_each_16_bit_stored_layer_at_pooling():
 def test_a_16_bit_policy_counts_the_fp32_fallback_model_unless_it_runs_on_the_cpu():
     # bf16-mixed: 200 MiB of weights, plus the 400 MiB fp32 fallback model on the device
     # (8 GiB - 600 MiB) * 0.8 / 10_000 = 636_862.7 -> 636_672
-    assert budget(8 * GiB, precision="bf16-mixed") == 636_672
     assert budget(8 * GiB, precision="bf16-mixed", fallback_device="same") == 636_672
     # (8 GiB - 200 MiB) * 0.8 / 10_000 = 670_418.3 -> 670_208
     assert budget(8 * GiB, precision="bf16-mixed", fallback_device="cpu") == 670_208
@@ -89,12 +88,14 @@ def test_amp_policies_share_the_fp32_model_with_the_fallback():
     assert budget(8 * GiB, precision="amp-bf16") == budget(8 * GiB, precision="fp32") == 653_568
 
 
-def test_auto_fallback_that_cannot_fit_beside_the_model_is_not_counted():
-    # 500 MiB free: the 200 MiB bf16 model fits, the 400 MiB fp32 one does not beside it, so
-    # the fallback device auto will run it on the CPU: (500 - 200) MiB * 0.8 / 10_000 = 25_165.8 -> 25_088
-    assert budget(500 * MiB, precision="fp16") == 25_088
-    # with `same` it is counted (and the worker will report that it does not fit)
+def test_the_budget_reads_the_resolved_fallback_device_and_decides_none():
+    # 500 MiB free: the fp32 copy does not fit beside the 200 MiB fp16 model, but the budget
+    # only reads where the run resolved it: `same` counts it (and clamps), `cpu` does not
     assert budget(500 * MiB, precision="fp16", fallback_device="same") == MIN_TOKENS_PER_BATCH
+    # (500 - 200) MiB * 0.8 / 10_000 = 25_165.8 -> 25_088
+    assert budget(500 * MiB, precision="fp16", fallback_device="cpu") == 25_088
+    with pytest.raises(ValueError, match="not resolved"):
+        budget(8 * GiB, precision="fp16", fallback_device="auto")
 
 
 def test_clamped_to_the_minimum_and_the_maximum():
@@ -110,7 +111,8 @@ def test_an_explicit_number_is_kept_and_the_cpu_gets_its_default():
         model, policy = FakeModel(), get_policy("fp32")
 
         def tokens(options: EmbedOptions, device: torch.device) -> int:
-            return resolve_tokens_per_batch(options, model, policy, device, [30], attention_inputs="fp32")
+            return resolve_tokens_per_batch(options, model, policy, device, [30], attention_inputs="fp32",
+                                            fallback_device="same")
 
         assert tokens(EmbedOptions(tokens_per_batch=1234), CUDA) == 1234
         assert tokens(EmbedOptions(tokens_per_batch=3), CUDA) == 3
@@ -125,10 +127,12 @@ def test_a_real_model_estimate_gives_a_budget_in_range(tiny_model_path, precisio
     loaded = load_model(str(tiny_model_path))
     options = EmbedOptions(precision=precision, per_residue=True)
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=80 * GiB):
-        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2], attention_inputs="compute")
+        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2], attention_inputs="compute",
+                                          fallback_device="same")
     assert tokens == 2**20  # a 2-layer dim-32 model: 80 GiB holds far more than the cap
     with mock.patch("embedpipe.runtime.cuda.free_memory", return_value=64 * MiB):
-        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2], attention_inputs="compute")
+        tokens = resolve_tokens_per_batch(options, loaded, get_policy(precision), CUDA, [1, 2], attention_inputs="compute",
+                                          fallback_device="same")
     assert MIN_TOKENS_PER_BATCH <= tokens < 2**20 and tokens % 256 == 0
 
 
@@ -151,7 +155,7 @@ def test_the_worker_plans_padded_batches_with_its_devices_overhead(tiny_model_pa
     embedder = embedder_for(load_model(str(tiny_model_path)), EmbedOptions(tokens_per_batch=4096), torch.device("cpu"))
     records = [(f"r{i}", "A" * n) for i, n in enumerate([500, 480, 40, 30, 20, 300, 290])]
     pieces = [p for i, (_, s) in enumerate(records) for p in plan_record(i, len(s), "chunk", window=1022)[0]]
-    planner = __import__("embedpipe.extraction.planning").embed.planning.plan_batches
+    planner = __import__("embedpipe.extraction.planning").extraction.planning.plan_batches
     with mock.patch("embedpipe.extraction.engine.plan_batches", wraps=planner) as plan:
         embedder.plan(records)
     assert plan.call_args.args[2] == 256 and len(plan.call_args.args[0]) == len(pieces)

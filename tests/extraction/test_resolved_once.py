@@ -18,7 +18,7 @@ import pytest
 import embedpipe.extraction.job as job_module
 import embedpipe.extraction.resolved as resolved_module
 from embedpipe.core.options import EmbedOptions
-from embedpipe.extraction import auto_probe
+from embedpipe.extraction import auto_precision
 from embedpipe.extraction.run import embed_shards
 from embedpipe.runtime import engine_override
 from helpers.embed_helpers import random_sequences, write_fasta
@@ -44,7 +44,7 @@ def test_a_group_job_decides_each_thing_once(tmp_path, tiny_model_path, monkeypa
     calls: Counter = Counter()
     for owner, name in ((EmbedOptions, "validate"), (resolved_module, "thread_count"),
                         (engine_override, "from_environment"), (resolved_module, "resolve_tokens_per_batch"),
-                        (job_module, "resolve_run"), (auto_probe, "decide")):
+                        (job_module, "resolve_run"), (auto_precision, "decide")):
         _counting(monkeypatch, calls, owner, name)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     summary = embed_shards(_shards(tmp_path), model=str(tiny_model_path), out_dir=tmp_path / "stores", quiet=True,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import embedpipe
-from embedpipe.extraction.auto_probe import model_params
+from embedpipe.extraction import auto_precision
+from embedpipe.extraction.auto_precision import model_params
 from embedpipe.model import load_model
-from embedpipe.runtime import auto_precision
 from helpers.workflow_helpers import demo_config, nothing_to_do, run_workflow, validate
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from embedpipe.runtime import auto_precision
-from embedpipe.runtime.auto_precision import Timing
+from embedpipe.extraction import auto_precision
+from embedpipe.runtime.auto_cache import Timing
 from helpers.workflow_helpers import demo_config, snakemake, validate
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,13 @@ def test_one_decision_for_a_large_and_a_small_group_kept_on_rerun_redone_on_chan
     assert jobs["decide_precision"]["threads"] == jobs["embed"]["threads"] == "3"
     for resource in ("slurm_partition=gpu", "mem_mb=5000"):
         assert resource in jobs["decide_precision"]["resources"] and resource in jobs["embed"]["resources"]
-    assert "--threads 3" in jobs["decide_precision"]["shell"]
+    # no `threads` in the config: no --threads; Snakemake's OMP_NUM_THREADS (3 here) bounds both jobs
+    assert "--threads" not in jobs["decide_precision"]["shell"] and "--threads" not in jobs["embed"]["shell"]
+    dry = snakemake(tmp_path, "--cores", "4", "--dry-run", MERGED, "--printshellcmds", "--forcerun", "decide_precision",
+                    "embed", "--set-threads", "embed=3", "--config", "threads=2", configfile=config)
+    jobs = _job_blocks(dry.stdout + dry.stderr)
+    assert jobs["decide_precision"]["threads"] == jobs["embed"]["threads"] == "3"  # the profile's wins
+    assert "--threads 3" in jobs["decide_precision"]["shell"] and "--threads 3" in jobs["embed"]["shell"]
 
     # a rerun keeps it: nothing to do, the file untouched
     dry = snakemake(tmp_path, "--cores", "1", "--dry-run", MERGED, configfile=config)

@@ -266,6 +266,59 @@ def test_rerun_has_nothing_to_do(demo_run: Path) -> None:
     assert nothing_to_do(demo_run, demo_run / "config.yaml")
 
 
+def test_without_threads_each_job_is_bounded_by_the_omp_num_threads_snakemake_sets(demo_run: Path,
+                                                                                      tmp_path: Path) -> None:
+    """No `threads` in the config: the rules ask for the package's default, pass no --threads,
+    and Snakemake exports OMP_NUM_THREADS as each job's threads (the default, lowered to
+    --cores), which bounds the job as its affinity and cgroup do; the stores say which bound.
+    With `threads` set the job's scheduled count is passed, and no store is embedded again."""
+    import h5py
+
+    from embedpipe.core import cpus
+    from embedpipe.workflow.config import DEFAULT_THREADS
+
+    scheduled = min(DEFAULT_THREADS, int(CORES))
+    owned = cpus.allocated({}).count  # what a job owns here without any variable
+    stores = sorted((demo_run / "out" / "stores").glob("shard-*.h5"))
+    assert len(stores) == 3
+    for store in stores:
+        with h5py.File(store, "r") as f:
+            threads, source = int(f.attrs["threads"]), str(f.attrs["threads_from"])
+        assert threads == min(scheduled, owned), store
+        if owned > scheduled:  # the variable is the tightest bound (a tie names the affinity or cgroup)
+            assert source == f"OMP_NUM_THREADS={scheduled}", store
+
+    def shell_lines(*config: str) -> list[str]:
+        proc = run_workflow(demo_run, demo_run / "config.yaml", "--dry-run", "--printshellcmds", "--forcerun",
+                            "embed", "crosscheck", *config)
+        return [line for line in (proc.stdout + proc.stderr).splitlines()
+                if "embedpipe embed " in line or "embedpipe crosscheck " in line]
+
+    unset = shell_lines()
+    assert len(unset) == 4 and not any("--threads" in line for line in unset)
+    given = shell_lines("--config", "threads=3")
+    assert len(given) == 4 and all(f"--threads {min(3, int(CORES))} " in line for line in given)
+
+    # in a copy of the run: one group embedded again with one thread scheduled (a profile's
+    # set-threads), which its store records as OMP_NUM_THREADS=1 where the job owns more CPUs
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_run, copy, symlinks=True)
+    (copy / "out" / "stores" / "shard-00000.h5").unlink()
+    (copy / "out" / "stores" / "group-00000.json").unlink()
+    run_workflow(copy, copy / "config.yaml", "--set-threads", "embed=1")
+    with h5py.File(copy / "out" / "stores" / "shard-00000.h5", "r") as f:
+        assert int(f.attrs["threads"]) == 1
+        if owned > 1:  # else the affinity or cgroup ties with it and is named
+            assert str(f.attrs["threads_from"]) == "OMP_NUM_THREADS=1"
+    # setting `threads` changes the jobs' command lines, so they run again, and keep every
+    # finished shard store: threads are how a job runs, not what it computes
+    kept = {p.name: store_uuid(p) for p in (copy / "out" / "stores").glob("shard-*.h5")}
+    run_workflow(copy, copy / "config.yaml", "--config", "threads=3")
+    assert {p.name: store_uuid(p) for p in (copy / "out" / "stores").glob("shard-*.h5")} == kept
+
+
 def test_changed_precision_re_embeds_every_shard(demo_run: Path) -> None:
     proc = run_workflow(demo_run, demo_run / "config.yaml", "--dry-run", "--config", "precision=bf16")
     counts = job_counts(proc.stdout + proc.stderr)

@@ -10,6 +10,7 @@ import yaml
 
 from embedpipe.core.options import EmbedOptions, FastaLimits
 from embedpipe.workflow.config import (
+    DEFAULT_THREADS,
     ConfigError,
     check,
     check_outdir,
@@ -17,8 +18,11 @@ from embedpipe.workflow.config import (
     embed_args,
     embed_keys,
     embed_options,
+    job_threads,
     load_schema,
     normalise,
+    retry_tokens_per_batch,
+    threads_option,
     unknown_keys,
 )
 
@@ -153,6 +157,9 @@ def _filled(schema) -> dict:
 def _other(spec: dict):
     """A value of a config key other than its default, from its schema entry alone."""
     default = spec.get("default")
+    number = next((branch for branch in spec.get("oneOf", []) if branch.get("type") == "integer"), None)
+    if number is not None and default is None:  # a number or null (threads)
+        return number.get("minimum", 1) + 1
     if spec.get("type") == "boolean":
         return not default
     if "enum" in spec:
@@ -206,12 +213,14 @@ def test_the_embed_args_are_the_config_s_options_as_the_cli_parses_them(schema, 
     decision = "out/precision-decision.json" if config["precision"] == "auto" else None
     limits = FastaLimits(config["max_record_length"], config["max_id_length"])
     job = _parsed_by_the_cli(embed_args(config, leave=("tokens_per_batch",), decision=decision), monkeypatch)
-    as_run = {"tokens_per_batch": EmbedOptions.tokens_per_batch, "auto_measure": EmbedOptions.auto_measure}
+    # threads: the rules put it on the shell line themselves (threads_option), never in the params
+    as_run = {"tokens_per_batch": EmbedOptions.tokens_per_batch, "auto_measure": EmbedOptions.auto_measure,
+              "threads": None}
     assert job["options"] == embed_options(config | as_run) and job["limits"] == limits
     assert job["decision"] == (Path(decision) if decision else None)
     if decision is not None:
         decided = _parsed_by_the_cli(embed_args(config, leave=("tokens_per_batch",)), monkeypatch, "decide-precision")
-        assert decided["options"] == embed_options(config | {"tokens_per_batch": EmbedOptions.tokens_per_batch})
+        assert decided["options"] == embed_options(config | {"tokens_per_batch": EmbedOptions.tokens_per_batch, "threads": None})
         assert decided["limits"] == limits
 
 
@@ -235,3 +244,32 @@ def test_the_rules_spell_no_embed_option(schema):
         for key in embed_keys(schema["properties"]):
             if key != "tokens_per_batch":  # the embed rule's resource: smaller on each retry
                 assert not re.search(rf"--{key.replace('_', '-')}(?![\w-])", code), key
+
+
+def test_the_jobs_threads_come_from_the_package_and_reach_the_shell_line_only_when_set(schema):
+    """The rules ask the scheduler for the config's `threads` (the package's default when unset)
+    and pass `--threads` (the job's scheduled count, a Snakemake template) only when it is set;
+    it is never a param, so changing it re-embeds nothing. No rule spells a count of its own."""
+    config = _filled(schema)
+    assert config["threads"] is None  # the schema's default: unset
+    assert (job_threads(config), threads_option(config)) == (DEFAULT_THREADS, "")
+    assert (job_threads(config | {"threads": 6}), threads_option(config | {"threads": 6})) == (6, "--threads {threads}")
+    assert "--threads" not in embed_args(config | {"threads": 6})
+    given = _base() | {"threads": "3"}  # --config threads=3
+    normalise(given, schema)
+    assert given["threads"] == 3
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'threads'"):
+        check(_base() | {"threads": 0}, schema)
+    rules = ROOT / "workflows" / "rules"
+    for name in ("embed.smk", "crosscheck.smk", "precision.smk"):
+        code = "\n".join(line.split("#", 1)[0] for line in (rules / name).read_text(encoding="utf-8").splitlines())
+        assert not re.search(r"threads:\s*\d", code) and "--threads" not in code and "THREADS_OPTION" in code, name
+
+
+def test_a_retried_job_s_batch_budget_stops_at_the_package_s_minimum():
+    from embedpipe.core.options import MIN_TOKENS_PER_BATCH
+
+    assert [retry_tokens_per_batch(4096, attempt) for attempt in (1, 2, 3)] == [4096, 2048, 1365]
+    assert retry_tokens_per_batch(MIN_TOKENS_PER_BATCH + 1, 2) == MIN_TOKENS_PER_BATCH
+    common = (ROOT / "workflows" / "rules" / "common.smk").read_text(encoding="utf-8")
+    assert "workflow_config.retry_tokens_per_batch(" in common and not re.search(r"max\(\d", common)

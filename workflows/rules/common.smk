@@ -60,6 +60,12 @@ MODEL = config["model"]
 #: which every embed job runs (docs/precision.md, "One decision per run")
 DECISION = f"{OUTDIR}/precision-decision.json"
 DECIDES_ONCE = config["precision"] == "auto"
+#: the threads of the embed, decide_precision and crosscheck jobs, from the package
+#: (embedpipe.workflow.config): what the rules ask the scheduler for (the config's `threads`, else
+#: the package's default), and `--threads {threads}` on their shell lines only when the config
+#: sets `threads`; without it Snakemake's OMP_NUM_THREADS (the job's threads) bounds each job
+JOB_THREADS = workflow_config.job_threads(config)
+THREADS_OPTION = workflow_config.threads_option(config)
 
 # What embedpipe knows about the model without loading it (`embedpipe model-info MODEL`):
 # whether it is a registered name (fair-esm ESM-2) or a checkpoint path, and its size. A model
@@ -371,7 +377,7 @@ def tokens_per_batch(wildcards, attempt):
     that runs out of GPU memory is split in halves inside the job (docs/precision.md)."""
     if config["tokens_per_batch"] == "auto":
         return "auto"
-    return max(3, config["tokens_per_batch"] // embed_attempt(wildcards, attempt))
+    return workflow_config.retry_tokens_per_batch(config["tokens_per_batch"], embed_attempt(wildcards, attempt))
 
 
 def embed_log(wildcards):

@@ -27,12 +27,13 @@ rule crosscheck:
         model=model_arg,
         options=crosscheck_options(),
         labels=crosscheck_label_options(),
-    threads: 4
+    threads: JOB_THREADS
     resources:
         gpu=gpus,
         mem_mb=lambda wildcards, attempt: model_mem_mb(attempt),
         runtime=120,
     shell:
         "embedpipe crosscheck {input.store:q} --out {params.outdir:q} --model {params.model:q}"
-        " {params.options} {params.labels} --threads {threads}"
+        " {params.options} {params.labels}"
+        f" {THREADS_OPTION}"
         " > {log:q} 2>&1"

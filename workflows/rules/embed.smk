@@ -40,7 +40,7 @@ rule embed:
         options=embed_options(),
         stores=lambda wildcards, output: os.path.dirname(output[0]),
         reuse=reuse_options(),
-    threads: 4
+    threads: JOB_THREADS
     # EMBEDPIPE_AUTO_CACHE in the job's environment, not params (it changes how a job runs, not
     # its numbers): every embed job of the run shares it (docs/precision.md)
     # A retry of a job that refused its inputs (the CLI's user error) or that the user
@@ -59,7 +59,7 @@ rule embed:
         f" && {{{{ EMBEDPIPE_AUTO_CACHE={AUTO_CACHE}"
         " embedpipe embed {params.shards:q} --model {params.model:q} --out-dir {params.stores:q}"
         " --done {output:q} {params.options} {params.reuse} --tokens-per-batch {resources.tokens_per_batch}"
-        f" --threads {{threads}}"
+        f" {THREADS_OPTION}"
         " > {log:q} 2>&1 || python -m embedpipe.workflow.jobs failed {log:q} $?; }}"
 
 

@@ -31,7 +31,9 @@ rule decide_precision:
         runtime=lambda wildcards, attempt: embed_runtime(attempt),
     shell:
         "embedpipe decide-precision {params.shards:q} --model {params.model:q} --out {output:q}"
-        " --run-residues {params.residues} {params.options} --threads {threads} > {log:q} 2>&1"
+        " --run-residues {params.residues} {params.options}"
+        f" {THREADS_OPTION}"
+        " > {log:q} 2>&1"
 
 
 as_embed_job(rules.decide_precision.rule)  # threads and profile resources: the embed rule's

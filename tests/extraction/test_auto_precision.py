@@ -1,4 +1,4 @@
-"""``--precision auto``'s rule (embedpipe/runtime/auto_precision.py ``pick``), on planted timings:
+"""``--precision auto``'s rule (embedpipe/extraction/auto_precision.py ``pick``), on planted timings:
 a near-tie goes to fp32, then to the fixed order; a clear win (at least the margin faster
 than every passing policy before it) chooses the fast policy; a failing cosine is refused; the
 median of the rounds is robust to one slow round; the reason says the rule. No wall clocks."""
@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from embedpipe.runtime import auto_precision
-from embedpipe.runtime.auto_precision import MARGIN, Timing, describe, pick
+from embedpipe.extraction import auto_precision
+from embedpipe.extraction.auto_precision import MARGIN, describe, pick
+from embedpipe.runtime.auto_cache import Timing
 
 OK, BAD = 0.99999, 0.99  # a passing and a failing pooled cosine to fp32
 
