@@ -11,6 +11,10 @@ import typer
 
 from embedpipe.cli.commands import app
 from embedpipe.cli.exit import user_errors
+from embedpipe.model import families
+
+#: what ``make-test-model --family`` takes: the table's formats with a writer (torch-free to list)
+TEST_MODELS = "; ".join(f"{fmt.name} ({fmt.writer.what})" for fmt in families.written() if fmt.writer is not None)
 
 
 @app.command("fetch-model")
@@ -39,31 +43,18 @@ def make_test_model(
                             "default 128)."),
     heads: int = typer.Option(4, "--heads", min=1, help="Attention heads (esmc-pth: --dim / 64, the default)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (same seed, same checkpoint)."),
-    family: str = typer.Option("esm2", "--family", help="esm2 or esm1b (a fair-esm .pt), saprot-pt (SaProt's "
-                               "esm-format .pt), esmc-pth (ESM C as the esm package saves it, a .pth), or a Hugging "
-                               "Face directory: prot-t5, prostt5, ankh, hf-esm, hf-esm1b, esmc, saprot (needs the hf "
-                               "extra; docs/models.md)."),
+    family: str = typer.Option("esm2", "--family", help=f"What to write: {TEST_MODELS}. A Hugging Face "
+                               "directory needs the hf extra (docs/models.md)."),
 ) -> None:
-    """Write a random-weight (untrained) test model: an ESM-2 or ESM-1b checkpoint in fair-esm's
-    format, SaProt's esm-format checkpoint, an ESM C state dict in the esm package's, or a Hugging
-    Face model directory (--family)."""
-    if family == "esmc-pth":
-        from embedpipe.model.esmc_pth import make_test_model as _make_pth
-
-        # typer carries its own click: its ParameterSource is told by name
-        given = {name: getattr(ctx.get_parameter_source(name), "name", "") != "DEFAULT" for name in ("dim", "heads")}
-        print(_make_pth(out, layers=layers, dim=dim if given["dim"] else 128, heads=heads if given["heads"] else None,
-                        seed=seed))
-        return
-    if family not in ("esm2", "esm1b", "saprot-pt"):
-        from embedpipe.model.random_hf import make_hf_test_model
-
-        print(make_hf_test_model(out, family=family, layers=layers, dim=dim, heads=heads, seed=seed))
-        return
-    from embedpipe.model.random_checkpoint import make_test_model as _make
-
-    path = _make(out, layers=layers, dim=dim, heads=heads, seed=seed, family=family)
-    print(path)
+    """Write a random-weight (untrained) test model of a family, in one of its formats: a fair-esm
+    checkpoint, SaProt's esm-format checkpoint, an ESM C state dict in the esm package's, or a
+    Hugging Face model directory (--family)."""
+    writer = families.test_model_format(family).writer
+    assert writer is not None  # a written format
+    # typer carries its own click: its ParameterSource is told by name
+    given = [name for name in ("layers", "dim", "heads", "seed")
+             if getattr(ctx.get_parameter_source(name), "name", "") != "DEFAULT"]
+    print(writer.write(out, family, given=given, layers=layers, dim=dim, heads=heads, seed=seed))
 
 
 @app.command("model-info")

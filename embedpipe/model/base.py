@@ -2,7 +2,8 @@
 
 The worker (:mod:`embedpipe.extraction.engine`), cross-check and workflow use a model only through
 :class:`EmbeddingModel` and the :class:`Runner` it prepares. A family implements both in one
-module and is registered in :mod:`embedpipe.model.registry`.
+module, named by its row of :data:`embedpipe.model.families.FAMILY_TABLE` (a family from outside
+embedpipe: registered in :mod:`embedpipe.model.registry`).
 """
 
 from __future__ import annotations

@@ -2,19 +2,20 @@
 workflow before any job.
 
 Torch-free. A family's capabilities (whether it packs, its token layout with BOS and window)
-are declared once, by its spec (``esm2_spec``, an :class:`~embedpipe.model.hf_families.HfFamily`,
-a plugin's ``describe``): its :class:`~embedpipe.model.facts.ModelFacts` and its loaded model
-(``token_layout``, ``family``, ``batch_layouts`` from :func:`batch_layouts`, as
-:class:`~embedpipe.model.base.EmbeddingModel` requires) both read that declaration.
+are declared once, by its row of :data:`embedpipe.model.families.FAMILY_TABLE` (a plugin's, by its
+``describe``): its :class:`~embedpipe.model.facts.ModelFacts` and its loaded model (``token_layout``,
+``family``, ``trained_window``, ``batch_layouts``, as :class:`~embedpipe.model.base.EmbeddingModel`
+requires) both take them from the row's :class:`Capabilities`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from embedpipe.core.errors import EmbedpipeError
-from embedpipe.model.layout import layout_of
+from embedpipe.model.layout import TokenLayout, layout_of
 
 if TYPE_CHECKING:  # torch-free at run time
     from embedpipe.model.base import EmbeddingModel
@@ -34,8 +35,29 @@ def packs(model: EmbeddingModel) -> bool:
 
 
 def batch_layouts(packs_batches: bool) -> tuple[str, ...]:
-    """A loaded model's ``batch_layouts`` from its spec's ``packs`` (the one declaration)."""
+    """A loaded model's ``batch_layouts`` from its row's ``packs`` (the one declaration)."""
     return ("packed", "padded") if packs_batches else ("padded",)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one model of a family can do, from its row (with the window its own config sets)."""
+
+    family: str  # the store's model_family
+    token_layout: TokenLayout
+    trained_window: int  # residues per trained forward window
+    packs: bool  # whether its runner takes packed batches
+
+    def model_fields(self) -> dict[str, Any]:
+        """The loaded model's fields (:class:`~embedpipe.model.base.EmbeddingModel`'s ``family``,
+        ``token_layout``, ``trained_window``, ``batch_layouts``)."""
+        return {"family": self.family, "token_layout": self.token_layout, "trained_window": self.trained_window,
+                "batch_layouts": batch_layouts(self.packs)}
+
+    def facts_fields(self) -> dict[str, Any]:
+        """The :class:`~embedpipe.model.facts.ModelFacts` fields they set."""
+        return {"family": self.family, "token_layout": self.token_layout, "trained_window": self.trained_window,
+                "packs": self.packs}
 
 
 def check_family(family: str, bos: bool, packs_batches: bool | None, pooling: Sequence[str], batch_layout: str) -> None:

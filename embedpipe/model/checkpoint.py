@@ -153,12 +153,6 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
-def is_esm1b_layout(data: Mapping[str, Any]) -> bool:
-    """Whether a loaded fair-esm checkpoint is in ESM-1b's layout (``args``, no ``cfg``):
-    ESM-1b and ESM-1v (:mod:`embedpipe.model.esm1b`)."""
-    return "args" in data and "cfg" not in data
-
-
 def checkpoint_info(data: Mapping[str, Any], *, where: str = "checkpoint") -> dict[str, Any]:
     """Architecture and training marker of a loaded checkpoint dict (no model built).
 

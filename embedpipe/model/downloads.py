@@ -1,8 +1,10 @@
-"""Where a model spec's checkpoint comes from: fair-esm names, the torch hub cache, downloads.
+"""The fair-esm reader: names and checkpoint paths, their facts, the torch hub cache, downloads.
 
-A fair-esm name (ESM-2, ESM-1b, ESM-1v) resolves through the torch hub cache
-(``torch.hub.get_dir()/checkpoints/NAME.pt``, the file fair-esm itself uses) and is
-downloaded from fair-esm's URL when it is not there yet; any other spec is a checkpoint path.
+A fair-esm name (the names of the fair-esm reader's formats in
+:data:`embedpipe.model.families.FAMILY_TABLE`: ESM-2, ESM-1b, ESM-1v) resolves through the torch hub
+cache (``torch.hub.get_dir()/checkpoints/NAME.pt``, the file fair-esm itself uses) and is
+downloaded from fair-esm's URL when it is not there yet; any other spec is a checkpoint path,
+whose layout says its format (:func:`embedpipe.model.families.pt_format`).
 The ``NAME-contact-regression.pt`` companion is fetched alongside (ESM-1v has none) and never required.
 """
 
@@ -20,8 +22,9 @@ from embedpipe.core.checksums import file_sha256
 from embedpipe.core.errors import ModelError, one_line
 from embedpipe.core.output_guard import guard_outputs
 from embedpipe.core.progress import progress_bar
-from embedpipe.model import esm1b_spec, esm2_spec, saprot_spec
-from embedpipe.model.identity import ModelIdentity, versioned
+from embedpipe.model import esm1b_spec, families
+from embedpipe.model.facts import ModelFacts
+from embedpipe.model.identity import ModelIdentity
 
 #: Same URL scheme as fair-esm's ``esm/pretrained.py``.
 MODEL_URL = "https://dl.fbaipublicfiles.com/fair-esm/models/{name}.pt"
@@ -38,11 +41,31 @@ OFFLINE_ENV = "EMBEDPIPE_OFFLINE"
 
 def is_model_name(spec: str) -> bool:
     """Whether ``spec`` is a fair-esm name embedpipe reads (ESM-2, ESM-1b, ESM-1v)."""
-    return esm2_spec.is_model_name(spec) or esm1b_spec.is_model_name(spec)
+    return families.named(spec, families.FAIR_ESM) is not None
 
 
 def valid_names() -> str:
-    return ", ".join([*esm2_spec.ESM2_MODELS, *esm1b_spec.ESM1B_MODELS])
+    return ", ".join(name for fmt in families.of_reader(families.FAIR_ESM) for name in fmt.names)
+
+
+def claims(spec: str) -> bool:
+    """fair-esm takes every spec: its names, and any path (a checkpoint, checked on load)."""
+    return True
+
+
+def describe(spec: str) -> ModelFacts:
+    """Facts of a fair-esm name from its format's name table (trained fp32 weights), or of a path
+    from its file size, as ESM-2's until its header is read (``inspect``); no torch."""
+    fmt = families.named(spec, families.FAIR_ESM)
+    if fmt is not None and fmt.name_sizes is not None:
+        (layers, dim, heads), parameters = fmt.name_sizes(spec)
+        return ModelFacts(**families.row_of(fmt).capabilities().facts_fields(), spec=spec, kind="name", name=spec,
+                          num_layers=layers, embed_dim=dim, attention_heads=heads, parameters=parameters,
+                          weights_bytes=4 * parameters, trained=True)
+    path = Path(spec).expanduser()
+    size = path.stat().st_size if path.is_file() else None
+    return ModelFacts(**families.row_of(families.pt_format({})).capabilities().facts_fields(), spec=spec, kind="path",
+                      name=path.stem, weights_bytes=size)
 
 
 def hub_checkpoint_path(name: str) -> Path:
@@ -230,29 +253,14 @@ def fetch_model(name: str, dest: Path | None = None, *, fetching: bool = True) -
 
 def file_identity(spec: str) -> ModelIdentity:
     """The checkpoint's sha256 (its config is inside), whether its family packs, and its family
-    (``esm2 v1``, ``esm1b v1``, ``saprot v1``: a name's from its table, a path's from the checkpoint's layout),
-    weights unread; both read from the family's spec."""
+    (``esm2 v1``, ``esm1b v1``, ``saprot v1``: a name's from its format, a path's from the
+    checkpoint's layout), weights unread, except in a legacy non-zip file, which torch reads whole;
+    both read from the family's row."""
     path = resolve_checkpoint(spec)
-    if esm1b_spec.is_model_name(spec):
-        family, packs = versioned(esm1b_spec.FAMILY, esm1b_spec.FAMILY_VERSION), esm1b_spec.PACKS
-    elif esm2_spec.is_model_name(spec):
-        family, packs = versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION), esm2_spec.PACKS
-    else:
-        family, packs = _layout_family(path)
-    return ModelIdentity(checkpoint_sha256(path), packs, {}, family)
+    fmt = families.named(spec, families.FAIR_ESM)
+    if fmt is None:
+        from embedpipe.model.checkpoint import load_checkpoint_safely
 
-
-def _layout_family(path: Path) -> tuple[str, bool]:
-    """The versioned family of the checkpoint at ``path`` from its layout (ESM-1b's ``args``,
-    SaProt's ``config``, else ESM-2's ``cfg``; SaProt runs ESM-2's forward, its version) and
-    whether it packs, each read from the family's spec at call time (the one place it is set);
-    memory-mapped: weights unread, except in a legacy non-zip file, which torch reads whole."""
-    from embedpipe.model.checkpoint import is_esm1b_layout, load_checkpoint_safely
-    from embedpipe.model.saprot_checkpoint import is_saprot_layout
-
-    data = load_checkpoint_safely(path)
-    if is_esm1b_layout(data):
-        return versioned(esm1b_spec.FAMILY, esm1b_spec.FAMILY_VERSION), esm1b_spec.PACKS
-    if is_saprot_layout(data):
-        return versioned(saprot_spec.FAMILY, esm2_spec.FAMILY_VERSION), saprot_spec.PACKS
-    return versioned(esm2_spec.FAMILY, esm2_spec.FAMILY_VERSION), esm2_spec.PACKS
+        fmt = families.pt_format(load_checkpoint_safely(path))
+    row = families.row_of(fmt)
+    return ModelIdentity(checkpoint_sha256(path), row.packs, {}, row.versioned())

@@ -25,7 +25,7 @@ import esm
 from esm.model.esm1 import ProteinBertModel
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import esm1b_spec
+from embedpipe.model import esm1b_spec, families
 from embedpipe.model.checkpoint import MARKER_KEY, check_cfg_against_weights, upgrade_state_dict
 from embedpipe.model.config_bounds import MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, bounded_int, check_heads
 
@@ -58,7 +58,7 @@ def sizes(layers: Any, dim: Any, heads: Any, ffn: Any, max_positions: Any, token
     if not isinstance(token_dropout, bool):
         raise ModelError(f"{where}: {fields[5]} must be true or false, got {token_dropout!r}")
     return {"num_layers": layers, "embed_dim": dim, "attention_heads": heads, "ffn_embed_dim": ffn,
-            "max_positions": max_positions, "token_dropout": token_dropout, "family": esm1b_spec.FAMILY}
+            "max_positions": max_positions, "token_dropout": token_dropout, "family": families.ESM1B.name}
 
 
 def check_weights(state: Mapping[str, Any], info: Mapping[str, Any], where: str,

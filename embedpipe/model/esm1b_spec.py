@@ -5,24 +5,21 @@ share ESM-2's alphabet, token layout and transformer layers; they differ in lear
 positions (1024 tokens: a 1022-residue window), a layer norm before the first layer and no
 rotary embeddings. They run on ESM-2's forward (:mod:`embedpipe.model.esm2_forward`) with
 those differences as parameters; :mod:`embedpipe.model.esm1b` builds them from a fair-esm
-checkpoint, :mod:`embedpipe.model.hf_esm` from a Hugging Face directory. Capabilities (packs,
-BOS, layout, window) are declared here, as :mod:`embedpipe.model.esm2_spec` declares ESM-2's.
+checkpoint, :mod:`embedpipe.model.hf_esm` from a Hugging Face directory. What they can do (packs,
+BOS, layout, window as released) is their row's of :data:`embedpipe.model.families.FAMILY_TABLE`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model.config_bounds import esm_config
-from embedpipe.model.esm2_spec import hf_identity_files, name_facts
+from embedpipe.model.esm2_spec import hf_identity_files
 from embedpipe.model.esm2_spec import parameter_count as esm2_count
-from embedpipe.model.facts import ModelFacts
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
-
-FAMILY = "esm1b"  # ESM-1v models are ESM-1b networks: one family, one forward
 
 #: the version of ESM-1b's forward and tokens, in every store's identity (``esm1b v1``):
 #: bump it when a change moves the numbers (docs/cluster.md, "Resuming, rerunning")
@@ -36,21 +33,9 @@ ESM1B_MODELS: dict[str, tuple[int, int, int]] = {
 
 #: learned positions of the released models: 1024 tokens, 1022 residues plus BOS and EOS
 MAX_POSITIONS = 1024
-TRAINED_RESIDUES = MAX_POSITIONS - 2
 
 #: fair-esm's padding index (the position table has ``padding_idx + 1`` rows before position 1)
 PADDING_IDX = 1
-
-#: the same tokens around the residues as ESM-2, with the window the learned positions allow
-ESM1B_LAYOUT = ESM2_LAYOUT
-
-#: ESM-1b's batches pack (the packed runner restarts positions per sequence)
-PACKS = True
-
-
-def is_model_name(spec: str) -> bool:
-    """Whether ``spec`` is one of fair-esm's ESM-1b / ESM-1v names."""
-    return spec in ESM1B_MODELS
 
 
 def has_contact_regression(name: str) -> bool:
@@ -63,11 +48,6 @@ def window(max_positions: int) -> int:
     return max_positions - 2
 
 
-def layout(max_positions: int) -> TokenLayout:
-    """ESM-2's layout with the window ``max_positions`` learned positions allow."""
-    return TokenLayout(bos=True, eos=True, window=window(max_positions))
-
-
 def parameter_count(layers: int, dim: int, heads: int, max_positions: int = MAX_POSITIONS) -> int:
     """Parameters of fair-esm's ESM-1b ``ProteinBertModel``: ESM-2's (the same layers, heads and
     outside parts; :func:`embedpipe.model.esm2_spec.parameter_count`) plus the learned position
@@ -75,19 +55,25 @@ def parameter_count(layers: int, dim: int, heads: int, max_positions: int = MAX_
     return esm2_count(layers, dim, heads) + (max_positions + PADDING_IDX + 1) * dim + 2 * dim
 
 
-def describe(spec: str) -> ModelFacts:
-    """Facts about an ESM-1b / ESM-1v name from the name table (no torch)."""
+def name_sizes(spec: str) -> tuple[tuple[int, int, int], int]:
+    """A registered name's (layers, dim, heads) and parameter count, from the name table."""
     shape = ESM1B_MODELS[spec]
-    return name_facts(FAMILY, spec, shape, parameter_count(*shape), TRAINED_RESIDUES, ESM1B_LAYOUT, PACKS)
+    return shape, parameter_count(*shape)
 
 
 # --------------------------------------------------------------------------- Hugging Face ESM-1b
 
 
-def is_hf_esm1b(config: Mapping[str, Any]) -> bool:
+def is_hf_esm1b(directory: Path, config: Mapping[str, Any]) -> bool:
     """Whether a ``model_type: esm`` config is an ESM-1b / ESM-1v (absolute positions, transformers'
     default) rather than an ESM-2 (rotary)."""
     return config.get("position_embedding_type", "absolute") == "absolute"
+
+
+def is_pt_layout(data: Mapping[str, Any]) -> bool:
+    """Whether a loaded fair-esm checkpoint is in ESM-1b's layout (``args``, no ``cfg``): ESM-1b
+    and ESM-1v (:mod:`embedpipe.model.esm1b`)."""
+    return "args" in data and "cfg" not in data
 
 
 def hf_max_positions(config: Mapping[str, Any]) -> int:
@@ -106,19 +92,12 @@ def _hf_sizes(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return sizes
 
 
-def _hf_window(config: Mapping[str, Any] | None) -> int:
-    return TRAINED_RESIDUES if config is None else window(hf_max_positions(config))
-
-
-def _hf_layout(config: Mapping[str, Any] | None) -> TokenLayout:
-    return ESM1B_LAYOUT if config is None else layout(hf_max_positions(config))
+def hf_window(config: Mapping[str, Any]) -> int:
+    """The window a Hugging Face config's position table allows."""
+    return window(hf_max_positions(config))
 
 
 #: ``model_type: esm`` directories with absolute positions (``facebook/esm1b_t33_650M_UR50S``,
 #: ``facebook/esm1v_*``), loaded into the ESM-1b runner by :mod:`embedpipe.model.hf_esm`
-HF_ESM1B = HfFamily(
-    model_type="esm", label="ESM-1b/ESM-1v", module="embedpipe.model.hf_esm",
-    family_name=lambda spec, directory, config: FAMILY, sizes=_hf_sizes, window=_hf_window, layout=_hf_layout,
-    identity_files=hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
-    hub_names={f"facebook/{name}": FAMILY for name in ESM1B_MODELS}, takes=lambda directory, config: is_hf_esm1b(config),
-)
+HF_ESM1B = HfFamily(model_type="esm", label="ESM-1b/ESM-1v", sizes=_hf_sizes, identity_files=hf_identity_files,
+                    window=hf_window, takes=is_hf_esm1b)

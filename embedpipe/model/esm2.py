@@ -24,10 +24,10 @@ from esm.model.esm2 import ESM2
 from torch.overrides import TorchFunctionMode
 
 from embedpipe.core.errors import ModelError, out_of_memory
-from embedpipe.model import esm1b, esm1b_spec, esm2_spec
+from embedpipe.model import downloads, esm1b, esm1b_spec, esm2_spec, families
 from embedpipe.model.base import EmbeddingModel, TokenLayout
-from embedpipe.model.capabilities import batch_layouts
-from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, is_esm1b_layout, load_checkpoint_safely, upgrade_state_dict
+from embedpipe.model.capabilities import Capabilities
+from embedpipe.model.checkpoint import CONTACT_KEYS, checkpoint_info, load_checkpoint_safely, upgrade_state_dict
 from embedpipe.model.downloads import companion_path, one_line
 from embedpipe.model.esm2_forward import EsmForward, FairEsmModule
 from embedpipe.model.facts import MemoryEstimate, ModelFacts
@@ -54,10 +54,11 @@ class Esm2Model:
     num_layers: int
     embed_dim: int
     attention_heads: int
-    trained_window: int = esm2_spec.TRAINED_RESIDUES
-    family: str = esm2_spec.FAMILY  # the store's model_family (a Hugging Face ESM-2 directory too)
-    token_layout: TokenLayout = esm2_spec.LAYOUT  # the capabilities its spec declares (esm2_spec.py)
-    batch_layouts: tuple[str, ...] = batch_layouts(esm2_spec.PACKS)  # EsmForward takes both
+    # its row's capabilities (embedpipe.model.families: ESM-2's, ESM-1b's, SaProt's; EsmForward packs)
+    trained_window: int
+    family: str  # the store's model_family (a Hugging Face ESM-2 directory: esm2 too)
+    token_layout: TokenLayout
+    batch_layouts: tuple[str, ...]
     provenance: Mapping[str, str] = field(
         default_factory=lambda: {"fair_esm_version": getattr(esm, "__version__", "unknown")})
     _lut: np.ndarray = field(init=False, repr=False)
@@ -99,7 +100,7 @@ class Esm2Model:
     @property
     def esm1b_parameters(self) -> int | None:
         """ESM-1b's parameter count (its position table, its first layer norm); None: ESM-2's formula."""
-        if self.family != esm1b_spec.FAMILY:
+        if self.family != families.ESM1B.name:
             return None
         return esm1b_spec.parameter_count(self.num_layers, self.embed_dim, self.attention_heads,
                                           self.trained_window + 2)
@@ -110,10 +111,20 @@ class Esm2Model:
 
 def any_checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """The config of a fair-esm checkpoint in either layout: ESM-2's ``cfg`` or ESM-1b's ``args``."""
-    return esm1b.checkpoint_info(data, where=where) if is_esm1b_layout(data) else checkpoint_info(data, where=where)
+    if esm1b_spec.is_pt_layout(data):
+        return esm1b.checkpoint_info(data, where=where)
+    return checkpoint_info(data, where=where)
 
 
-def from_checkpoint(spec: str, path: Path, sha: str, data: dict[str, Any]) -> Esm2Model:
+def capabilities_of(info: Mapping[str, Any]) -> Capabilities:
+    """What the network ``info`` describes can do: ESM-1b's row's with the window its positions
+    allow (``family`` esm1b), else ESM-2's."""
+    if info.get("family") == families.ESM1B.name:
+        return families.ESM1B.capabilities(esm1b_spec.window(info["max_positions"]))
+    return families.ESM2.capabilities()
+
+
+def load_checkpoint(spec: str, path: Path, sha: str, data: dict[str, Any]) -> Esm2Model:
     """A fresh fp32 CPU ``ESM2`` (or, for a checkpoint in ESM-1b's layout, ``ProteinBertModel``)
     from the fair-esm checkpoint ``data`` read from ``path`` (its bytes' sha256 ``sha``; ``spec``:
     the model as given), by :mod:`embedpipe.model.pt_checkpoint`.
@@ -126,39 +137,33 @@ def from_checkpoint(spec: str, path: Path, sha: str, data: dict[str, Any]) -> Es
     del data
     state_dict.update(_companion_state(companion_path(path)))
     model, alphabet = build_model(info, state_dict, where=str(path))
-    named = esm2_spec.is_model_name(spec) or esm1b_spec.is_model_name(spec)
-    return from_info(model, alphabet, info, name=spec if named else path.stem, source=str(path), sha256=sha)
+    name = spec if downloads.is_model_name(spec) else path.stem
+    return from_info(model, alphabet, info, capabilities_of(info), name=name, source=str(path), sha256=sha)
 
 
-def from_info(model: ESM2 | ProteinBertModel, alphabet: esm.data.Alphabet, info: Mapping[str, Any], *,
-              name: str, source: str, sha256: str,
+def from_info(model: ESM2 | ProteinBertModel, alphabet: esm.data.Alphabet, info: Mapping[str, Any],
+              capabilities: Capabilities, *, name: str, source: str, sha256: str,
               provenance: Mapping[str, str] | None = None, kind: type[Esm2Model] | None = None) -> Esm2Model:
-    """An :class:`Esm2Model` (``kind``: a subclass, SaProt's) around a built model; an ESM-1b's
-    window, layout and batch layouts as its spec declares them (esm1b_spec.py; ESM-2's and
-    SaProt's are the class defaults, from esm2_spec.py and saprot_spec.py)."""
+    """An :class:`Esm2Model` (``kind``: a subclass, SaProt's) around a built model, with the
+    ``capabilities`` of its row (:mod:`embedpipe.model.families`)."""
     extra: dict[str, Any] = {} if provenance is None else {"provenance": provenance}
-    if info.get("family") == esm1b_spec.FAMILY:
-        extra |= {"family": esm1b_spec.FAMILY, "trained_window": esm1b_spec.window(info["max_positions"]),
-                  "token_layout": esm1b_spec.layout(info["max_positions"]),
-                  "batch_layouts": batch_layouts(esm1b_spec.PACKS)}
     made = kind or Esm2Model
     return made(model=model, alphabet=alphabet, name=name, source=source, sha256=sha256,
                 trained=info["trained"], num_layers=info["num_layers"], embed_dim=info["embed_dim"],
-                attention_heads=info["attention_heads"], **extra)
+                attention_heads=info["attention_heads"], **capabilities.model_fields(), **extra)
 
 
-def facts_of(facts: ModelFacts, info: Mapping[str, Any]) -> ModelFacts:
-    """A checkpoint path's facts completed from its ``info`` (ESM-2's or ESM-1b's config) and
-    parameter count (:func:`embedpipe.model.pt_checkpoint.inspect`)."""
+def checkpoint_facts(facts: ModelFacts, data: Mapping[str, Any]) -> ModelFacts:
+    """A checkpoint path's facts completed from its config (ESM-2's or ESM-1b's) and parameter
+    count (:func:`embedpipe.model.pt_checkpoint.inspect`)."""
+    info = any_checkpoint_info(data, where=str(Path(facts.spec).expanduser()))
     shape = (info["num_layers"], info["embed_dim"], info["attention_heads"])
-    if info.get("family") == esm1b_spec.FAMILY:
-        window = esm1b_spec.window(info["max_positions"])
-        return replace(facts, family=esm1b_spec.FAMILY, num_layers=shape[0], embed_dim=shape[1],
-                       attention_heads=shape[2], trained=info["trained"], trained_window=window,
-                       token_layout=esm1b_spec.layout(info["max_positions"]), packs=esm1b_spec.PACKS,
-                       parameters=esm1b_spec.parameter_count(*shape, info["max_positions"]))
-    return replace(facts, num_layers=shape[0], embed_dim=shape[1], attention_heads=shape[2], trained=info["trained"],
-                   parameters=esm2_spec.parameter_count(*shape))
+    if info.get("family") == families.ESM1B.name:
+        parameters = esm1b_spec.parameter_count(*shape, info["max_positions"])
+    else:
+        parameters = esm2_spec.parameter_count(*shape)
+    return replace(facts, **capabilities_of(info).facts_fields(), num_layers=shape[0], embed_dim=shape[1],
+                   attention_heads=shape[2], trained=info["trained"], parameters=parameters)
 
 
 def _companion_state(companion: Path) -> dict[str, Any]:
@@ -211,7 +216,7 @@ def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: s
     label = _label(info)
     with skip_random_init():  # parameters allocated, never written; the loaded tensors replace them
         model: ESM2 | ProteinBertModel
-        if info.get("family") == esm1b_spec.FAMILY:
+        if info.get("family") == families.ESM1B.name:
             model = esm1b.construct(info, alphabet)
         else:
             model = ESM2(num_layers=info["num_layers"], embed_dim=info["embed_dim"],
@@ -239,7 +244,7 @@ def build_model(info: Mapping[str, Any], state_dict: dict[str, Any], *, where: s
 
 def _label(info: Mapping[str, Any]) -> str:
     """The network ``info`` describes, as refusals name it."""
-    return "ESM-1b" if info.get("family") == esm1b_spec.FAMILY else "ESM-2"
+    return "ESM-1b" if info.get("family") == families.ESM1B.name else "ESM-2"
 
 
 def _listing(names: list[str]) -> str:

@@ -1,7 +1,8 @@
-"""ESM-2's names, shapes, trained window and sizes: what is known without torch or weights.
+"""ESM-2's names, shapes and sizes: what is known without torch or weights.
 
-The registry (:mod:`embedpipe.model.registry`) and the workflow use this module to describe
-a spec; :mod:`embedpipe.model.esm2` builds the model.
+Its row of :data:`embedpipe.model.families.FAMILY_TABLE` (what ESM-2 can do: packs, token layout,
+trained window) names this module's name table and its Hugging Face reading (:data:`HF_ESM`);
+:mod:`embedpipe.model.esm2` builds the model.
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from embedpipe.model.config_bounds import esm_config
-from embedpipe.model.facts import MemoryEstimate, ModelFacts, host_bytes
+from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.layout import ESM2_LAYOUT, TokenLayout
-
-FAMILY = "esm2"
 
 #: the version of ESM-2's forward (esm2_forward.py) and tokens, in every store's identity:
 #: bump it when a change moves the numbers (docs/cluster.md, "Resuming, rerunning")
@@ -31,30 +29,8 @@ ESM2_MODELS: dict[str, tuple[int, int, int]] = {
     "esm2_t48_15B_UR50D": (48, 5120, 40),
 }
 
-#: ESM-2 was trained on 1024 tokens: 1022 residues plus BOS and EOS.
-TRAINED_RESIDUES = 1022
-
-#: ESM-2's capabilities, declared here once (its facts, its loaded model and its identity read
-#: them): its forward takes packed batches; its token layout is ``ESM2_LAYOUT`` (BOS, EOS, 1022)
-PACKS = True
-LAYOUT = ESM2_LAYOUT
-
 #: Tokens of ESM-2's alphabet (fair-esm's "ESM-1b" architecture alphabet).
 VOCABULARY_SIZE = 33
-
-
-def is_model_name(spec: str) -> bool:
-    """Whether ``spec`` is one of fair-esm's ESM-2 names."""
-    return spec in ESM2_MODELS
-
-
-def valid_names() -> str:
-    return ", ".join(ESM2_MODELS)
-
-
-def claims(spec: str) -> bool:
-    """ESM-2 takes every spec: its names, and any path (a fair-esm checkpoint, checked on load)."""
-    return True
 
 
 def parameter_count(layers: int, dim: int, heads: int) -> int:
@@ -69,27 +45,10 @@ def parameter_count(layers: int, dim: int, heads: int) -> int:
     return layers * per_layer + outside + layers * heads + 1
 
 
-def name_facts(family: str, spec: str, shape: tuple[int, int, int], parameters: int, window: int,
-               layout: TokenLayout, packs: bool) -> ModelFacts:
-    """Facts of a fair-esm name from its family's table (ESM-2's, ESM-1b's): trained fp32
-    weights of ``parameters`` values, ``shape`` (layers, dim, heads), the family's capabilities."""
-    return ModelFacts(
-        family=family, spec=spec, kind="name", name=spec, trained_window=window, num_layers=shape[0],
-        embed_dim=shape[1], attention_heads=shape[2], parameters=parameters, weights_bytes=4 * parameters,
-        trained=True, token_layout=layout, packs=packs,
-    )
-
-
-def describe(spec: str) -> ModelFacts:
-    """Facts about ``spec`` from the name table, or from a path's file size (no torch)."""
-    if is_model_name(spec):
-        layers, dim, heads = ESM2_MODELS[spec]
-        return name_facts(FAMILY, spec, (layers, dim, heads), parameter_count(layers, dim, heads),
-                          TRAINED_RESIDUES, LAYOUT, PACKS)
-    path = Path(spec).expanduser()
-    size = path.stat().st_size if path.is_file() else None
-    return ModelFacts(family=FAMILY, spec=spec, kind="path", name=path.stem,
-                      trained_window=TRAINED_RESIDUES, weights_bytes=size, token_layout=LAYOUT, packs=PACKS)
+def name_sizes(spec: str) -> tuple[tuple[int, int, int], int]:
+    """A registered name's (layers, dim, heads) and parameter count, from the name table."""
+    shape = ESM2_MODELS[spec]
+    return shape, parameter_count(*shape)
 
 
 #: forward working memory per token, in units of D bytes, per kind of policy: the live peak of
@@ -139,10 +98,4 @@ def hf_identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
 
 #: ``model_type: esm`` directories with rotary positions and ESM-2's letters, loaded into the
 #: ESM-2 runner (:mod:`embedpipe.model.hf_esm`); ESM-1b and SaProt share the type as variants
-HF_ESM = HfFamily(
-    model_type="esm", label="ESM-2", module="embedpipe.model.hf_esm",
-    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
-    window=lambda config: TRAINED_RESIDUES, layout=lambda config: LAYOUT,
-    identity_files=hf_identity_files, version=lambda: FAMILY_VERSION, packs=PACKS,
-    hub_names={f"facebook/{name}": FAMILY for name in ESM2_MODELS},
-)
+HF_ESM = HfFamily(model_type="esm", label="ESM-2", sizes=esm_config, identity_files=hf_identity_files)

@@ -81,10 +81,10 @@ class EsmcModel:
     source: str
     sha256: str
     trained: bool
-    trained_window: int
+    trained_window: int  # its row's capabilities (embedpipe.model.families: EsmcForward takes both layouts)
     token_layout: TokenLayout
-    batch_layouts: tuple[str, ...]  # as its spec declares (esmc_spec.py: EsmcForward takes both)
-    family: str = esmc_spec.FAMILY
+    batch_layouts: tuple[str, ...]
+    family: str
     provenance: Mapping[str, str] = field(default_factory=lambda: {"model_format": "huggingface-esmc"})
     _lut: np.ndarray = field(init=False, repr=False)
 
@@ -200,16 +200,16 @@ def check_vocabulary(directory: Path) -> None:
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> EsmcModel:
     """An :class:`EsmcModel` from a Hugging Face ESM C directory (its ``config.json`` already read)."""
     where = str(directory)
-    kind = hf.family_for_config(directory, config)  # ESM C's or ESM++'s spec: its sizes and capabilities
-    sizes = kind.sizes(config, str(directory / "config.json"))
+    fmt = hf.format_for(spec, directory, config)  # ESM C's or ESM++'s: its sizes and capabilities
+    sizes = hf.hf_of(fmt).sizes(config, str(directory / "config.json"))
     shape, vocab = shape_of(sizes), sizes["vocab_size"]
     check_vocabulary(directory)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     weights = esmc_weights(hf.read_state_dict(files), shape, vocab, where)
     return EsmcModel(weights=weights, shape=shape, name=spec if hf.is_model_name(spec) else directory.name,
-                     source=where, sha256=sha, trained=hf.is_trained(config), trained_window=kind.window(config),
-                     token_layout=kind.layout(config), batch_layouts=kind.batch_layouts)
+                     source=where, sha256=sha, trained=hf.is_trained(config),
+                     **hf.capabilities(fmt, config).model_fields())
 
 
 if TYPE_CHECKING:  # mypy checks the family against the interface (docs/architecture.md)

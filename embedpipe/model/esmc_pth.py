@@ -25,7 +25,7 @@ from embedpipe.core.atomic import atomic_paths, check_output_path
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.model import esmc_pth_spec as spec_module
-from embedpipe.model import esmc_spec
+from embedpipe.model import esmc_spec, families
 from embedpipe.model.checkpoint import FileRole, load_checkpoint_safely, validate_shape
 from embedpipe.model.downloads import checkpoint_sha256
 from embedpipe.model.esmc import ESM_PLUSPLUS, TRANSFORMERS, EsmcModel, esmc_weights
@@ -96,8 +96,7 @@ def load(spec: str) -> EsmcModel:
                              f"({release.heads} heads)")
     weights = esmc_weights(state, shape, spec_module.EMBED_ROWS, where, ESM_PLUSPLUS, "embed.weight's width")
     return EsmcModel(weights=weights, shape=shape, name=found[0] if found else path.stem, source=where,
-                     sha256=checkpoint_sha256(path), trained=is_trained(state), trained_window=esmc_spec.window(None),
-                     token_layout=esmc_spec.layout(None), batch_layouts=esmc_spec.HF_ESMC.batch_layouts,
+                     sha256=checkpoint_sha256(path), trained=is_trained(state), **families.ESMC.capabilities().model_fields(),
                      provenance={"model_format": spec_module.MODEL_FORMAT})
 
 
@@ -144,8 +143,10 @@ def _is_test_file(path: Path) -> bool:
     return isinstance(mark, Mapping) and mark.get("created_by") == "embedpipe make-test-model"
 
 
-def make_test_model(out: Path, *, layers: int = 2, dim: int = 128, heads: int | None = None, seed: int = 0) -> Path:
-    """A random-weight ESM C ``.pth`` in the esm package's layout, with the untrained marker.
+def make_test_model(out: Path, *, layers: int = 2, dim: int = 128, heads: int | None = None, seed: int = 0,
+                    family: str = "esmc-pth") -> Path:
+    """A random-weight ESM C ``.pth`` in the esm package's layout, with the untrained marker
+    (``family``: the format its marker names, ``make-test-model --family``).
 
     Its weights are :func:`~embedpipe.model.random_hf.random_esmc`'s for ``seed`` at ESM C's SwiGLU
     width: the weights ``make_hf_test_model(..., family="esmc", d_ff=swiglu_width(dim))`` writes as
@@ -167,7 +168,7 @@ def make_test_model(out: Path, *, layers: int = 2, dim: int = 128, heads: int | 
     state: OrderedDict[str, torch.Tensor] = OrderedDict(
         esm_state(random_esmc(layers, dim, heads, esmc_spec.swiglu_width(dim), seed), layers))
     state |= sequence_head(dim, seed + 1)
-    state._metadata = OrderedDict({MARKER_KEY: marker("esmc-pth", seed)})  # type: ignore[attr-defined]
+    state._metadata = OrderedDict({MARKER_KEY: marker(family, seed)})  # type: ignore[attr-defined]
     with writing_outputs("make-test-model", [("OUT", out)]):
         if out.exists() and not (out.is_file() and _is_test_file(out)):
             raise ModelError(f"make-test-model: {out} exists and is not a test model make-test-model wrote; "

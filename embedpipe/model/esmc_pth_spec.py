@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import esmc_spec
+from embedpipe.model import esmc_spec, families
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.facts import ModelFacts
-from embedpipe.model.identity import ModelIdentity, versioned
+from embedpipe.model.identity import ModelIdentity
 
 #: a store's ``model_format`` for these files
 MODEL_FORMAT = "esm-pth"
@@ -116,31 +116,30 @@ def weights_path(spec: str) -> Path:
 
 
 def describe(spec: str) -> ModelFacts:
-    """A release's sizes from :data:`RELEASES`; a path's file size (its sizes: ``inspect``)."""
-    layout, window = esmc_spec.layout(None), esmc_spec.window(None)
+    """A release's sizes from :data:`RELEASES`; a path's file size (its sizes: ``inspect``); what it
+    can do, ESM C's row's."""
+    capabilities = families.ESMC.capabilities().facts_fields()
     found = release_of(spec)
     if found is None:
         path = Path(spec).expanduser()
-        return ModelFacts(family=esmc_spec.FAMILY, spec=spec, kind="path", name=path.stem, trained_window=window,
-                          weights_bytes=path.stat().st_size if path.is_file() else None, token_layout=layout,
-                          packs=True)
+        return ModelFacts(**capabilities, spec=spec, kind="path", name=path.stem,
+                          weights_bytes=path.stat().st_size if path.is_file() else None)
     name, release = found
     parameters = esmc_spec.parameter_count(release.layers, release.dim, esmc_spec.swiglu_width(release.dim))
     try:
         size = weights_path(spec).stat().st_size
     except (ModelError, OSError):
         size = 4 * parameters  # not cached yet: its fp32 weights
-    return ModelFacts(family=esmc_spec.FAMILY, spec=spec, kind="name", name=name, trained_window=window,
-                      num_layers=release.layers, embed_dim=release.dim, attention_heads=release.heads,
-                      parameters=parameters, weights_bytes=size, trained=True, token_layout=layout, packs=True)
+    return ModelFacts(**capabilities, spec=spec, kind="name", name=name, num_layers=release.layers,
+                      embed_dim=release.dim, attention_heads=release.heads, parameters=parameters, weights_bytes=size,
+                      trained=True)
 
 
 def file_identity(spec: str) -> ModelIdentity:
     """The ``.pth``'s sha256 (its sizes are its shapes; the vocabulary is fixed), ESM C's forward version."""
     from embedpipe.model.downloads import checkpoint_sha256
 
-    return ModelIdentity(checkpoint_sha256(weights_path(spec)), True, {},
-                         versioned(esmc_spec.FAMILY, esmc_spec.FAMILY_VERSION))
+    return ModelIdentity(checkpoint_sha256(weights_path(spec)), families.ESMC.packs, {}, families.ESMC.versioned())
 
 
 def model_files(spec: str) -> list[Path]:

@@ -1,9 +1,9 @@
 """ESM C (``model_type: esmc``) as a Hugging Face family: names, vocabulary, config bounds and
 sizes, what is known without torch or weights.
 
-The loader is :mod:`embedpipe.model.esmc`; this module is the :class:`HfFamily` entry
-:mod:`embedpipe.model.hf_checkpoint` describes and identifies an ESM C directory with, and the
-memory arithmetic of ``--tokens-per-batch auto`` (docs/models.md, "ESM C").
+The loader is :mod:`embedpipe.model.esmc`; this module is the :class:`HfFamily` reading ESM C's
+row of :data:`embedpipe.model.families.FAMILY_TABLE` names (ESM C's and ESM++'s), and the memory
+arithmetic of ``--tokens-per-batch auto`` (docs/models.md, "ESM C").
 """
 
 from __future__ import annotations
@@ -17,16 +17,10 @@ from embedpipe.core.errors import ModelError
 from embedpipe.model.config_bounds import MAX_FFN, MAX_POSITIONS, MAX_VOCAB, size_field, validate_shape
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.layout import TokenLayout
-
-FAMILY = "esmc"
 
 #: the version of ESM C's forward (esmc_forward.py) and tokens, in every store's identity: bump it
 #: when a change moves the numbers (docs/cluster.md, "Resuming, rerunning")
 FAMILY_VERSION = 1
-
-#: Hub names (biohub's releases, MIT); read from the local hub cache only.
-HUB_NAMES = {f"biohub/ESMC-{size}": FAMILY for size in ("300M", "600M", "6B")}
 
 #: ESM C's token ids, shared by every checkpoint (transformers' ``EsmcTokenizer``): ``<cls>`` is
 #: the BOS; the embedding has 64 rows, the rest unused.
@@ -74,15 +68,9 @@ def sizes(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def window(config: Mapping[str, Any] | None) -> int:
+def window(config: Mapping[str, Any]) -> int:
     """Residues per trained window: ``max_position_embeddings`` less BOS and EOS."""
-    positions = DEFAULT_POSITIONS if config is None else config.get("max_position_embeddings", DEFAULT_POSITIONS)
-    return int(positions) - 2
-
-
-def layout(config: Mapping[str, Any] | None) -> TokenLayout:
-    """``<cls>`` at 0, the residues, ``<eos>``; the trained window from the config."""
-    return TokenLayout(bos=True, eos=True, window=window(config))
+    return int(config.get("max_position_embeddings", DEFAULT_POSITIONS)) - 2
 
 
 def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
@@ -105,11 +93,7 @@ def plusplus_sizes(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return sizes(filled, where)
 
 
-HF_ESMC = HfFamily(
-    model_type="esmc", label="ESM C", module="embedpipe.model.esmc",
-    family_name=lambda spec, directory, config: FAMILY, sizes=sizes, window=window, layout=layout,
-    identity_files=identity_files, version=lambda: FAMILY_VERSION, packs=True, hub_names=HUB_NAMES,
-)
+HF_ESMC = HfFamily(model_type="esmc", label="ESM C", sizes=sizes, identity_files=identity_files, window=window)
 
 
 def parameter_count(layers: int, dim: int, ffn: int, vocab: int = 64) -> int:
@@ -154,9 +138,5 @@ def estimate_memory(layers: int, dim: int, ffn: int, weight_itemsize: int, compu
 
 #: ESM++ (Synthyra's port of ESM C, ``model_type: ESMplusplus``): the same model under the original
 #: ``esm`` package's weight names (:data:`embedpipe.model.esmc.ESM_PLUSPLUS`), family ``esmc``
-HF_ESM_PLUSPLUS = HfFamily(
-    model_type="ESMplusplus", label="ESM++", module="embedpipe.model.esmc",
-    family_name=lambda spec, directory, config: FAMILY, sizes=plusplus_sizes, window=window, layout=layout,
-    identity_files=identity_files, version=lambda: FAMILY_VERSION, packs=True,
-    hub_names={f"Synthyra/ESMplusplus_{size}": FAMILY for size in ("small", "large")},
-)
+HF_ESM_PLUSPLUS = HfFamily(model_type="ESMplusplus", label="ESM++", sizes=plusplus_sizes, identity_files=identity_files,
+                           window=window)

@@ -46,7 +46,7 @@ class ModelFacts:
     ``kind`` is ``"name"`` (a registered name, resolved and fetched by the family) or
     ``"path"`` (a checkpoint file). Shape fields are ``None`` when they cannot be known
     without reading the checkpoint (a path, before :func:`embedpipe.model.inspect`).
-    ``token_layout`` and ``packs``: the family's capabilities, from its spec.
+    ``token_layout`` and ``packs``: the family's capabilities, from its row (:mod:`embedpipe.model.families`).
     ``weights_bytes``: fp32 weights for a name, the file's size for a path, ``None`` when
     the file does not exist yet.
     """
@@ -63,7 +63,7 @@ class ModelFacts:
     weights_bytes: int | None = None
     trained: bool | None = None
     token_layout: TokenLayout = ESM2_LAYOUT  # the family's special tokens (shard budgets follow it)
-    #: whether the family prepares a packed runner, as its spec declares (the workflow's checks read
+    #: whether the family prepares a packed runner, as its row declares (the workflow's checks read
     #: it); None: a family whose ``describe`` does not say (its loaded model's ``batch_layouts`` do)
     packs: bool | None = None
 

@@ -1,16 +1,18 @@
 """Hugging Face model directories: finding one (a path or a hub name), its config, its weights.
 
 A spec is a Hugging Face model when it is a directory holding ``config.json``, or a hub name
-(``org/name``) that is either one of :data:`HUB_NAMES` or already in the local hub cache.
+(``org/name``) that is either one of :data:`HUB_NAMES` (the table's) or already in the local hub cache.
 Hub names resolve through the cache only (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``), as ``HF_HUB_OFFLINE=1`` does: embedpipe never downloads a
 Hugging Face model; a name that is not cached is a one-line error saying how to pre-fetch it.
 
-``model_type`` picks the family: each is one :class:`~embedpipe.model.hf_families.HfFamily` in
-:data:`FAMILIES`, declared by the family's spec module (``esm``: ESM-2 into the ESM-2 runner,
-``t5``: ProtT5 and Ankh into the T5 encoder, ``esmc`` and ESM++'s ``ESMplusplus``: ESM C), or
-one of :data:`VARIANTS` sharing that type (``esm`` with a pair vocabulary: SaProt; with absolute
-positions: ESM-1b/1v); any other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
+``model_type`` picks the family: the Hugging Face formats of
+:data:`embedpipe.model.families.FAMILY_TABLE`, each with its :class:`~embedpipe.model.hf_families.HfFamily`
+(``esm``: ESM-2 into the ESM-2 runner, ``t5``: ProtT5, ProstT5 and Ankh into the T5 encoder, ``esmc``
+and ESM++'s ``ESMplusplus``: ESM C); a variant sharing a type is told apart by its ``takes``
+(``esm`` with a pair vocabulary: SaProt; with absolute positions: ESM-1b/1v), rows sharing one
+reading by make-test-model's marker, the hub name, then the tokenization style (:func:`format_for`);
+any other type is refused. Untrained test directories (``embedpipe make-test-model --family``)
 carry ``"embedpipe": {"trained": false, ...}`` in ``config.json``; without that key the weights
 are taken as trained (docs/models.md). Torch-free until weights are read.
 """
@@ -29,23 +31,20 @@ from typing import Any
 
 from embedpipe.core.errors import ModelError, out_of_memory
 from embedpipe.core.jsonbounds import load_bounded_json
-from embedpipe.model import esm1b_spec, esm2_spec, esmc_spec, saprot_spec, t5_spec
+from embedpipe.model import families
+from embedpipe.model.capabilities import Capabilities
 from embedpipe.model.facts import ModelFacts
-from embedpipe.model.hf_families import HfFamily, is_trained
-from embedpipe.model.identity import ModelIdentity, files_sha256, versioned
+from embedpipe.model.families import Format
+from embedpipe.model.hf_families import HfFamily, is_trained, marked_family
+from embedpipe.model.identity import ModelIdentity, files_sha256
 from embedpipe.model.optional import require
 
-#: ``model_type`` -> its family; a new Hugging Face family is one more entry here.
-FAMILIES: dict[str, HfFamily] = {f.model_type: f for f in (esm2_spec.HF_ESM, t5_spec.HF_T5, esmc_spec.HF_ESMC,
-                                                              esmc_spec.HF_ESM_PLUSPLUS)}
-#: families that share a ``model_type`` with one in :data:`FAMILIES`, told apart by the config
-#: (the variant's ``takes``, asked in this order): ESM-1b/1v directories are ``model_type: esm``
-#: with absolute positions, SaProt's are ``model_type: esm`` with a vocabulary of pair tokens
-VARIANTS: tuple[HfFamily, ...] = (saprot_spec.HF_SAPROT, esm1b_spec.HF_ESM1B)
-
-#: Hub names embedpipe knows -> their family; others load too once they are cached.
-HUB_NAMES: dict[str, HfFamily] = {
-    name: f for f in (*FAMILIES.values(), *VARIANTS) for name in f.hub_names}
+#: the table's Hugging Face formats, in its order (variants are asked in it)
+FORMATS: tuple[Format, ...] = families.of_reader(families.HUGGING_FACE)
+#: ``model_type`` -> the reading of the type itself (its variants aside), as refusals list them
+MODEL_TYPES: dict[str, HfFamily] = {f.hf.model_type: f.hf for f in FORMATS if f.hf is not None and f.hf.takes is None}
+#: Hub names embedpipe knows -> their format; others load too once they are cached.
+HUB_NAMES: dict[str, Format] = {name: f for f in FORMATS for name in f.names}
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PREFETCH = ("on a machine with internet run `hf download {name}` (or "
@@ -114,10 +113,10 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ModelError(f"{where} is not a JSON object")
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type not in MODEL_TYPES:
         raise ModelError(f"{where}: model_type {model_type!r} is not supported (embedpipe reads "
-                         f"{', '.join(repr(t) for t in FAMILIES)}: "
-                         f"{', '.join(f.label for f in FAMILIES.values())})")
+                         f"{', '.join(repr(t) for t in MODEL_TYPES)}: "
+                         f"{', '.join(f.label for f in MODEL_TYPES.values())})")
     return config
 
 
@@ -174,45 +173,61 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
     return state
 
 
-def family_for_config(directory: Path, config: Mapping[str, Any]) -> HfFamily:
-    """The family of ``directory``, whose config :func:`read_config` accepted: its ``model_type``'s,
-    or the first of that type's variants that takes it."""
+def hf_of(fmt: Format) -> HfFamily:
+    """The Hugging Face reading of one of :data:`FORMATS`."""
+    assert fmt.hf is not None, fmt.name  # FORMATS are the table's formats with one
+    return fmt.hf
+
+
+def format_for(spec: str, directory: Path, config: Mapping[str, Any]) -> Format:
+    """The format of ``directory``, whose config :func:`read_config` accepted: the first variant of
+    its ``model_type`` that takes it, else the type's own; of rows sharing one reading (T5), the one
+    make-test-model's marker names, else the hub name's, else the one of the vocabulary's style."""
     model_type = config["model_type"]
-    return next((v for v in VARIANTS
-                 if v.model_type == model_type and v.takes is not None and v.takes(directory, config)),
-                FAMILIES[model_type])
+    candidates = [f for f in FORMATS if hf_of(f).model_type == model_type]
+    taken = next((f for f in candidates if (takes := hf_of(f).takes) is not None and takes(directory, config)), None)
+    if taken is not None:
+        return taken
+    own = [f for f in candidates if hf_of(f).takes is None]
+    if len(own) == 1:
+        return own[0]
+    marked = marked_family(config, tuple(f.name for f in own))
+    named = next((f for f in own if f.name == marked or (marked is None and spec in f.names)), None)
+    if named is not None:
+        return named
+    style = hf_of(own[0]).style
+    found = style(directory) if style is not None else None
+    return next(f for f in own if f.hf_style == found)
 
 
-def family_of(spec: str, directory: Path, config: Mapping[str, Any]) -> str:
-    """The store's ``model_family`` (``esm2``, ``prot-t5``, ``ankh``, ...), as the type's family says."""
-    return family_for_config(directory, config).family_name(spec, directory, config)
+def capabilities(fmt: Format, config: Mapping[str, Any] | None) -> Capabilities:
+    """What a model of ``fmt`` can do: its row's, with the window ``config`` sets (None: not cached yet)."""
+    window = hf_of(fmt).window
+    return families.row_of(fmt).capabilities(window(config) if window is not None and config is not None else None)
 
 
 def describe(spec: str) -> ModelFacts:
     """Facts from ``config.json`` (no weights read, no torch); a name not cached yet is known by
-    its family only."""
+    its row only."""
     path = Path(spec).expanduser()
     directory = path.resolve() if path.is_dir() else hub_snapshot(spec)
     if directory is None:
-        kind = HUB_NAMES.get(spec, esm2_spec.HF_ESM)
-        family = kind.hub_names.get(spec, esm2_spec.FAMILY)
-        return ModelFacts(family=family, spec=spec, kind="name", name=spec.split("/")[-1],
-                          trained_window=kind.window(None), trained=True, token_layout=kind.layout_of(family, None),
-                          packs=kind.packs)
+        fmt = HUB_NAMES.get(spec, FORMATS[0])
+        return ModelFacts(**capabilities(fmt, None).facts_fields(), spec=spec, kind="name", name=spec.split("/")[-1],
+                          trained=True)
     config = read_config(directory)
-    kind = family_for_config(directory, config)
-    family = kind.family_name(spec, directory, config)
+    fmt = format_for(spec, directory, config)
     # the same bounds as loading (model-info, the workflow's mem_mb): one line, nothing sized by them
-    sizes = kind.sizes(config, str(directory / "config.json"))
+    sizes = hf_of(fmt).sizes(config, str(directory / "config.json"))
     try:
         size = sum(f.stat().st_size for f in weight_files(directory))
     except ModelError:
         size = None
     return ModelFacts(
-        family=family, spec=spec, kind="path" if path.is_dir() else "name",
-        name=directory.name if path.is_dir() else spec.split("/")[-1], trained_window=kind.window(config),
+        **capabilities(fmt, config).facts_fields(), spec=spec, kind="path" if path.is_dir() else "name",
+        name=directory.name if path.is_dir() else spec.split("/")[-1],
         num_layers=sizes["num_layers"], embed_dim=sizes["embed_dim"], attention_heads=sizes["attention_heads"],
-        weights_bytes=size, trained=is_trained(config), token_layout=kind.layout_of(family, config), packs=kind.packs,
+        weights_bytes=size, trained=is_trained(config),
     )
 
 
@@ -258,24 +273,21 @@ def stored_parameters(files: list[Path]) -> int | None:
 
 
 def load(spec: str) -> Any:
-    """Load ``spec`` with the module its ``model_type`` names."""
+    """Load ``spec`` with the loader its format names."""
     directory = resolve_directory(spec)
     config = read_config(directory)
-    return importlib.import_module(family_for_config(directory, config).module).load_directory(spec, directory, config)
-
-
-def identity_files(directory: Path, config: Mapping[str, Any]) -> list[str]:
-    """The files besides the weights whose bytes decide the numbers, as the family's loader reads
-    them (``config.json``, and ESM's ``vocab.txt`` or T5's tokenizer files: its ``identity_files``)."""
-    return family_for_config(directory, config).identity_files(directory, config)
+    loader = importlib.import_module(format_for(spec, directory, config).loader)
+    return loader.load_directory(spec, directory, config)
 
 
 def file_identity(spec: str) -> ModelIdentity:
     """Weights, config and tokenizer sha256s, the family and its version, whether it packs,
-    without reading the weights (docs/cluster.md, "Resuming, rerunning")."""
+    without reading the weights (docs/cluster.md, "Resuming, rerunning"); the files besides the
+    weights are those the format's loader reads that decide the numbers (``config.json``, and
+    ESM's ``vocab.txt`` or T5's tokenizer files: its ``identity_files``)."""
     directory = resolve_directory(spec)
     config = read_config(directory)
-    kind = family_for_config(directory, config)
-    return ModelIdentity(weights_sha256(weight_files(directory)), kind.packs,
-                         files_sha256(directory, identity_files(directory, config)),
-                         versioned(kind.family_name(spec, directory, config), kind.version()))
+    fmt = format_for(spec, directory, config)
+    row = families.row_of(fmt)
+    return ModelIdentity(weights_sha256(weight_files(directory)), row.packs,
+                         files_sha256(directory, hf_of(fmt).identity_files(directory, config)), row.versioned())

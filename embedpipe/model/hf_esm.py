@@ -1,9 +1,10 @@
 """Hugging Face ESM directories (``model_type: esm``) into embedpipe's ESM-2 runner.
 
 ESM-2 (rotary positions) and ESM-1b / ESM-1v (``position_embedding_type: absolute``, usually
-with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``) share the type, and so does
-SaProt (an ESM-2 over amino-acid x 3Di pair tokens, :mod:`embedpipe.model.saprot`); which one a
-directory is, :func:`embedpipe.model.hf_checkpoint.family_for_config` says. The weights
+with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``; their format's ``absolute``
+option) share the type, and so does SaProt (an ESM-2 over amino-acid x 3Di pair tokens, whose own
+loader :mod:`embedpipe.model.saprot` calls :func:`load_esm` with its tokens, model class and
+refusals); which one a directory is, :func:`embedpipe.model.hf_checkpoint.format_for` says. The weights
 (``EsmModel`` or ``EsmForMaskedLM``) are renamed to fair-esm's ``ESM2`` (or ESM-1b
 ``ProteinBertModel``) state dict and built by :func:`embedpipe.model.esm2.build_model`, so the model is an ordinary
 :class:`~embedpipe.model.esm2.Esm2Model`: every policy, the packed layout and the fp32
@@ -21,13 +22,12 @@ import esm
 import torch
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import esm1b_spec, saprot_spec
+from embedpipe.model import esm1b_spec, families
 from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.checkpoint import CONTACT_KEYS, check_cfg_against_weights
 from embedpipe.model.esm1b import check_weights, sizes
 from embedpipe.model.esm2 import Esm2Model, build_model, esm2_alphabet, from_info
-from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.saprot import SaProtModel, saprot_alphabet
+from embedpipe.model.families import Format
 
 #: fair-esm per-layer module -> transformers' ``EsmLayer`` module.
 PER_LAYER = {
@@ -71,38 +71,21 @@ def fair_to_hf_names(num_layers: int, absolute: bool = False) -> dict[str, str]:
     return names
 
 
-def alphabet_of(kind: HfFamily, directory: Path) -> esm.data.Alphabet:
-    """The tokens a ``model_type: esm`` directory embeds: SaProt's, with the ids its ``vocab.txt``
-    gives them (:func:`saprot_vocabulary`), else fair-esm's 33 (a ``vocab.txt`` must list them in
-    fair-esm's order: :func:`check_vocabulary`)."""
-    if kind is saprot_spec.HF_SAPROT:
-        return saprot_alphabet(saprot_vocabulary(directory))
-    alphabet = esm2_alphabet()
-    check_vocabulary(directory, list(alphabet.all_toks), kind.label)
-    return alphabet
+#: why a ``position_embedding_type`` is refused, when another variant's would have taken it
+POSITIONS = "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"
+#: why a ``pad_token_id`` is refused, for fair-esm's alphabet
+PADDING = f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"
 
 
-def saprot_vocabulary(directory: Path) -> list[str]:
-    """A SaProt directory's ``vocab.txt`` as ``EsmTokenizer`` reads it (a token a line, its id the
-    line's index), refused in one line unless it holds SaProt's 446 tokens, in any order."""
-    vocab = directory / "vocab.txt"
-    try:
-        tokens = saprot_spec.read_vocabulary(vocab)
-    except OSError as exc:
-        raise ModelError(f"cannot read {vocab}: {exc.strerror or exc}") from None
-    problem = saprot_spec.vocabulary_problem(tokens)
-    if problem is not None:
-        raise ModelError(f"{vocab}: not SaProt's vocabulary (SaProt's 446 tokens, in any order): {problem}")
-    return tokens
-
-
-def check_config(config: Mapping[str, Any], where: str, kind: HfFamily,
-                 alphabet: esm.data.Alphabet) -> dict[str, Any]:
-    """fair-esm's ESM-2 cfg (or ESM-1b args: absolute positions) from an ``EsmConfig``
-    (``where``: its config.json; ``kind``: the family its directory is, ESM-2, SaProt or ESM-1b;
-    ``alphabet``: the tokens it embeds, from its vocab.txt for SaProt); every size bounded first (the family's ``sizes``, built on
+def check_config(config: Mapping[str, Any], where: str, fmt: Format, alphabet: esm.data.Alphabet, *,
+                 positions: str = POSITIONS, padding: str = PADDING) -> dict[str, Any]:
+    """fair-esm's ESM-2 cfg (or ESM-1b args: the format's ``absolute`` option) from an ``EsmConfig``
+    (``where``: its config.json; ``fmt``: the format its directory is; ``alphabet``: the tokens it
+    embeds); every size bounded first (the format's ``sizes``, built on
     :func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
-    ESM2 (ProteinBertModel) cannot be, or for a vocabulary size that is not the family's."""
+    ESM2 (ProteinBertModel) cannot be, or for a vocabulary size that is not the family's
+    (``positions``, ``padding``: why a position type or a padding id is refused)."""
+    kind = hf.hf_of(fmt)
     bounded = kind.sizes(config, where)
     dim = bounded["embed_dim"]
     token_dropout = config.get("token_dropout", False)
@@ -110,19 +93,15 @@ def check_config(config: Mapping[str, Any], where: str, kind: HfFamily,
     for field, value in (("token_dropout", token_dropout), ("emb_layer_norm_before", norm_before)):
         if not isinstance(value, bool):
             raise ModelError(f"{where}: {field} must be true or false, got {value!r}")
-    absolute = kind is esm1b_spec.HF_ESM1B
+    absolute = bool(fmt.options.get("absolute"))
     label, network = ("ESM-1b", "ProteinBertModel") if absolute else (kind.label, "ESM2")
     vocabulary = len(alphabet.all_toks)
     checks = [
-        (absolute or bounded["position_embedding_type"] == "rotary",
-         "position_embedding_type is not 'rotary'" if kind is saprot_spec.HF_SAPROT
-         else "position_embedding_type is neither 'rotary' (ESM-2) nor 'absolute' (ESM-1b)"),
+        (absolute or bounded["position_embedding_type"] == "rotary", positions),
         (absolute or not norm_before, "emb_layer_norm_before is set with rotary positions"),
         (absolute or bounded["intermediate_size"] == 4 * dim, f"intermediate_size is not 4 x {dim}"),
         (bounded["vocab_size"] == vocabulary, f"vocab_size is not {label}'s {vocabulary}"),
-        (config.get("pad_token_id", alphabet.padding_idx) == alphabet.padding_idx,
-         f"pad_token_id is not vocab.txt's <pad> ({alphabet.padding_idx})" if kind is saprot_spec.HF_SAPROT
-         else f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"),
+        (config.get("pad_token_id", alphabet.padding_idx) == alphabet.padding_idx, padding),
         (abs(bounded["layer_norm_eps"] - 1e-5) < 1e-12, "layer_norm_eps is not 1e-5"),
         (config.get("hidden_act", "gelu") == "gelu", "hidden_act is not gelu"),
     ]
@@ -153,7 +132,7 @@ def check_vocabulary(directory: Path, expected: list[str], label: str) -> None:
 def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: str) -> dict[str, torch.Tensor]:
     """A transformers ESM state dict as fair-esm's ``ESM2`` state dict (LM head zero if absent)."""
     prefix = "esm." if any(k.startswith("esm.") for k in state) else ""
-    absolute = info.get("family") == esm1b_spec.FAMILY
+    absolute = info.get("family") == families.ESM1B.name
     hf_names = fair_to_hf_names(info["num_layers"], absolute)
     wanted = {(v if v.startswith("lm_head.") else prefix + v): k for k, v in hf_names.items()}
     out, unexpected = {}, []
@@ -187,16 +166,24 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
 
 
 def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
-    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already read)."""
+    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already
+    read): fair-esm's 33 tokens (a ``vocab.txt`` must list them in fair-esm's order)."""
+    fmt, alphabet = hf.format_for(spec, directory, config), esm2_alphabet()
+    check_vocabulary(directory, list(alphabet.all_toks), hf.hf_of(fmt).label)
+    return load_esm(spec, directory, config, fmt, alphabet)
+
+
+def load_esm(spec: str, directory: Path, config: Mapping[str, Any], fmt: Format, alphabet: esm.data.Alphabet, *,
+             model: type[Esm2Model] = Esm2Model, positions: str = POSITIONS, padding: str = PADDING) -> Esm2Model:
+    """A ``model`` of format ``fmt`` from a Hugging Face ``model_type: esm`` directory over ``alphabet``
+    (what a variant's loader gives: :func:`load_directory`'s, SaProt's), with its row's capabilities."""
     where = str(directory)
-    kind = hf.family_for_config(directory, config)
-    alphabet = alphabet_of(kind, directory)
-    info = check_config(config, str(directory / "config.json"), kind, alphabet)
+    info = check_config(config, str(directory / "config.json"), fmt, alphabet, positions=positions, padding=padding)
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     state = to_fair(hf.read_state_dict(files), info, where)
-    model, alphabet = build_model(info, state, where=where, alphabet=alphabet)
-    return from_info(model, alphabet, info, name=spec if hf.is_model_name(spec) else directory.name,
-                     source=where, sha256=sha, provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
-                                                           "model_format": "huggingface-esm"},
-                     kind=SaProtModel if kind is saprot_spec.HF_SAPROT else Esm2Model)
+    built, alphabet = build_model(info, state, where=where, alphabet=alphabet)
+    return from_info(built, alphabet, info, hf.capabilities(fmt, config),
+                     name=spec if hf.is_model_name(spec) else directory.name, source=where, sha256=sha,
+                     provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
+                                 "model_format": "huggingface-esm"}, kind=model)

@@ -21,21 +21,18 @@ from embedpipe.core.atomic import atomic_paths, check_output_path
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import Output, OutputKind, writing_outputs
 from embedpipe.core.version import __version__
-from embedpipe.model import esm1b, esm1b_spec
+from embedpipe.model import esm1b, families
 from embedpipe.model.checkpoint import CONTACT_KEYS, MARKER_KEY, load_checkpoint_safely, validate_shape
 from embedpipe.model.downloads import companion_path
 from embedpipe.model.esm2 import esm2_alphabet
-from embedpipe.model.esm2_spec import TRAINED_RESIDUES
 from embedpipe.model.saprot import saprot_alphabet
 
 #: State-dict key prefix of fair-esm's released checkpoints.
 KEY_PREFIX = "encoder.sentence_encoder."
 #: what the untrained marker's ``created_by`` says (the one kind of file make-test-model replaces)
 CREATED_BY = "embedpipe make-test-model"
-#: ``make-test-model --family`` of SaProt's esm-format ``.pt``
-SAPROT_PT = "saprot-pt"
-#: the families make-test-model writes as one ``.pt``
-PT_FAMILIES = ("esm2", esm1b_spec.FAMILY, SAPROT_PT)
+#: positions of the networks written: ESM-2's trained window, BOS and EOS
+MAX_POSITIONS = families.ESM2.window + 2
 #: first bytes of a zip file: torch.save's format (a legacy pickle or an HDF5 store is never ours)
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -53,7 +50,9 @@ def make_test_model(
     family: str = "esm2",
 ) -> Path:
     """Write a random-weight (untrained) ESM-2 (``family`` esm1b: an ESM-1b) in fair-esm's
-    checkpoint format (``family`` saprot-pt: a SaProt in SaProt's esm format).
+    checkpoint format (``family`` saprot-pt: a SaProt in SaProt's esm format): the ``.pt`` formats
+    of :data:`embedpipe.model.families.FAMILY_TABLE`, each written by :func:`write_checkpoint` with
+    its row's options.
 
     SaProt's is the file westlake-repl/SaProt's ``load_esm_saprot`` reads: ``{"model": fair-esm
     ESM2's own state dict over SaProt's 446 tokens, "config": {"num_layers", "embed_dim",
@@ -77,17 +76,28 @@ def make_test_model(
     in ``seed``. ``storage_dtype`` (e.g. ``torch.float16``) stores the weights in a lower
     dtype, as some releases do.
     """
+    fmt = families.format_named(family)
+    options = fmt.writer.options if fmt is not None and fmt.writer is not None and fmt.writer.module == __name__ else {}
+    return write_checkpoint(out, family=family, layers=layers, dim=dim, heads=heads, seed=seed,
+                            token_dropout=token_dropout, storage_dtype=storage_dtype, companion=companion, **options)
+
+
+def write_checkpoint(out: Path, *, family: str, layers: int, dim: int, heads: int, seed: int, layout: str = "",
+                     pairs: bool = False, token_dropout: bool = True, storage_dtype: torch.dtype | None = None,
+                     companion: bool = True) -> Path:
+    """:func:`make_test_model`'s writer of ``.pt`` format ``family``, as its row says: ``layout``,
+    the key its config is under (fair-esm's ESM-2 ``cfg``, ESM-1b's ``args``, SaProt's ``config``,
+    which holds its contact head: no companion); ``pairs``: SaProt's pair alphabet."""
     out = Path(out)
     layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
-    companion = companion and family != SAPROT_PT
+    companion = companion and layout != "config"
     checkpoint, beside = _kinds(out)
     outputs: list[Output] = [("checkpoint", out, checkpoint)]
     if companion:
         outputs.append(("companion", companion_path(out), beside))
     with writing_outputs("make-test-model", outputs):
-        if family not in PT_FAMILIES:
-            raise ModelError(f"make-test-model: unknown .pt family {family!r}; choose {', '.join(PT_FAMILIES)}")
-        _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion, family)
+        families.test_model_format(family, __name__, ".pt family")
+        _write(out, layers, dim, heads, seed, token_dropout, storage_dtype, companion, layout, pairs)
     return out
 
 
@@ -122,21 +132,21 @@ def _kinds(out: Path) -> tuple[OutputKind, OutputKind]:
 
 
 def _write(out: Path, layers: int, dim: int, heads: int, seed: int, token_dropout: bool,
-           storage_dtype: torch.dtype | None, companion: bool, family: str) -> None:
-    """The checkpoint (and its companion) of :func:`make_test_model`, atomically."""
+           storage_dtype: torch.dtype | None, companion: bool, layout: str, pairs: bool) -> None:
+    """The checkpoint (and its companion) of :func:`write_checkpoint`, atomically."""
     check_output_path(out)
     if companion:
         check_output_path(companion_path(out))
-    args = _args(family, layers, dim, heads, token_dropout)
-    alphabet = saprot_alphabet() if family == SAPROT_PT else None
-    network = esm1b_spec.FAMILY if family == esm1b_spec.FAMILY else "esm2"
-    state = _storage_cast(random_fair_esm(network, layers, dim, heads, seed, token_dropout, alphabet).state_dict(),
+    absolute = layout == "args"  # ESM-1b's layout: its network
+    args = _args(absolute, layers, dim, heads, token_dropout)
+    alphabet = saprot_alphabet() if pairs else None
+    state = _storage_cast(random_fair_esm(absolute, layers, dim, heads, seed, token_dropout, alphabet).state_dict(),
                           storage_dtype)
     checkpoint: dict[str, Any] = {MARKER_KEY: _untrained_marker(seed)}
-    if family == SAPROT_PT:  # ESM2's names as they are, and SaProt's config dict (load_esm_saprot)
+    if layout == "config":  # ESM2's names as they are, and SaProt's config dict (load_esm_saprot)
         checkpoint |= {"model": state, "config": {"num_layers": layers, "embed_dim": dim, "attention_heads": heads,
                                                   "token_dropout": token_dropout}}
-    elif family == "esm2":
+    elif layout == "cfg":
         checkpoint |= {"model": {KEY_PREFIX + k: v for k, v in state.items() if k not in CONTACT_KEYS},
                        "cfg": {"model": args}}
     else:  # released ESM-1b: the LM head under "encoder.", the rest under "encoder.sentence_encoder."
@@ -167,31 +177,31 @@ def _untrained_marker(seed: int) -> dict[str, object]:
     }
 
 
-def _args(family: str, layers: int, dim: int, heads: int, token_dropout: bool) -> argparse.Namespace:
-    """The config fair-esm writes: ESM-2's ``cfg["model"]``, ESM-1b's ``args`` (the same fields)."""
+def _args(absolute: bool, layers: int, dim: int, heads: int, token_dropout: bool) -> argparse.Namespace:
+    """The config fair-esm writes: ESM-2's ``cfg["model"]``, ESM-1b's ``args`` (``absolute``; the same fields)."""
     return argparse.Namespace(
-        arch="esm2" if family == "esm2" else esm1b.ESM1B_ARCH,
+        arch=esm1b.ESM1B_ARCH if absolute else "esm2",
         encoder_layers=layers,
         encoder_embed_dim=dim,
         encoder_ffn_embed_dim=4 * dim,
         encoder_attention_heads=heads,
         token_dropout=token_dropout,
-        max_positions=TRAINED_RESIDUES + 2,
+        max_positions=MAX_POSITIONS,
     )
 
 
-def random_fair_esm(family: str, layers: int, dim: int, heads: int, seed: int,
+def random_fair_esm(absolute: bool, layers: int, dim: int, heads: int, seed: int,
                     token_dropout: bool = True, alphabet: esm.data.Alphabet | None = None) -> torch.nn.Module:
-    """fair-esm's ``ESM2`` (``family`` esm1b: ESM-1b's ``ProteinBertModel``, with the layer norm
-    before the first layer; ``alphabet``: ESM-2's unless given, SaProt's pairs) with fair-esm's
-    init, then the constant parameters drawn at random; the global RNG untouched."""
+    """fair-esm's ``ESM2`` (``absolute``: ESM-1b's ``ProteinBertModel``, learned positions and the
+    layer norm before the first layer; ``alphabet``: ESM-2's unless given, SaProt's pairs) with
+    fair-esm's init, then the constant parameters drawn at random; the global RNG untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if family == "esm2":
+        if not absolute:
             return _randomise_constants(ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads,
                                              alphabet=alphabet or esm2_alphabet(), token_dropout=token_dropout))
         info = {"num_layers": layers, "embed_dim": dim, "ffn_embed_dim": 4 * dim, "attention_heads": heads,
-                "max_positions": TRAINED_RESIDUES + 2, "norm_before": True, "token_dropout": token_dropout}
+                "max_positions": MAX_POSITIONS, "norm_before": True, "token_dropout": token_dropout}
         return _randomise_constants(esm1b.construct(info, alphabet or esm2_alphabet()))
 
 

@@ -1,4 +1,6 @@
-"""Random-weight Hugging Face test directories: ``make-test-model --family prot-t5|prostt5|ankh|hf-esm|hf-esm1b|esmc|saprot``
+"""Random-weight Hugging Face test directories: ``make-test-model --family`` of the Hugging Face
+formats of :data:`embedpipe.model.families.FAMILY_TABLE`, each written by the writer its row names
+(:func:`esm_directory`, :func:`t5_directory`, :func:`esmc_directory`) with the row's options
 (``esmc-pth``, the esm package's layout of ``random_esmc``'s weights: :mod:`embedpipe.model.esmc_pth`).
 
 Each directory is what a real one holds (``config.json``, ``model.safetensors``, tokenizer
@@ -22,12 +24,11 @@ import torch
 from embedpipe.core.errors import ModelError
 from embedpipe.core.output_guard import writing_outputs
 from embedpipe.core.version import __version__
+from embedpipe.model import families
 from embedpipe.model.checkpoint import validate_shape
 from embedpipe.model.hf_families import MARKER_KEY
 from embedpipe.model.optional import require
-from embedpipe.model.t5_vocab import LETTERS, PROSTT5_PREFIXES, THREE_DI
-
-HF_FAMILIES = ("prot-t5", "prostt5", "ankh", "hf-esm", "hf-esm1b", "esmc", "saprot")
+from embedpipe.model.t5_vocab import LETTERS, PER_CHARACTER, PROSTT5_PREFIXES, SPACED_3DI, THREE_DI
 
 
 def marker(family: str, seed: int) -> dict[str, Any]:
@@ -108,8 +109,12 @@ def write_hf_esm(out: Path, fair_state: Mapping[str, torch.Tensor], *, layers: i
                  token_dropout: bool = True, mark: Mapping[str, Any] | None = None, absolute: bool = False,
                  alphabet: Any = None) -> Path:
     """An ESM-2 (``absolute``: ESM-1b; ``alphabet``: SaProt's pairs; a fair-esm state dict) as a
-    Hugging Face ``EsmForMaskedLM`` directory."""
-    mark = marker("hf-esm1b" if absolute else "hf-esm", -1) if mark is None else mark
+    Hugging Face ``EsmForMaskedLM`` directory (``mark``: the marker; by default the one of the
+    table's format written so, seed -1)."""
+    if mark is None:
+        wanted = {"absolute": absolute} if absolute else {"pairs": True} if alphabet is not None else {}
+        written = families.written(__name__)
+        mark = marker(next(f.name for f in written if f.writer is not None and f.writer.options == wanted), -1)
     return write_directory(out, hf_esm_files(layers, dim, heads, token_dropout, mark, absolute=absolute,
                                              alphabet=alphabet),
                            hf_esm_tensors(fair_state, layers, absolute, inv_freq=not absolute and alphabet is None))
@@ -169,16 +174,16 @@ def random_esmc(layers: int, dim: int, heads: int, ffn: int, seed: int) -> dict[
 # --------------------------------------------------------------------------- T5
 
 
-def t5_tokenizer_files(family: str) -> tuple[dict[str, Any], int]:
+def t5_tokenizer_files(style: str) -> tuple[dict[str, Any], int]:
     """tokenizer.json (a Unigram vocabulary: <pad> 0, </s> 1, <unk> 2, then one piece per
-    residue: ``▁A`` for ProtT5, ``A`` for Ankh; ProstT5: ProtT5's, one ``▁a`` per 3Di state,
-    then its direction prefixes as added special tokens) and transformers' tokenizer configs."""
+    residue: ``▁A`` for ProtT5's style, ``A`` for Ankh's; ProstT5's: ProtT5's, one ``▁a`` per 3Di
+    state, then its direction prefixes as added special tokens) and transformers' tokenizer configs."""
     tokenizers = require("tokenizers", "make-test-model --family (writing tokenizer.json)")
-    spaced = family in ("prot-t5", "prostt5")
-    pieces = [("▁" + r) if spaced else r for r in LETTERS + (THREE_DI if family == "prostt5" else "")]
+    spaced = style != PER_CHARACTER
+    pieces = [("▁" + r) if spaced else r for r in LETTERS + (THREE_DI if style == SPACED_3DI else "")]
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(p, -1.0 - 0.01 * i) for i, p in enumerate(pieces)]
     tok = tokenizers.Tokenizer(tokenizers.models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    if family == "prostt5":
+    if style == SPACED_3DI:
         tok.add_special_tokens(list(PROSTT5_PREFIXES))
     if spaced:
         tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
@@ -222,29 +227,46 @@ def random_t5(layers: int, dim: int, heads: int, vocab: int, gated: bool, seed: 
 
 def make_hf_test_model(out: Path, *, family: str, layers: int = 2, dim: int = 32, heads: int = 4,
                        seed: int = 0, d_kv: int | None = None, d_ff: int | None = None) -> Path:
-    """Write a random-weight Hugging Face directory of ``family`` (prot-t5, prostt5, ankh, hf-esm, esmc or saprot).
+    """Write a random-weight Hugging Face directory of ``family`` (a Hugging Face format of the
+    table: hf-esm, hf-esm1b, saprot, prot-t5, prostt5, ankh, esmc), by its row's writer.
 
     ``d_kv`` (T5) and ``d_ff`` (T5, ESM C's SwiGLU width; default dim / heads and 2 x dim) let benchmarks give a
     scaled-down model the real one's proportions (ProtT5-XL: d_ff 16 x d_model, d_kv 128)."""
-    if family not in HF_FAMILIES:
-        raise ModelError(f"make-test-model: unknown family {family!r}; choose esm2, esm1b, saprot-pt, esmc-pth, "
-                         f"{', '.join(HF_FAMILIES)}")
-    layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
-    if family == "esmc":
-        return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),
-                               random_esmc(layers, dim, heads, d_ff or 2 * dim, seed))
-    if family in ("hf-esm", "hf-esm1b", "saprot"):
-        from embedpipe.model.random_checkpoint import random_fair_esm
-        from embedpipe.model.saprot import saprot_alphabet
+    writer = families.test_model_format(family, __name__).writer
+    assert writer is not None  # a written format
+    return writer.write(out, family, layers=layers, dim=dim, heads=heads, seed=seed, d_kv=d_kv, d_ff=d_ff)
 
-        alphabet = saprot_alphabet() if family == "saprot" else None
-        fair = random_fair_esm("esm1b" if family == "hf-esm1b" else "esm2", layers, dim, heads, seed,
-                               alphabet=alphabet).state_dict()
-        return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed),
-                            absolute=family == "hf-esm1b", alphabet=alphabet)
-    tokenizer, vocab = t5_tokenizer_files(family)
+
+def esm_directory(out: Path, *, family: str, layers: int, dim: int, heads: int, seed: int, d_kv: int | None = None,
+                  d_ff: int | None = None, absolute: bool = False, pairs: bool = False) -> Path:
+    """A random ``model_type: esm`` directory: an ESM-2 (``absolute``: an ESM-1b; ``pairs``: over
+    SaProt's pair alphabet) drawn as fair-esm inits it, under transformers' names."""
+    from embedpipe.model.random_checkpoint import random_fair_esm
+    from embedpipe.model.saprot import saprot_alphabet
+
+    layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    alphabet = saprot_alphabet() if pairs else None
+    fair = random_fair_esm(absolute, layers, dim, heads, seed, alphabet=alphabet).state_dict()
+    return write_hf_esm(out, fair, layers=layers, dim=dim, heads=heads, mark=marker(family, seed), absolute=absolute,
+                        alphabet=alphabet)
+
+
+def esmc_directory(out: Path, *, family: str, layers: int, dim: int, heads: int, seed: int, d_kv: int | None = None,
+                   d_ff: int | None = None) -> Path:
+    """A random ``model_type: esmc`` directory (``d_ff``: the SwiGLU width, 2 x dim unless given)."""
+    layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    return write_directory(out, esmc_files(layers, dim, heads, d_ff or 2 * dim, marker(family, seed)),
+                           random_esmc(layers, dim, heads, d_ff or 2 * dim, seed))
+
+
+def t5_directory(out: Path, *, family: str, layers: int, dim: int, heads: int, seed: int, d_kv: int | None = None,
+                 d_ff: int | None = None, gated: bool = False) -> Path:
+    """A random ``model_type: t5`` encoder with the tokenizer of its format's style (``gated``: T5
+    v1.1-style gated-gelu, as Ankh; ProtT5-XL uses relu)."""
+    layers, dim, heads = validate_shape(layers, dim, heads, where="make-test-model")
+    fmt = families.format_named(family)
+    tokenizer, vocab = t5_tokenizer_files(str(fmt.hf_style if fmt is not None else None))
     d_kv, d_ff = d_kv or dim // heads, d_ff or 2 * dim
-    gated = family == "ankh"  # Ankh is T5 v1.1-style (gated-gelu); ProtT5-XL uses relu
     config = {"model_type": "t5", "architectures": ["T5EncoderModel"], "vocab_size": vocab, "d_model": dim,
               "d_kv": d_kv, "d_ff": d_ff, "num_layers": layers, "num_heads": heads,
               "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,

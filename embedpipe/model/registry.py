@@ -1,12 +1,14 @@
-"""Model families by name: which family takes a spec, its facts, and loading it.
+"""Which reader takes a spec, its facts, and loading it.
 
-Adding a family (ESM C, a Hugging Face ESM checkpoint) means one module that defines
-``load(spec) -> EmbeddingModel`` and ``inspect(facts) -> ModelFacts`` (a checkpoint path's
-facts completed from its header), plus one
-:class:`Family` line in :data:`FAMILIES` (or a :func:`register` call). Families are asked in order; ESM-2 comes last
-because it takes every spec (its names and any checkpoint path).
+The built-in readers are the table's (:data:`embedpipe.model.families.READERS`: the esm package's
+``.pth``, Hugging Face, fair-esm), each a :class:`Family` here; a reader asks its formats' rows
+of :data:`embedpipe.model.families.FAMILY_TABLE`, so adding a family is its own modules plus one
+row there (docs/architecture.md, "The family table"). A family from outside embedpipe is one
+more :class:`Family` (:func:`register`, or ``EMBEDPIPE_MODEL_FAMILIES``: :mod:`embedpipe.model.plugins`),
+asked before the built-in ones. Readers are asked in order; fair-esm comes last because it
+takes every spec (its names and any checkpoint path).
 
-A family's module is imported when a model is first loaded or inspected, by name
+A reader's loader is imported when a model is first loaded or inspected, by name
 (``importlib``): describing a spec must stay torch-free, since the workflow does it while
 Snakemake parses the rules in every job (importing torch costs 2.5 s).
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from embedpipe.model import downloads, esm1b_spec, esm2_spec, esmc_pth_spec, hf_checkpoint, hf_sources, plugins
+from embedpipe.model import families, plugins
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.identity import ModelIdentity
 
@@ -30,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: cheap, torch-free ``claims``/``describe``, and the module that loads it."""
+    """One reader of specs (a built-in reader of the family table, or a family from outside
+    embedpipe): cheap, torch-free ``claims``/``describe``, and the module that loads it."""
 
     name: str
     claims: Callable[[str], bool]  # does this family take the spec?
@@ -52,27 +55,18 @@ class Family:
         return importlib.import_module(self.module)
 
 
-FAMILIES: list[Family] = [
-    # the esm package's ESM C releases (esmc_300m, their hub names) and .pth state dicts: asked
-    # before the hub names, a fair-esm checkpoint named .pth stays ESM-2's (embedpipe.model.esmc_pth_spec)
-    Family("esmc-pth", esmc_pth_spec.claims, esmc_pth_spec.describe, esmc_pth_spec.is_model_name,
-           "embedpipe.model.esmc_pth", "embedpipe.model.esmc_pth_spec", esmc_pth_spec.file_identity,
-           esmc_pth_spec.model_files),
-    # Hugging Face directories and hub names (ESM-2, ProtT5, Ankh: config.json's model_type)
-    Family("hf", hf_checkpoint.claims, hf_checkpoint.describe, hf_checkpoint.is_model_name,
-           "embedpipe.model.hf_checkpoint", "embedpipe.model.hf_sources", hf_checkpoint.file_identity,
-           hf_sources.model_files),
-    # fair-esm's ESM-1b / ESM-1v names; their checkpoint paths, like ESM-2's and SaProt's esm-format
-    # .pt, go to the esm2 entry, whose loader reads each layout (embedpipe.model.pt_checkpoint)
-    Family("esm1b", esm1b_spec.is_model_name, esm1b_spec.describe, esm1b_spec.is_model_name, "embedpipe.model.pt_checkpoint",
-           "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
-    Family("esm2", esm2_spec.claims, esm2_spec.describe, esm2_spec.is_model_name, "embedpipe.model.pt_checkpoint",
-           "embedpipe.model.downloads", downloads.file_identity, downloads.model_files),
-]
+def reader_family(reader: families.Reader) -> Family:
+    """The :class:`Family` of a built-in reader: its modules' functions (each torch-free)."""
+    module, sources = importlib.import_module(reader.module), importlib.import_module(reader.sources)
+    return Family(reader.name, module.claims, module.describe, module.is_model_name, reader.loader, reader.sources,
+                  module.file_identity, sources.model_files)
+
+
+FAMILIES: list[Family] = [reader_family(reader) for reader in families.READERS]
 
 
 def register(family: Family) -> None:
-    """Ask ``family`` before those already registered (ESM-2, which takes every spec, stays last)."""
+    """Ask ``family`` before those already registered (fair-esm, which takes every spec, stays last)."""
     FAMILIES.insert(0, family)
 
 

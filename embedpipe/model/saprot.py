@@ -1,25 +1,30 @@
 """SaProt on ESM-2's forward: its pair alphabet and its tokenizer.
 
-A SaProt model (a Hugging Face directory, or SaProt's esm-format ``.pt``:
+A SaProt model (a Hugging Face directory, :func:`load_directory`, or SaProt's esm-format ``.pt``:
 :mod:`embedpipe.model.saprot_checkpoint`) is an ESM-2 in every weight; only its tokens differ
 (446: five specials and the amino-acid x Foldseek-3Di pairs, :func:`embedpipe.model.saprot_spec.vocabulary`).
 So it is an
 :class:`~embedpipe.model.esm2.Esm2Model` (every policy, the packed layout, the fp32 fallback)
 whose alphabet is the pair vocabulary and whose tokenizer reads two characters a residue, as
-SaProt's ``EsmTokenizer`` splits ``MdEvVp`` into ``Md Ev Vp``.
+SaProt's ``EsmTokenizer`` splits ``MdEvVp`` into ``Md Ev Vp``. A directory is read by
+:mod:`embedpipe.model.hf_esm` with what differs given here: the tokens its ``vocab.txt`` gives
+(:func:`saprot_vocabulary`), this model class and SaProt's refusals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import esm
 import numpy as np
 import torch
 
-from embedpipe.model import saprot_spec
-from embedpipe.model.base import TokenLayout
+from embedpipe.core.errors import ModelError
+from embedpipe.model import hf_checkpoint as hf
+from embedpipe.model import hf_esm, saprot_spec
 from embedpipe.model.esm2 import Esm2Model
 
 
@@ -42,8 +47,6 @@ def saprot_alphabet(tokens: Sequence[str] | None = None) -> esm.data.Alphabet:
 class SaProtModel(Esm2Model):
     """An ESM-2 over SaProt's pair tokens; ``tokenize`` takes structure-aware sequences."""
 
-    family: str = saprot_spec.FAMILY
-    token_layout: TokenLayout = saprot_spec.LAYOUT
     _pairs: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,3 +66,26 @@ class SaProtModel(Esm2Model):
             tokens[row, 1 : n + 1] = self._pairs[chars[:, 0] << 8 | chars[:, 1]]
             tokens[row, n + 1] = self.alphabet.eos_idx
         return torch.from_numpy(tokens)
+
+
+def saprot_vocabulary(directory: Path) -> list[str]:
+    """A SaProt directory's ``vocab.txt`` as ``EsmTokenizer`` reads it (a token a line, its id the
+    line's index), refused in one line unless it holds SaProt's 446 tokens, in any order."""
+    vocab = directory / "vocab.txt"
+    try:
+        tokens = saprot_spec.read_vocabulary(vocab)
+    except OSError as exc:
+        raise ModelError(f"cannot read {vocab}: {exc.strerror or exc}") from None
+    problem = saprot_spec.vocabulary_problem(tokens)
+    if problem is not None:
+        raise ModelError(f"{vocab}: not SaProt's vocabulary (SaProt's 446 tokens, in any order): {problem}")
+    return tokens
+
+
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
+    """A :class:`SaProtModel` from a Hugging Face SaProt directory (``config.json`` already read):
+    :func:`embedpipe.model.hf_esm.load_esm` over the tokens of its ``vocab.txt``."""
+    alphabet = saprot_alphabet(saprot_vocabulary(directory))
+    return hf_esm.load_esm(spec, directory, config, hf.format_for(spec, directory, config), alphabet, model=SaProtModel,
+                           positions="position_embedding_type is not 'rotary'",
+                           padding=f"pad_token_id is not vocab.txt's <pad> ({alphabet.padding_idx})")

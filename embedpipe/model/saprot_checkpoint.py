@@ -8,29 +8,30 @@ and ``SaProt_*.pt``, ``{"model": fair-esm ESM2 state dict (its own names, no pre
 fair-esm's layouts (ESM-2's ``cfg``, ESM-1b's ``args``): a ``config`` dict without them is
 SaProt's, and its embedding must then have SaProt's 446 rows. Read with the same weights-only
 load as every checkpoint (:mod:`embedpipe.model.checkpoint`: a plain dict needs no allowlist);
-the model is an ordinary SaProt on ESM-2's forward, as a SaProt directory is.
+the model is an ordinary SaProt on ESM-2's forward, as a SaProt directory is (its format in
+:data:`embedpipe.model.families.FAMILY_TABLE`: ``saprot-pt``, recognised by
+:func:`embedpipe.model.saprot_spec.is_pt_layout`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import esm
 import torch
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import saprot_spec
+from embedpipe.model import esm2, families, saprot_spec
 from embedpipe.model.checkpoint import MARKER_KEY, check_cfg_against_weights
 from embedpipe.model.config_bounds import validate_shape
+from embedpipe.model.facts import ModelFacts
+from embedpipe.model.saprot import SaProtModel, saprot_alphabet
 
 #: what stores say of the file (``model_format``), as a Hugging Face directory says ``huggingface-esm``
 MODEL_FORMAT = "saprot-esm"
-
-
-def is_saprot_layout(data: Mapping[str, Any]) -> bool:
-    """Whether a loaded checkpoint is in SaProt's esm-format layout: ``config``, none of fair-esm's
-    ``cfg`` (ESM-2) or ``args`` (ESM-1b)."""
-    return "config" in data and "cfg" not in data and "args" not in data
 
 
 def checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def checkpoint_info(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
         raise ModelError(f"{where}: not a SaProt checkpoint: embed_tokens.weight has {rows} rows, not SaProt's "
                          f"{saprot_spec.VOCABULARY_SIZE} tokens")
     marker = data.get(MARKER_KEY)
-    return {"family": saprot_spec.FAMILY, "num_layers": layers, "embed_dim": dim, "attention_heads": heads,
+    return {"family": families.SAPROT.name, "num_layers": layers, "embed_dim": dim, "attention_heads": heads,
             "token_dropout": config["token_dropout"],
             "trained": marker is None or (isinstance(marker, Mapping) and marker.get("trained") is True)}
 
@@ -72,3 +73,25 @@ def state_dict(data: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str, An
     for i in range(info["num_layers"]):
         state.setdefault(f"layers.{i}.self_attn.rot_emb.inv_freq", inv_freq.clone())
     return state
+
+
+def load_checkpoint(spec: str, path: Path, sha: str, data: Mapping[str, Any]) -> SaProtModel:
+    """A :class:`~embedpipe.model.saprot.SaProtModel` from SaProt's ``.pt`` ``data`` read from ``path``
+    (its bytes' sha256 ``sha``), by :mod:`embedpipe.model.pt_checkpoint`; stores say ``model_format = saprot-esm``."""
+    where = str(path)
+    info = checkpoint_info(data, where=where)
+    model, alphabet = esm2.build_model(info, state_dict(data, info), where=where, alphabet=saprot_alphabet())
+    made = esm2.from_info(model, alphabet, info, families.SAPROT.capabilities(), name=path.stem, source=where,
+                          sha256=sha, kind=SaProtModel,
+                          provenance={"fair_esm_version": getattr(esm, "__version__", "unknown"),
+                                      "model_format": MODEL_FORMAT})
+    assert isinstance(made, SaProtModel)
+    return made
+
+
+def checkpoint_facts(facts: ModelFacts, data: Mapping[str, Any]) -> ModelFacts:
+    """A SaProt ``.pt`` path's facts completed from its config (family ``saprot``, SaProt's layout)."""
+    info = checkpoint_info(data, where=str(Path(facts.spec).expanduser()))
+    shape = (info["num_layers"], info["embed_dim"], info["attention_heads"])
+    return replace(facts, **families.SAPROT.capabilities().facts_fields(), num_layers=shape[0], embed_dim=shape[1],
+                   attention_heads=shape[2], trained=info["trained"], parameters=saprot_spec.parameter_count(*shape))

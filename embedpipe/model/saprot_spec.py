@@ -4,7 +4,8 @@ SaProt (westlake-repl) is an ESM-2 whose tokens are amino-acid x Foldseek-3Di pa
 ``model_type: esm`` directory told apart from ESM-2 by its ``vocab.txt`` (pair tokens such as
 ``Ap``). Its input is a structure-aware sequence, two characters a residue (``MdEvVp``: upper
 case the amino acid, lower case its 3Di state, ``#`` a masked one), so its layout says
-``chars_per_residue=2`` and keeps case. It runs on ESM-2's forward (:mod:`embedpipe.model.saprot`).
+``chars_per_residue=2`` and keeps case (its row of :data:`embedpipe.model.families.FAMILY_TABLE`).
+It runs on ESM-2's forward (:mod:`embedpipe.model.saprot`).
 
 Its tokens are SaProt's own (westlake-repl/SaProt ``utils/esm_loader.py``, ``load_esm_saprot``;
 ``utils/constants.py``): ``<cls> <pad> <eos> <unk> <mask>``, then every amino acid of
@@ -23,22 +24,10 @@ from typing import Any
 from embedpipe.model import esm2_spec
 from embedpipe.model.config_bounds import esm_config
 from embedpipe.model.hf_families import HfFamily
-from embedpipe.model.layout import TokenLayout
-
-FAMILY = "saprot"
-
-#: SaProt runs on ESM-2's forward (its version) and packs as ESM-2 does
-PACKS = esm2_spec.PACKS
 
 #: SaProt's ``foldseek_seq_vocab`` and ``foldseek_struc_vocab``, in its order (``#``: masked)
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY#"
 THREE_DI = "pynwrqhgdlvtmfsaeikc#"
-
-#: <cls> at 0, two characters a residue, <eos>; trained on 1024 tokens as ESM-2
-LAYOUT = TokenLayout(bos=True, eos=True, window=1022, keeps_case=True, chars_per_residue=2)
-
-#: hub names of the released checkpoints
-HUB_NAMES = ("westlake-repl/SaProt_650M_AF2", "westlake-repl/SaProt_35M_AF2", "westlake-repl/SaProt_650M_PDB")
 
 #: a vocab.txt larger than this is not read (SaProt's is about 1.5 KB)
 MAX_VOCAB_BYTES = 1 << 20
@@ -95,6 +84,12 @@ def vocabulary_problem(tokens: list[str]) -> str | None:
     return "; ".join(([f"missing {listed(missing)}"] if missing else []) + ([f"extra {listed(extra)}"] if extra else []))
 
 
+def is_pt_layout(data: Mapping[str, Any]) -> bool:
+    """Whether a loaded checkpoint is in SaProt's esm-format layout: ``config``, none of fair-esm's
+    ``cfg`` (ESM-2) or ``args`` (ESM-1b)."""
+    return "config" in data and "cfg" not in data and "args" not in data
+
+
 def is_pair(token: str) -> bool:
     """Whether ``token`` is an amino-acid x 3Di pair (``Ap``, ``A#``, ``#p``)."""
     return len(token) == 2 and token[0] in AMINO_ACIDS and token[1] in THREE_DI
@@ -115,11 +110,6 @@ def is_hf_saprot(directory: Path, config: Mapping[str, Any]) -> bool:
 
 
 #: ``model_type: esm`` directories whose ``vocab.txt`` holds amino-acid x 3Di pairs, loaded into
-#: the ESM-2 runner over SaProt's alphabet by :mod:`embedpipe.model.hf_esm`
-HF_SAPROT = HfFamily(
-    model_type="esm", label="SaProt", module="embedpipe.model.hf_esm",
-    family_name=lambda spec, directory, config: FAMILY, sizes=esm_config,
-    window=lambda config: esm2_spec.TRAINED_RESIDUES, layout=lambda config: LAYOUT,
-    identity_files=esm2_spec.hf_identity_files, version=lambda: esm2_spec.FAMILY_VERSION, packs=PACKS,
-    hub_names={name: FAMILY for name in HUB_NAMES}, takes=is_hf_saprot,
-)
+#: the ESM-2 runner over SaProt's alphabet by :mod:`embedpipe.model.saprot`
+HF_SAPROT = HfFamily(model_type="esm", label="SaProt", sizes=esm_config, identity_files=esm2_spec.hf_identity_files,
+                     takes=is_hf_saprot)

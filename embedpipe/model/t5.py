@@ -5,8 +5,8 @@ weights (a ``T5EncoderModel`` or a full ``T5ForConditionalGeneration``: the deco
 dropped) into an fp32 :class:`T5Model`; its runners are
 :class:`~embedpipe.model.t5_forward.T5Forward` (padded batches only: the worker picks the
 padded layout for a runner without ``packed``). Shard budgets, planning and pooling follow
-its :data:`T5_LAYOUT` (ProstT5: :data:`~embedpipe.model.t5_spec.PROSTT5_LAYOUT`, its direction
-prefix in BOS's place; docs/models.md).
+its row's token layout (:data:`embedpipe.model.families.FAMILY_TABLE`: no BOS, one ``</s>``; ProstT5's
+direction prefix in BOS's place; docs/models.md).
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import torch
 
 from embedpipe.core.errors import ModelError
 from embedpipe.model import hf_checkpoint as hf
-from embedpipe.model import t5_spec, t5_vocab
+from embedpipe.model import t5_vocab
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.model.config_bounds import t5_config
 from embedpipe.model.facts import MemoryEstimate, host_bytes
 from embedpipe.model.layout import TokenLayout
 from embedpipe.model.t5_forward import T5Forward, T5Shape
-from embedpipe.model.t5_spec import HF_T5
 from embedpipe.runtime.precision import Policy
 
 #: ProstT5 stores' ``direction_prefixes``: how each record's prefix was chosen (its stored sequence's case)
@@ -50,11 +49,11 @@ class T5Model:
     source: str
     sha256: str
     trained: bool
-    family: str  # prot-t5, prostt5 or ankh
-    trained_window: int = HF_T5.window(None)  # the capabilities its spec declares (t5_spec.py)
-    token_layout: TokenLayout = HF_T5.layout(None)
+    family: str  # its row's: prot-t5, prostt5 or ankh (the capabilities below are the row's too)
+    trained_window: int
+    token_layout: TokenLayout
+    batch_layouts: tuple[str, ...]  # padded only: no packed runner
     prefix_ids: tuple[int, int] | None = None  # ProstT5's <AA2fold>, <fold2AA> (t5_vocab.direction)
-    batch_layouts: tuple[str, ...] = HF_T5.batch_layouts  # padded only: no packed runner
     provenance: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -177,10 +176,10 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5M
     """A :class:`T5Model` from a Hugging Face T5 directory (its ``config.json`` already read)."""
     where = str(directory)
     shape = shape_of(config, str(directory / "config.json"))
-    family = hf.family_of(spec, directory, config)
+    fmt = hf.format_for(spec, directory, config)
     vocab = t5_vocab.read_vocabulary(directory)
-    lut, eos, pad = t5_vocab.residue_table(vocab, family, where=where)
-    prefixes = t5_vocab.prefix_ids(vocab, where=where) if family == "prostt5" else None
+    lut, eos, pad = t5_vocab.residue_table(vocab, str(fmt.hf_style), where=where)
+    prefixes = t5_vocab.prefix_ids(vocab, where=where) if fmt.hf_style == t5_vocab.SPACED_3DI else None
     files = hf.weight_files(directory)
     sha = hf.weights_sha256(files)
     weights = encoder_weights(hf.read_state_dict(files), shape, where)
@@ -190,8 +189,8 @@ def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5M
                          f"{weights['embed'].shape[0]} rows")
     return T5Model(weights=weights, shape=shape, lut=lut, eos_id=eos, pad_id=pad,
                    name=spec if hf.is_model_name(spec) else directory.name, source=where, sha256=sha,
-                   trained=hf.is_trained(config), family=family, prefix_ids=prefixes,
-                   token_layout=t5_spec.layout_of_family(family),
+                   trained=hf.is_trained(config), prefix_ids=prefixes,
+                   **hf.capabilities(fmt, config).model_fields(),
                    provenance={"model_format": "huggingface-t5"} | ({"direction_prefixes": PROSTT5_DIRECTIONS}
                                                                   if prefixes else {}))
 

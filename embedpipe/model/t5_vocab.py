@@ -26,11 +26,6 @@ from embedpipe.core.errors import ModelError
 from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.model.optional import require
 
-#: Residues one T5 forward window takes (docs/models.md, "Limits"). T5 has no hard window
-#: (relative position buckets), but attention memory is quadratic: the score matrix of one
-#: record is heads x L^2 x 4 bytes per layer, 2.1 GiB for ProtT5-XL (32 heads) at 4096.
-T5_MAX_RESIDUES = 4096
-
 #: the version of the T5 encoder's forward (t5_forward.py) and of these tokens, in every store's
 #: identity: bump it when a change moves the numbers (docs/cluster.md, "Resuming, rerunning")
 FAMILY_VERSION = 1
@@ -39,7 +34,10 @@ FAMILY_VERSION = 1
 LETTERS = "ACDEFGHIKLMNPQRSTVWYXBUZO"
 #: ProtT5's recipe: ``re.sub(r"[UZOB]", "X", sequence)``.
 PROT_T5_RARE = "UZOB"
-STYLES = ("prot-t5", "ankh", "prostt5")
+#: how a protein T5 tokenizer cuts a record into pieces (:func:`tokenization_style`); each T5 row of
+#: :data:`embedpipe.model.families.FAMILY_TABLE` names its own: ProtT5 (each residue a word, its piece
+#: ``"▁" + residue``), ProstT5 (as ProtT5, with 3Di pieces and direction prefixes), Ankh (per character)
+SPACED, SPACED_3DI, PER_CHARACTER = "spaced", "spaced+3di", "per-character"
 #: ProstT5's direction prefixes: (amino acids, upper case; 3Di, lower case)
 PROSTT5_PREFIXES = ("<AA2fold>", "<fold2AA>")
 #: Foldseek's 20 3Di states, lower case as ProstT5 reads them (each a piece ``"▁" + state``)
@@ -71,16 +69,16 @@ def read_vocabulary(directory: Path) -> dict[str, int]:
 
 
 def tokenization_style(directory: Path) -> str:
-    """``prostt5`` when the vocabulary holds both direction prefixes, ``prot-t5`` when it holds
-    ``▁A`` (space-separated residues), ``ankh`` when it holds ``A`` (per-character); anything
+    """:data:`SPACED_3DI` when the vocabulary holds both direction prefixes, :data:`SPACED` when it
+    holds ``▁A`` (space-separated residues), :data:`PER_CHARACTER` when it holds ``A``; anything
     else is not a protein T5 tokenizer."""
     vocab = read_vocabulary(directory)
     if all(prefix in vocab for prefix in PROSTT5_PREFIXES):
-        return "prostt5"
+        return SPACED_3DI
     if "▁A" in vocab:
-        return "prot-t5"
+        return SPACED
     if "A" in vocab:
-        return "ankh"
+        return PER_CHARACTER
     raise ModelError(f"{directory}: the tokenizer has neither '▁A' (ProtT5) nor 'A' (Ankh): not a protein T5 model")
 
 
@@ -91,9 +89,9 @@ def residue_table(vocab: dict[str, int], style: str, *, where: str) -> tuple[np.
         raise ModelError(f"{where}: the tokenizer lacks {', '.join(missing)}")
     lut = np.full(256, vocab["<unk>"], dtype=np.int64)
     # ProstT5 keeps the case (lower case: 3Di states); the recipe's X applies to upper case only
-    letters = LETTERS + (LETTERS.lower() if style == "prostt5" else "")
+    letters = LETTERS + (LETTERS.lower() if style == SPACED_3DI else "")
     for letter in letters:
-        if style in ("prot-t5", "prostt5"):
+        if style != PER_CHARACTER:
             piece = "▁" + ("X" if letter in PROT_T5_RARE else letter)
         else:
             piece = letter

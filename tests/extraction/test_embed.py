@@ -14,7 +14,7 @@ from embedpipe.extraction.engine import Engine
 from embedpipe.extraction.planning import plan_record
 from embedpipe.extraction.run import embed_fasta
 from embedpipe.model import load_model
-from embedpipe.model.esm2_spec import TRAINED_RESIDUES
+from embedpipe.model.families import ESM2
 from embedpipe.model.layers import resolve_layers
 from helpers.embed_helpers import embed_and_read, fair_esm_forward, random_sequences, write_fasta
 from helpers.engine import embedder_for
@@ -63,9 +63,9 @@ def test_long_sequences_chunked_windows_match_fair_esm_per_window(tmp_path, tiny
     model, alphabet = fair_esm_reference(tiny_model_path)
     layer = max(store["mean"])
     rid, seq = records[0]
-    pieces, how = plan_record(0, len(seq), "chunk", window=TRAINED_RESIDUES)
+    pieces, how = plan_record(0, len(seq), "chunk", window=ESM2.window)
     assert how == "chunked" and len(pieces) >= 3
-    assert all(p.residues <= TRAINED_RESIDUES for p in pieces)
+    assert all(p.residues <= ESM2.window for p in pieces)
     stitched = store["per_residue"][layer][rid]
     assert stitched.shape[0] == len(seq)
     assert store["fields"]["long_handling"][rid] == "chunked"
@@ -80,11 +80,11 @@ def test_long_sequences_chunked_windows_match_fair_esm_per_window(tmp_path, tiny
 
 def test_chunk_plan_covers_every_residue_once():
     for length in (1023, 1500, 2044, 3000, 10_000):
-        pieces, _ = plan_record(0, length, "chunk", window=TRAINED_RESIDUES)
+        pieces, _ = plan_record(0, length, "chunk", window=ESM2.window)
         covered = np.zeros(length, dtype=int)
         for p in pieces:
             assert 0 <= p.start <= p.keep_start < p.keep_end <= p.end <= length
-            assert p.residues <= TRAINED_RESIDUES
+            assert p.residues <= ESM2.window
             covered[p.keep_start : p.keep_end] += 1
         assert (covered == 1).all(), length
 
@@ -95,10 +95,10 @@ def test_truncate_and_error_modes(tmp_path, tiny_model_path, fair_esm_reference)
     rid, seq = records[0]
     layer = max(store["mean"])
     assert store["fields"]["long_handling"][rid] == "truncated"
-    assert store["fields"]["embedded_length"][rid] == TRAINED_RESIDUES
+    assert store["fields"]["embedded_length"][rid] == ESM2.window
     assert store["fields"]["length"][rid] == 1100
     model, alphabet = fair_esm_reference(tiny_model_path)
-    ref = fair_esm_forward(model, alphabet, seq[:TRAINED_RESIDUES], [layer])[layer]
+    ref = fair_esm_forward(model, alphabet, seq[:ESM2.window], [layer])[layer]
     np.testing.assert_allclose(store["per_residue"][layer][rid], ref, atol=ATOL, rtol=0)
     with pytest.raises(EmbedpipeError, match="rec000.*1100 residues"):
         embed_and_read(tmp_path, tiny_model_path, records, name="err", long_sequences="error")

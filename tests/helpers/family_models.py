@@ -1,9 +1,11 @@
 """One small random-weight model of every family, in the family's own on-disk format, for the
 tests that must hold for every family (the entry points' parity, search's self-hits).
 
-Each builder writes what ``embedpipe make-test-model`` writes (or, for ESM++, which it does not
-write, the ``esm`` package's weights as ESM++ names them), with records the family reads:
-amino acids, SaProt's structure-aware pairs, ProstT5's amino acids and 3Di."""
+Each builder writes what ``embedpipe make-test-model`` writes, through the writer of each format
+of the family table (embedpipe.model.families), plus ESM-1v (ESM-1b's format without a companion)
+and ESM++ (which make-test-model does not write: the ``esm`` package's weights as ESM++ names
+them), with records the family reads as its layout says: amino acids, SaProt's structure-aware
+pairs (two characters a residue), ProstT5's amino acids and 3Di (case kept)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embedpipe.model import families
 from embedpipe.model.esmc_pth import make_test_model as make_esmc_pth
+from embedpipe.model.layout import TokenLayout
 from embedpipe.model.random_checkpoint import make_test_model
-from embedpipe.model.random_hf import make_hf_test_model
 from helpers.embed_helpers import random_sequences, structure_aware
 
 #: ProstT5's 3Di alphabet as records hold it (lower case; transcribed in tests/model/test_prostt5.py)
@@ -46,26 +49,27 @@ def esm_plusplus_directory(out: Path, *, layers: int = 2, dim: int = 128, seed: 
     return out
 
 
-def _hf(family: str) -> Callable[[Path], Path]:
-    return lambda out: make_hf_test_model(out, family=family, layers=2, dim=32, heads=4, seed=5)
+def _records(layout: TokenLayout) -> list[tuple[str, str]]:
+    """Records a family of ``layout`` reads: pairs two characters a residue, amino acids and 3Di
+    where case is input, else amino acids."""
+    if layout.chars_per_residue == 2:
+        return SAPROT_RECORDS
+    return PROSTT5_RECORDS if layout.keeps_case else AMINO_RECORDS
+
+
+def _written(fmt: families.Format) -> Callable[[Path], Path]:
+    """The format's own writer (make-test-model's), 2 layers of width 32 and 4 heads unless the writer
+    has its own (esmc-pth: 128 wide), seed 5."""
+    writer = fmt.writer
+    assert writer is not None
+    return lambda out: writer.write(out.with_suffix(writer.suffix) if writer.suffix else out, fmt.name,
+                                    given=("layers", "seed"), layers=2, dim=32, heads=4, seed=5)
 
 
 #: family -> (writer of its test model at a path, records it reads)
 FAMILIES: dict[str, tuple[Callable[[Path], Path], list[tuple[str, str]]]] = {
-    "esm2": (lambda out: make_test_model(out.with_suffix(".pt"), layers=2, dim=32, heads=4, seed=5), AMINO_RECORDS),
-    "esm1b": (lambda out: make_test_model(out.with_suffix(".pt"), family="esm1b", layers=2, dim=32, heads=4, seed=5),
-              AMINO_RECORDS),
+    fmt.name: (_written(fmt), _records(families.row_of(fmt).layout)) for fmt in families.written()} | {
     "esm1v": (lambda out: make_test_model(out.with_suffix(".pt"), family="esm1b", layers=2, dim=32, heads=4, seed=6,
                                           companion=False), AMINO_RECORDS),
-    "hf-esm": (_hf("hf-esm"), AMINO_RECORDS),
-    "hf-esm1b": (_hf("hf-esm1b"), AMINO_RECORDS),
-    "saprot": (_hf("saprot"), SAPROT_RECORDS),
-    "saprot-pt": (lambda out: make_test_model(out.with_suffix(".pt"), family="saprot-pt", layers=2, dim=32, heads=4,
-                                              seed=5), SAPROT_RECORDS),
-    "prot-t5": (_hf("prot-t5"), AMINO_RECORDS),
-    "prostt5": (_hf("prostt5"), PROSTT5_RECORDS),
-    "ankh": (_hf("ankh"), AMINO_RECORDS),
-    "esmc": (_hf("esmc"), AMINO_RECORDS),
-    "esmc-pth": (lambda out: make_esmc_pth(out.with_suffix(".pth"), layers=2, dim=128, seed=5), AMINO_RECORDS),
     "esm++": (esm_plusplus_directory, AMINO_RECORDS),
 }

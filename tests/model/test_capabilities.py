@@ -10,7 +10,7 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.extraction.combinations import CPU_ONLY_POLICIES
-from embedpipe.model import capabilities, describe, hf_checkpoint, inspect, load_model, plugins, registry
+from embedpipe.model import capabilities, describe, families, hf_checkpoint, inspect, load_model, plugins, registry
 from embedpipe.model.facts import ModelFacts
 from embedpipe.model.random_checkpoint import make_test_model
 from embedpipe.model.random_hf import make_hf_test_model
@@ -19,15 +19,17 @@ from embedpipe.runtime.int8_policy import Int8MixedPolicy
 from embedpipe.runtime.precision import POLICIES
 from helpers import fake_family_layout as fake
 
-#: a test model of every family embedpipe registers: make-test-model's formats (fair-esm's two
-#: .pt layouts and one directory per Hugging Face ``model_type`` or variant it writes; ESM++ in
-#: tests/model/test_esmc.py)
-FAMILY_MODELS = ("esm2", "esm1b", "hf-esm", "hf-esm1b", "saprot", "prot-t5", "prostt5", "ankh", "esmc")
-#: fair-esm .pt families (make-test-model's default format)
-FAIR_ESM = ("esm2", "esm1b")
-#: model_type of each make-test-model family (the Hugging Face spec it is declared by)
-MODEL_TYPES = {"hf-esm": "esm", "hf-esm1b": "esm", "saprot": "esm", "prot-t5": "t5", "prostt5": "t5", "ankh": "t5",
-               "esmc": "esmc"}
+#: a test model of every format make-test-model writes (the family table's; ESM++, which it does
+#: not write, in tests/model/test_esmc.py)
+FAMILY_MODELS = [fmt.name for fmt in families.written()]
+
+
+def written(tmp_path: Path, name: str) -> str:
+    """The smallest test model of format ``name``, by its writer (its own width where it has one)."""
+    fmt = families.format_named(name)
+    assert fmt is not None and fmt.writer is not None
+    out = tmp_path / (name + fmt.writer.suffix)
+    return str(fmt.writer.write(out, name, given=("layers", "seed"), layers=1, dim=16, heads=2, seed=0))
 
 
 def assert_declared_as_loaded(spec: str, facts: ModelFacts | None = None) -> None:
@@ -45,30 +47,29 @@ def assert_declared_as_loaded(spec: str, facts: ModelFacts | None = None) -> Non
 
 @pytest.mark.parametrize("family", FAMILY_MODELS)
 def test_every_family_s_spec_says_what_its_loaded_model_answers(tmp_path: Path, family: str) -> None:
-    if family in FAIR_ESM:
-        spec = tmp_path / f"{family}_test.pt"
-        make_test_model(spec, layers=1, dim=16, heads=2, seed=0, family=family)
-    else:
-        spec = make_hf_test_model(tmp_path / family, family=family, layers=1, dim=16, heads=2)
-    # a .pt path's layout (ESM-2's cfg or ESM-1b's args) is known once its header is read
-    # (inspect, weights unread; the workflow reads it so too); describe's answer for it is below
-    assert_declared_as_loaded(str(spec), inspect(str(spec)) if family == "esm1b" else None)
+    spec = written(tmp_path, family)
+    # a .pt path's layout (ESM-2's cfg, ESM-1b's args, SaProt's config) is known once its header is
+    # read (inspect, weights unread; the workflow reads it so too); describe's answer for it is below
+    fair_esm = families.format_named(family) in families.of_reader(families.FAIR_ESM)
+    assert_declared_as_loaded(spec, inspect(spec) if fair_esm else None)
 
 
-def test_every_hugging_face_model_type_but_esm_plusplus_is_covered_here() -> None:
-    assert set(hf_checkpoint.FAMILIES) - {"ESMplusplus"} == set(MODEL_TYPES.values())
-    assert set(MODEL_TYPES) | set(FAIR_ESM) == set(FAMILY_MODELS)
+def test_every_hugging_face_model_type_but_esm_plusplus_is_written_here() -> None:
+    written_types = {fmt.hf.model_type for fmt in families.written() if fmt.hf is not None}
+    assert set(hf_checkpoint.MODEL_TYPES) - {"ESMplusplus"} == written_types
 
 
-def test_every_hugging_face_variant_is_covered_here(tmp_path: Path) -> None:
+def test_every_hugging_face_variant_is_told_apart(tmp_path: Path) -> None:
     """A variant shares its ``model_type`` (ESM-1b/1v: ``esm`` with absolute positions; SaProt:
-    ``esm`` with a vocabulary of pair tokens); each
-    make-test-model directory is read as one family, and together they are every variant."""
-    directories = [make_hf_test_model(tmp_path / family, family=family, layers=1, dim=16, heads=2)
-                   for family in MODEL_TYPES]
-    read = {hf_checkpoint.family_for_config(directory, hf_checkpoint.read_config(directory)).label
-            for directory in directories}
-    assert {v.label for v in hf_checkpoint.VARIANTS} <= read
+    ``esm`` with a vocabulary of pair tokens; ProtT5, ProstT5 and Ankh: ``t5``); each make-test-model
+    directory is read as its own format, markers left out (the content decides)."""
+    for fmt in families.written():
+        if fmt.hf is None:
+            continue
+        directory = Path(written(tmp_path, fmt.name))
+        config = hf_checkpoint.read_config(directory)
+        del config["embedpipe"]
+        assert hf_checkpoint.format_for(str(directory), directory, config) is fmt, fmt.name
 
 
 def test_an_esm1b_name_s_table_says_what_its_loaded_model_answers(tmp_path: Path,

@@ -212,7 +212,7 @@ def test_a_pth_that_is_no_torch_file_or_pickles_code_is_refused_in_one_line(tmp_
 
 def test_a_fair_esm_checkpoint_named_pth_stays_esm2(tmp_path: Path) -> None:
     pth = make_fair_esm(tmp_path / "fair.pth", layers=1, dim=16, heads=2, seed=0)
-    assert registry.family_for(str(pth)).name == "esm2"
+    assert registry.family_for(str(pth)).name == "fair-esm"
     assert load_model(str(pth)).family == "esm2"
     esm1b = make_fair_esm(tmp_path / "old.pth", layers=1, dim=16, heads=2, seed=0, family="esm1b")
     assert load_model(str(esm1b)).family == "esm1b"

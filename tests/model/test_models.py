@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
 from embedpipe.model import downloads as sources
-from embedpipe.model import esm2_spec, load_model
+from embedpipe.model import families, load_model
 from embedpipe.model.checkpoint import load_checkpoint_safely
 from embedpipe.model.downloads import companion_path, fetch_model, resolve_checkpoint
 from embedpipe.model.esm2 import Esm2Model
@@ -428,7 +428,7 @@ def test_known_names() -> None:
     }
     for layers, dim, heads in ESM2_MODELS.values():
         assert dim % heads == 0 and (dim // heads) % 2 == 0 and layers > 0
-    assert esm2_spec.TRAINED_RESIDUES == 1022
+    assert families.ESM2.window == 1022
 
 
 def test_unknown_name_lists_valid_names() -> None:

@@ -30,11 +30,12 @@ from embedpipe.core.options import FastaLimits
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.residue_rules import MIXED_CASE, check_sequence
 from embedpipe.model import describe, load_model
+from embedpipe.model.families import PROSTT5
 from embedpipe.model.random_hf import make_hf_test_model
-from embedpipe.model.t5_spec import PROSTT5_LAYOUT
 from helpers.embed_helpers import plain_sequences, reuse_twins, unmarked_family, write_fasta
 
 #: amino acids (upper case, rare residues included) and 3Di (lower case)
+PROSTT5_LAYOUT = PROSTT5.layout  # its direction prefix in BOS's place, case kept
 SEQS = ["MKTAYIAKQRQISFVKSHFSRQ", "dvvcvvpddpvrvvvd", "UZOBXMK", "acdefghiklmnpqrstvwy", "W", "w"]
 
 

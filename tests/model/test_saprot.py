@@ -29,8 +29,8 @@ from embedpipe.core.options import FastaLimits
 from embedpipe.inputs.fasta import read_sequences
 from embedpipe.inputs.residue_rules import ALIGNMENT_GAP, INTERNAL_STOP, NOT_PAIRS, check_sequence
 from embedpipe.model import describe, load_model, registry
+from embedpipe.model.families import SAPROT
 from embedpipe.model.random_hf import make_hf_test_model
-from embedpipe.model.saprot_spec import LAYOUT
 from embedpipe.store.validate import validate_store
 from helpers.embed_helpers import (
     random_sequences,
@@ -42,6 +42,7 @@ from helpers.embed_helpers import (
 )
 
 #: structure-aware records: amino acids (rare ones too) with 3Di states, '#' masked
+LAYOUT = SAPROT.layout  # two characters a residue, case kept
 RECORDS = structure_aware(random_sequences(6, [5, 40, 1, 17, 60, 9], seed=5), seed=6) + [
     ("masked", "M#K#T#"), ("hand", "MdEvVpQp")]
 

@@ -26,14 +26,15 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
 from embedpipe.model import inspect, load_model, registry
+from embedpipe.model.families import SAPROT
 from embedpipe.model.random_checkpoint import save
-from embedpipe.model.saprot_spec import LAYOUT
 from helpers.embed_helpers import random_sequences, read_store, structure_aware, write_fasta
 
 # westlake-repl/SaProt utils/constants.py
 FOLDSEEK_SEQ_VOCAB = "ACDEFGHIKLMNPQRSTVWY#"
 FOLDSEEK_STRUC_VOCAB = "pynwrqhgdlvtmfsaeikc#"
 # westlake-repl/SaProt utils/esm_loader.py: the keys load_esm_saprot reads from data["config"]
+LAYOUT = SAPROT.layout
 CONFIG_KEYS = {"num_layers", "embed_dim", "attention_heads", "token_dropout"}
 
 RECORDS = structure_aware(random_sequences(5, [3, 30, 1, 12, 41], seed=21), seed=22) + [

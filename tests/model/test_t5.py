@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.core.errors import ModelError
 from embedpipe.model import describe, load_model
+from embedpipe.model.families import T5_LAYOUT
 from embedpipe.model.layout import ESM2_LAYOUT
 from embedpipe.model.random_hf import make_hf_test_model
-from embedpipe.model.t5_spec import T5_LAYOUT
 from embedpipe.runtime.precision import POLICIES, forward_context
 from helpers.embed_helpers import overflowing_prot_t5
 

@@ -26,7 +26,7 @@ from esm.model.esm2 import ESM2
 
 from embedpipe.core.options import POLICY_KINDS, POLICY_NAMES, EmbedOptions
 from embedpipe.extraction import budget as batch_budget
-from embedpipe.model import load_model
+from embedpipe.model import families, load_model
 from embedpipe.model.esm2 import Esm2Model, esm2_alphabet, skip_random_init
 from embedpipe.model.random_hf import make_hf_test_model
 from embedpipe.model.t5 import T5Model
@@ -57,7 +57,8 @@ def fake_model(dim: int, heads: int, depth: int = DEPTH) -> Esm2Model:
     with skip_random_init():
         model = ESM2(num_layers=depth, embed_dim=dim, attention_heads=heads, alphabet=alphabet, token_dropout=True)
     return Esm2Model(model=model.eval().requires_grad_(False), alphabet=alphabet, name="fake", source="fake",
-                     sha256="0" * 64, trained=False, num_layers=depth, embed_dim=dim, attention_heads=heads)
+                     sha256="0" * 64, trained=False, num_layers=depth, embed_dim=dim, attention_heads=heads,
+                     **families.ESM2.capabilities().model_fields())
 
 
 def traced_bytes_per_token(shape: str, precision: str, *, tokens: int = 16384, **options) -> tuple[float, int]:

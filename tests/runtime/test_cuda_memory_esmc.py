@@ -18,6 +18,7 @@ from embedpipe.core.options import POLICY_KINDS, POLICY_NAMES
 from embedpipe.model import esmc_spec
 from embedpipe.model.esmc import EsmcModel, expected_shapes
 from embedpipe.model.esmc_forward import EsmcShape, inverse_frequencies
+from embedpipe.model.families import ESMC
 
 #: width, heads, SwiGLU width of biohub's ESMC-300M and ESMC-600M
 SHAPES = {"300M": (960, 15, 2560), "600M": (1152, 18, 3072)}
@@ -31,8 +32,7 @@ def fake_esmc(dim: int, heads: int, ffn: int) -> EsmcModel:
     weights = {name: torch.empty(size) for name, size in expected_shapes(shape, 64).items()}
     weights["inv_freq"] = inverse_frequencies(shape)
     return EsmcModel(weights=weights, shape=shape, name="fake", source="fake", sha256="0" * 64, trained=False,
-                     trained_window=esmc_spec.window(None), token_layout=esmc_spec.layout(None),
-                     batch_layouts=esmc_spec.HF_ESMC.batch_layouts)
+                     **ESMC.capabilities().model_fields())
 
 
 def traced_bytes_per_token(shape: str, precision: str, *, tokens: int = 16384, **options) -> tuple[float, int]:
