@@ -12,6 +12,10 @@ import numpy as np
 
 T = TypeVar("T")
 
+#: the input's files the run's ``auto`` decision draws its probe records from, evenly spaced over
+#: them (the workflow's shards run short to long): here, torch-free, for the rule that lists them
+DECISION_SAMPLE_FILES = 16
+
 #: the quantiles an aggregate reports, by name
 QUANTILES: dict[str, float] = {"min": 0.0, "p1": 0.01, "p5": 0.05, "median": 0.5, "p95": 0.95, "max": 1.0}
 

@@ -36,7 +36,7 @@ from embedpipe.core.devices import claim_device, resolve_device
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.jsonbounds import load_bounded_json
 from embedpipe.core.options import AUTO, AUTO_MEASURE_ALWAYS, FASTA_LIMITS, EmbedOptions, FastaLimits
-from embedpipe.core.stats import spread
+from embedpipe.core.stats import DECISION_SAMPLE_FILES, spread
 from embedpipe.extraction import auto_precision
 from embedpipe.extraction.auto_precision import (
     measure_candidates,
@@ -63,8 +63,6 @@ DECISION_FORMAT = "embedpipe.precision-decision"
 DECISION_VERSION = 1
 #: the largest decision file read (one is a few kilobytes)
 MAX_DECISION_BYTES = 256 << 10
-#: the input's files the probe draws from: evenly spaced over them (the workflow's shards run short to long)
-SAMPLE_FILES = 16
 UTC_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 _FIELDS = {"format", "version", "key", "policy", "reason", "candidates", "node", "cpu_model", "cpu_flags",
            "cpu_class", "gpu", "platform", "device", "threads", "torch", "decided_utc", "sample"}
@@ -238,14 +236,14 @@ def other_class(decision: Decision, device: torch.device) -> str:
 
 
 def sample_records(fastas: Sequence[Path], limits: FastaLimits, layout: TokenLayout) -> list[tuple[str, str]]:
-    """The probe's records drawn across the whole input: from up to :data:`SAMPLE_FILES` of
+    """The probe's records drawn across the whole input: from up to :data:`~embedpipe.core.stats.DECISION_SAMPLE_FILES` of
     ``fastas`` evenly spaced over them (first and last included; the workflow's shards run
     short to long), each read through the FASTA reader (``limits``: the family's rules) and
     thinned by :func:`~embedpipe.extraction.auto_precision.probe_records`, then the union thinned the same way."""
     if not fastas:
         raise EmbedpipeError("decide-precision: no FASTA to draw the probe's records from")
     drawn: list[tuple[str, str]] = []
-    for fasta in spread(fastas, SAMPLE_FILES):
+    for fasta in spread(fastas, DECISION_SAMPLE_FILES):
         drawn += probe_records(list(read_sequences(Path(fasta), limits)), layout=layout)
     return probe_records(drawn, layout=layout)
 

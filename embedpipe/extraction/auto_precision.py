@@ -81,7 +81,7 @@ ORDER = ("fp32", "bf16-mixed", "fp16-mixed", "int8-mixed")
 #: has within this factor of the job's model's parameters (either way)
 SIMILAR_SIZE = 4.0
 #: how a user measures regardless of the job's size
-MEASURE_ALWAYS = "--auto-measure always (workflow: auto_measure: always)"
+MEASURE_ALWAYS = "auto_measure: always (decide-precision --auto-measure always; auto_measure=\"always\" in Python)"
 
 #: the model's parameter count, which a job too small to measure compares with the table's rows
 model_params = capabilities.parameter_count

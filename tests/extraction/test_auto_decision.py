@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import h5py
@@ -19,7 +20,7 @@ import torch
 
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import FASTA_LIMITS, EmbedOptions
-from embedpipe.core.stats import spread
+from embedpipe.core.stats import DECISION_SAMPLE_FILES, spread
 from embedpipe.extraction import auto_decision, auto_precision
 from embedpipe.extraction.auto_decision import read_decision, split_precision
 from embedpipe.extraction.run import embed_fasta
@@ -244,8 +245,8 @@ def test_the_probe_draws_from_files_spread_over_the_whole_input(tmp_path):
     lengths = sorted(len(s) for _, s in auto_decision.sample_records(fastas, FASTA_LIMITS, ESM2_LAYOUT))
     assert sum(lengths) <= auto_precision.PROBE_RESIDUES
     assert lengths[0] == 10 and lengths[-1] > 10 + 10 * 15  # the first file, and beyond the first 16
-    picked = spread(list(range(40)), auto_decision.SAMPLE_FILES)
-    assert picked[0] == 0 and picked[-1] == 39 and len(picked) == auto_decision.SAMPLE_FILES
+    picked = spread(list(range(40)), DECISION_SAMPLE_FILES)
+    assert picked[0] == 0 and picked[-1] == 39 and len(picked) == DECISION_SAMPLE_FILES
     assert np.all(np.diff(picked) >= 2)  # evenly spaced over all 40
     for n in range(0, 50):
         once = spread(list(range(n)), 16)
@@ -255,7 +256,8 @@ def test_the_probe_draws_from_files_spread_over_the_whole_input(tmp_path):
 
 def test_the_rule_draws_as_many_shards_as_the_command_reads() -> None:
     common = (ROOT / "workflows" / "rules" / "common.smk").read_text()
-    assert f"DECISION_SHARDS = {auto_decision.SAMPLE_FILES} " in common
+    assert "spread(shard_fastas(), workflow_stats.DECISION_SAMPLE_FILES)" in common  # the one constant
+    assert not re.search(r"^\w+ = 16\b", common, re.M)  # no copy of it
 
 
 def test_the_command_line_refuses_a_mismatch_in_one_line(tmp_path, tiny_model_path, inputs):

@@ -24,7 +24,6 @@ from embedpipe.model import fetch as model_fetch
 from embedpipe.core import export_formats
 from embedpipe.core import stats as workflow_stats
 
-DECISION_SHARDS = 16  # embedpipe.extraction.auto_decision.SAMPLE_FILES (that module loads torch)
 
 
 def fail(message):
@@ -331,9 +330,9 @@ def run_residues(wildcards):
 
 def decision_shards(wildcards):
     """The shards decide-precision draws its records from: evenly spaced over all of them (short to
-    long), as many as it reads (embedpipe.extraction.auto_decision.SAMPLE_FILES), so the command line
+    long), as many as it reads (DECISION_SAMPLE_FILES), so the command line
     stays short whatever the shard count."""
-    return workflow_stats.spread(shard_fastas(), DECISION_SHARDS)
+    return workflow_stats.spread(shard_fastas(), workflow_stats.DECISION_SAMPLE_FILES)
 
 
 def embed_runtime(attempt):
