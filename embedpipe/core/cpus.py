@@ -131,7 +131,8 @@ ENV_LIMITS = ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS")
 def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> CpuAllocation:
     """The CPUs this process may run on: the smallest of its affinity mask, its cgroup's CPU
     quota, ``SLURM_CPUS_PER_TASK`` and ``OMP_NUM_THREADS`` (a value that is not a positive whole
-    number in ASCII digits is not a limit: ignored, and the allocation's ``note`` says so)."""
+    number in ASCII digits is not a limit: ignored, and the allocation's ``note`` says so); its
+    ``source`` names every limit at that count, comma-separated."""
     count = _affinity()
     limits = [(count, f"affinity ({count} CPUs)")]
     quota = cgroup_quota(root)
@@ -146,7 +147,9 @@ def allocated(env: Mapping[str, str] = os.environ, root: Path = CGROUP_ROOT) -> 
         elif raw:
             notes.append(f"{name}={quote(raw)} is not a positive whole number: ignored (threads follow the "
                          "affinity and cgroup quota; docs/cluster.md, \"CPU threads\")")
-    cpus, source = min(limits, key=lambda item: item[0])
+    cpus = min(count for count, _ in limits)
+    # every limit at the count is named: OMP_NUM_THREADS set to the CPUs a job owns binds too
+    source = ", ".join(label for count, label in limits if count == cpus)
     return CpuAllocation(cpus, source, "; ".join(notes))
 
 

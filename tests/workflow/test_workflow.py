@@ -285,8 +285,8 @@ def test_without_threads_each_job_is_bounded_by_the_omp_num_threads_snakemake_se
         with h5py.File(store, "r") as f:
             threads, source = int(f.attrs["threads"]), str(f.attrs["threads_from"])
         assert threads == min(scheduled, owned), store
-        if owned > scheduled:  # the variable is the tightest bound (a tie names the affinity or cgroup)
-            assert source == f"OMP_NUM_THREADS={scheduled}", store
+        # Snakemake's OMP_NUM_THREADS is named wherever it binds: alone, or tied with the affinity or cgroup
+        assert (f"OMP_NUM_THREADS={scheduled}" in source.split(", ")) == (threads == scheduled), (store, source)
 
     def shell_lines(*config: str) -> list[str]:
         proc = run_workflow(demo_run, demo_run / "config.yaml", "--dry-run", "--printshellcmds", "--forcerun",
@@ -310,8 +310,7 @@ def test_without_threads_each_job_is_bounded_by_the_omp_num_threads_snakemake_se
     run_workflow(copy, copy / "config.yaml", "--set-threads", "embed=1")
     with h5py.File(copy / "out" / "stores" / "shard-00000.h5", "r") as f:
         assert int(f.attrs["threads"]) == 1
-        if owned > 1:  # else the affinity or cgroup ties with it and is named
-            assert str(f.attrs["threads_from"]) == "OMP_NUM_THREADS=1"
+        assert "OMP_NUM_THREADS=1" in str(f.attrs["threads_from"]).split(", ")  # alone, or tied with a 1-CPU mask
     # setting `threads` changes the jobs' command lines, so they run again, and keep every
     # finished shard store: threads are how a job runs, not what it computes
     kept = {p.name: store_uuid(p) for p in (copy / "out" / "stores").glob("shard-*.h5")}
