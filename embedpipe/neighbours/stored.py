@@ -52,10 +52,11 @@ class AliasGroups:
         """The stored record of ``record_id`` (itself, or the record an alias names)."""
         return self.of.get(record_id, record_id)
 
-    def group(self, record_id: str) -> list[str]:
-        """The IDs of ``record_id``'s sequence: its record's ID first, then the aliases."""
+    def group(self, record_id: str) -> tuple[str, ...]:
+        """The IDs of ``record_id``'s sequence: its record's ID first, then the aliases (a
+        ``Hits.groups`` entry as it is)."""
         record = self.record(record_id)
-        return [record, *self.aliases.get(record, ())]
+        return (record, *self.aliases.get(record, ()))
 
 
 @contextlib.contextmanager
@@ -111,7 +112,7 @@ def _keep(hits: Sequence[str], scores: np.ndarray, exclude: Collection[str], gro
                 continue
             seen.add(record)
             hit = record
-            named.append(tuple(groups.group(record)))
+            named.append(groups.group(record))
         kept.append(hit)
         kept_scores.append(score)
     return tuple(kept), kept_scores, tuple(named)
