@@ -75,12 +75,12 @@ class Result:
                              "the Embedder")
 
     def _cast(self, values: np.ndarray) -> np.ndarray:
-        """As the store writer casts (embedpipe.store.writer): the storage dtype, nothing else; read-only."""
+        """As the store writer casts (embedpipe.store.writer): the storage dtype, nothing else;
+        read-only (a record's own array already is: :func:`result_of`)."""
         with np.errstate(over="ignore", invalid="ignore"):
             cast = np.asarray(values).astype(self.storage_dtype, copy=False)
-        view = cast.view()
-        view.flags.writeable = False
-        return view
+        cast.flags.writeable = False
+        return cast
 
     def pooled(self, layer: int = -1, pooling: str = "mean") -> np.ndarray:
         """(N, D) pooled vectors of ``layer``, rows in input order, in the storage dtype (read-only)."""
