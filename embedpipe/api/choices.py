@@ -18,7 +18,7 @@ from typing import Any
 from embedpipe.core.errors import EmbedpipeError
 from embedpipe.core.options import EmbedOptions
 
-__all__ = ["given_options", "merged_options"]
+__all__ = ["merged_options"]
 
 _DEFAULTS = EmbedOptions()
 #: fields of EmbedOptions that mean nothing in process: how the command compares the stores it
@@ -26,7 +26,7 @@ _DEFAULTS = EmbedOptions()
 _NOT_IN_PROCESS = ("accept_platform_mix",)
 
 
-def given_options(where: str, options: EmbedOptions | None) -> dict[str, Any]:
+def _given_options(where: str, options: EmbedOptions | None) -> dict[str, Any]:
     """The fields of ``options`` set to other than their defaults: what the user chose there."""
     if options is None:
         return {}
@@ -69,7 +69,7 @@ def _field(name: str, value: object) -> object:
 def merged_options(where: str, options: EmbedOptions | None, named: Mapping[str, object]) -> dict[str, Any]:
     """The fields ``options`` sets, with each keyword of ``named`` that was given (not None);
     one line naming the field where a keyword and ``options`` disagree."""
-    merged = given_options(where, options)
+    merged = _given_options(where, options)
     for name, value in named.items():
         if value is None:
             continue
