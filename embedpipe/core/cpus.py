@@ -3,7 +3,8 @@
 Why: torch starts one thread per CPU it sees, but a job on a shared node owns fewer: an
 affinity mask (``taskset``, SLURM's task/affinity), a cgroup CPU quota (containers, SLURM's
 cgroup plugin: a job given 4 CPUs of a 64-core node sees 64 cores and would start 64
-threads), or only ``SLURM_CPUS_PER_TASK``. The smallest of these is the default thread count
+threads), or only ``SLURM_CPUS_PER_TASK``; and ``OMP_NUM_THREADS``, which torch honours too
+(Snakemake sets it to a job's threads). The smallest of these is the default thread count
 of ``embed`` for torch's intra-op pool (which oneDNN and MKL share) and its inter-op pool;
 ``--threads`` wins over it. Torch-free: the wait policy must be set before torch is imported.
 """

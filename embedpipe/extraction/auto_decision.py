@@ -41,8 +41,8 @@ from embedpipe.extraction import auto_precision
 from embedpipe.extraction.auto_precision import (
     measure_candidates,
     model_params,
-    probe_cost,
     probe_records,
+    too_small,
     usable_candidates,
 )
 from embedpipe.extraction.identity import HOW_IT_RUNS
@@ -261,16 +261,6 @@ def _same_key(out: Path, key: dict[str, Any], options: EmbedOptions) -> Decision
     return decision if decision.mismatch(key) is None else None
 
 
-def _too_small(usable: Sequence[str], sample: Sequence[tuple[str, str]], options: EmbedOptions,
-               run_residues: int | None) -> bool:
-    """Whether the run is too small to pay for the probe: it would cost more than
-    :data:`~embedpipe.extraction.auto_precision.PROBE_SHARE` of the run's residues (a job's rule,
-    applied to the whole run), unless ``--auto-measure always`` or the run's size is not given."""
-    if run_residues is None or options.auto_measure == AUTO_MEASURE_ALWAYS:
-        return False
-    return probe_cost(usable, sample) > auto_precision.PROBE_SHARE * run_residues
-
-
 def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out: Path,
                limits: FastaLimits = FASTA_LIMITS, run_residues: int | None = None, quiet: bool = False) -> str:
     """``embedpipe decide-precision``: write ``out``, the run's one ``auto`` decision, or keep the
@@ -306,7 +296,7 @@ def decide_run(fastas: Sequence[Path], *, model: str, options: EmbedOptions, out
             timings = {usable[0]: Timing(1.0, 1.0)}
             policy, why = usable[0], "the only policy these options allow"
             reason = f"auto -> {policy}: decided once for the run on {where}: {why}"
-        elif _too_small(usable, sample, options, run_residues):
+        elif too_small(usable, sample, options, run_residues):  # a job's rule, applied to the whole run
             timings = {}  # nothing measured: the decision says so, and holds no invented times
             choice = auto_precision.from_table(device, "the run is too small to pay for the probe, which may cost "
                                                f"at most {auto_precision.PROBE_SHARE:.0%} of its residues",

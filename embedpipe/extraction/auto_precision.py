@@ -287,8 +287,7 @@ def decide(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, 
         raise EmbedpipeError("--precision auto: no policy it measures is allowed with these options; name one")
     key = _key(options, engine, device, model)
     sample = probe_records(records, layout=capabilities.layout_of(loaded))
-    small = len(usable) == 1 or (options.auto_measure != ALWAYS and
-                                 probe_cost(usable, sample) > PROBE_SHARE * job_residues)
+    small = len(usable) == 1 or too_small(usable, sample, options, job_residues)
     params = model_params(loaded)
     if (unsafe := auto_cache.unsafe_directory(directory)) is not None:
         say(f"warning: {unsafe}: not used (nothing read from it or written to it)", quiet=quiet)
@@ -352,6 +351,15 @@ def probe_records(records: Records, budget: int = PROBE_RESIDUES,
 def probe_cost(usable: Sequence[str], sample: Records) -> int:
     """Residues the probe runs: every candidate, each round, its warm-up and timed passes."""
     return len(usable) * ROUNDS * (1 + TIMED_PASSES) * sum(len(s) for _, s in sample)
+
+
+def too_small(usable: Sequence[str], sample: Records, options: EmbedOptions, residues: int | None) -> bool:
+    """Whether work of ``residues`` (a job's, or the whole run's for its one decision) is too small
+    to pay for the probe: it would cost more than :data:`PROBE_SHARE` of them; never with
+    ``auto_measure: always``, nor when their count is not given."""
+    if residues is None or options.auto_measure == ALWAYS:
+        return False
+    return probe_cost(usable, sample) > PROBE_SHARE * residues
 
 
 def measure_candidates(loaded: EmbeddingModel, options: EmbedOptions, engine: EngineChoice, device: torch.device,

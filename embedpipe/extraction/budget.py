@@ -4,7 +4,7 @@ On CUDA, ``auto`` divides the device memory the batches may use by what one padd
 costs. It is sized when the run is resolved (:func:`~embedpipe.extraction.resolved.resolve_run`), before any model is
 on the device, so the weights the run will put there are subtracted here. The estimate is
 rough on purpose: a batch that still runs out of memory is split in halves by the worker
-(``Embedder._run_batch``). On the CPU, ``auto`` is :data:`~embedpipe.core.options.CPU_TOKENS_PER_BATCH`.
+(``Engine._run_batch``). On the CPU, ``auto`` is :data:`~embedpipe.core.options.CPU_TOKENS_PER_BATCH`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ import h5py
 
 from embedpipe.core.atomic import write_text_atomic
 
-GROUP_FORMAT = "embedpipe.extraction.run-group"
+#: the marker's format, as every release has written it: a name in files, not a module path (the
+#: package's rename left it as it was, so an upgrade keeps the markers and reruns no group)
+GROUP_FORMAT = "embedpipe.embed.run-group"
 GROUP_VERSION = 2  # 2: each store's stamp (size, mtime_ns, inode, store_uuid)
 
 

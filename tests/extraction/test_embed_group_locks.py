@@ -111,6 +111,7 @@ def test_the_marker_goes_stale_when_a_store_is_deleted_or_replaced(tmp_path, tin
     done = out / "group-00000.json"
     embed_shards(shards, model=str(tiny_model_path), out_dir=out, options=OPTIONS, done=done, quiet=True)
     listing = json.loads(done.read_text())
+    assert listing["format"] == "embedpipe.embed.run-group"  # what earlier releases wrote: their markers still hold
     assert [e["stamp"]["path"] for e in listing["stores"]] == ["shard-00000.h5", "shard-00001.h5"]
     assert all(e["stamp"]["store_uuid"] == store_uuid(out / e["stamp"]["path"]) for e in listing["stores"])
     assert marker_problem(done) is None

@@ -56,7 +56,7 @@ ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
 
 
 def test_every_check_has_a_case() -> None:
-    """A new refusal in embed/combinations.py needs its case here (so the workflow is asked too)."""
+    """A new refusal in extraction/combinations.py needs its case here (so the workflow is asked too)."""
     assert sorted(check.__name__ for check in CHECKS) == sorted(CASES)
 
 
