@@ -44,17 +44,23 @@ class Preparation:
         if policy.name in self.runners:
             return self.runners[policy.name]
         device = self.planned_device(policy)
+        moved = self.is_fallback(policy) and self.run.fallback_derived and self.device.type == "cuda"
+        if moved and device.type == "cpu":  # the run resolved it so: said when the first record falls back
+            self.on_moved(self._moved_message())
         try:
             return self._prepare(policy, device)
         except torch.cuda.OutOfMemoryError:
             pass
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if not self.is_fallback(policy) or not self.run.fallback_derived or device.type == "cpu":
+        if not moved or device.type == "cpu":
             raise EmbedpipeError(self._oom_message(policy, device))
-        self.on_moved(f"the fp32 fallback model of {self.loaded.name} does not fit on {device} beside the "
-                      f"{self.main.name} model; fallback records run on the CPU (slower; see docs/precision.md)")
+        self.on_moved(self._moved_message())
         return self._prepare(policy, torch.device("cpu"))
+
+    def _moved_message(self) -> str:
+        return (f"the fp32 fallback model of {self.loaded.name} does not fit on {self.device} beside the "
+                f"{self.main.name} model; fallback records run on the CPU (slower; see docs/precision.md)")
 
     def is_fallback(self, policy: Policy) -> bool:
         return policy.name != self.main.name
