@@ -171,7 +171,7 @@ def park_on_host(loaded: Any) -> None:
     """The shared fp32 model back on the host, without the device tensors that embedpipe's
     runner (fused q/k/v) and fair-esm (rotary tables) cache on its modules: so each system's
     memory window starts with no other system's weights on the device. Between systems only
-    (no Embedder alive); a later runner fuses again."""
+    (no Engine alive); a later runner fuses again."""
     from embedpipe.model.esm2 import reset_rotary_caches
 
     loaded.model.to("cpu")

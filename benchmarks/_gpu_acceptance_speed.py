@@ -151,7 +151,7 @@ def timed_loop(loop: Loop, records: list[tuple[str, str]], device: torch.device)
 
 def run_embedpipe(loaded: Any, records: list[tuple[str, str]], device: torch.device, policy: str,
                   layout: str, attention_inputs: str) -> dict[str, Any]:
-    """The Embedder under ``policy`` with ``layout`` and ``attention_inputs`` pinned (``EMBEDPIPE_ENGINE``;
+    """The Engine under ``policy`` with ``layout`` and ``attention_inputs`` pinned (``EMBEDPIPE_ENGINE``;
     ``auto``: the program's choice); what it reports goes in the row. The warm-up prepares the
     model: ``warmup_seconds`` counts that time."""
     with pinned_engine(batch_layout=layout, attention_inputs=attention_inputs):

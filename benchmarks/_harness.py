@@ -223,7 +223,7 @@ def engine_env(base: Mapping[str, str] | None = None, **choices: str) -> dict[st
 @contextlib.contextmanager
 def pinned_engine(**choices: str) -> Iterator[None]:
     """Inside the block, this process's ``EMBEDPIPE_ENGINE`` holds ``choices`` (:func:`engine_env`):
-    for benchmarks that build an ``Embedder`` in-process."""
+    for benchmarks that build an ``Engine`` in-process."""
     saved = os.environ.get(ENGINE_ENV)
     os.environ.pop(ENGINE_ENV, None)
     if ENGINE_ENV in engine_env(**choices):

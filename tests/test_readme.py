@@ -111,19 +111,12 @@ def _demo_store(root: Path, model: Path) -> Path:
     example sharded as configs/offline-demo.yaml shards it, each shard embedded with its
     options (fp32, last layer, per-residue, CPU) into ``stores/``, merged with the manifest."""
     from embedpipe.core.options import EmbedOptions
-    from embedpipe.extraction.run import embed_fasta
-    from embedpipe.shard.passes import shard_fasta
-    from embedpipe.store import merge_stores
+    from helpers.embed_helpers import merged_store
 
     out = root / "results-demo"
-    summary = shard_fasta([ROOT / "examples" / "swissprot100.fasta"], out=out / "shards", tokens_per_shard=15000,
-                          quiet=True)
     options = EmbedOptions(precision="fp32", layers=(-1,), per_residue=True, device="cpu", long_sequences="chunk")
-    stores = [out / "stores" / f"shard-{info.index:05d}.h5" for info in summary.shards]
-    for info, store in zip(summary.shards, stores):
-        embed_fasta(out / "shards" / info.path, model=str(model), out=store, options=options, quiet=True)
-    merge_stores(stores, out=out / "embeddings.h5", manifest=out / "shards" / "manifest.tsv")
-    return out / "embeddings.h5"
+    return merged_store(out, model, ROOT / "examples" / "swissprot100.fasta", out / "embeddings.h5",
+                        tokens_per_shard=15000, options=options)
 
 
 def test_the_quick_start_python_examples_run_on_the_demo_output(tmp_path, model_factory):

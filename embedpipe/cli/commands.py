@@ -145,7 +145,8 @@ EXPORT_FORMAT_HELP = f"{_one_of(export_formats.NAMES, {f.name: f.what for f in e
 LONG_SEQUENCES_HELP = f"Over the model's window (ESM-2: 1022 residues): {_one_of(options.LONG_SEQUENCE_MODES)}."
 
 
-# embed's options, declared once here so the command itself stays short (decide-precision shares --int8-smoothing)
+# embed's options, declared once here so the command itself stays short (decide-precision shares those it
+# takes alike: --device, --storage-dtype, --long-sequences, --threads, --int8-smoothing)
 FASTAS = typer.Argument(..., help="A shard (or any protein FASTA); several with --out-dir.")
 MODEL = typer.Option(..., "--model", help="fair-esm name (ESM-2, ESM-1b, ESM-1v) or checkpoint (.pt), an ESM C "
                      "release of the esm package (esmc_300m, esmc_600m) or its .pth, a Hugging Face model "

@@ -214,7 +214,8 @@ def run_app(app: Any, moved: Mapping[str, str] | None = None) -> None:
             finish(0)
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        went = (moved or {}).get(getattr(exc, "option_name", None) or "")
+        # an unknown option only: a missing value of an option a command still has is no move
+        went = (moved or {}).get(getattr(exc, "option_name", "")) if type(exc).__name__ == "NoSuchOption" else None
         print(f"embedpipe: error: {exc.format_message()}{f'; {went}' if went else ''}{hint}", file=sys.stderr)
         finish(exc.exit_code)
     except KeyboardInterrupt as exc:

@@ -1,7 +1,7 @@
 """Creating the store's datasets and groups, each the way docs/store-format.md lays it out:
 chunked (about ``TARGET_CHUNK_BYTES`` a chunk), with the filters of ``embedpipe.store.filters``
 and its encoding tag. The writer and merge create every dataset through here, so a store
-written by either has the same layout; readers never need this module.
+written by either has the same layout; readers never call it.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ class Store:
         if shards is None:
             ds = dataset(self._h5, self.path, name)
             shape, dt, chunks = tuple(ds.shape), np.dtype(ds.dtype), ds.chunks
-        else:  # read from the shard stores: the virtual dataset is not opened (see _open)
+        else:  # read from the shard stores: the virtual dataset is not opened (embedpipe.store.opening)
             shape, dt, chunks = (self._total_rows, self._dim), self._dtype, None
         arr = dask_array(H5Rows(str(self.path), name, shape, dt, shards), dask_rows(shape, dt, chunks), label)
         return arr if dtype is None else arr.astype(dtype)

@@ -62,6 +62,15 @@ def test_usage_and_input_errors_are_one_line(args, message, tmp_path):
     assert lines[0].startswith("embedpipe: error: ") and message in lines[0]
 
 
+def test_a_missing_value_is_no_moved_flag(tmp_path):
+    """decide-precision still has --auto-measure: a missing value is click's error, without
+    the hint that embed's removed --auto-measure gives."""
+    result = subprocess.run([sys.executable, "-m", "embedpipe.cli", "decide-precision", "x.fa", "--model", "m.pt",
+                             "--out", "d.json", "--auto-measure"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "requires an argument" in result.stderr and "decide-precision (its" not in result.stderr, result.stderr
+
+
 def test_embed_has_at_most_20_options():
     """Options are what a user decides; the engine's and the site's are resolved by the program
     (or set in the environment), so the list stays short. Counted on the click command itself:

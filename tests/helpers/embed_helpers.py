@@ -52,16 +52,17 @@ def write_fasta(path: Path, records: Sequence[tuple[str, str]]) -> Path:
     return path
 
 
-def merged_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]], out: Path, *, tokens_per_shard: int,
-                 options: EmbedOptions) -> Path:
-    """``records`` as the workflow stores them: sharded (invalid records skipped) under
-    ``tmp/shards``, each shard embedded into ``tmp/stores``, merged into ``out`` with the manifest
-    (aliases and skipped IDs); at least two shards."""
+def merged_store(tmp: Path, model: Path, records: Sequence[tuple[str, str]] | Path, out: Path, *,
+                 tokens_per_shard: int, options: EmbedOptions) -> Path:
+    """``records`` (or a FASTA file) as the workflow stores them: sharded (invalid records
+    skipped) under ``tmp/shards``, each shard embedded into ``tmp/stores``, merged into ``out``
+    with the manifest (aliases and skipped IDs); at least two shards."""
     from embedpipe.shard.passes import shard_fasta
     from embedpipe.store import merge_stores
 
-    summary = shard_fasta([write_fasta(tmp / "in.fa", records)], out=tmp / "shards",
-                          tokens_per_shard=tokens_per_shard, on_invalid="skip", quiet=True)
+    fasta = records if isinstance(records, Path) else write_fasta(tmp / "in.fa", records)
+    summary = shard_fasta([fasta], out=tmp / "shards", tokens_per_shard=tokens_per_shard, on_invalid="skip",
+                          quiet=True)
     assert len(summary.shards) >= 2
     stores = []
     for info in summary.shards:
