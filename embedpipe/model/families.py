@@ -80,7 +80,7 @@ class Format:
 
     name: str
     reader: Reader
-    #: builds the model: a Hugging Face format's ``load_directory(spec, directory, config)``, a
+    #: builds the model: a Hugging Face format's ``load_directory(spec, directory, config, format)``, a
     #: ``.pt`` format's ``load_checkpoint(spec, path, sha, data)`` and ``checkpoint_facts(facts, data)``
     loader: str
     names: tuple[str, ...] = ()  # registered names: fair-esm's, Hugging Face hub names

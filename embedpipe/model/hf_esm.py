@@ -165,10 +165,10 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
     return {k: (v.float() if v.is_floating_point() else v) for k, v in out.items()}
 
 
-def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
-    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already
-    read): fair-esm's 33 tokens (a ``vocab.txt`` must list them in fair-esm's order)."""
-    fmt, alphabet = hf.format_for(spec, directory, config), esm2_alphabet()
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any], fmt: Format) -> Esm2Model:
+    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory of format ``fmt``
+    (``config.json`` already read): fair-esm's 33 tokens (a ``vocab.txt`` must list them in fair-esm's order)."""
+    alphabet = esm2_alphabet()
     check_vocabulary(directory, list(alphabet.all_toks), hf.hf_of(fmt).label)
     return load_esm(spec, directory, config, fmt, alphabet)
 
