@@ -1,6 +1,6 @@
 """ESM-2 through fair-esm: building from a checkpoint, tokens, preparing under a policy.
 
-:func:`from_checkpoint` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
+:func:`load_checkpoint` returns an :class:`Esm2Model`, embedpipe's :class:`~embedpipe.model.base.EmbeddingModel`
 for fair-esm's ``ESM2``; its runners are :class:`~embedpipe.model.esm2_forward.EsmForward`. A
 checkpoint in ESM-1b's layout (ESM-1b, ESM-1v: :mod:`embedpipe.model.esm1b`) becomes an
 ``Esm2Model`` of family ``esm1b`` around fair-esm's ``ProteinBertModel``, run by the same forward.

@@ -26,6 +26,7 @@ from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model.base import EmbeddingModel
 from embedpipe.model.esmc_forward import EsmcForward, EsmcShape, inverse_frequencies
 from embedpipe.model.facts import MemoryEstimate
+from embedpipe.model.families import Format
 from embedpipe.model.layout import TokenLayout
 from embedpipe.runtime.precision import Policy
 
@@ -197,10 +198,10 @@ def check_vocabulary(directory: Path) -> None:
                          f"{esmc_spec.VOCABULARY.index(wrong[0])})")
 
 
-def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> EsmcModel:
-    """An :class:`EsmcModel` from a Hugging Face ESM C directory (its ``config.json`` already read)."""
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any], fmt: Format) -> EsmcModel:
+    """An :class:`EsmcModel` from a Hugging Face ESM C directory of format ``fmt`` (ESM C's or ESM++'s:
+    its sizes and capabilities; its ``config.json`` already read)."""
     where = str(directory)
-    fmt = hf.format_for(spec, directory, config)  # ESM C's or ESM++'s: its sizes and capabilities
     sizes = hf.hf_of(fmt).sizes(config, str(directory / "config.json"))
     shape, vocab = shape_of(sizes), sizes["vocab_size"]
     check_vocabulary(directory)

@@ -80,7 +80,7 @@ class Format:
 
     name: str
     reader: Reader
-    #: builds the model: a Hugging Face format's ``load_directory(spec, directory, config)``, a
+    #: builds the model: a Hugging Face format's ``load_directory(spec, directory, config, format)``, a
     #: ``.pt`` format's ``load_checkpoint(spec, path, sha, data)`` and ``checkpoint_facts(facts, data)``
     loader: str
     names: tuple[str, ...] = ()  # registered names: fair-esm's, Hugging Face hub names
@@ -90,7 +90,6 @@ class Format:
     hf_style: str | None = None  # the tokenization style of a type several rows share (``HfFamily.style``)
     #: a loaded ``.pt``'s layout is this format's; None: the layout none of the others claim (ESM-2's ``cfg``)
     pt_layout: Callable[[Mapping[str, Any]], bool] | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)  # what its loader takes besides the spec
     writer: Writer | None = None
 
 
@@ -161,7 +160,7 @@ ESM1B = FamilySpec(
         Format("esm1b", FAIR_ESM, "embedpipe.model.esm2", names=tuple(esm1b_spec.ESM1B_MODELS),
                name_sizes=esm1b_spec.name_sizes, pt_layout=esm1b_spec.is_pt_layout,
                writer=_pt_writer("ESM-1b, a fair-esm .pt", "args")),
-        Format("hf-esm1b", HUGGING_FACE, "embedpipe.model.hf_esm", hf=esm1b_spec.HF_ESM1B, options={"absolute": True},
+        Format("hf-esm1b", HUGGING_FACE, "embedpipe.model.hf_esm", hf=esm1b_spec.HF_ESM1B,
                names=tuple(f"facebook/{name}" for name in esm1b_spec.ESM1B_MODELS),
                writer=_hf_writer("esm_directory", "ESM-1b", absolute=True)),
     ))

@@ -273,11 +273,11 @@ def stored_parameters(files: list[Path]) -> int | None:
 
 
 def load(spec: str) -> Any:
-    """Load ``spec`` with the loader its format names."""
+    """Load ``spec`` with the loader its format names (told the format: decided once)."""
     directory = resolve_directory(spec)
     config = read_config(directory)
-    loader = importlib.import_module(format_for(spec, directory, config).loader)
-    return loader.load_directory(spec, directory, config)
+    fmt = format_for(spec, directory, config)
+    return importlib.import_module(fmt.loader).load_directory(spec, directory, config, fmt)
 
 
 def file_identity(spec: str) -> ModelIdentity:

@@ -1,10 +1,10 @@
 """Hugging Face ESM directories (``model_type: esm``) into embedpipe's ESM-2 runner.
 
 ESM-2 (rotary positions) and ESM-1b / ESM-1v (``position_embedding_type: absolute``, usually
-with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``; their format's ``absolute``
-option) share the type, and so does SaProt (an ESM-2 over amino-acid x 3Di pair tokens, whose own
-loader :mod:`embedpipe.model.saprot` calls :func:`load_esm` with its tokens, model class and
-refusals); which one a directory is, :func:`embedpipe.model.hf_checkpoint.format_for` says. The weights
+with ``emb_layer_norm_before``: ``facebook/esm1b_t33_650M_UR50S``) share the type, and so does
+SaProt (an ESM-2 over amino-acid x 3Di pair tokens, whose own loader :mod:`embedpipe.model.saprot`
+calls :func:`load_esm` with its tokens, model class and refusals); which one a directory is,
+:func:`embedpipe.model.hf_checkpoint.format_for` says. The weights
 (``EsmModel`` or ``EsmForMaskedLM``) are renamed to fair-esm's ``ESM2`` (or ESM-1b
 ``ProteinBertModel``) state dict and built by :func:`embedpipe.model.esm2.build_model`, so the model is an ordinary
 :class:`~embedpipe.model.esm2.Esm2Model`: every policy, the packed layout and the fp32
@@ -79,7 +79,7 @@ PADDING = f"pad_token_id is not fair-esm's {esm1b_spec.PADDING_IDX}"
 
 def check_config(config: Mapping[str, Any], where: str, fmt: Format, alphabet: esm.data.Alphabet, *,
                  positions: str = POSITIONS, padding: str = PADDING) -> dict[str, Any]:
-    """fair-esm's ESM-2 cfg (or ESM-1b args: the format's ``absolute`` option) from an ``EsmConfig``
+    """fair-esm's ESM-2 cfg (or ESM-1b args: a format of ESM-1b's row) from an ``EsmConfig``
     (``where``: its config.json; ``fmt``: the format its directory is; ``alphabet``: the tokens it
     embeds); every size bounded first (the format's ``sizes``, built on
     :func:`embedpipe.model.config_bounds.esm_config`), then one-line refusals for what fair-esm's
@@ -93,7 +93,7 @@ def check_config(config: Mapping[str, Any], where: str, fmt: Format, alphabet: e
     for field, value in (("token_dropout", token_dropout), ("emb_layer_norm_before", norm_before)):
         if not isinstance(value, bool):
             raise ModelError(f"{where}: {field} must be true or false, got {value!r}")
-    absolute = bool(fmt.options.get("absolute"))
+    absolute = families.row_of(fmt) is families.ESM1B
     label, network = ("ESM-1b", "ProteinBertModel") if absolute else (kind.label, "ESM2")
     vocabulary = len(alphabet.all_toks)
     checks = [
@@ -165,10 +165,10 @@ def to_fair(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], where: s
     return {k: (v.float() if v.is_floating_point() else v) for k, v in out.items()}
 
 
-def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
-    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory (``config.json`` already
-    read): fair-esm's 33 tokens (a ``vocab.txt`` must list them in fair-esm's order)."""
-    fmt, alphabet = hf.format_for(spec, directory, config), esm2_alphabet()
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any], fmt: Format) -> Esm2Model:
+    """An :class:`Esm2Model` from a Hugging Face ESM-2 or ESM-1b directory of format ``fmt``
+    (``config.json`` already read): fair-esm's 33 tokens (a ``vocab.txt`` must list them in fair-esm's order)."""
+    alphabet = esm2_alphabet()
     check_vocabulary(directory, list(alphabet.all_toks), hf.hf_of(fmt).label)
     return load_esm(spec, directory, config, fmt, alphabet)
 

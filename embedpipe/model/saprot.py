@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from embedpipe.core.errors import ModelError
-from embedpipe.model import hf_checkpoint as hf
 from embedpipe.model import hf_esm, saprot_spec
 from embedpipe.model.esm2 import Esm2Model
+from embedpipe.model.families import Format
 
 
 def saprot_alphabet(tokens: Sequence[str] | None = None) -> esm.data.Alphabet:
@@ -82,10 +82,10 @@ def saprot_vocabulary(directory: Path) -> list[str]:
     return tokens
 
 
-def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> Esm2Model:
-    """A :class:`SaProtModel` from a Hugging Face SaProt directory (``config.json`` already read):
-    :func:`embedpipe.model.hf_esm.load_esm` over the tokens of its ``vocab.txt``."""
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any], fmt: Format) -> Esm2Model:
+    """A :class:`SaProtModel` from a Hugging Face SaProt directory of format ``fmt`` (``config.json``
+    already read): :func:`embedpipe.model.hf_esm.load_esm` over the tokens of its ``vocab.txt``."""
     alphabet = saprot_alphabet(saprot_vocabulary(directory))
-    return hf_esm.load_esm(spec, directory, config, hf.format_for(spec, directory, config), alphabet, model=SaProtModel,
+    return hf_esm.load_esm(spec, directory, config, fmt, alphabet, model=SaProtModel,
                            positions="position_embedding_type is not 'rotary'",
                            padding=f"pad_token_id is not vocab.txt's <pad> ({alphabet.padding_idx})")

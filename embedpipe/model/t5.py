@@ -25,6 +25,7 @@ from embedpipe.model import t5_vocab
 from embedpipe.model.base import EmbeddingModel, Runner
 from embedpipe.model.config_bounds import t5_config
 from embedpipe.model.facts import MemoryEstimate, host_bytes
+from embedpipe.model.families import Format
 from embedpipe.model.layout import TokenLayout
 from embedpipe.model.t5_forward import T5Forward, T5Shape
 from embedpipe.runtime.precision import Policy
@@ -172,11 +173,10 @@ def encoder_weights(state: Mapping[str, torch.Tensor], shape: T5Shape, where: st
     return {name: tensor.detach().to(torch.float32).contiguous() for name, tensor in weights.items()}
 
 
-def load_directory(spec: str, directory: Path, config: Mapping[str, Any]) -> T5Model:
-    """A :class:`T5Model` from a Hugging Face T5 directory (its ``config.json`` already read)."""
+def load_directory(spec: str, directory: Path, config: Mapping[str, Any], fmt: Format) -> T5Model:
+    """A :class:`T5Model` from a Hugging Face T5 directory of format ``fmt`` (its ``config.json`` already read)."""
     where = str(directory)
     shape = shape_of(config, str(directory / "config.json"))
-    fmt = hf.format_for(spec, directory, config)
     vocab = t5_vocab.read_vocabulary(directory)
     lut, eos, pad = t5_vocab.residue_table(vocab, str(fmt.hf_style), where=where)
     prefixes = t5_vocab.prefix_ids(vocab, where=where) if fmt.hf_style == t5_vocab.SPACED_3DI else None
