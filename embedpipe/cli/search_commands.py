@@ -11,12 +11,11 @@ from typing import Optional
 import typer
 
 from embedpipe.cli.commands import (
-    DEVICE_HELP,
-    EMBED,
+    DEVICE,
     MAX_ID_LENGTH,
     MAX_RECORD_LENGTH,
-    THREADS_HELP,
-    TOKENS_PER_BATCH_HELP,
+    THREADS,
+    TOKENS_PER_BATCH,
     _one_of,
     app,
 )
@@ -59,10 +58,9 @@ def search(
     precision: Optional[str] = typer.Option(None, "--precision", help="Default: the store's policy (another is refused)."),
     layer: Optional[int] = typer.Option(None, "--layer", help="Default: the index's layer (another is refused)."),
     storage_dtype: Optional[str] = typer.Option(None, "--storage-dtype", help="Default: the store's."),
-    device: str = typer.Option(EMBED.device, "--device", help=DEVICE_HELP),
-    threads: Optional[int] = typer.Option(EMBED.threads, "--threads", min=1, help=THREADS_HELP),
-    tokens_per_batch: str = typer.Option(str(EMBED.tokens_per_batch), "--tokens-per-batch", metavar="auto|N",
-                                         help=TOKENS_PER_BATCH_HELP),
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
+    tokens_per_batch: str = TOKENS_PER_BATCH,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     max_record_length: int = MAX_RECORD_LENGTH, max_id_length: int = MAX_ID_LENGTH,
 ) -> None:
