@@ -102,7 +102,7 @@ class Embedder:
         if self._engine is None:
             job = self._stack.enter_context(open_job(self._model, self._options, self._policy, (), self._quiet,
                                                      JobInput(limits=self._limits, records=tuple(records))))
-            self._engine = job.embedder()  # the device claimed, the model loaded, the run resolved
+            self._engine = job.engine()  # the device claimed, the model loaded, the run resolved
         return self._engine
 
     def embed(self, sequences: Input) -> Result:

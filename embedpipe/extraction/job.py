@@ -80,7 +80,7 @@ class Job:
                  stack: contextlib.ExitStack, threads: CpuAllocation, inputs: JobInput) -> None:
         self.model, self.options, self.policy, self.reuse, self.quiet = model, options, policy, reuse, quiet
         self._stack = stack
-        self._embedder: Engine | None = None
+        self._engine: Engine | None = None
         self.threads = threads  # counted once per job (embedpipe.core.cpus), recorded in the run
         self.inputs = inputs  # the job's FASTAs: what --precision auto's probe measures on and may cost
         #: the job's resolved run: predicted without the model when reuse allows, else the loaded one's
@@ -92,10 +92,10 @@ class Job:
         found = self.reuse.find(records) if self.reuse is not None else {}
         return Work(records, found, [i for i in range(len(records)) if i not in found], self.reuse)
 
-    def embedder(self) -> Engine:
-        """The job's embedder, the model loaded on first use; its run resolved once, its
+    def engine(self) -> Engine:
+        """The job's engine, the model loaded on first use; its run resolved once, its
         identity checked against the reuse stores and the one predicted before loading."""
-        if self._embedder is None:
+        if self._engine is None:
             loaded, device = self._stack.enter_context(_model_on(self.model, self.options))
             model = _loaded_identity(self.model, loaded)
 
@@ -124,13 +124,13 @@ class Job:
                                      "from its files; run without --reuse")
             if self.reuse is not None:
                 self.reuse.check(run.identity, ignored(self.options))
-            self.identity, self.run, self._embedder = run.identity, run, embedder
-        return self._embedder
+            self.identity, self.run, self._engine = run.identity, run, embedder
+        return self._engine
 
     def layout(self) -> tuple[list[int], int, list[str]]:
         """(layers, dim, pooling) of the stores: the embedder's, or the first source's without a model."""
-        if self._embedder is not None:
-            return self._embedder.layers, self._embedder.loaded.embed_dim, self._embedder.pooling
+        if self._engine is not None:
+            return self._engine.layers, self._engine.loaded.embed_dim, self._engine.pooling
         st = self.reuse.sources[0].store  # type: ignore[union-attr]
         return st.layers, st.dim, st.pooling
 

@@ -176,7 +176,7 @@ def _embed_records(job: Job, records: list[tuple[str, str]], fasta: Path, out: P
     """``records`` (read from ``fasta``) into the store ``out``: copies of what the reuse stores
     hold, the rest computed with the job's embedder (the model loaded when first needed)."""
     work = job.split(records)
-    embedder = job.embedder() if work.todo or job.identity is None else None
+    embedder = job.engine() if work.todo or job.identity is None else None
     plan = None
     if embedder is not None:
         embedder.new_input()
@@ -331,7 +331,7 @@ def embed_shards(fastas: Sequence[Path], *, model: str, out_dir: Path, options: 
     with telling_progress(lambda: summary.progress(fastas, stores)), \
             _job(fastas, model, options, policy, reuse, limits, outputs, quiet, decision) as job:
         if job.identity is None:  # not known without the model: loaded first, as without --reuse
-            job.embedder()  # one per group: models prepared once
+            job.engine()  # one per group: models prepared once
         for k, (fasta, store, digest) in enumerate(zip(fastas, stores, digests)):
             summary.under_way = k
             if _keep(store, str(job.identity), digest, quiet, ignored(options)):
